@@ -1,0 +1,1 @@
+"""Corpus sources, tokenizer, best-fit packing, document-aware collation, resumable loading."""

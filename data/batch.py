@@ -1,0 +1,51 @@
+"""Packed sequences as training examples, and their collation into a PackedBatch.
+
+A PackedBatch is a dict of (B, L) int64 tensors:
+  input_ids     token ids (padding: the pad id, in its own trailing "document")
+  labels        the next token *within the same document*, IGNORE_INDEX at each document's last
+                token and on padding (labels are aligned: no shift happens later, so CP can shard them)
+  position_ids  RoPE positions, restarting at 0 in every document
+  doc_ids       0, 1, 2, ... per document in the row (decides masking)
+  seq_index     0..L-1, the global index in the sequence (decides causality and the zig-zag layout)
+No L x L mask exists anywhere.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.packing import PackPlan
+from model.loss import IGNORE_INDEX
+
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "seq_index")
+
+
+class PackedSequences(torch.utils.data.Dataset):
+    def __init__(self, tokens: np.ndarray, plan: PackPlan, pad_id: int):
+        self.tokens, self.plan, self.pad_id = tokens, plan, pad_id
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int) -> dict:
+        p, L = self.plan, self.plan.seq_len
+        lo, hi = int(p.seq_ptr[i]), int(p.seq_ptr[i + 1])
+        starts, lens = p.seg_start[lo:hi], p.seg_len[lo:hi]
+        used = int(lens.sum())
+        ids = np.full(L, self.pad_id, dtype=np.int64)
+        ids[:used] = np.concatenate([self.tokens[s:s + n] for s, n in zip(starts.tolist(), lens.tolist())])
+        seg_begin = np.cumsum(lens) - lens
+        if used < L:  # padding is one more document so that no real token ever sees it
+            lens = np.append(lens, L - used)
+            seg_begin = np.append(seg_begin, used)
+        doc = np.repeat(np.arange(len(lens)), lens)
+        pos = np.arange(L) - np.repeat(seg_begin, lens)
+        labels = np.empty(L, dtype=np.int64)
+        labels[:-1] = ids[1:]
+        labels[seg_begin + lens - 1] = IGNORE_INDEX
+        labels[used:] = IGNORE_INDEX
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc, "seq_index": np.arange(L)}
+
+
+def collate(items: list[dict]) -> dict:
+    return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in BATCH_KEYS}

@@ -1,0 +1,47 @@
+"""Schema of the `data` config group."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+
+@dataclass
+class SourceConfig:
+    # stdlib: the Python standard library's .py files (found through sysconfig; no download)
+    # local_dir: every file under `path` matching `glob` (comma-separated patterns)
+    # files: jsonl/json/parquet/csv/txt files (`path` may be a glob), through datasets
+    # disk: a dataset written by `save_to_disk` at `path`
+    # hub: a hub dataset `name` (only when you name one; needs network)
+    kind: str = "stdlib"
+    path: Optional[str] = None
+    glob: str = "**/*.py,**/*.md,**/*.txt,**/*.rst"
+    name: Optional[str] = None
+    subset: Optional[str] = None
+    split: str = "train"
+    text_column: str = "text"
+    weight: float = 1.0  # share of *tokens* in the mixture
+    max_docs: Optional[int] = None  # keep the first N documents (tests, quick runs)
+
+
+@dataclass
+class LongDocConfig:
+    """Length-aware upsampling (ProLong, Qwen2.5): at least `min_share` of a long stage's tokens
+    come from documents of at least `min_tokens` tokens, by repeating long documents."""
+
+    min_tokens: int = 0  # 0 = off
+    min_share: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    sources: Dict[str, SourceConfig] = field(default_factory=lambda: {"stdlib": SourceConfig()})
+    # Local HF tokenizer dir; None = train a byte-level BPE on the first source and cache it.
+    tokenizer: Optional[str] = None
+    vocab_size: int = 4096
+    tokenizer_train_bytes: int = 8_000_000
+    packing: str = "best_fit"  # best_fit | concat
+    doc_masking: bool = True  # False = attend across documents (for comparison only)
+    num_proc: int = 1
+    num_workers: int = 0
+    seed: int = 1234
+    long_docs: LongDocConfig = field(default_factory=LongDocConfig)

@@ -1,0 +1,137 @@
+"""Tokenised corpus: every document as a run of token ids (EOS appended) in one flat array.
+
+Tokenisation is a batched `datasets.map`, cached by fingerprint next to the source's arrow files.
+Per stage, `mixture_documents` picks which documents (and how many repeats) form one epoch:
+token-weighted source mixture, then optional length-aware upsampling of long documents.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from data.config import DataConfig, LongDocConfig
+from data.sources import digest, drop_skipped, load_source
+from data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer
+
+
+@dataclass
+class Corpus:
+    tokens: np.ndarray  # (N,) int32: all documents back to back, each ending with EOS
+    doc_start: np.ndarray  # (D,) int64 offset of each document in `tokens`
+    doc_len: np.ndarray  # (D,) int64
+    doc_source: np.ndarray  # (D,) int16 index into `sources`
+    sources: list[str]
+    report: dict = field(default_factory=dict)
+
+
+def _tokenize_fn(tokenizer):
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    return tokenize
+
+
+def build_tokenizer(cfg: DataConfig, cache_dir: str):
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    name, src = next(iter(cfg.sources.items()))
+    ds, _ = drop_skipped(load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}"))
+
+    def sample():
+        budget = cfg.tokenizer_train_bytes
+        for text in ds["text"]:
+            if budget <= 0:
+                return
+            budget -= len(text)
+            yield text
+
+    key = digest({"source": vars(src), "n": len(ds),
+                  "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes})
+    tok = cached_bpe(sample(), cfg.vocab_size, cache_dir, f"bpe-{key}")
+    check_tokenizer(tok, "data.tokenizer")
+    return tok
+
+
+def build_corpus(cfg: DataConfig, tokenizer, cache_dir: str) -> Corpus:
+    """Loads, cleans and tokenises every source in `cfg.sources` (cached on disk)."""
+    os.makedirs(cache_dir, exist_ok=True)
+    parts, report = [], {"skipped": {}, "documents": {}, "tokens": {}}
+    for name, src in cfg.sources.items():
+        if src.weight <= 0:
+            raise ValueError(f"data.sources.{name}.weight={src.weight} must be positive; drop the source instead")
+        ds, skipped = drop_skipped(load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}"))
+        report["skipped"][name] = skipped
+        if len(ds) == 0:
+            raise ValueError(f"data.sources.{name}: no usable document (skipped: {skipped}); the corpus is empty")
+        ds = ds.map(_tokenize_fn(tokenizer), batched=True, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                    remove_columns=ds.column_names, desc=f"tokenizing {name}")
+        col = ds.data.column("input_ids").combine_chunks()
+        offsets = col.offsets.to_numpy().astype(np.int64)
+        parts.append((name, col.values.to_numpy().astype(np.int32), offsets))
+        report["documents"][name] = len(ds)
+        report["tokens"][name] = int(offsets[-1] - offsets[0])
+    tokens, starts, lens, srcs, base = [], [], [], [], 0
+    for i, (name, toks, offsets) in enumerate(parts):
+        tokens.append(toks[offsets[0]:offsets[-1]])
+        starts.append(offsets[:-1] - offsets[0] + base)
+        lens.append(np.diff(offsets))
+        srcs.append(np.full(len(offsets) - 1, i, dtype=np.int16))
+        base += int(offsets[-1] - offsets[0])
+    return Corpus(np.concatenate(tokens), np.concatenate(starts), np.concatenate(lens), np.concatenate(srcs),
+                  [p[0] for p in parts], report)
+
+
+def mixture_documents(corpus: Corpus, weights: dict[str, float], seed: int) -> np.ndarray:
+    """Document indices for one epoch of a stage: each source contributes `weight` of the tokens
+    (normalised), drawn from its documents in a seeded order and repeated when a small source has a
+    large weight. The epoch has as many tokens as the whole corpus."""
+    unknown = set(weights) - set(corpus.sources)
+    if unknown:
+        raise ValueError(f"stage mixture names unknown sources {sorted(unknown)}; known: {corpus.sources}")
+    total_w = sum(weights.values())
+    total_tokens = int(corpus.doc_len.sum())
+    rng = np.random.default_rng(seed)
+    picked = []
+    for i, name in enumerate(corpus.sources):
+        w = weights.get(name, 0.0) / total_w
+        if w <= 0:
+            continue
+        docs = np.flatnonzero(corpus.doc_source == i)
+        order = docs[rng.permutation(len(docs))]
+        target = w * total_tokens
+        src_tokens = corpus.doc_len[docs].sum()
+        reps = int(target // src_tokens)
+        cum = np.cumsum(corpus.doc_len[order])
+        rest = order[: int(np.searchsorted(cum, target - reps * src_tokens)) + (1 if reps * src_tokens < target else 0)]
+        picked.append(np.concatenate([np.tile(order, reps), rest]))
+    return np.concatenate(picked)
+
+
+def upsample_long(doc_ids: np.ndarray, doc_len: np.ndarray, cfg: LongDocConfig, seed: int) -> np.ndarray:
+    """Repeats documents of >= min_tokens until they make up >= min_share of the tokens."""
+    if cfg.min_tokens <= 0 or cfg.min_share <= 0:
+        return doc_ids
+    if not 0 < cfg.min_share < 1:
+        raise ValueError(f"data.long_docs.min_share={cfg.min_share} must be in (0, 1)")
+    lens = doc_len[doc_ids]
+    long = doc_ids[lens >= cfg.min_tokens]
+    long_tokens, short_tokens = lens[lens >= cfg.min_tokens].sum(), lens[lens < cfg.min_tokens].sum()
+    if len(long) == 0:
+        raise ValueError(f"data.long_docs.min_tokens={cfg.min_tokens}: no document is that long; lower it")
+    need = cfg.min_share * short_tokens / (1 - cfg.min_share) - long_tokens  # extra long tokens
+    if need <= 0:
+        return doc_ids
+    rng = np.random.default_rng(seed)
+    extra = []
+    while need > 0:
+        order = long[rng.permutation(len(long))]
+        cum = np.cumsum(doc_len[order])
+        take = order[: int(np.searchsorted(cum, need)) + 1]
+        extra.append(take)
+        need -= doc_len[take].sum()
+    return np.concatenate([doc_ids, *extra])

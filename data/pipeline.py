@@ -1,0 +1,29 @@
+"""One stage's data: corpus -> mixture -> (long-document upsampling) -> packing -> loader."""
+from __future__ import annotations
+
+from typing import Optional
+
+from data.batch import PackedSequences
+from data.config import DataConfig
+from data.corpus import Corpus, mixture_documents, upsample_long
+from data.loader import EpochLoader
+from data.packing import pack
+
+
+def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
+                    mixture: Optional[dict] = None, long_docs=None) -> tuple[PackedSequences, dict]:
+    weights = dict(mixture) if mixture else {name: src.weight for name, src in cfg.sources.items()}
+    docs = mixture_documents(corpus, weights, cfg.seed)
+    docs = upsample_long(docs, corpus.doc_len, long_docs or cfg.long_docs, cfg.seed)
+    plan, stats = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
+    long_min = (long_docs or cfg.long_docs).min_tokens
+    if long_min:
+        lens = corpus.doc_len[docs]
+        stats["long_doc_token_share"] = float(lens[lens >= long_min].sum() / lens.sum())
+    return PackedSequences(corpus.tokens, plan, pad_id), stats
+
+
+def stage_loader(dataset: PackedSequences, micro_batch_size: int, dp_rank: int, dp_world: int,
+                 cfg: DataConfig, stage_index: int) -> EpochLoader:
+    return EpochLoader(dataset, micro_batch_size, dp_rank, dp_world, seed=cfg.seed + 1000 * stage_index,
+                       num_workers=cfg.num_workers)

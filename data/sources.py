@@ -1,0 +1,132 @@
+"""Corpus sources as `datasets.Dataset`s with one `text` column, bad documents skipped and counted.
+
+Sources are file-backed (arrow files in the cache dir) so that tokenisation with `datasets.map`
+is cached by fingerprint and reused by later stages and later runs.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import datasets
+
+from data.config import SourceConfig
+
+SKIP_EXCLUDED_DIRS = {"site-packages", "__pycache__", "dist-packages"}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_files(root: Path, patterns: str) -> list[str]:
+    """Sorted files under `root` matching comma-separated glob patterns, without installed packages."""
+    found = set()
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        for path in root.glob(pattern):
+            if path.is_file() and not SKIP_EXCLUDED_DIRS.intersection(path.relative_to(root).parts):
+                found.add(str(path))
+    return sorted(found)
+
+
+def digest(obj) -> str:
+    """A short stable hash of a JSON-able object (Python's hash() changes per process)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _read_files(paths: list[str]):
+    """Yields one row per file; undecodable or empty files are kept as rows with a `skip` reason so
+    the count survives the generator cache."""
+    for path in paths:
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            yield {"text": "", "skip": "invalid_utf8"}
+            continue
+        yield {"text": text, "skip": "" if text.strip() else ("empty" if not text else "whitespace")}
+
+
+def _files_dataset(paths: list[str], cache_dir: str) -> datasets.Dataset:
+    # gen_kwargs are part of the cache fingerprint, so mtimes make an edited file re-read.
+    stamps = [os.stat(p).st_mtime_ns for p in paths]
+    return datasets.Dataset.from_generator(
+        _read_files, gen_kwargs={"paths": paths}, cache_dir=cache_dir,
+        config_name=f"files-{len(paths)}-{digest([paths, stamps])}",
+    )
+
+
+def _mark_skips(ds: datasets.Dataset, column: str, num_proc: int) -> datasets.Dataset:
+    def mark(batch):
+        texts = batch[column]
+        skip = ["missing" if t is None else "empty" if not t else "whitespace" if not t.strip() else "" for t in texts]
+        return {"text": [t or "" for t in texts], "skip": skip}
+
+    keep = [c for c in ds.column_names if c not in ("text", "skip")]
+    return ds.map(mark, batched=True, num_proc=num_proc if len(ds) > 1000 else None, remove_columns=keep,
+                  desc="checking documents")
+
+
+def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str = "data.sources") -> datasets.Dataset:
+    """Rows {text, skip} for one source; raises ValueError naming the field on bad input."""
+    if src.kind in ("stdlib", "local_dir"):
+        root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
+        if src.kind == "local_dir" and (not src.path or not root.is_dir()):
+            raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
+        patterns = "**/*.py" if src.kind == "stdlib" else src.glob
+        paths = list_files(root, patterns)
+        if src.max_docs is not None:
+            paths = paths[: src.max_docs]
+        if not paths:
+            raise ValueError(f"{field}: no files match {patterns!r} under {root}; change {field}.glob or .path")
+        return _files_dataset(paths, cache_dir)
+    if src.kind == "files":
+        if not src.path:
+            raise ValueError(f"{field}.path is empty; give a file or a glob such as data/*.jsonl")
+        files = sorted(glob.glob(src.path)) if any(ch in src.path for ch in "*?[") else [src.path]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if not files or missing:
+            raise ValueError(f"{field}.path={src.path!r}: file not found ({missing or 'no match'}); check the path")
+        ext = Path(files[0]).suffix.lower()
+        if ext not in FILE_BUILDERS:
+            raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+        ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=files, split="train", cache_dir=cache_dir)
+    elif src.kind == "disk":
+        if not src.path or not os.path.isdir(src.path):
+            raise ValueError(f"{field}.path={src.path!r} is not a directory written by Dataset.save_to_disk")
+        ds = datasets.load_from_disk(src.path)
+        if isinstance(ds, datasets.DatasetDict):
+            if src.split not in ds:
+                raise ValueError(f"{field}.split={src.split!r} is not in {list(ds)}; pick one of those")
+            ds = ds[src.split]
+    elif src.kind == "hub":
+        if not src.name:
+            raise ValueError(f"{field}.name is empty; name the hub dataset (this is the only kind that needs network)")
+        ds = datasets.load_dataset(src.name, src.subset, split=src.split, cache_dir=cache_dir)
+    else:
+        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk or hub")
+    if src.text_column not in ds.column_names:
+        raise ValueError(
+            f"{field}.text_column={src.text_column!r} is not a column; the columns are {ds.column_names}"
+        )
+    if src.max_docs is not None:
+        ds = ds.select(range(min(src.max_docs, len(ds))))
+    return _mark_skips(ds, src.text_column, num_proc)
+
+
+def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
+    """Removes rows with a skip reason; returns the clean dataset and {reason: count}."""
+    reasons = ds["skip"]
+    counts: dict = {}
+    for r in reasons:
+        if r:
+            counts[r] = counts.get(r, 0) + 1
+    if counts:
+        ds = ds.select([i for i, r in enumerate(reasons) if not r])
+    return ds.remove_columns("skip"), counts

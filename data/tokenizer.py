@@ -1,0 +1,57 @@
+"""The tokenizer: any local HF tokenizer, or a byte-level BPE trained on the corpus and cached.
+
+Whatever it is, it is saved into every checkpoint, so `AutoTokenizer.from_pretrained(checkpoint)`
+gives back exactly the tokenizer the model was trained with.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1 << 30)
+
+
+def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str) -> PreTrainedTokenizerFast:
+    """Train once per `key`; written to a temporary dir and renamed, so a crash leaves no half file."""
+    final = os.path.join(cache_dir, "tokenizers", key)
+    if not os.path.isfile(os.path.join(final, "tokenizer.json")):
+        tmp = f"{final}.tmp-{os.getpid()}"
+        train_bpe(texts, vocab_size).save_pretrained(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(final)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    if not os.path.isdir(path):
+        raise ValueError(f"data.tokenizer={path!r} is not a directory; give a local HF tokenizer dir or null to train one")
+    tok = AutoTokenizer.from_pretrained(path)
+    check_tokenizer(tok, "data.tokenizer")
+    return tok
+
+
+def check_tokenizer(tok: PreTrainedTokenizerBase, field: str) -> None:
+    if tok.eos_token_id is None:
+        raise ValueError(
+            f"{field}: the tokenizer has no EOS token, which packing needs between documents; "
+            "set tokenizer.eos_token (for example tok.add_special_tokens({'eos_token': '</s>'})) and save it"
+        )

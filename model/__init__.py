@@ -1,0 +1,1 @@
+"""Building transformers models for long-context training: config, RoPE base, NoPE layers, YaRN, loss."""

@@ -1,0 +1,131 @@
+"""Build or load a transformers causal LM for a stage: sizes, NoPE pattern, RoPE base, YaRN.
+
+Models are transformers' own classes (SmolLM3ForCausalLM from scratch; any AutoModelForCausalLM
+from a checkpoint), so every saved stage loads with plain `AutoModelForCausalLM.from_pretrained`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
+
+from model.config import ModelConfig, YarnConfig
+
+
+def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
+    """SmolLM3's `no_rope_layers`: 1 = the layer uses RoPE, 0 = NoPE."""
+    if explicit is not None:
+        bad = [i for i in explicit if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"model.nope_layers has indices {bad} outside 0..{num_layers - 1}; "
+                f"list 0-based layer indices below model.num_hidden_layers={num_layers}"
+            )
+        return [0 if i in set(explicit) else 1 for i in range(num_layers)]
+    if interval < 0:
+        raise ValueError(f"model.nope_interval={interval} must be >= 0 (0 = RoPE on every layer)")
+    if interval == 0:
+        return [1] * num_layers
+    return [int((i + 1) % interval != 0) for i in range(num_layers)]
+
+
+def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, seq_len: int) -> SmolLM3Config:
+    return SmolLM3Config(
+        vocab_size=cfg.vocab_size or vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        initializer_range=cfg.initializer_range,
+        no_rope_layers=nope_pattern(cfg.num_hidden_layers, cfg.nope_interval, cfg.nope_layers),
+        no_rope_layer_interval=max(cfg.nope_interval, 1),
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        max_position_embeddings=seq_len,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=False,
+    )
+
+
+def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int) -> PretrainedConfig:
+    """Write a stage's RoPE base and context length into a config (in place, returned)."""
+    if rope_theta <= 0:
+        raise ValueError(f"rope_theta={rope_theta} must be positive")
+    params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
+    params["rope_theta"] = float(rope_theta)
+    config.rope_parameters = params
+    config.max_position_embeddings = max(int(max_positions), int(config.max_position_embeddings or 0))
+    return config
+
+
+def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_embeddings: Optional[int] = None):
+    """Switch a config to YaRN with `factor` (in place, returned): the RoPE base is kept, and
+    max positions become factor x the original window."""
+    if factor is None or factor <= 1.0:
+        raise ValueError(f"yarn.factor={factor} must be > 1 (for example 2 to go from 64K to 128K)")
+    params = dict(config.rope_parameters or {})
+    original = int(original_max_position_embeddings or params.get("original_max_position_embeddings")
+                   or config.max_position_embeddings)
+    params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
+    params.setdefault("rope_theta", getattr(config, "default_theta", 10000.0))
+    config.rope_parameters = params
+    config.max_position_embeddings = int(original * factor)
+    return config
+
+
+def load_config_with_yarn(checkpoint: str, yarn: YarnConfig) -> PretrainedConfig:
+    """A saved checkpoint's config with YaRN applied, for evaluation beyond the trained length."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    if yarn.factor:
+        apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings)
+    return config
+
+
+def check_checkpoint_dir(path: str, field_name: str) -> None:
+    if not os.path.isdir(path):
+        raise ValueError(f"{field_name}={path!r} does not exist; point it at a local HF model directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
+
+
+def build_model(
+    cfg: ModelConfig,
+    rope_theta: float,
+    seq_len: int,
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    init_from: Optional[str] = None,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """The model for one stage, in fp32: from `init_from` (a previous stage's checkpoint), else from
+    `cfg.checkpoint`, else freshly initialised from `seed`. The stage's RoPE base is written into
+    the config before the rotary embedding is built, so its inverse frequencies are right."""
+    source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
+    if source is not None:
+        check_checkpoint_dir(source, "model.checkpoint" if init_from is None else "previous stage checkpoint")
+        config = set_rope_base(AutoConfig.from_pretrained(source), rope_theta, seq_len)
+        if cfg.yarn.factor:
+            apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
+    else:
+        if cfg.arch != "smollm3":
+            raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
+        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len), rope_theta, seq_len)
+        if cfg.yarn.factor:
+            apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = SmolLM3ForCausalLM(config)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+

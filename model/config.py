@@ -1,0 +1,42 @@
+"""Schema of the `model` config group: what model a recipe trains and how its positions work."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class YarnConfig:
+    """YaRN extrapolation (arXiv:2309.00071), applied through transformers' own `rope_parameters`."""
+
+    factor: Optional[float] = None  # None = YaRN off
+    original_max_position_embeddings: Optional[int] = None  # None = the model's current max positions
+
+
+@dataclass
+class ModelConfig:
+    # "smollm3" builds SmolLM3ForCausalLM from the sizes below; "checkpoint" loads `checkpoint`
+    # (any local HF causal-LM dir: SmolLM3, Llama, Qwen3, ...) and keeps its architecture.
+    arch: str = "smollm3"
+    checkpoint: Optional[str] = None
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None
+    vocab_size: Optional[int] = None  # None = the tokenizer's length
+    tie_word_embeddings: bool = True
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    # Hybrid RoPE/NoPE: every `nope_interval`-th layer (1-based) has no RoPE, unless
+    # `nope_layers` lists the NoPE layer indices (0-based) explicitly. 0 = RoPE everywhere.
+    nope_interval: int = 4
+    nope_layers: Optional[List[int]] = None
+    # Starting RoPE base before the first stage; each stage writes its own.
+    rope_theta: float = 10000.0
+    yarn: YarnConfig = field(default_factory=YarnConfig)
+    # Activation checkpointing of every decoder layer (transformers' gradient checkpointing).
+    activation_checkpointing: bool = False
+    # Sequence tile for the chunked cross-entropy: never more than tile x vocab logits at once.
+    loss_tile_tokens: int = 1024

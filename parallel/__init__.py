@@ -1,0 +1,1 @@
+"""Device mesh and degrees, document-masked attention kernels, registration into transformers."""

@@ -1,0 +1,33 @@
+"""Learning-rate schedules as multipliers of the stage's peak LR: warmup + cosine, WSD, constant."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: float, decay_fraction: float) -> float:
+    """Multiplier for the update at 0-based `step` of `total`."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    if kind == "cosine":
+        span = max(total - warmup, 1)
+        progress = min((step - warmup) / span, 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if kind == "wsd":  # warmup-stable-decay (MiniCPM): linear decay over the last decay_fraction
+        decay_steps = max(int(round(total * decay_fraction)), 1)
+        start = total - decay_steps
+        if step < start:
+            return 1.0
+        return min_ratio + (1 - min_ratio) * (1 - (step - start + 1) / decay_steps)
+    raise ValueError(f"schedule={kind!r} is unknown; use one of {SCHEDULES}")
+
+
+def build_scheduler(optimizer, total: int, warmup: int, kind: str, min_ratio: float, decay_fraction: float):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, total, warmup, kind, min_ratio, decay_fraction)
+    )

@@ -1,0 +1,180 @@
+"""The root config schema and its validation: every check runs before any data or model work.
+
+Each group's dataclass lives with its package (model/config.py, data/config.py,
+parallel/config.py); the groups that belong to the recipe runner are here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
+from data.config import DataConfig, LongDocConfig
+from model.config import ModelConfig
+from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims
+from recipes.schedule import SCHEDULES
+
+
+@dataclass
+class StageConfig:
+    seq_len: int = MISSING
+    rope_theta: float = MISSING
+    batch_tokens: int = MISSING  # tokens per optimizer step, over all data-parallel ranks
+    steps: Optional[int] = None  # optimizer steps; or give `tokens`
+    tokens: Optional[int] = None  # token budget: steps = tokens // batch_tokens
+    micro_batch_size: int = 1  # sequences per forward on each data-parallel rank
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd only
+    cp: int = 1
+    mixture: Optional[Dict[str, float]] = None  # source -> token weight; None = data.sources weights
+    long_docs: Optional[LongDocConfig] = None  # None = data.long_docs
+    save_every: int = 0  # optimizer steps between checkpoints; 0 = only the final one
+    activation_checkpointing: Optional[bool] = None  # None = model.activation_checkpointing
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps if self.steps is not None else self.tokens // self.batch_tokens
+
+
+@dataclass
+class RecipeConfig:
+    name: str = MISSING
+    stages: Dict[str, StageConfig] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LoggerConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "longstride"
+    entity: Optional[str] = None
+    log_every: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class PathsConfig:
+    output_root: str = "outputs"
+    cache_dir: str = ".cache/longstride"
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    precision: str = "auto"  # auto (bf16 where the GPU has it, else fp32) | bf16 | fp32
+    keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
+    crash_at_step: Optional[int] = None  # fault injection for resume tests: SIGKILL after this step
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stage: Optional[str] = None  # run only this stage of the recipe
+
+
+def to_schema(raw: DictConfig) -> Config:
+    """Composed Hydra config -> typed Config; unknown keys, wrong types and missing values fail here."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as e:
+        raise ValueError(f"config field {e.full_key} has no value; set it on the command line ({e.full_key}=...)") from None
+    except ConfigKeyError as e:
+        raise ValueError(f"unknown config key {e.full_key!r}: check its spelling against the schema in "
+                         f"the group's config.py ({e.msg.splitlines()[0]})") from None
+    except ValidationError as e:
+        raise ValueError(f"config field {e.full_key}: {e.msg.splitlines()[0]}") from None
+
+
+def selected_stages(cfg: Config) -> list[str]:
+    names = list(cfg.recipe.stages)
+    if cfg.stage is None:
+        return names
+    if cfg.stage not in names:
+        raise ValueError(f"stage={cfg.stage!r} is not in recipe {cfg.recipe.name!r}; its stages are {names}")
+    return [cfg.stage]
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every user-facing check, with the field and the fix; nothing is built before it passes."""
+    r = cfg.recipe
+    if not r.stages:
+        raise ValueError(f"recipe {r.name!r} lists no stages; add recipe.stages.<name> entries")
+    prev_len = 0
+    for name, s in r.stages.items():
+        f = f"recipe.stages.{name}"
+        if s.seq_len <= prev_len:
+            raise ValueError(f"{f}.seq_len={s.seq_len} must be larger than the previous stage's {prev_len}: "
+                             "stages must increase in length")
+        prev_len = s.seq_len
+        if s.rope_theta <= 0:
+            raise ValueError(f"{f}.rope_theta={s.rope_theta} must be positive (for example 1e4, 5e5, 1e6)")
+        if (s.steps is None) == (s.tokens is None):
+            raise ValueError(f"{f}: give exactly one of steps or tokens (got steps={s.steps}, tokens={s.tokens})")
+        if s.total_steps <= 0:
+            raise ValueError(f"{f}: the stage has {s.total_steps} optimizer steps; raise steps or tokens")
+        if s.schedule not in SCHEDULES:
+            raise ValueError(f"{f}.schedule={s.schedule!r} is unknown; use one of {SCHEDULES}")
+        if not 0 <= s.warmup_steps < s.total_steps:
+            raise ValueError(f"{f}.warmup_steps={s.warmup_steps} must be in [0, {s.total_steps})")
+        if s.cp > 1 and s.seq_len % (2 * s.cp):
+            raise ValueError(f"{f}.seq_len={s.seq_len} is not divisible by 2 x cp = {2 * s.cp} "
+                             f"(the zig-zag layout cuts it into 2 x cp chunks); use a multiple of {2 * s.cp}")
+        dims = ParallelDims.from_world(world_size, s.cp, where=f"{f}.cp")
+        per_step = dims.dp * s.micro_batch_size * s.seq_len
+        if s.batch_tokens % per_step:
+            raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
+                             f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
+        if s.mixture is not None:
+            unknown = set(s.mixture) - set(cfg.data.sources)
+            if unknown:
+                raise ValueError(f"{f}.mixture names {sorted(unknown)}, not in data.sources {list(cfg.data.sources)}")
+        if s.cp > 1 and cfg.parallel.cp_impl not in CP_IMPLS:
+            raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
+        if s.cp > 1:
+            raise NotImplementedError(f"{f}.cp={s.cp}: context parallelism ({cfg.parallel.cp_impl}) is not "
+                                      "available yet; set cp=1")
+    selected_stages(cfg)
+    m = cfg.model
+    if m.arch == "checkpoint":
+        if not m.checkpoint:
+            raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
+        if not os.path.isdir(m.checkpoint) or not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
+            raise ValueError(f"model.checkpoint={m.checkpoint!r} is not an HF model directory with a config.json")
+    elif m.arch == "smollm3":
+        if m.num_attention_heads % m.num_key_value_heads:
+            raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+                             f"model.num_key_value_heads={m.num_key_value_heads}")
+    else:
+        raise ValueError(f"model.arch={m.arch!r} is unknown; use smollm3 or checkpoint")
+    if cfg.parallel.kernel not in KERNELS:
+        raise ValueError(f"parallel.kernel={cfg.parallel.kernel!r} is unknown; use one of {KERNELS}")
+    if cfg.logger.wandb_mode not in ("offline", "online", "disabled"):
+        raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
+    if cfg.train.precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"train.precision={cfg.train.precision!r}; use auto, bf16 or fp32")
+    if cfg.data.packing not in ("best_fit", "concat"):
+        raise ValueError(f"data.packing={cfg.data.packing!r}; use best_fit or concat")
+    if cfg.data.tokenizer and not os.path.isdir(cfg.data.tokenizer):
+        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} is not a directory; give a local HF tokenizer dir "
+                         "or null to train a BPE on the corpus")

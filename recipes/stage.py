@@ -1,0 +1,161 @@
+"""One stage's training loop: build or resume, train to the step budget, save checkpoints.
+
+The model stays a single-device transformers model; data parallelism (DDP through accelerate) is
+applied from outside. The loss of an optimizer step is the sum of token losses over all micro-
+batches and ranks divided by the global count of labelled tokens, so gradient accumulation and
+data parallelism give the same update as one big batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from data.pipeline import stage_loader, stage_sequences
+from model.build import build_model
+from model.loss import IGNORE_INDEX, ChunkedLossLM
+from parallel.attention import DocLayout, use_longstride_attention
+from parallel.config import ParallelDims
+from parallel.kernels import resolve_kernel
+from recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
+                                save_checkpoint, set_rng_state, step_name)
+from recipes.schedule import build_scheduler
+from recipes.tracking import peak_memory_gib
+
+
+@dataclass
+class RunContext:
+    cfg: object  # recipes.schema.Config
+    accelerator: object
+    tokenizer: object
+    corpus: object
+    tracker: object
+    recipe_dir: str
+    cfg_dict: dict  # the resolved config, logged with every stage's run
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms, biases and embeddings (1-D tensors and embedding tables)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | None) -> str:
+    """Runs (or resumes, or skips if finished) one stage; returns its final checkpoint dir."""
+    cfg, acc, tracker = ctx.cfg, ctx.accelerator, ctx.tracker
+    stage_dir = os.path.join(ctx.recipe_dir, name)
+    final = final_dir(stage_dir)
+    if os.path.isdir(final):
+        tracker.info("stage %s already complete: %s", name, final)
+        return final
+    if acc.is_main_process:
+        remove_partial(stage_dir)
+    acc.wait_for_everyone()
+
+    dims = ParallelDims.from_world(acc.num_processes, stage.cp, where=f"recipe.stages.{name}.cp")
+    dp_rank = dims.dp_rank(acc.process_index)
+    accum = stage.batch_tokens // (dims.dp * stage.micro_batch_size * stage.seq_len)
+    total = stage.total_steps
+    resume = latest_checkpoint(stage_dir)
+
+    tok = ctx.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
+                     init_from=resume or init_from, seed=cfg.train.seed)
+    ac = cfg.model.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
+    if ac and not lm.is_gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_longstride_attention(lm)
+    kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type)
+    model = acc.prepare(ChunkedLossLM(lm, cfg.model.loss_tile_tokens))
+    optimizer = torch.optim.AdamW(param_groups(lm, cfg.optim.weight_decay), lr=stage.lr,
+                                  betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    scheduler = build_scheduler(optimizer, total, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
+                                stage.decay_fraction)
+
+    dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture, stage.long_docs)
+    loader = stage_loader(dataset, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
+    step, tokens_seen = 0, 0
+    if resume:
+        trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes)
+        optimizer.load_state_dict(trainer["optimizer"])
+        scheduler.load_state_dict(trainer["scheduler"])
+        step, tokens_seen = trainer["step"], trainer["tokens_seen"]
+        loader.load_state_dict(mine["data"])
+        set_rng_state(mine["rng"])
+        tracker.info("stage %s: resuming from %s (step %d)", name, resume, step)
+    else:
+        tracker.info("stage %s: from %s", name, init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
+    tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d); "
+                 "packing %s", name, stage.seq_len, stage.rope_theta, total, stage.batch_tokens, accum, dims.dp,
+                 dims.cp, {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
+
+    def save(path: str, with_state: bool) -> None:
+        save_checkpoint(
+            path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
+            save_model=lambda d: (acc.unwrap_model(model).lm.save_pretrained(d), tok.save_pretrained(d)),
+            trainer_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                           "tokens_seen": tokens_seen} if with_state else None,
+            rank_state={"data": loader.state_dict(), "rng": rng_state()} if with_state else None,
+            meta={"recipe": cfg.recipe.name, "stage": name, "step": step, "seq_len": stage.seq_len,
+                  "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats},
+            keep_last=cfg.train.keep_last if with_state else 0,
+        )
+
+    tracker.start_stage(name, stage_dir, total, step, {"stage": name, **asdict(stage), "packing": pack_stats,
+                                                        "config": ctx.cfg_dict})
+    try:
+        model.train()
+        while step < total:
+            t0 = time.perf_counter()
+            micro = [next(loader) for _ in range(accum)]
+            count = all_reduce_sum(torch.tensor(float(sum(int((m["labels"] != IGNORE_INDEX).sum()) for m in micro))))
+            loss_sum = torch.zeros((), dtype=torch.float32)
+            for i, mb in enumerate(micro):
+                mb = {k: v.to(acc.device) for k, v in mb.items()}
+                layout = DocLayout(mb["doc_ids"] if cfg.data.doc_masking else None, kernel)
+                sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
+                with sync:
+                    part = model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
+                    # DDP averages gradients over ranks; scaling by world makes the update a global sum / count.
+                    acc.backward(part * (acc.num_processes / count.clamp(min=1).item()))
+                loss_sum += part.detach().float().cpu()
+            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += stage.batch_tokens
+            loss = (all_reduce_sum(loss_sum) / count.clamp(min=1)).item()
+            mem_method, mem = peak_memory_gib(acc.device)
+            tracker.log(step, {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / (time.perf_counter() - t0),
+                               "tokens_seen": tokens_seen, "rope_theta": stage.rope_theta, "seq_len": stage.seq_len,
+                               "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                               f"peak_mem_gib_{mem_method}": mem})
+            if stage.save_every and step % stage.save_every == 0 and step < total:
+                save(os.path.join(stage_dir, step_name(step)), with_state=True)
+            if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
+                tracker.finish_stage()
+                os.kill(os.getpid(), signal.SIGKILL)  # a hard crash, as an OOM killer or preemption would
+        save(final, with_state=False)
+    finally:
+        tracker.finish_stage()
+    acc.free_memory()
+    tracker.info("stage %s done: %s", name, final)
+    return final

@@ -1,0 +1,86 @@
+"""Every rank-aware side effect in one place: console logging, progress bar, metrics file, wandb.
+
+Only the main process prints, writes metrics or talks to wandb; other ranks get a Tracker whose
+methods do nothing. One wandb run per stage, grouped by recipe, closed in `finally` by the caller.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("longstride")
+
+
+def peak_memory_gib(device: torch.device) -> tuple[str, float]:
+    """(method, GiB): CUDA allocator peak on GPU; this process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return "cuda_max_allocated", torch.cuda.max_memory_allocated(device) / 2**30
+    return "cpu_peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Tracker:
+    def __init__(self, is_main: bool, cfg, recipe_dir: str):
+        self.is_main, self.cfg, self.recipe_dir = is_main, cfg, recipe_dir
+        self.run = None
+        self.bar: Optional[tqdm] = None
+        self.metrics_file = None
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-shard save/load bars would drown the training bar
+        if is_main:
+            logging.basicConfig(level=logging.INFO, format="[%(asctime)s longstride] %(message)s", force=True)
+
+    def info(self, msg: str, *args) -> None:
+        if self.is_main:
+            log.info(msg, *args)
+
+    def start_stage(self, stage: str, stage_dir: str, total_steps: int, first_step: int, config: dict) -> None:
+        if not self.is_main:
+            return
+        os.makedirs(stage_dir, exist_ok=True)
+        self.metrics_file = open(os.path.join(stage_dir, "metrics.jsonl"), "a")
+        lc = self.cfg.logger
+        if lc.wandb_mode != "disabled":
+            import wandb
+
+            recipe = self.cfg.recipe.name
+            self.run = wandb.init(
+                project=lc.project, entity=lc.entity, group=recipe, name=f"{recipe}/{stage}",
+                id=f"{recipe}-{stage}".replace("/", "-"), resume="allow", mode=lc.wandb_mode,
+                dir=self.recipe_dir, config=config, reinit="finish_previous",
+            )
+        if lc.progress_bar:
+            self.bar = tqdm(total=total_steps, initial=first_step, desc=stage, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.is_main:
+            return
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+        if self.run is not None and step % self.cfg.logger.log_every == 0:
+            self.run.log(metrics, step=step)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+            self.bar.update(1)
+        elif step % self.cfg.logger.log_every == 0:
+            log.info("step %d loss %.4f lr %.2e tok/s %.0f", step, metrics["loss"], metrics["lr"],
+                     metrics["tokens_per_s"])
+
+    def finish_stage(self) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            self.metrics_file = None
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,109 @@
+"""Run a recipe's stages in order: each starts from the previous stage's final checkpoint, writes its
+RoPE base into the model config and starts a fresh LR schedule. Rerunning the same command after an
+interruption resumes from the newest complete checkpoint; finished stages are skipped.
+
+CPU, the embedded tiny recipe (no GPU, no download, no account):
+    python -m recipes.train recipe=tiny
+    accelerate launch --config_file configs/accelerate/cpu.yaml -m recipes.train recipe=tiny
+GPU node (8 GPUs):
+    accelerate launch --config_file configs/accelerate/gpu8.yaml -m recipes.train recipe=smollm3_3b_64k \
+        data.tokenizer=/path/to/tokenizer data.sources.main.path=/path/to/corpus
+One stage only:  ... recipe=tiny stage=s2_2k
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.schema import Config, selected_stages, to_schema, validate
+
+
+def resolve_precision(precision: str) -> str:
+    if precision == "fp32":
+        return "no"
+    bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not bf16_ok:
+        raise ValueError("train.precision=bf16 needs a GPU with bf16; use train.precision=auto or fp32")
+    return "bf16" if bf16_ok else "no"
+
+
+def write_hydra_files(recipe_dir: str) -> None:
+    """Hydra's own record of the run (config, overrides, hydra settings), written once by rank 0."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    out = os.path.join(recipe_dir, ".hydra")
+    os.makedirs(out, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), os.path.join(out, "overrides.yaml"))
+    OmegaConf.save(hc, os.path.join(out, "hydra.yaml"))
+
+
+def setup(cfg: Config, raw: DictConfig | None):
+    """Every check, then the tokenizer and corpus (once for all stages). Bad input fails here,
+    before any model is built. Returns (context, stage names to run, first stage's init dir)."""
+    from accelerate import Accelerator
+
+    from data.corpus import build_corpus, build_tokenizer
+    from recipes.checkpoint import final_dir
+    from recipes.stage import RunContext
+    from recipes.tracking import Tracker
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world)
+    stages = selected_stages(cfg)
+    names = list(cfg.recipe.stages)
+    recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
+    first = names.index(stages[0])
+    init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
+    if init_from and not os.path.isdir(init_from):
+        raise ValueError(f"stage={stages[0]} starts from {names[first - 1]}'s final checkpoint {init_from}, which "
+                         f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
+
+    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision))
+    torch.manual_seed(cfg.train.seed)
+    tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if acc.is_main_process:
+        os.makedirs(recipe_dir, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
+        if raw is not None:
+            write_hydra_files(recipe_dir)
+    cache_dir = os.path.abspath(cfg.paths.cache_dir)
+    with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
+        tokenizer = build_tokenizer(cfg.data, cache_dir)
+        corpus = build_corpus(cfg.data, tokenizer, cache_dir)
+    tracker.info("corpus: %s", corpus.report)
+    return RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved), stages, init_from
+
+
+def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
+    """The stages in order, each from the previous one's final checkpoint. Returns final dirs."""
+    from recipes.stage import train_stage
+
+    names, finals = list(ctx.cfg.recipe.stages), []
+    for name in stages:
+        init_from = train_stage(ctx, names.index(name), name, ctx.cfg.recipe.stages[name], init_from)
+        finals.append(init_from)
+    return finals
+
+
+def run(cfg: Config, raw: DictConfig | None = None) -> list[str]:
+    return train_stages(*setup(cfg, raw))
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="config")
+def main(raw: DictConfig) -> None:
+    try:
+        prepared = setup(to_schema(raw), raw)
+    except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
+        print(f"longstride: {e}", file=sys.stderr)
+        sys.exit(2)
+    train_stages(*prepared)
+
+
+if __name__ == "__main__":
+    main()
