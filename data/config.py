@@ -34,7 +34,7 @@ class LongDocConfig:
 
 @dataclass
 class DataConfig:
-    sources: Dict[str, SourceConfig] = field(default_factory=lambda: {"stdlib": SourceConfig()})
+    sources: Dict[str, SourceConfig] = field(default_factory=dict)  # name -> source; see configs/data/
     # Local HF tokenizer dir; None = train a byte-level BPE on the first source and cache it.
     tokenizer: Optional[str] = None
     vocab_size: int = 4096
@@ -43,5 +43,6 @@ class DataConfig:
     doc_masking: bool = True  # False = attend across documents (for comparison only)
     num_proc: int = 1
     num_workers: int = 0
+    eval_sequences: int = 8  # packed sequences per stage held out of training for the validation loss
     seed: int = 1234
     long_docs: LongDocConfig = field(default_factory=LongDocConfig)

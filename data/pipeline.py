@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+import torch
+
 from data.batch import PackedSequences
 from data.config import DataConfig
 from data.corpus import Corpus, mixture_documents, upsample_long
@@ -23,7 +26,16 @@ def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
     return PackedSequences(corpus.tokens, plan, pad_id), stats
 
 
-def stage_loader(dataset: PackedSequences, micro_batch_size: int, dp_rank: int, dp_world: int,
+def split_holdout(dataset: PackedSequences, n_eval: int, seed: int):
+    """(train, held-out) subsets: a seeded choice of n_eval sequences never trained on."""
+    if n_eval < 0 or n_eval >= len(dataset):
+        raise ValueError(f"data.eval_sequences={n_eval} must be in [0, {len(dataset)}) for this stage's packing")
+    held = np.sort(np.random.default_rng(seed).choice(len(dataset), n_eval, replace=False))
+    keep = np.setdiff1d(np.arange(len(dataset)), held)
+    return torch.utils.data.Subset(dataset, keep.tolist()), torch.utils.data.Subset(dataset, held.tolist())
+
+
+def stage_loader(dataset, micro_batch_size: int, dp_rank: int, dp_world: int,
                  cfg: DataConfig, stage_index: int) -> EpochLoader:
     return EpochLoader(dataset, micro_batch_size, dp_rank, dp_world, seed=cfg.seed + 1000 * stage_index,
                        num_workers=cfg.num_workers)

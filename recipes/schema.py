@@ -6,9 +6,10 @@ parallel/config.py); the groups that belong to the recipe runner are here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Dict, List, Optional
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
@@ -92,8 +93,35 @@ class Config:
     stage: Optional[str] = None  # run only this stage of the recipe
 
 
+# The root schema is the base of configs/config.yaml, so Hydra types every field while composing:
+# any schema field can be overridden from the command line, and a typo fails at once.
+ConfigStore.instance().store(name="longstride_schema", node=Config)
+
+
+def unknown_keys(node, path: str = "") -> list[str]:
+    """Keys of typed nodes that their dataclass does not declare (Hydra's `+key=` can add them)."""
+    found = []
+    if isinstance(node, DictConfig):
+        declared = {f.name for f in fields(t)} if is_dataclass(t := OmegaConf.get_type(node)) else None
+        for key in node.keys():
+            full = f"{path}.{key}" if path else str(key)
+            if declared is not None and key not in declared:
+                found.append(full)
+            elif not OmegaConf.is_missing(node, key):
+                found += unknown_keys(node._get_node(key), full)
+    return found
+
+
 def to_schema(raw: DictConfig) -> Config:
     """Composed Hydra config -> typed Config; unknown keys, wrong types and missing values fail here."""
+    unknown = unknown_keys(raw)
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}: check their spelling against the schema in the "
+                         "group's config.py (model/config.py, data/config.py, ...)")
+    missing = sorted(OmegaConf.missing_keys(raw))
+    if missing:
+        raise ValueError(f"config fields {missing} have no value (???); set them on the command line, "
+                         f"for example {missing[0]}=...")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         return OmegaConf.to_object(merged)
@@ -155,6 +183,12 @@ def validate(cfg: Config, world_size: int) -> None:
             raise NotImplementedError(f"{f}.cp={s.cp}: context parallelism ({cfg.parallel.cp_impl}) is not "
                                       "available yet; set cp=1")
     selected_stages(cfg)
+    if not cfg.data.sources:
+        raise ValueError("data.sources is empty; pick a data config (data=stdlib, data=files, ...) or add a source")
+    for name, src in cfg.data.sources.items():
+        if src.kind in ("local_dir", "files", "disk") and not src.path:
+            raise ValueError(f"data.sources.{name}.path is not set; data.sources.{name}.path=... "
+                             f"({src.kind} sources read local paths)")
     m = cfg.model
     if m.arch == "checkpoint":
         if not m.checkpoint:

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from data.pipeline import stage_loader, stage_sequences
+from data.batch import collate
+from data.pipeline import split_holdout, stage_loader, stage_sequences
 from model.build import build_model
 from model.loss import IGNORE_INDEX, ChunkedLossLM
 from parallel.attention import DocLayout, use_longstride_attention
@@ -55,6 +56,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+@torch.no_grad()
+def validation_loss(model, held_out, dp_rank: int, dp: int, device, doc_masking: bool, kernel: str) -> float:
+    """Mean token loss over the held-out sequences (each data rank takes its share), all ranks agree."""
+    model.eval()
+    total, count = torch.zeros(()), torch.zeros(())
+    for i in range(dp_rank, len(held_out), dp):
+        mb = {k: v.to(device) for k, v in collate([held_out[i]]).items()}
+        layout = DocLayout(mb["doc_ids"] if doc_masking else None, kernel)
+        total += model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout).float().cpu()
+        count += float((mb["labels"] != IGNORE_INDEX).sum())
+    model.train()
+    return (all_reduce_sum(total) / all_reduce_sum(count).clamp(min=1)).item()
+
+
 def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | None) -> str:
     """Runs (or resumes, or skips if finished) one stage; returns its final checkpoint dir."""
     cfg, acc, tracker = ctx.cfg, ctx.accelerator, ctx.tracker
@@ -89,13 +104,16 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                                 stage.decay_fraction)
 
     dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture, stage.long_docs)
-    loader = stage_loader(dataset, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
-    step, tokens_seen = 0, 0
+    train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + index)
+    loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
+    evaluate = lambda: validation_loss(model, held_out, dp_rank, dims.dp, acc.device,  # noqa: E731
+                                       cfg.data.doc_masking, kernel) if len(held_out) else float("nan")
+    step, tokens_seen, val_start = 0, 0, None
     if resume:
         trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes)
         optimizer.load_state_dict(trainer["optimizer"])
         scheduler.load_state_dict(trainer["scheduler"])
-        step, tokens_seen = trainer["step"], trainer["tokens_seen"]
+        step, tokens_seen, val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
         loader.load_state_dict(mine["data"])
         set_rng_state(mine["rng"])
         tracker.info("stage %s: resuming from %s (step %d)", name, resume, step)
@@ -105,15 +123,16 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                  "packing %s", name, stage.seq_len, stage.rope_theta, total, stage.batch_tokens, accum, dims.dp,
                  dims.cp, {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
 
-    def save(path: str, with_state: bool) -> None:
+    def save(path: str, with_state: bool, extra_meta: dict | None = None) -> None:
         save_checkpoint(
             path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
             save_model=lambda d: (acc.unwrap_model(model).lm.save_pretrained(d), tok.save_pretrained(d)),
             trainer_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                           "tokens_seen": tokens_seen} if with_state else None,
+                           "tokens_seen": tokens_seen, "val_loss_start": val_start} if with_state else None,
             rank_state={"data": loader.state_dict(), "rng": rng_state()} if with_state else None,
             meta={"recipe": cfg.recipe.name, "stage": name, "step": step, "seq_len": stage.seq_len,
-                  "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats},
+                  "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats,
+                  **(extra_meta or {})},
             keep_last=cfg.train.keep_last if with_state else 0,
         )
 
@@ -121,6 +140,9 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                                                         "config": ctx.cfg_dict})
     try:
         model.train()
+        if val_start is None:
+            val_start = evaluate()
+            tracker.log_values(0, {"val_loss": val_start})
         while step < total:
             t0 = time.perf_counter()
             micro = [next(loader) for _ in range(accum)]
@@ -153,7 +175,10 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
                 tracker.finish_stage()
                 os.kill(os.getpid(), signal.SIGKILL)  # a hard crash, as an OOM killer or preemption would
-        save(final, with_state=False)
+        val_end = evaluate()
+        tracker.log_values(step, {"val_loss": val_end})
+        tracker.info("stage %s: validation loss %.4f -> %.4f", name, val_start, val_end)
+        save(final, with_state=False, extra_meta={"val_loss_start": val_start, "val_loss_end": val_end})
     finally:
         tracker.finish_stage()
     acc.free_memory()

@@ -72,6 +72,15 @@ class Tracker:
             log.info("step %d loss %.4f lr %.2e tok/s %.0f", step, metrics["loss"], metrics["lr"],
                      metrics["tokens_per_s"])
 
+    def log_values(self, step: int, values: dict) -> None:
+        """Metrics outside the step loop (validation loss): file and wandb, no progress update."""
+        if not self.is_main:
+            return
+        self.metrics_file.write(json.dumps({"step": step, **values}) + "\n")
+        self.metrics_file.flush()
+        if self.run is not None:
+            self.run.log(values, step=step)
+
     def finish_stage(self) -> None:
         if not self.is_main:
             return

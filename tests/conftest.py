@@ -1,0 +1,69 @@
+"""Shared fixtures: a micro recipe on a slice of the embedded corpus, composed like the CLI does."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+torch.set_num_threads(1)
+
+
+def micro_overrides(root: Path, cache: Path) -> list[str]:
+    """A 3-stage recipe small enough for tests: 64 -> 128 -> 256 tokens on 60 stdlib files."""
+    return [
+        "recipe=tiny", "logger.wandb_mode=disabled", "logger.progress_bar=false",
+        f"paths.output_root={root}", f"paths.cache_dir={cache}",
+        "data.sources.stdlib.max_docs=60", "data.vocab_size=384", "data.tokenizer_train_bytes=200000",
+        "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.nope_interval=2",
+        "model.loss_tile_tokens=100",
+        "recipe.stages.s1_256.seq_len=64", "recipe.stages.s1_256.steps=6", "recipe.stages.s1_256.batch_tokens=512",
+        "recipe.stages.s1_256.micro_batch_size=4", "recipe.stages.s1_256.warmup_steps=1",
+        "recipe.stages.s1_256.save_every=3",
+        "recipe.stages.s2_2k.seq_len=128", "recipe.stages.s2_2k.steps=4", "recipe.stages.s2_2k.batch_tokens=512",
+        "recipe.stages.s2_2k.warmup_steps=1", "recipe.stages.s2_2k.save_every=2",
+        "recipe.stages.s3_4k.seq_len=256", "recipe.stages.s3_4k.steps=4", "recipe.stages.s3_4k.batch_tokens=512",
+        "recipe.stages.s3_4k.warmup_steps=1", "recipe.stages.s3_4k.save_every=2",
+    ]
+
+
+def compose_cfg(overrides: list[str]):
+    from recipes.schema import to_schema
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return to_schema(compose("config", overrides=overrides))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def micro(tmp_path, cache_dir) -> list[str]:
+    return micro_overrides(tmp_path / "out", cache_dir)
+
+
+def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "recipes.train", *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(stage_dir: Path) -> dict[int, dict]:
+    """Records merged per step; a resumed run's records replace the killed run's for the same step."""
+    out: dict[int, dict] = {}
+    for line in (stage_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update(rec)
+    return out

@@ -1,0 +1,113 @@
+"""The recipe runner end to end on a micro recipe: stages chain, bases bump, resume is exact."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data.batch import PackedSequences
+from data.loader import EpochLoader
+from data.packing import pack
+from recipes.train import run
+from tests.conftest import compose_cfg, read_metrics, run_cli
+
+
+def test_recipe_chains_stages_and_bumps_rope_base(micro, tmp_path):
+    cfg = compose_cfg(micro)
+    finals = run(cfg)
+    assert [os.path.basename(os.path.dirname(f)) for f in finals] == ["s1_256", "s2_2k", "s3_4k"]
+    prev = None
+    for final, (name, stage) in zip(finals, cfg.recipe.stages.items()):
+        model = AutoModelForCausalLM.from_pretrained(final)
+        assert model.config.rope_parameters["rope_theta"] == stage.rope_theta
+        assert model.config.no_rope_layers == [1, 0], "NoPE on every 2nd layer in the micro model"
+        assert model.config.max_position_embeddings >= stage.seq_len
+        AutoTokenizer.from_pretrained(final)
+        if prev is not None:  # the stage started from the previous one's weights, then trained
+            init = dict(prev.named_parameters())
+            diffs = [float((p - init[n]).abs().max().detach()) for n, p in model.named_parameters()]
+            assert 0 < max(diffs) < 1.0
+        prev = model
+        metrics = read_metrics(tmp_path / "out" / "tiny" / name)
+        assert sorted(metrics) == list(range(0, stage.steps + 1))
+        assert "val_loss" in metrics[0] and "val_loss" in metrics[stage.steps]
+        assert metrics[1]["rope_theta"] == stage.rope_theta and metrics[1]["seq_len"] == stage.seq_len
+    # Rerunning a finished recipe trains nothing and keeps the checkpoints.
+    before = os.path.getmtime(os.path.join(finals[-1], "model.safetensors"))
+    run(cfg)
+    assert os.path.getmtime(os.path.join(finals[-1], "model.safetensors")) == before
+
+
+def test_stage_loss_falls(tmp_path, cache_dir):
+    from tests.conftest import micro_overrides
+
+    cfg = compose_cfg(micro_overrides(tmp_path / "out", cache_dir) + [
+        "stage=s1_256", "recipe.stages.s1_256.steps=30", "recipe.stages.s1_256.lr=3e-3",
+        "recipe.stages.s1_256.save_every=0"])
+    run(cfg)
+    metrics = read_metrics(tmp_path / "out" / "tiny" / "s1_256")
+    losses = [metrics[s]["loss"] for s in range(1, 31)]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+    assert metrics[30]["val_loss"] < metrics[0]["val_loss"] - 0.3, "held-out loss falls too"
+    meta = json.loads((tmp_path / "out" / "tiny" / "s1_256" / "final" / "stage.json").read_text())
+    assert meta["val_loss_end"] == metrics[30]["val_loss"]
+
+
+def test_sigkill_mid_stage_then_rerun_resumes_bitwise(tmp_path, cache_dir):
+    from tests.conftest import micro_overrides
+
+    crashed = micro_overrides(tmp_path / "crash", cache_dir)
+    clean = micro_overrides(tmp_path / "clean", cache_dir)
+    first = run_cli(crashed + ["stage=s1_256"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    # s1 is complete and skipped; s2 saves at step 2 and is SIGKILLed after step 3.
+    r = run_cli(crashed + ["train.crash_at_step=3"])
+    assert r.returncode == -9, r.stderr[-2000:]
+    stage_dir = tmp_path / "crash" / "tiny" / "s2_2k"
+    assert (stage_dir / "step_000002").is_dir() and not (stage_dir / "final").exists()
+    resumed = run_cli(crashed)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr + resumed.stdout
+    ref = run_cli(clean)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    for stage in ("s1_256", "s2_2k", "s3_4k"):
+        a = read_metrics(tmp_path / "crash" / "tiny" / stage)
+        b = read_metrics(tmp_path / "clean" / "tiny" / stage)
+        assert sorted(a) == sorted(b)
+        assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)], stage  # bitwise
+        assert a[max(a)]["val_loss"] == b[max(b)]["val_loss"]
+    wa = AutoModelForCausalLM.from_pretrained(tmp_path / "crash" / "tiny" / "s3_4k" / "final").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(tmp_path / "clean" / "tiny" / "s3_4k" / "final").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_loader_resume_yields_identical_sequences():
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 90, 300)
+    tokens = np.arange(lens.sum(), dtype=np.int32)
+    plan, _ = pack(np.concatenate([[0], np.cumsum(lens)[:-1]]), lens, 64, "best_fit")
+    ds = PackedSequences(tokens, plan, pad_id=0)
+    full = EpochLoader(ds, 4, rank=1, world=2, seed=7)
+    expected = [next(full)["input_ids"] for _ in range(40)]  # crosses several epochs
+    part = EpochLoader(ds, 4, rank=1, world=2, seed=7)
+    for _ in range(13):
+        next(part)
+    state = part.state_dict()
+    resumed = EpochLoader(ds, 4, rank=1, world=2, seed=7)
+    resumed.load_state_dict(state)
+    for i in range(13, 40):
+        assert torch.equal(next(resumed)["input_ids"], expected[i]), i
+    other = EpochLoader(ds, 4, rank=0, world=2, seed=7)
+    mine = {tuple(x.tolist()) for b in expected[:5] for x in b}
+    theirs = {tuple(x.tolist()) for b in [next(other)["input_ids"] for _ in range(5)] for x in b}
+    assert not mine & theirs, "data-parallel ranks read disjoint sequences"
+
+
+def test_checkpoint_dir_that_does_not_exist(micro):
+    cfg = compose_cfg(micro + ["stage=s3_4k"])
+    with pytest.raises(ValueError, match="run stage=s2_2k"):
+        run(cfg)
