@@ -1,0 +1,34 @@
+"""Shared by the benchmarks: where results go, and the table printer."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def machine() -> dict:
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def write_results(name: str, rows: list[dict], extra: dict | None = None) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **(extra or {}), "rows": rows}, f, indent=2)
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))

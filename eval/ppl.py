@@ -1,0 +1,160 @@
+"""Perplexity vs context length of any local HF causal-LM checkpoint, with and without YaRN.
+
+For each length L, the first L tokens of every long local document (at least L tokens in the
+checkpoint's own tokenizer) are scored; reported: perplexity over all L tokens and over the last
+quarter (where long context helps or extrapolation breaks). Loss is chunked: no L x V logits.
+
+    python -m eval.ppl checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096,8192]
+    python -m eval.ppl checkpoint=outputs/tiny/s3_4k/final lengths=[4096,8192] yarn.factor=2
+Writes <out>/ppl.json, ppl.csv and ppl.png (default out: <checkpoint>/eval).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from data.sources import list_files, stdlib_root
+from model.build import check_checkpoint_dir, load_config_with_yarn
+from model.config import YarnConfig
+from model.loss import chunked_cross_entropy_sum
+
+
+@dataclass
+class PplConfig:
+    checkpoint: Optional[str] = None
+    lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    yarn: YarnConfig = field(default_factory=YarnConfig)
+    docs_dir: Optional[str] = None  # None = the Python standard library (found on every machine)
+    glob: str = "**/*.py"
+    max_docs: int = 8  # documents per length
+    out: Optional[str] = None
+    tile: int = 1024
+    threads: Optional[int] = None
+
+
+def parse(argv: list[str]) -> PplConfig:
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PplConfig), OmegaConf.from_cli(argv)))
+    except Exception as e:  # omegaconf's own errors name the key
+        raise ValueError(f"bad argument: {e}".splitlines()[0]) from None
+    if not cfg.checkpoint:
+        raise ValueError("checkpoint=<dir> is required (an HF model dir, e.g. outputs/tiny/s3_4k/final)")
+    check_checkpoint_dir(cfg.checkpoint, "checkpoint")
+    if not cfg.lengths or any(L < 2 for L in cfg.lengths):
+        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 2, e.g. lengths=[1024,2048]")
+    return cfg
+
+
+def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
+    root = stdlib_root() if cfg.docs_dir is None else __import__("pathlib").Path(cfg.docs_dir)
+    docs = []
+    for path in list_files(root, cfg.glob):  # sorted: the same documents on every machine
+        if os.path.getsize(path) < min_len:  # a token is at least one byte
+            continue
+        try:
+            text = open(path, encoding="utf-8").read()
+        except UnicodeDecodeError:
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= min_len:
+            docs.append(ids)
+        if len(docs) >= cfg.max_docs:
+            break
+    return docs
+
+
+@torch.no_grad()
+def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
+    total = tail = n_total = n_tail = 0.0
+    for ids in docs:
+        x = torch.tensor(ids[:length])[None]
+        labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], dim=1)
+        hidden = model.model(input_ids=x, use_cache=False).last_hidden_state
+        q = length - length // 4
+        tail_labels = labels.clone()
+        tail_labels[:, :q] = -100
+        total += float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, tile))
+        tail += float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, tail_labels, tile))
+        n_total += length - 1
+        n_tail += length - 1 - q
+    return {"ppl": math.exp(total / n_total), "tail_ppl": math.exp(tail / n_tail), "docs": len(docs)}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["length"] for r in rows if r["docs"]]
+    ax.plot(xs, [r["ppl"] for r in rows if r["docs"]], "o-", label="all tokens")
+    ax.plot(xs, [r["tail_ppl"] for r in rows if r["docs"]], "s--", label="last quarter")
+    if rows and rows[0].get("trained_len"):
+        ax.axvline(rows[0]["trained_len"], color="grey", ls=":", label="trained length")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = parse(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    config = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
+    base_max = load_config_with_yarn(cfg.checkpoint, YarnConfig()).max_position_embeddings
+    too_long = [L for L in cfg.lengths if L > config.max_position_embeddings]
+    if too_long:
+        hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""
+        print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "
+              f"{config.max_position_embeddings}; they are extrapolation{hint}", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=torch.float32).eval()
+    docs = long_documents(tok, cfg, max(cfg.lengths))
+    if not docs:
+        raise ValueError(f"no document of >= {max(cfg.lengths)} tokens under docs_dir; lower lengths or set docs_dir")
+    rows = []
+    for L in cfg.lengths:
+        r = {"length": L, "yarn_factor": cfg.yarn.factor or 1.0, "trained_len": base_max,
+             **perplexities(model, docs, L, cfg.tile)}
+        rows.append(r)
+        print(f"length {L:>7}  ppl {r['ppl']:9.3f}  last-quarter ppl {r['tail_ppl']:9.3f}  ({r['docs']} docs)")
+    out = cfg.out or os.path.join(cfg.checkpoint, "eval")
+    os.makedirs(out, exist_ok=True)
+    suffix = f"_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else ""
+    with open(os.path.join(out, f"ppl{suffix}.json"), "w") as f:
+        json.dump({"config": asdict(cfg), "results": rows}, f, indent=2)
+    with open(os.path.join(out, f"ppl{suffix}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        plot(rows, os.path.join(out, f"ppl{suffix}.png"), f"{os.path.basename(os.path.dirname(cfg.checkpoint))}"
+             + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else ""))
+    except ImportError:
+        print("eval.ppl: matplotlib not installed; skipping the plot (pip install 'longstride[eval]')")
+    print(f"eval.ppl: results in {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:
+        print(f"eval.ppl: {e}", file=sys.stderr)
+        sys.exit(2)
