@@ -63,7 +63,8 @@ def setup(cfg: Config, raw: DictConfig | None):
         raise ValueError(f"stage={stages[0]} starts from {names[first - 1]}'s final checkpoint {init_from}, which "
                          f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
 
-    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision))
+    # cpu=True where there is no GPU: under a multi-process launch accelerate then uses gloo.
+    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available())
     torch.manual_seed(cfg.train.seed)
     tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
