@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -54,7 +55,7 @@ def parse(argv: list[str]) -> PplConfig:
 
 
 def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
-    root = stdlib_root() if cfg.docs_dir is None else __import__("pathlib").Path(cfg.docs_dir)
+    root = stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
     docs = []
     for path in list_files(root, cfg.glob):  # sorted: the same documents on every machine
         if os.path.getsize(path) < min_len:  # a token is at least one byte
