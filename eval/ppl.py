@@ -80,10 +80,12 @@ def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
         labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], dim=1)
         hidden = model.model(input_ids=x, use_cache=False).last_hidden_state
         q = length - length // 4
-        tail_labels = labels.clone()
-        tail_labels[:, :q] = -100
-        total += float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, tile))
-        tail += float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, tail_labels, tile))
+        head_labels, tail_labels = labels.clone(), labels.clone()
+        head_labels[:, q:] = -100  # two disjoint halves: the chunked loss skips label-less tiles,
+        tail_labels[:, :q] = -100  # so each tile's logits are computed once
+        tail_sum = float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, tail_labels, tile))
+        total += float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, head_labels, tile)) + tail_sum
+        tail += tail_sum
         n_total += length - 1
         n_tail += length - 1 - q
     return {"ppl": math.exp(total / n_total), "tail_ppl": math.exp(tail / n_tail), "docs": len(docs)}

@@ -125,7 +125,5 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = SmolLM3ForCausalLM(config)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

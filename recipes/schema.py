@@ -9,13 +9,15 @@ import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Dict, List, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from data.config import DataConfig, LongDocConfig
 from model.config import ModelConfig
 from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims
+from parallel.kernels import resolve_kernel
 from recipes.schedule import SCHEDULES
 
 
@@ -125,8 +127,6 @@ def to_schema(raw: DictConfig) -> Config:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         return OmegaConf.to_object(merged)
-    except MissingMandatoryValue as e:
-        raise ValueError(f"config field {e.full_key} has no value; set it on the command line ({e.full_key}=...)") from None
     except ConfigKeyError as e:
         raise ValueError(f"unknown config key {e.full_key!r}: check its spelling against the schema in "
                          f"the group's config.py ({e.msg.splitlines()[0]})") from None
@@ -203,6 +203,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"model.arch={m.arch!r} is unknown; use smollm3 or checkpoint")
     if cfg.parallel.kernel not in KERNELS:
         raise ValueError(f"parallel.kernel={cfg.parallel.kernel!r} is unknown; use one of {KERNELS}")
+    resolve_kernel(cfg.parallel.kernel, "cuda" if torch.cuda.is_available() else "cpu")  # installed?
     if cfg.logger.wandb_mode not in ("offline", "online", "disabled"):
         raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
     if cfg.train.precision not in ("auto", "bf16", "fp32"):

@@ -56,16 +56,28 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def forward_sum(model, mb: dict, device, doc_masking: bool, kernel: str) -> torch.Tensor:
+    """Summed token loss of one PackedBatch (moved to `device`), documents masked unless turned off."""
+    mb = {k: v.to(device) for k, v in mb.items()}
+    layout = DocLayout(mb["doc_ids"] if doc_masking else None, kernel)
+    return model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
+
+
+def label_count(mb: dict) -> int:
+    return int((mb["labels"] != IGNORE_INDEX).sum())
+
+
 @torch.no_grad()
 def validation_loss(model, held_out, dp_rank: int, dp: int, device, doc_masking: bool, kernel: str) -> float:
     """Mean token loss over the held-out sequences (each data rank takes its share), all ranks agree."""
+    if not len(held_out):
+        return float("nan")
     model.eval()
     total, count = torch.zeros(()), torch.zeros(())
     for i in range(dp_rank, len(held_out), dp):
-        mb = {k: v.to(device) for k, v in collate([held_out[i]]).items()}
-        layout = DocLayout(mb["doc_ids"] if doc_masking else None, kernel)
-        total += model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout).float().cpu()
-        count += float((mb["labels"] != IGNORE_INDEX).sum())
+        mb = collate([held_out[i]])
+        total += forward_sum(model, mb, device, doc_masking, kernel).float().cpu()
+        count += label_count(mb)
     model.train()
     return (all_reduce_sum(total) / all_reduce_sum(count).clamp(min=1)).item()
 
@@ -93,7 +105,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=resume or init_from, seed=cfg.train.seed)
     ac = cfg.model.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
-    if ac and not lm.is_gradient_checkpointing:
+    if ac:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_longstride_attention(lm)
     kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type)
@@ -106,8 +118,10 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture, stage.long_docs)
     train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + index)
     loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
-    evaluate = lambda: validation_loss(model, held_out, dp_rank, dims.dp, acc.device,  # noqa: E731
-                                       cfg.data.doc_masking, kernel) if len(held_out) else float("nan")
+
+    def evaluate() -> float:
+        return validation_loss(model, held_out, dp_rank, dims.dp, acc.device, cfg.data.doc_masking, kernel)
+
     step, tokens_seen, val_start = 0, 0, None
     if resume:
         trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes)
@@ -146,14 +160,12 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         while step < total:
             t0 = time.perf_counter()
             micro = [next(loader) for _ in range(accum)]
-            count = all_reduce_sum(torch.tensor(float(sum(int((m["labels"] != IGNORE_INDEX).sum()) for m in micro))))
+            count = all_reduce_sum(torch.tensor(float(sum(label_count(m) for m in micro))))
             loss_sum = torch.zeros((), dtype=torch.float32)
             for i, mb in enumerate(micro):
-                mb = {k: v.to(acc.device) for k, v in mb.items()}
-                layout = DocLayout(mb["doc_ids"] if cfg.data.doc_masking else None, kernel)
                 sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
                 with sync:
-                    part = model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
+                    part = forward_sum(model, mb, acc.device, cfg.data.doc_masking, kernel)
                     # DDP averages gradients over ranks; scaling by world makes the update a global sum / count.
                     acc.backward(part * (acc.num_processes / count.clamp(min=1).item()))
                 loss_sum += part.detach().float().cpu()

@@ -61,10 +61,7 @@ class Tracker:
     def log(self, step: int, metrics: dict) -> None:
         if not self.is_main:
             return
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics_file.flush()
-        if self.run is not None and step % self.cfg.logger.log_every == 0:
-            self.run.log(metrics, step=step)
+        self._record(step, metrics, to_wandb=step % self.cfg.logger.log_every == 0)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
@@ -74,11 +71,13 @@ class Tracker:
 
     def log_values(self, step: int, values: dict) -> None:
         """Metrics outside the step loop (validation loss): file and wandb, no progress update."""
-        if not self.is_main:
-            return
+        if self.is_main:
+            self._record(step, values, to_wandb=True)
+
+    def _record(self, step: int, values: dict, to_wandb: bool) -> None:
         self.metrics_file.write(json.dumps({"step": step, **values}) + "\n")
         self.metrics_file.flush()
-        if self.run is not None:
+        if self.run is not None and to_wandb:
             self.run.log(values, step=step)
 
     def finish_stage(self) -> None:

@@ -108,3 +108,12 @@ def test_steps_xor_tokens():
 def test_data_group_replaces_sources():
     cfg = compose_cfg(["data=files", "data.sources.main.path=/c/*.jsonl"])
     assert list(cfg.data.sources) == ["main"]
+
+
+def test_kernel_not_installed_fails_before_compute():
+    pytest.importorskip("torch")
+    from parallel.kernels import flash_attn_available
+
+    if flash_attn_available():
+        pytest.skip("flash-attn with CUDA is installed here: the error path cannot occur")
+    expect_error(["parallel.kernel=flash_attn"], r"parallel.kernel=flash_attn but flash-attn is not installed")
