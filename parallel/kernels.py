@@ -85,3 +85,142 @@ def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa") -> torch
                 parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     return torch.cat(rows, dim=0)
+
+
+# ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----
+#
+# block_forward(kernel, q, k, v, scale, segments) -> (out, lse)
+# block_backward(kernel, dout, q, k, v, out, lse, scale, segments) -> (dq, dk, dv)
+# q: (B, H, Lq, D), k/v: (B, Hkv, Lk, D) with their own heads (GQA is resolved inside the kernel),
+# lse: (B, H, Lq) fp32. segments=None: a dense rectangle, every query sees every key. segments=[(s, e), ...]:
+# the block is square and each segment attends causally within itself (varlen-causal). The backward
+# takes the *merged* output and log-sum-exp of all blocks, which makes each block's gradient exact.
+
+def _cpu_flash_fwd(q, k, v, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+
+
+def _math_scores(q, k, scale, causal):
+    ct = torch.promote_types(q.dtype, torch.float32)
+    k = expand_kv(k, q.shape[1] // k.shape[1])
+    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def _math_fwd(q, k, v, scale, causal):
+    s = _math_scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), expand_kv(v, q.shape[1] // v.shape[1]).to(s.dtype))
+    return out.to(q.dtype), lse
+
+
+def _math_bwd(dout, q, k, v, out, lse, scale, causal):
+    # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2)
+    groups = q.shape[1] // k.shape[1]
+    s = _math_scores(q, k, scale, causal)
+    ct = s.dtype
+    p = torch.exp(s - lse.to(ct).unsqueeze(-1))
+    do = dout.to(ct)
+    ve, ke = expand_kv(v, groups).to(ct), expand_kv(k, groups).to(ct)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - (do * out.to(ct)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
+    if groups > 1:
+        B, H, L, D = dk.shape
+        dk, dv = (x.view(B, H // groups, groups, L, D).sum(2) for x in (dk, dv))
+    return dq, dk, dv
+
+
+def _flash_call(fn, **kw):
+    # flash-attn's private varlen functions changed their arguments across 2.x releases; pass only what
+    # this release takes (window_size as a pair in <= 2.6, as two ints later).
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        kw["window_size"] = (-1, -1)
+    else:
+        kw.update(window_size_left=-1, window_size_right=-1)
+    return fn(**{k: v for k, v in kw.items() if k in params})
+
+
+def _flash_block(q, k, v, segments):
+    # (1, H, L, D) -> (L, H, D) and cu_seqlens for flash-attn's varlen layout
+    lq, lk = q.shape[2], k.shape[2]
+    if segments is None:
+        cu_q, cu_k, mq, mk = [0, lq], [0, lk], lq, lk
+    else:
+        cu_q = [0, *[e for _, e in segments]]
+        cu_k, mq = cu_q, max(e - s for s, e in segments)
+        mk = mq
+    cu = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
+    flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731
+    return flat(q), flat(k), flat(v), cu(cu_q), cu(cu_k), mq, mk
+
+
+def _flash_fwd(q, k, v, scale, segments):
+    from flash_attn import flash_attn_interface as fa
+
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        fq, fk, fv, cq, ck, mq, mk = _flash_block(q[b:b + 1], k[b:b + 1], v[b:b + 1], segments)
+        res = _flash_call(fa._flash_attn_varlen_forward, q=fq, k=fk, v=fv, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                          max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=scale,
+                          causal=segments is not None, softcap=0.0, alibi_slopes=None, return_softmax=False)
+        outs.append(res[0].transpose(0, 1))  # (H, L, D)
+        lses.append(res[1].reshape(q.shape[1], -1)[:, :q.shape[2]].float())  # (H, L)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _flash_bwd(dout, q, k, v, out, lse, scale, segments):
+    from flash_attn import flash_attn_interface as fa
+
+    grads = []
+    for b in range(q.shape[0]):
+        fq, fk, fv, cq, ck, mq, mk = _flash_block(q[b:b + 1], k[b:b + 1], v[b:b + 1], segments)
+        fdo, fo = dout[b].transpose(0, 1).contiguous(), out[b].transpose(0, 1).contiguous()
+        dq, dk, dv = torch.empty_like(fq), torch.empty_like(fk), torch.empty_like(fv)
+        _flash_call(fa._flash_attn_varlen_backward, dout=fdo, q=fq, k=fk, v=fv, out=fo,
+                    softmax_lse=lse[b].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                    max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=scale,
+                    causal=segments is not None, softcap=0.0, alibi_slopes=None, deterministic=False,
+                    rng_state=None)
+        grads.append([x.transpose(0, 1) for x in (dq, dk, dv)])
+    return tuple(torch.stack(g) for g in zip(*grads))
+
+
+_DENSE = {"sdpa": (_cpu_flash_fwd, _cpu_flash_bwd), "math": (_math_fwd, _math_bwd)}
+
+
+def block_forward(kernel: str, q, k, v, scale: float, segments=None):
+    if kernel == "flash_attn":
+        return _flash_fwd(q, k, v, scale, segments)
+    fwd = _DENSE[kernel][0]
+    if segments is None:
+        return fwd(q, k, v, scale, False)
+    parts = [fwd(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale, True) for s, e in segments]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=None):
+    if kernel == "flash_attn":
+        return _flash_bwd(dout, q, k, v, out, lse, scale, segments)
+    bwd = _DENSE[kernel][1]
+    if segments is None:
+        return bwd(dout, q, k, v, out, lse, scale, False)
+    parts = [bwd(dout[:, :, s:e], q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], out[:, :, s:e], lse[:, :, s:e],
+                 scale, True) for s, e in segments]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(g, dim=2) for g in zip(*parts))

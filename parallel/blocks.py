@@ -1,0 +1,134 @@
+"""Which (query, key) blocks a ring-attention rank computes at each step, under document masking.
+
+Documents are contiguous runs of the sequence. Take a query chunk i and a key chunk j (global chunk
+indices of the zig-zag layout):
+  j > i   nothing: every key is in the future of every query;
+  j == i  causal within each document of the chunk (varlen-causal, the chunk's document segments);
+  j < i   every key precedes every query, so a query and a key share a document only if that document
+          runs from the key through the gap to the query. At most one document does (the one holding
+          the last key of chunk j), and the pairs are one dense rectangle: the queries of that document
+          (a prefix of chunk i) by its keys (a suffix of chunk j), or nothing at all.
+So every block is skipped, one dense rectangle, or varlen-causal: no L x L mask, no document length
+constraint, and empty blocks cost nothing. The plan depends only on the full batch's document ids,
+which every rank of a CP group has, so it is computed once per batch, without communication, and
+serves every layer's forward and backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from parallel.zigzag import check_divisible, rank_chunks
+
+
+@dataclass(frozen=True)
+class Block:
+    """Local query rows [q0, q1) against key columns [k0, k1) of the K/V block held at this step.
+    segments=None: dense; else varlen-causal segments (s, e) relative to q0 (== k0, square block)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    segments: Optional[tuple] = None
+
+    @property
+    def pairs(self) -> int:
+        """Attention scores computed (the block's work)."""
+        if self.segments is None:
+            return (self.q1 - self.q0) * (self.k1 - self.k0)
+        return sum((e - s) * (e - s + 1) // 2 for s, e in self.segments)
+
+
+@dataclass
+class RingPlan:
+    """steps[t] = [(rows, blocks), ...]: batch rows (a slice) sharing one list of blocks at ring step t,
+    when this rank holds the K/V of CP rank (rank - t) mod n."""
+
+    n: int
+    rank: int
+    chunk: int
+    steps: list
+
+    def pairs(self) -> int:
+        return sum((rows.stop - rows.start) * sum(b.pairs for b in blocks)
+                   for step in self.steps for rows, blocks in step)
+
+
+def _segments(doc: np.ndarray, lo: int, hi: int) -> tuple:
+    d = doc[lo:hi]
+    cuts = np.flatnonzero(d[1:] != d[:-1]) + 1
+    edges = [0, *cuts.tolist(), hi - lo]
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+def _pair(doc: Optional[np.ndarray], qc: int, kc: int, c: int, q_off: int, k_off: int) -> Optional[Block]:
+    """The block for global query chunk qc against key chunk kc, at local offsets q_off / k_off."""
+    if kc > qc:
+        return None
+    if kc == qc:
+        segs = ((0, c),) if doc is None else _segments(doc, qc * c, (qc + 1) * c)
+        return Block(q_off, q_off + c, k_off, k_off + c, segs)
+    if doc is None:
+        return Block(q_off, q_off + c, k_off, k_off + c)
+    spanning = doc[(kc + 1) * c - 1]
+    if doc[qc * c] != spanning:
+        return None
+    nq = int(np.count_nonzero(doc[qc * c:(qc + 1) * c] == spanning))
+    nk = int(np.count_nonzero(doc[kc * c:(kc + 1) * c] == spanning))
+    return Block(q_off, q_off + nq, k_off + c - nk, k_off + c)
+
+
+def _fuse(blocks: list[Block]) -> list[Block]:
+    """Merges dense rectangles that share their rows and touch in columns, or vice versa: fewer,
+    larger kernel calls (with no document masking a ring step is then one call)."""
+    blocks = list(blocks)
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(blocks):
+            for j, b in enumerate(blocks):
+                if i == j or a.segments is not None or b.segments is not None:
+                    continue
+                if (a.q0, a.q1) == (b.q0, b.q1) and a.k1 == b.k0:
+                    fused = Block(a.q0, a.q1, a.k0, b.k1)
+                elif (a.k0, a.k1) == (b.k0, b.k1) and a.q1 == b.q0:
+                    fused = Block(a.q0, b.q1, a.k0, a.k1)
+                else:
+                    continue
+                blocks = [x for t, x in enumerate(blocks) if t not in (i, j)] + [fused]
+                merged = True
+                break
+            if merged:
+                break
+    return sorted(blocks, key=lambda b: (b.q0, b.k0))
+
+
+def step_blocks(doc: Optional[np.ndarray], length: int, n: int, rank: int, step: int) -> list[Block]:
+    """Blocks of one batch row at ring step `step`. doc: (L,) document ids of the full row, or None
+    for plain causal attention."""
+    c = check_divisible(length, n)
+    src = (rank - step) % n
+    blocks = []
+    for qi, qc in enumerate(rank_chunks(n, rank)):
+        for ki, kc in enumerate(rank_chunks(n, src)):
+            blk = _pair(doc, qc, kc, c, qi * c, ki * c)
+            if blk is not None:
+                blocks.append(blk)
+    return _fuse(blocks)
+
+
+def ring_plan(doc_ids: Optional[torch.Tensor], batch: int, length: int, n: int, rank: int) -> RingPlan:
+    """doc_ids: (B, L) full-sequence document ids (non-decreasing runs), or None for plain causal."""
+    c = check_divisible(length, n)
+    steps = []
+    docs = None if doc_ids is None else doc_ids.cpu().numpy()
+    for t in range(n):
+        if docs is None:
+            steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t))])
+        else:
+            steps.append([(slice(b, b + 1), step_blocks(docs[b], length, n, rank, t)) for b in range(batch)])
+    return RingPlan(n, rank, c, steps)

@@ -1,0 +1,141 @@
+"""Zig-zag ring attention: exact causal, document-masked attention over a sequence split across CP ranks.
+
+Each rank holds its zig-zag share of Q, K, V (parallel/zigzag.py). Forward: for n steps, the rank
+computes its queries against the K/V block it holds while the next block travels (batch_isend_irecv
+to the next rank, from the previous one); block outputs are merged with their log-sum-exp in fp32.
+Backward: K/V go round again; each block's dK/dV accumulate in fp32 in a buffer that follows the
+block round the ring and arrives back at its owner after the last step; dQ accumulates locally.
+Which blocks a step computes comes from parallel/blocks.py. K/V keep their own (fewer) GQA heads
+on the wire; the kernels resolve GQA inside the call.
+
+    ring_forward(q, k, v, plan, kernel, scale, comm) -> (out, lse)
+    ring_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm) -> (dq, dk, dv)
+    ring_attention(q, k, v, plan, kernel, scale, comm) -> out, differentiable
+q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D), out: like q, lse: (B, H, Lloc) fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel.blocks import RingPlan
+from parallel.kernels import block_backward, block_forward
+
+KV_TAG, DKV_TAG = 0, 1
+
+
+class RingComm:
+    """Point-to-point exchange with the ring neighbours of one CP process group."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        """Starts sending `send` to the next rank and receiving the previous rank's into `recv`."""
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs: list) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """In place: (out, lse) <- softmax-weighted combination of the two partial results, in fp32."""
+    new = torch.logaddexp(lse, l)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _check(q, k, v, plan: RingPlan, comm: Optional[RingComm]) -> None:
+    if q.shape[1] % k.shape[1] or k.shape != v.shape:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]} "
+                         f"(k {tuple(k.shape)}, v {tuple(v.shape)})")
+    assert q.shape[2] == 2 * plan.chunk, (q.shape, plan.chunk)
+    assert plan.n == (comm.size if comm is not None else 1), "plan and process group disagree on the CP degree"
+
+
+def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]):
+    _check(q, k, v, plan, comm)
+    n = plan.n
+    out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
+    kv = torch.stack([k, v])  # (2, B, Hkv, Lloc, D): one message per step
+    for t in range(n):
+        if t + 1 < n:
+            nxt = torch.empty_like(kv)
+            reqs = comm.exchange(kv, nxt, KV_TAG)
+        for rows, blocks in plan.steps[t]:
+            for b in blocks:
+                o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], kv[0, rows, :, b.k0:b.k1],
+                                     kv[1, rows, :, b.k0:b.k1], scale, b.segments)
+                _merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
+        if t + 1 < n:
+            _wait(reqs)
+            kv = nxt
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]):
+    n = plan.n
+    acc = _acc_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = torch.stack([k, v])
+    dkv_reqs, dkv_in = [], None
+    for t in range(n):
+        if t + 1 < n:
+            nxt = torch.empty_like(kv)
+            reqs = comm.exchange(kv, nxt, KV_TAG)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this step's dK/dV of the block held
+        for rows, blocks in plan.steps[t]:
+            for b in blocks:
+                r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
+                gq, gk, gv = block_backward(kernel, dout[r], q[r], kv[0][c], kv[1][c], out[r], lse[r], scale,
+                                            b.segments)
+                dq[r] += gq
+                dkv[0][c] += gk
+                dkv[1][c] += gv
+        if t > 0:  # the block's dK/dV accumulated by the ranks that held it before
+            _wait(dkv_reqs)
+            dkv += dkv_in
+        if n > 1:  # pass it on; after the last step it reaches the block's owner
+            dkv_in = torch.empty_like(dkv)
+            dkv_reqs = comm.exchange(dkv, dkv_in, DKV_TAG)
+        if t + 1 < n:
+            _wait(reqs)
+            kv = nxt
+    if n > 1:
+        _wait(dkv_reqs)
+        dkv = dkv_in
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, kernel, scale, comm):
+        out, lse = ring_forward(q, k, v, plan, kernel, scale, comm)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (plan, kernel, scale, comm)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]) -> torch.Tensor:
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, kernel, scale, comm)

@@ -1,0 +1,32 @@
+"""Runs a function on n local gloo processes (torch.multiprocessing spawn, file rendezvous)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, n: int, init_file: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n)
+    try:
+        fn(rank, n, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, n: int, *args) -> None:
+    """fn(rank, world, *args) on n processes; raises if any process fails."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(n, os.path.join(d, "rendezvous"), fn, args), nprocs=n, join=True)
+
+
+def gather_cat(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's tensor (same shape on all ranks), in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return parts
