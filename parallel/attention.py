@@ -4,6 +4,10 @@
 function returns None (no L x L mask is ever built); the attention function reads the batch's
 document layout from the `doc_layout` keyword that the training step passes to the model forward,
 which transformers forwards untouched to every attention call.
+
+With context parallelism, `shard_for_cp` cuts a packed batch into this rank's zig-zag share and
+builds the ring plan from the full batch's document ids; the model then sees only local tokens
+(RoPE is computed for local positions only) and every attention call runs the ring.
 """
 from __future__ import annotations
 
@@ -14,17 +18,41 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from parallel.blocks import RingPlan, ring_plan
 from parallel.kernels import doc_attention
+from parallel.ring import RingComm, ring_attention
+from parallel.zigzag import shard_batch
 
 NAME = "longstride"
 
 
 @dataclass
 class DocLayout:
-    """What attention needs to know about a packed batch. doc_ids: (B, L) or None (plain causal)."""
+    """What attention needs to know about a packed batch. doc_ids: (B, L) or None (plain causal).
+    With a ring plan (CP > 1) the documents are encoded in the plan and doc_ids is unused."""
 
     doc_ids: Optional[torch.Tensor]
     kernel: str = "sdpa"
+    plan: Optional[RingPlan] = None
+    comm: Optional[RingComm] = None
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """This rank's place in its context-parallel group; comm is None when n == 1."""
+
+    n: int = 1
+    rank: int = 0
+    comm: Optional[RingComm] = None
+
+
+def shard_for_cp(batch: dict, doc_masking: bool, kernel: str, cp: CPContext) -> tuple[dict, DocLayout]:
+    """A full PackedBatch -> (this rank's share of every tensor, the layout its attention calls read)."""
+    docs = batch["doc_ids"] if doc_masking else None
+    if cp.n == 1:
+        return batch, DocLayout(docs, kernel)
+    B, L = batch["input_ids"].shape
+    return shard_batch(batch, cp.n, cp.rank), DocLayout(None, kernel, ring_plan(docs, B, L, cp.n, cp.rank), cp.comm)
 
 
 def longstride_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -34,7 +62,10 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         raise NotImplementedError("attention dropout is not supported by longstride attention")
     layout = doc_layout or DocLayout(None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = doc_attention(query, key, value, layout.doc_ids, scale, layout.kernel)
+    if layout.plan is not None:
+        out = ring_attention(query, key, value, layout.plan, layout.kernel, scale, layout.comm)
+    else:
+        out = doc_attention(query, key, value, layout.doc_ids, scale, layout.kernel)
     return out.transpose(1, 2).contiguous(), None
 
 

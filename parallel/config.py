@@ -44,3 +44,10 @@ class ParallelDims:
 
     def cp_rank(self, rank: int) -> int:
         return rank % self.cp
+
+    def mesh(self, device_type: str):
+        """The (dp, cp) DeviceMesh over the world; mesh["cp"] is this rank's ring, mesh["dp"] its data
+        replicas. Collective: every rank calls it, in the same order."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))

@@ -19,12 +19,19 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
-def resolve_kernel(kernel: str, device_type: str) -> str:
-    if kernel == "auto":
-        return "flash_attn" if device_type == "cuda" and flash_attn_available() else "sdpa"
+def resolve_kernel(kernel: str, device_type: str, ring: bool = False) -> str:
+    """The kernel a stage runs. ring: the stage uses ring attention, whose "sdpa" blocks are the CPU
+    flash op; on CUDA the ring runs on flash-attn, or on the math kernel when asked for."""
     if kernel == "flash_attn" and not flash_attn_available():
         raise ValueError("parallel.kernel=flash_attn but flash-attn is not installed with CUDA; "
                          "pip install 'longstride[gpu]' or use parallel.kernel=sdpa")
+    if kernel == "auto":
+        kernel = "flash_attn" if device_type == "cuda" and flash_attn_available() else "sdpa"
+        if ring and device_type == "cuda" and kernel == "sdpa":
+            kernel = "math"
+    if ring and device_type == "cuda" and kernel == "sdpa":
+        raise ValueError("parallel.kernel=sdpa: ring attention's sdpa blocks are the CPU flash op; on CUDA "
+                         "install flash-attn (pip install 'longstride[gpu]') or use parallel.kernel=math")
     return kernel
 
 

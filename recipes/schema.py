@@ -179,9 +179,9 @@ def validate(cfg: Config, world_size: int) -> None:
                 raise ValueError(f"{f}.mixture names {sorted(unknown)}, not in data.sources {list(cfg.data.sources)}")
         if s.cp > 1 and cfg.parallel.cp_impl not in CP_IMPLS:
             raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
-        if s.cp > 1:
-            raise NotImplementedError(f"{f}.cp={s.cp}: context parallelism ({cfg.parallel.cp_impl}) is not "
-                                      "available yet; set cp=1")
+        if s.cp > 1 and cfg.parallel.cp_impl != "ring":
+            raise NotImplementedError(f"{f}.cp={s.cp}: parallel.cp_impl={cfg.parallel.cp_impl} is not available "
+                                      "yet; use parallel.cp_impl=ring")
     selected_stages(cfg)
     if not cfg.data.sources:
         raise ValueError("data.sources is empty; pick a data config (data=stdlib, data=files, ...) or add a source")
@@ -203,7 +203,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"model.arch={m.arch!r} is unknown; use smollm3 or checkpoint")
     if cfg.parallel.kernel not in KERNELS:
         raise ValueError(f"parallel.kernel={cfg.parallel.kernel!r} is unknown; use one of {KERNELS}")
-    resolve_kernel(cfg.parallel.kernel, "cuda" if torch.cuda.is_available() else "cpu")  # installed?
+    ring = any(s.cp > 1 for s in r.stages.values())
+    resolve_kernel(cfg.parallel.kernel, "cuda" if torch.cuda.is_available() else "cpu", ring)  # installed?
     if cfg.logger.wandb_mode not in ("offline", "online", "disabled"):
         raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
     if cfg.train.precision not in ("auto", "bf16", "fp32"):

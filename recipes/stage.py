@@ -20,9 +20,10 @@ from data.batch import collate
 from data.pipeline import split_holdout, stage_loader, stage_sequences
 from model.build import build_model
 from model.loss import IGNORE_INDEX, ChunkedLossLM
-from parallel.attention import DocLayout, use_longstride_attention
+from parallel.attention import CPContext, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelDims
 from parallel.kernels import resolve_kernel
+from parallel.ring import RingComm
 from recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
                                 save_checkpoint, set_rng_state, step_name)
 from recipes.schedule import build_scheduler
@@ -56,28 +57,48 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def forward_sum(model, mb: dict, device, doc_masking: bool, kernel: str) -> torch.Tensor:
-    """Summed token loss of one PackedBatch (moved to `device`), documents masked unless turned off."""
+@dataclass(frozen=True)
+class BatchPrep:
+    """Turns a full PackedBatch into what this rank's forward takes: its CP share and attention layout."""
+
+    doc_masking: bool
+    kernel: str
+    cp: CPContext = CPContext()
+
+    def __call__(self, batch: dict) -> tuple[dict, object]:
+        return shard_for_cp(batch, self.doc_masking, self.kernel, self.cp)
+
+
+def forward_sum(model, local: tuple[dict, object], device) -> torch.Tensor:
+    """Summed token loss of this rank's share of one PackedBatch (moved to `device`)."""
+    mb, layout = local
     mb = {k: v.to(device) for k, v in mb.items()}
-    layout = DocLayout(mb["doc_ids"] if doc_masking else None, kernel)
     return model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
 
 
-def label_count(mb: dict) -> int:
-    return int((mb["labels"] != IGNORE_INDEX).sum())
+def label_count(local: tuple[dict, object]) -> int:
+    return int((local[0]["labels"] != IGNORE_INDEX).sum())
+
+
+def cp_context(dims: ParallelDims, device_type: str) -> CPContext:
+    if dims.cp == 1:
+        return CPContext()
+    mesh = dims.mesh(device_type)
+    return CPContext(dims.cp, mesh.get_local_rank("cp"), RingComm(mesh.get_group("cp")))
 
 
 @torch.no_grad()
-def validation_loss(model, held_out, dp_rank: int, dp: int, device, doc_masking: bool, kernel: str) -> float:
-    """Mean token loss over the held-out sequences (each data rank takes its share), all ranks agree."""
+def validation_loss(model, held_out, dp_rank: int, dp: int, device, prep: BatchPrep) -> float:
+    """Mean token loss over the held-out sequences (each data rank takes its share, each CP rank its
+    part of the sequence), all ranks agree."""
     if not len(held_out):
         return float("nan")
     model.eval()
     total, count = torch.zeros(()), torch.zeros(())
     for i in range(dp_rank, len(held_out), dp):
-        mb = collate([held_out[i]])
-        total += forward_sum(model, mb, device, doc_masking, kernel).float().cpu()
-        count += label_count(mb)
+        local = prep(collate([held_out[i]]))
+        total += forward_sum(model, local, device).float().cpu()
+        count += label_count(local)
     model.train()
     return (all_reduce_sum(total) / all_reduce_sum(count).clamp(min=1)).item()
 
@@ -108,7 +129,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     if ac:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_longstride_attention(lm)
-    kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type)
+    kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type, ring=dims.cp > 1)
+    prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, acc.device.type))
     model = acc.prepare(ChunkedLossLM(lm, cfg.model.loss_tile_tokens))
     optimizer = torch.optim.AdamW(param_groups(lm, cfg.optim.weight_decay), lr=stage.lr,
                                   betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
@@ -120,7 +142,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
 
     def evaluate() -> float:
-        return validation_loss(model, held_out, dp_rank, dims.dp, acc.device, cfg.data.doc_masking, kernel)
+        return validation_loss(model, held_out, dp_rank, dims.dp, acc.device, prep)
 
     step, tokens_seen, val_start = 0, 0, None
     if resume:
@@ -159,14 +181,16 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             tracker.log_values(0, {"val_loss": val_start})
         while step < total:
             t0 = time.perf_counter()
-            micro = [next(loader) for _ in range(accum)]
+            micro = [prep(next(loader)) for _ in range(accum)]
             count = all_reduce_sum(torch.tensor(float(sum(label_count(m) for m in micro))))
             loss_sum = torch.zeros((), dtype=torch.float32)
             for i, mb in enumerate(micro):
                 sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
                 with sync:
-                    part = forward_sum(model, mb, acc.device, cfg.data.doc_masking, kernel)
-                    # DDP averages gradients over ranks; scaling by world makes the update a global sum / count.
+                    part = forward_sum(model, mb, acc.device)
+                    # DDP averages gradients over all dp x cp ranks; each CP rank holds part of the sequence's
+                    # gradient (its tokens' loss, plus the dK/dV its ring received), so scaling by world
+                    # makes the update the global sum / global count.
                     acc.backward(part * (acc.num_processes / count.clamp(min=1).item()))
                 loss_sum += part.detach().float().cpu()
             grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None

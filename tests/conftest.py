@@ -30,9 +30,9 @@ def micro_overrides(root: Path, cache: Path) -> list[str]:
         "recipe.stages.s1_256.micro_batch_size=4", "recipe.stages.s1_256.warmup_steps=1",
         "recipe.stages.s1_256.save_every=3",
         "recipe.stages.s2_2k.seq_len=128", "recipe.stages.s2_2k.steps=4", "recipe.stages.s2_2k.batch_tokens=512",
-        "recipe.stages.s2_2k.warmup_steps=1", "recipe.stages.s2_2k.save_every=2",
+        "recipe.stages.s2_2k.warmup_steps=1", "recipe.stages.s2_2k.save_every=2", "recipe.stages.s2_2k.cp=1",
         "recipe.stages.s3_4k.seq_len=256", "recipe.stages.s3_4k.steps=4", "recipe.stages.s3_4k.batch_tokens=512",
-        "recipe.stages.s3_4k.warmup_steps=1", "recipe.stages.s3_4k.save_every=2",
+        "recipe.stages.s3_4k.warmup_steps=1", "recipe.stages.s3_4k.save_every=2", "recipe.stages.s3_4k.cp=1",
     ]
 
 

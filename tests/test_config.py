@@ -47,7 +47,7 @@ def test_real_recipe_shape():
     assert cfg.model.num_hidden_layers == 36 and cfg.model.nope_interval == 4
 
 
-def expect_error(overrides, match, world=1, exc=ValueError):
+def expect_error(overrides, match, world=2, exc=ValueError):  # the tiny recipe runs on 2 ranks
     with pytest.raises(exc, match=match):
         validate(compose_cfg(overrides), world)
 
@@ -116,4 +116,8 @@ def test_kernel_not_installed_fails_before_compute():
 
     if flash_attn_available():
         pytest.skip("flash-attn with CUDA is installed here: the error path cannot occur")
+    expect_error(["parallel.kernel=flash_attn"], r"parallel.kernel=flash_attn but flash-attn is not installed")
+
+
+def test_ring_kernel_not_installed():
     expect_error(["parallel.kernel=flash_attn"], r"parallel.kernel=flash_attn but flash-attn is not installed")

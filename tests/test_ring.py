@@ -128,3 +128,35 @@ def test_ring_matches_single_process(n, tmp_path):
                     f"N={n} {lname} {hname} bf16 {name}: ring error {e_ring:.2e} vs single process {e_one:.2e}"
             err = (ring16[1] - ref[1]).abs().max().item()
             assert err <= 2e-2, f"N={n} {lname} {hname} bf16 lse: max error {err:.2e}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_zigzag_shard_round_trip_and_balanced_causal_work(n):
+    length = 2 * n * 7
+    x = torch.arange(3 * length).view(3, length)
+    shards = [shard(x, n, r) for r in range(n)]
+    assert torch.equal(unshard(shards), x)
+    c = length // (2 * n)
+    assert shards[0][0, :c].tolist() == list(range(c)) and shards[0][0, c:].tolist() == \
+        list(range((2 * n - 1) * c, 2 * n * c)), "rank 0 holds the first and the last chunk"
+    work = [ring_plan(None, 1, length, n, r).pairs() for r in range(n)]
+    assert len(set(work)) == 1, f"zig-zag causal work per rank must be equal: {work}"
+    assert sum(work) == length * (length + 1) // 2
+
+
+def test_plan_skips_blocks_with_nothing_to_attend():
+    # every document inside one chunk: no rectangle anywhere, only the two diagonal (varlen) blocks
+    n, length = 2, 16
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([4, 4, 4, 4]))[None]
+    plan = ring_plan(doc, 1, length, n, 0)
+    blocks = [b for step in plan.steps for _, bs in step for b in bs]
+    assert all(b.segments is not None for b in blocks) and len(blocks) == 2
+    assert plan.pairs() == 2 * 10
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="not divisible by 2 x cp = 6"):
+        shard(torch.zeros(1, 100), 3, 0)
+    q, k = torch.zeros(1, 6, 8, 4), torch.zeros(1, 4, 8, 4)
+    with pytest.raises(ValueError, match="query heads 6 must be a multiple of key/value heads 4"):
+        ring_forward(q, k, k, ring_plan(None, 1, 8, 1, 0), "sdpa", 0.5, None)

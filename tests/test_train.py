@@ -113,27 +113,27 @@ def test_checkpoint_dir_that_does_not_exist(micro):
         run(cfg)
 
 
-def test_two_process_data_parallel_matches_one_process(tmp_path, cache_dir):
-    """accelerate launch with the 2-process CPU config (gloo): dp=2 x accumulation 2 sees the same
-    sequences as dp=1 x accumulation 4, so the losses agree up to reduction order."""
+def _one_vs_two_processes(tmp_path, cache_dir, extra: list[str], expect: str) -> None:
+    """Runs stage s1 in one process and under accelerate launch with the 2-process CPU config (gloo);
+    the losses must agree up to reduction order."""
     import subprocess
     import sys
 
     from tests.conftest import REPO, micro_overrides
 
-    def overrides(root):
+    def overrides(root, two):
         return [o for o in micro_overrides(root, cache_dir) if "micro_batch_size" not in o] + [
-            "stage=s1_256", "recipe.stages.s1_256.batch_tokens=1024", "recipe.stages.s1_256.micro_batch_size=4"]
+            "stage=s1_256", "recipe.stages.s1_256.micro_batch_size=4", *extra(two)]
 
-    one = run_cli(overrides(tmp_path / "one"))
+    one = run_cli(overrides(tmp_path / "one", False))
     assert one.returncode == 0, one.stderr[-2000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           str(REPO / "configs/accelerate/cpu.yaml"), "-m", "recipes.train",
-                          *overrides(tmp_path / "two")], cwd=REPO, env=env, capture_output=True, text=True,
+                          *overrides(tmp_path / "two", True)], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "dp 2" in two.stderr + two.stdout
+    assert expect in two.stderr + two.stdout
     a, b = read_metrics(tmp_path / "one" / "tiny" / "s1_256"), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
     assert sorted(a) == sorted(b)
     for s in a:
@@ -142,3 +142,15 @@ def test_two_process_data_parallel_matches_one_process(tmp_path, cache_dir):
                 assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-6), (s, key)
     assert sorted(p.name for p in (tmp_path / "two" / "tiny" / "s1_256" / "step_000003").glob("rank*.pt")) == \
         ["rank0.pt", "rank1.pt"]
+
+
+def test_two_process_data_parallel_matches_one_process(tmp_path, cache_dir):
+    """dp=2 x accumulation 2 sees the same sequences as dp=1 x accumulation 4."""
+    _one_vs_two_processes(tmp_path, cache_dir, lambda two: ["recipe.stages.s1_256.batch_tokens=1024"], "dp 2, cp 1")
+
+
+def test_two_process_context_parallel_matches_one_process(tmp_path, cache_dir):
+    """cp=2 (zig-zag ring attention, documents masked) on 2 ranks sees the same sequences as one process
+    with cp=1: each rank holds half of every sequence, and the loss is normalised by the global count."""
+    _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}"],
+                          "dp 1, cp 2")
