@@ -9,7 +9,10 @@ indices of the zig-zag layout):
           the last key of chunk j), and the pairs are one dense rectangle: the queries of that document
           (a prefix of chunk i) by its keys (a suffix of chunk j), or nothing at all.
 So every block is skipped, one dense rectangle, or varlen-causal: no L x L mask, no document length
-constraint, and empty blocks cost nothing. The plan depends only on the full batch's document ids,
+constraint, and empty blocks cost nothing. At step 0 (a rank's own K/V) the local order [chunk r,
+chunk 2N-1-r] is itself causal-consistent: every key of chunk r precedes every query of chunk
+2N-1-r, and a document spanning the two is contiguous in local order. So step 0 is one
+varlen-causal call over the local sequence, as large as the kernel can get. The plan depends only on the full batch's document ids,
 which every rank of a CP group has, so it is computed once per batch, without communication, and
 serves every layer's forward and backward.
 """
@@ -111,6 +114,12 @@ def step_blocks(doc: Optional[np.ndarray], length: int, n: int, rank: int, step:
     """Blocks of one batch row at ring step `step`. doc: (L,) document ids of the full row, or None
     for plain causal attention."""
     c = check_divisible(length, n)
+    if step == 0:
+        a, b = rank_chunks(n, rank)
+        if doc is None:
+            return [Block(0, 2 * c, 0, 2 * c, ((0, 2 * c),))]
+        local = np.concatenate([doc[a * c:(a + 1) * c], doc[b * c:(b + 1) * c]])
+        return [Block(0, 2 * c, 0, 2 * c, _segments(local, 0, 2 * c))]
     src = (rank - step) % n
     blocks = []
     for qi, qc in enumerate(rank_chunks(n, rank)):
