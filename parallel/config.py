@@ -11,6 +11,7 @@ KERNELS = ("auto", "sdpa", "flash_attn", "math")
 class ParallelConfig:
     cp_impl: str = "ring"  # how a stage with cp > 1 splits the sequence; the degree is per stage
     kernel: str = "auto"  # auto: flash_attn on CUDA when installed, else sdpa (per document)
+    fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
 
 
 @dataclass(frozen=True)

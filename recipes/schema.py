@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from data.config import DataConfig, LongDocConfig
 from model.config import ModelConfig
 from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims
+from parallel.fsdp import use_fsdp
 from parallel.kernels import resolve_kernel
 from recipes.schedule import SCHEDULES
 
@@ -203,6 +204,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"model.arch={m.arch!r} is unknown; use smollm3 or checkpoint")
     if cfg.parallel.kernel not in KERNELS:
         raise ValueError(f"parallel.kernel={cfg.parallel.kernel!r} is unknown; use one of {KERNELS}")
+    use_fsdp(cfg.parallel.fsdp, "cpu", world_size)  # a valid choice?
     ring = any(s.cp > 1 for s in r.stages.values())
     resolve_kernel(cfg.parallel.kernel, "cuda" if torch.cuda.is_available() else "cpu", ring)  # installed?
     if cfg.logger.wandb_mode not in ("offline", "online", "disabled"):

@@ -22,6 +22,7 @@ from model.build import build_model
 from model.loss import IGNORE_INDEX, ChunkedLossLM
 from parallel.attention import CPContext, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelDims
+from parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip, use_fsdp
 from parallel.kernels import resolve_kernel
 from parallel.ring import RingComm
 from recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
@@ -131,7 +132,14 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     use_longstride_attention(lm)
     kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type, ring=dims.cp > 1)
     prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, acc.device.type))
-    model = acc.prepare(ChunkedLossLM(lm, cfg.model.loss_tile_tokens))
+    fsdp = use_fsdp(cfg.parallel.fsdp, acc.device.type, acc.num_processes)
+    if fsdp:  # parameters, gradients and optimizer state sharded over all dp x cp ranks
+        lm.to(acc.device)
+        bf16 = acc.mixed_precision == "bf16"
+        model = apply_fsdp(ChunkedLossLM(lm, cfg.model.loss_tile_tokens), lm.model.layers, acc.device.type,
+                           acc.num_processes, torch.bfloat16 if bf16 else None)
+    else:  # DDP over all dp x cp ranks (or a single process)
+        model = acc.prepare(ChunkedLossLM(lm, cfg.model.loss_tile_tokens))
     optimizer = torch.optim.AdamW(param_groups(lm, cfg.optim.weight_decay), lr=stage.lr,
                                   betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
     scheduler = build_scheduler(optimizer, total, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
@@ -147,7 +155,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     step, tokens_seen, val_start = 0, 0, None
     if resume:
         trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes)
-        optimizer.load_state_dict(trainer["optimizer"])
+        optimizer.load_state_dict(mine["optimizer"] if fsdp else trainer["optimizer"])
         scheduler.load_state_dict(trainer["scheduler"])
         step, tokens_seen, val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
         loader.load_state_dict(mine["data"])
@@ -155,17 +163,25 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         tracker.info("stage %s: resuming from %s (step %d)", name, resume, step)
     else:
         tracker.info("stage %s: from %s", name, init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
+    tracker.info("stage %s: model %s on %s (%s)", name, type(model).__name__, acc.device, acc.distributed_type)
     tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d); "
                  "packing %s", name, stage.seq_len, stage.rope_theta, total, stage.batch_tokens, accum, dims.dp,
                  dims.cp, {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
 
     def save(path: str, with_state: bool, extra_meta: dict | None = None) -> None:
+        # FSDP2: the full weights are gathered (collective) and the optimizer state stays sharded per rank
+        full = {k.removeprefix("lm."): v for k, v in full_state_dict(model).items()} if fsdp else None
+        save_lm = (lambda d: lm.save_pretrained(d, state_dict=full)) if fsdp else \
+            (lambda d: acc.unwrap_model(model).lm.save_pretrained(d))
+        opt_state = optimizer.state_dict() if with_state else None
         save_checkpoint(
             path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
-            save_model=lambda d: (acc.unwrap_model(model).lm.save_pretrained(d), tok.save_pretrained(d)),
-            trainer_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                           "tokens_seen": tokens_seen, "val_loss_start": val_start} if with_state else None,
-            rank_state={"data": loader.state_dict(), "rng": rng_state()} if with_state else None,
+            save_model=lambda d: (save_lm(d), tok.save_pretrained(d)),
+            trainer_state={"scheduler": scheduler.state_dict(), "step": step, "tokens_seen": tokens_seen,
+                           "val_loss_start": val_start, **({} if fsdp else {"optimizer": opt_state})}
+            if with_state else None,
+            rank_state={"data": loader.state_dict(), "rng": rng_state(), **({"optimizer": opt_state} if fsdp else {})}
+            if with_state else None,
             meta={"recipe": cfg.recipe.name, "stage": name, "step": step, "seq_len": stage.seq_len,
                   "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats,
                   **(extra_meta or {})},
@@ -185,7 +201,9 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             count = all_reduce_sum(torch.tensor(float(sum(label_count(m) for m in micro))))
             loss_sum = torch.zeros((), dtype=torch.float32)
             for i, mb in enumerate(micro):
-                sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
+                if fsdp:
+                    model.set_requires_gradient_sync(i == accum - 1)
+                sync = contextlib.nullcontext() if fsdp or i == accum - 1 else acc.no_sync(model)
                 with sync:
                     part = forward_sum(model, mb, acc.device)
                     # DDP averages gradients over all dp x cp ranks; each CP rank holds part of the sequence's
@@ -193,7 +211,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                     # makes the update the global sum / global count.
                     acc.backward(part * (acc.num_processes / count.clamp(min=1).item()))
                 loss_sum += part.detach().float().cpu()
-            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
+            clip = grad_norm_clip if fsdp else acc.clip_grad_norm_
+            grad_norm = clip(model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

@@ -113,9 +113,10 @@ def test_checkpoint_dir_that_does_not_exist(micro):
         run(cfg)
 
 
-def _one_vs_two_processes(tmp_path, cache_dir, extra: list[str], expect: str) -> None:
+def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str, crash_at: int | None = None) -> None:
     """Runs stage s1 in one process and under accelerate launch with the 2-process CPU config (gloo);
-    the losses must agree up to reduction order."""
+    the losses must agree up to reduction order. crash_at: the 2-process run is first SIGKILLed after
+    that step, then rerun, and resumes from its last checkpoint."""
     import subprocess
     import sys
 
@@ -128,11 +129,19 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra: list[str], expect: str) ->
     one = run_cli(overrides(tmp_path / "one", False))
     assert one.returncode == 0, one.stderr[-2000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          str(REPO / "configs/accelerate/cpu.yaml"), "-m", "recipes.train",
-                          *overrides(tmp_path / "two", True)], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
+
+    def launch(*more):
+        return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(REPO / "configs/accelerate/cpu.yaml"), "-m", "recipes.train",
+                               *overrides(tmp_path / "two", True), *more], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+    if crash_at is not None:
+        killed = launch(f"train.crash_at_step={crash_at}")
+        assert killed.returncode != 0 and not (tmp_path / "two" / "tiny" / "s1_256" / "final").exists()
+    two = launch()
     assert two.returncode == 0, two.stderr[-3000:]
+    if crash_at is not None:
+        assert "resuming from" in two.stderr + two.stdout
     assert expect in two.stderr + two.stdout
     a, b = read_metrics(tmp_path / "one" / "tiny" / "s1_256"), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
     assert sorted(a) == sorted(b)
@@ -154,3 +163,11 @@ def test_two_process_context_parallel_matches_one_process(tmp_path, cache_dir):
     with cp=1: each rank holds half of every sequence, and the loss is normalised by the global count."""
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}"],
                           "dp 1, cp 2")
+
+
+def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, cache_dir):
+    """FSDP2 over the dp x cp ranks (parameters and optimizer state sharded, forced on for CPU) with
+    cp=2, killed after step 4 and rerun: the losses still equal the one-process run's."""
+    _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
+                                                            f"parallel.fsdp={'true' if two else 'false'}"],
+                          "model FSDPChunkedLossLM", crash_at=4)
