@@ -61,7 +61,7 @@ class RingPlan:
                    for step in self.steps for rows, blocks in step)
 
 
-def _segments(doc: np.ndarray, lo: int, hi: int) -> tuple:
+def doc_segments(doc: np.ndarray, lo: int, hi: int) -> tuple:
     d = doc[lo:hi]
     cuts = np.flatnonzero(d[1:] != d[:-1]) + 1
     edges = [0, *cuts.tolist(), hi - lo]
@@ -73,7 +73,7 @@ def _pair(doc: Optional[np.ndarray], qc: int, kc: int, c: int, q_off: int, k_off
     if kc > qc:
         return None
     if kc == qc:
-        segs = ((0, c),) if doc is None else _segments(doc, qc * c, (qc + 1) * c)
+        segs = ((0, c),) if doc is None else doc_segments(doc, qc * c, (qc + 1) * c)
         return Block(q_off, q_off + c, k_off, k_off + c, segs)
     if doc is None:
         return Block(q_off, q_off + c, k_off, k_off + c)
@@ -119,7 +119,7 @@ def step_blocks(doc: Optional[np.ndarray], length: int, n: int, rank: int, step:
         if doc is None:
             return [Block(0, 2 * c, 0, 2 * c, ((0, 2 * c),))]
         local = np.concatenate([doc[a * c:(a + 1) * c], doc[b * c:(b + 1) * c]])
-        return [Block(0, 2 * c, 0, 2 * c, _segments(local, 0, 2 * c))]
+        return [Block(0, 2 * c, 0, 2 * c, doc_segments(local, 0, 2 * c))]
     src = (rank - step) % n
     blocks = []
     for qi, qc in enumerate(rank_chunks(n, rank)):
