@@ -12,9 +12,9 @@ So every block is skipped, one dense rectangle, or varlen-causal: no L x L mask,
 constraint, and empty blocks cost nothing. At step 0 (a rank's own K/V) the local order [chunk r,
 chunk 2N-1-r] is itself causal-consistent: every key of chunk r precedes every query of chunk
 2N-1-r, and a document spanning the two is contiguous in local order. So step 0 is one
-varlen-causal call over the local sequence, as large as the kernel can get. The plan depends only on the full batch's document ids,
-which every rank of a CP group has, so it is computed once per batch, without communication, and
-serves every layer's forward and backward.
+varlen-causal call over the local sequence, as large as the kernel can get. The plan depends only
+on the full batch's document ids, which every rank of a CP group has, so it is computed once per
+batch, without communication, and serves every layer's forward and backward.
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class RingPlan:
 
 
 def doc_segments(doc: np.ndarray, lo: int, hi: int) -> tuple:
+    """(start, end) of each document run in doc[lo:hi], relative to lo."""
     d = doc[lo:hi]
     cuts = np.flatnonzero(d[1:] != d[:-1]) + 1
     edges = [0, *cuts.tolist(), hi - lo]
@@ -70,11 +71,9 @@ def doc_segments(doc: np.ndarray, lo: int, hi: int) -> tuple:
 
 def _pair(doc: Optional[np.ndarray], qc: int, kc: int, c: int, q_off: int, k_off: int) -> Optional[Block]:
     """The block for global query chunk qc against key chunk kc, at local offsets q_off / k_off."""
+    # kc == qc happens only at step 0 (a rank's own chunks), which step_blocks plans as one block
     if kc > qc:
         return None
-    if kc == qc:
-        segs = ((0, c),) if doc is None else doc_segments(doc, qc * c, (qc + 1) * c)
-        return Block(q_off, q_off + c, k_off, k_off + c, segs)
     if doc is None:
         return Block(q_off, q_off + c, k_off, k_off + c)
     spanning = doc[(kc + 1) * c - 1]

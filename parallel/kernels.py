@@ -14,6 +14,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from parallel.blocks import doc_segments
+
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
@@ -35,14 +37,9 @@ def resolve_kernel(kernel: str, device_type: str, ring: bool = False) -> str:
     return kernel
 
 
-def doc_bounds(doc_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """doc_ids: (B, L) non-decreasing per row -> per row, (start, end) of each document."""
-    out = []
-    for row in doc_ids:
-        change = torch.nonzero(row[1:] != row[:-1]).flatten() + 1
-        edges = [0, *change.tolist(), row.numel()]
-        out.append(list(zip(edges[:-1], edges[1:])))
-    return out
+def doc_bounds(doc_ids: torch.Tensor) -> list[tuple]:
+    """doc_ids: (B, L) document runs per row -> per row, (start, end) of each document."""
+    return [doc_segments(row, 0, row.shape[0]) for row in doc_ids.cpu().numpy()]
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
