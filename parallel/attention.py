@@ -21,7 +21,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from parallel.blocks import RingPlan, ring_plan
 from parallel.kernels import doc_attention
 from parallel.ring import RingComm, ring_attention
-from parallel.zigzag import shard_batch
+from parallel.ulysses import HeadComm, ulysses_attention
+from parallel.zigzag import shard_batch, split_batch
 
 NAME = "longstride"
 
@@ -29,30 +30,57 @@ NAME = "longstride"
 @dataclass
 class DocLayout:
     """What attention needs to know about a packed batch. doc_ids: (B, L) or None (plain causal).
-    With a ring plan (CP > 1) the documents are encoded in the plan and doc_ids is unused."""
+    With a plan (CP > 1) the documents are encoded in the plan and doc_ids is unused; heads set means
+    Ulysses (UPipe when stage_heads > 0) over the ring-local sequence."""
 
     doc_ids: Optional[torch.Tensor]
     kernel: str = "sdpa"
     plan: Optional[RingPlan] = None
     comm: Optional[RingComm] = None
+    heads: Optional[HeadComm] = None
+    stage_heads: int = 0
 
 
 @dataclass(frozen=True)
 class CPContext:
-    """This rank's place in its context-parallel group; comm is None when n == 1."""
+    """This rank's place in its context-parallel group: ring degree n (comm None when 1) x Ulysses
+    degree `ulysses` (heads None when 1); stage_heads is UPipe's U (0: all heads at once)."""
 
     n: int = 1
     rank: int = 0
     comm: Optional[RingComm] = None
+    ulysses: int = 1
+    ulysses_rank: int = 0
+    heads: Optional[HeadComm] = None
+    stage_heads: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.n * self.ulysses
+
+
+def cp_context(dims, degrees, device_type: str) -> CPContext:
+    """This rank's CPContext for a stage: dims a ParallelDims, degrees its CPDegrees (parallel/config.py).
+    Collective (builds the device mesh) when cp > 1."""
+    if dims.cp == 1:
+        return CPContext()
+    mesh = dims.mesh(device_type, degrees.ulysses)
+    ring = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
+    heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
+    return CPContext(degrees.ring, mesh.get_local_rank("ring"), ring, degrees.ulysses, mesh.get_local_rank("ulysses"),
+                     heads, degrees.stage_heads)
 
 
 def shard_for_cp(batch: dict, doc_masking: bool, kernel: str, cp: CPContext) -> tuple[dict, DocLayout]:
-    """A full PackedBatch -> (this rank's share of every tensor, the layout its attention calls read)."""
+    """A full PackedBatch -> (this rank's share of every tensor, the layout its attention calls read).
+    The share is the ring rank's zig-zag share, then its Ulysses rank's contiguous piece of that."""
     docs = batch["doc_ids"] if doc_masking else None
-    if cp.n == 1:
+    if cp.size == 1:
         return batch, DocLayout(docs, kernel)
     B, L = batch["input_ids"].shape
-    return shard_batch(batch, cp.n, cp.rank), DocLayout(None, kernel, ring_plan(docs, B, L, cp.n, cp.rank), cp.comm)
+    local = split_batch(shard_batch(batch, cp.n, cp.rank), cp.ulysses, cp.ulysses_rank)
+    plan = ring_plan(docs, B, L, cp.n, cp.rank)
+    return local, DocLayout(None, kernel, plan, cp.comm, cp.heads, cp.stage_heads)
 
 
 def longstride_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -62,7 +90,10 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         raise NotImplementedError("attention dropout is not supported by longstride attention")
     layout = doc_layout or DocLayout(None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if layout.plan is not None:
+    if layout.heads is not None:
+        out = ulysses_attention(query, key, value, layout.plan, layout.kernel, scale, layout.comm, layout.heads,
+                                layout.stage_heads)
+    elif layout.plan is not None:
         out = ring_attention(query, key, value, layout.plan, layout.kernel, scale, layout.comm)
     else:
         out = doc_attention(query, key, value, layout.doc_ids, scale, layout.kernel)

@@ -12,6 +12,66 @@ class ParallelConfig:
     cp_impl: str = "ring"  # how a stage with cp > 1 splits the sequence; the degree is per stage
     kernel: str = "auto"  # auto: flash_attn on CUDA when installed, else sdpa (per document)
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
+    ulysses: int = 0  # hybrid only: the Ulysses degree inside each ring rank (ring degree = cp / ulysses)
+    upipe_heads: int = 0  # upipe (and optionally hybrid): U, query heads per stage; 0 = the Ulysses degree
+
+
+@dataclass(frozen=True)
+class CPDegrees:
+    """How a stage's cp splits: cp = ring x ulysses. stage_heads: UPipe's U (query heads per stage over
+    the Ulysses group); 0 runs all heads at once (plain Ulysses)."""
+
+    ring: int = 1
+    ulysses: int = 1
+    stage_heads: int = 0
+
+
+def describe_cp(impl: str, d: CPDegrees) -> str:
+    """' = ring 2 x ulysses 2, U 2' for the stage log."""
+    parts = [f"ring {d.ring}"] if d.ring > 1 else []
+    parts += [f"ulysses {d.ulysses}"] if d.ulysses > 1 else []
+    return f" {impl}: " + " x ".join(parts) + (f", {d.stage_heads} heads per stage" if d.stage_heads else "")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(choices: list[int], x: int) -> list[int]:
+    return sorted(sorted(choices, key=lambda c: (abs(c - x), c))[:2])
+
+
+def cp_degrees(cfg: ParallelConfig, cp: int, heads: int, where: str = "cp") -> CPDegrees:
+    """The (ring, Ulysses, U) split of a stage's cp for a model with `heads` query heads. K/V heads need
+    no check: when they do not divide by the Ulysses degree they are replicated (parallel/upipe.py)."""
+    if cfg.cp_impl not in CP_IMPLS:
+        raise ValueError(f"parallel.cp_impl={cfg.cp_impl!r} is unknown; use one of {CP_IMPLS}")
+    if cp == 1:
+        return CPDegrees()
+    if cfg.cp_impl == "ring":
+        return CPDegrees(ring=cp)
+    if cfg.cp_impl == "hybrid":
+        u = cfg.ulysses
+        if u < 1 or cp % u:
+            raise ValueError(f"parallel.ulysses={u}: hybrid needs a Ulysses degree that divides {where}={cp} "
+                             f"(ring degree = cp / ulysses); set parallel.ulysses to one of {_divisors(cp)}")
+    else:
+        u = cp
+    if heads % u:
+        ok = [d for d in _divisors(heads) if d > 1]
+        raise ValueError(f"{where}={cp}: the Ulysses degree {u} must divide the model's {heads} query heads; "
+                         f"valid Ulysses degrees are {ok} (nearest: {_nearest(ok, u)}), or use parallel.cp_impl=ring")
+    if cfg.upipe_heads and cfg.cp_impl == "ulysses":
+        raise ValueError(f"parallel.upipe_heads={cfg.upipe_heads} is read by cp_impl=upipe or hybrid; "
+                         "use parallel.cp_impl=upipe for headwise stages")
+    U = 0
+    if cfg.cp_impl == "upipe" or cfg.upipe_heads:
+        U = cfg.upipe_heads or u
+        ok = [d for d in _divisors(heads) if d % u == 0]
+        if U % u or heads % U:
+            raise ValueError(f"parallel.upipe_heads={U} must be a multiple of the Ulysses degree {u} and divide the "
+                             f"{heads} query heads; valid: {ok} (nearest: {_nearest(ok, U)})")
+    return CPDegrees(cp // u, u, 0 if U == heads else U)
 
 
 @dataclass(frozen=True)
@@ -46,9 +106,11 @@ class ParallelDims:
     def cp_rank(self, rank: int) -> int:
         return rank % self.cp
 
-    def mesh(self, device_type: str):
-        """The (dp, cp) DeviceMesh over the world; mesh["cp"] is this rank's ring, mesh["dp"] its data
-        replicas. Collective: every rank calls it, in the same order."""
+    def mesh(self, device_type: str, ulysses: int = 1):
+        """The (dp, ring, ulysses) DeviceMesh over the world, ring x ulysses = cp. Ulysses groups are
+        contiguous ranks (inside a node), rings stride across them. Collective: every rank calls it, in
+        the same order."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        return init_device_mesh(device_type, (self.dp, self.cp // ulysses, ulysses),
+                                mesh_dim_names=("dp", "ring", "ulysses"))

@@ -72,15 +72,15 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     n = plan.n
     out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-    kv = torch.stack([k, v])  # (2, B, Hkv, Lloc, D): one message per step
+    kv = torch.stack([k, v]) if n > 1 else (k, v)  # (2, B, Hkv, Lloc, D): one message per step
     for t in range(n):
         if t + 1 < n:
             nxt = torch.empty_like(kv)
             reqs = comm.exchange(kv, nxt, KV_TAG)
         for rows, blocks in plan.steps[t]:
             for b in blocks:
-                o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], kv[0, rows, :, b.k0:b.k1],
-                                     kv[1, rows, :, b.k0:b.k1], scale, b.segments)
+                o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], kv[0][rows, :, b.k0:b.k1],
+                                     kv[1][rows, :, b.k0:b.k1], scale, b.segments)
                 _merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
         if t + 1 < n:
             _wait(reqs)
@@ -92,13 +92,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
     n = plan.n
     acc = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
+    kv = torch.stack([k, v]) if n > 1 else (k, v)
     dkv_reqs, dkv_in = [], None
     for t in range(n):
         if t + 1 < n:
             nxt = torch.empty_like(kv)
             reqs = comm.exchange(kv, nxt, KV_TAG)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this step's dK/dV of the block held
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # this step's dK/dV of the block held
         for rows, blocks in plan.steps[t]:
             for b in blocks:
                 r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))

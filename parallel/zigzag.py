@@ -52,6 +52,21 @@ def unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
+def split(x: torch.Tensor, n: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Contiguous piece `rank` of `n` along `dim`: a Ulysses rank's part of its ring rank's share."""
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"sequence share of {x.shape[dim]} tokens does not split into {n} Ulysses pieces; "
+                         f"use a sequence length that is a multiple of {n} x the ring's 2 x degree")
+    c = x.shape[dim] // n
+    return x.narrow(dim, rank * c, c)
+
+
+def split_batch(batch: dict, n: int, rank: int) -> dict:
+    return {k: split(v, n, rank, dim=1) for k, v in batch.items()}
+
+
 def shard_batch(batch: dict, n: int, rank: int) -> dict:
     """Every (B, L) tensor of a PackedBatch, sharded along L."""
     return {k: shard(v, n, rank, dim=1) for k, v in batch.items()}

@@ -5,6 +5,8 @@ parallel/config.py); the groups that belong to the recipe runner are here.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Dict, List, Optional
@@ -16,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from data.config import DataConfig, LongDocConfig
 from model.config import ModelConfig
-from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims
+from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims, cp_degrees
 from parallel.fsdp import use_fsdp
 from parallel.kernels import resolve_kernel
 from recipes.schedule import SCHEDULES
@@ -144,6 +146,28 @@ def selected_stages(cfg: Config) -> list[str]:
     return [cfg.stage]
 
 
+def _query_heads(m: ModelConfig) -> int:
+    if m.arch == "checkpoint":
+        if not m.checkpoint:
+            raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
+        path = os.path.join(m.checkpoint, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model.checkpoint={m.checkpoint!r} is not an HF model directory with a config.json")
+        with open(path) as fh:
+            return json.load(fh)["num_attention_heads"]
+    return m.num_attention_heads
+
+
+def _check_cp_length(f: str, s: StageConfig, par: ParallelConfig, heads: int) -> None:
+    d = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
+    if d.ulysses == 1 and s.seq_len % (2 * s.cp):
+        raise ValueError(f"{f}.seq_len={s.seq_len} is not divisible by 2 x cp = {2 * s.cp} "
+                         f"(the zig-zag layout cuts it into 2 x cp chunks); use a multiple of {2 * s.cp}")
+    if s.seq_len % (2 * d.ring) or (s.seq_len // d.ring) % d.ulysses:
+        raise ValueError(f"{f}.seq_len={s.seq_len}: {par.cp_impl} with ring {d.ring} x ulysses {d.ulysses} needs "
+                         f"a multiple of {d.ring * math.lcm(2, d.ulysses)}")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every user-facing check, with the field and the fix; nothing is built before it passes."""
     r = cfg.recipe
@@ -166,9 +190,10 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ValueError(f"{f}.schedule={s.schedule!r} is unknown; use one of {SCHEDULES}")
         if not 0 <= s.warmup_steps < s.total_steps:
             raise ValueError(f"{f}.warmup_steps={s.warmup_steps} must be in [0, {s.total_steps})")
-        if s.cp > 1 and s.seq_len % (2 * s.cp):
-            raise ValueError(f"{f}.seq_len={s.seq_len} is not divisible by 2 x cp = {2 * s.cp} "
-                             f"(the zig-zag layout cuts it into 2 x cp chunks); use a multiple of {2 * s.cp}")
+        if cfg.parallel.cp_impl not in CP_IMPLS:
+            raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
+        if s.cp > 1:
+            _check_cp_length(f, s, cfg.parallel, _query_heads(cfg.model))
         dims = ParallelDims.from_world(world_size, s.cp, where=f"{f}.cp")
         per_step = dims.dp * s.micro_batch_size * s.seq_len
         if s.batch_tokens % per_step:
@@ -178,11 +203,6 @@ def validate(cfg: Config, world_size: int) -> None:
             unknown = set(s.mixture) - set(cfg.data.sources)
             if unknown:
                 raise ValueError(f"{f}.mixture names {sorted(unknown)}, not in data.sources {list(cfg.data.sources)}")
-        if s.cp > 1 and cfg.parallel.cp_impl not in CP_IMPLS:
-            raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
-        if s.cp > 1 and cfg.parallel.cp_impl != "ring":
-            raise NotImplementedError(f"{f}.cp={s.cp}: parallel.cp_impl={cfg.parallel.cp_impl} is not available "
-                                      "yet; use parallel.cp_impl=ring")
     selected_stages(cfg)
     if not cfg.data.sources:
         raise ValueError("data.sources is empty; pick a data config (data=stdlib, data=files, ...) or add a source")

@@ -20,11 +20,10 @@ from data.batch import collate
 from data.pipeline import split_holdout, stage_loader, stage_sequences
 from model.build import build_model
 from model.loss import IGNORE_INDEX, ChunkedLossLM
-from parallel.attention import CPContext, shard_for_cp, use_longstride_attention
-from parallel.config import ParallelDims
+from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
+from parallel.config import ParallelDims, cp_degrees, describe_cp
 from parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip, use_fsdp
 from parallel.kernels import resolve_kernel
-from parallel.ring import RingComm
 from recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
                                 save_checkpoint, set_rng_state, step_name)
 from recipes.schedule import build_scheduler
@@ -81,13 +80,6 @@ def label_count(local: tuple[dict, object]) -> int:
     return int((local[0]["labels"] != IGNORE_INDEX).sum())
 
 
-def cp_context(dims: ParallelDims, device_type: str) -> CPContext:
-    if dims.cp == 1:
-        return CPContext()
-    mesh = dims.mesh(device_type)
-    return CPContext(dims.cp, mesh.get_local_rank("cp"), RingComm(mesh.get_group("cp")))
-
-
 @torch.no_grad()
 def validation_loss(model, held_out, dp_rank: int, dp: int, device, prep: BatchPrep) -> float:
     """Mean token loss over the held-out sequences (each data rank takes its share, each CP rank its
@@ -131,7 +123,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_longstride_attention(lm)
     kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type, ring=dims.cp > 1)
-    prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, acc.device.type))
+    degrees = cp_degrees(cfg.parallel, stage.cp, lm.config.num_attention_heads, where=f"recipe.stages.{name}.cp")
+    prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, degrees, acc.device.type))
     fsdp = use_fsdp(cfg.parallel.fsdp, acc.device.type, acc.num_processes)
     if fsdp:  # parameters, gradients and optimizer state sharded over all dp x cp ranks
         lm.to(acc.device)
@@ -164,9 +157,10 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     else:
         tracker.info("stage %s: from %s", name, init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     tracker.info("stage %s: model %s on %s (%s)", name, type(model).__name__, acc.device, acc.distributed_type)
-    tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d); "
+    tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d%s); "
                  "packing %s", name, stage.seq_len, stage.rope_theta, total, stage.batch_tokens, accum, dims.dp,
-                 dims.cp, {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
+                 dims.cp, describe_cp(cfg.parallel.cp_impl, degrees) if dims.cp > 1 else "",
+                 {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
 
     def save(path: str, with_state: bool, extra_meta: dict | None = None) -> None:
         # FSDP2: the full weights are gathered (collective) and the optimizer state stays sharded per rank

@@ -79,6 +79,20 @@ def test_seq_len_divisible_for_cp():
                  r"seq_len=2050 is not divisible by 2 x cp = 4", world=2)
 
 
+def test_cp_impl_degrees_checked_against_the_model_heads():
+    # the tiny model has 4 query heads; s2_2k and s3_4k run cp=2
+    expect_error(["parallel.cp_impl=upipe", "parallel.upipe_heads=3"],
+                 r"parallel.upipe_heads=3 must be a multiple of the Ulysses degree 2 and divide the 4 query heads; "
+                 r"valid: \[2, 4\]")
+    expect_error(["parallel.cp_impl=hybrid"], r"parallel.ulysses=0: hybrid .*one of \[1, 2\]")
+    world4 = ["recipe.stages.s1_256.batch_tokens=8192", "recipe.stages.s2_2k.cp=4", "recipe.stages.s3_4k.cp=4"]
+    expect_error(["parallel.cp_impl=ulysses", "model.num_attention_heads=6", "model.num_key_value_heads=2", *world4],
+                 r"s2_2k.cp=4: the Ulysses degree 4 must divide the model's 6 query heads", world=4)
+    expect_error(["parallel.cp_impl=zigzag"], r"parallel.cp_impl='zigzag' is unknown")
+    validate(compose_cfg(["parallel.cp_impl=upipe"]), 2)
+    validate(compose_cfg(["parallel.cp_impl=hybrid", "parallel.ulysses=2", *world4]), 4)
+
+
 def test_world_not_divisible_by_cp():
     expect_error(["recipe.stages.s1_256.cp=2"], r"s1_256.cp: world size 3 is not divisible by cp 2", world=3)
 

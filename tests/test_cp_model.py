@@ -1,5 +1,6 @@
 """End to end under context parallelism: a tiny transformers model's loss and parameter gradients with
-the batch zig-zag sharded over 2 gloo ranks (ring attention) equal the one-process ones."""
+the batch sharded over gloo ranks equal the one-process ones, for ring (zig-zag), Ulysses, UPipe and
+Ulysses x ring."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 from model.build import build_model
 from model.config import ModelConfig
 from model.loss import IGNORE_INDEX, ChunkedLossLM
-from parallel.attention import CPContext, shard_for_cp, use_longstride_attention
+from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
+from parallel.config import ParallelConfig, ParallelDims, cp_degrees
 from tests.distributed import run_gloo
 
 L = 96
@@ -44,14 +46,13 @@ def loss_and_grads(cp: CPContext, doc_masking: bool):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, n: int, path: str) -> None:
+def _worker(rank: int, n: int, par: ParallelConfig, path: str) -> None:
     import torch.distributed as dist
 
-    from parallel.ring import RingComm
-
+    cp = cp_context(ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu")
     out = {}
     for doc_masking in (True, False):
-        loss, grads = loss_and_grads(CPContext(n, rank, RingComm(dist.group.WORLD)), doc_masking)
+        loss, grads = loss_and_grads(cp, doc_masking)
         for t in (loss, *grads.values()):
             dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
         out[doc_masking] = (loss, grads)
@@ -59,15 +60,24 @@ def _worker(rank: int, n: int, path: str) -> None:
         torch.save(out, path)
 
 
-@pytest.mark.parametrize("n", [2])
-def test_cp_loss_and_gradients_equal_single_process(n, tmp_path):
+IMPLS = {  # name: (processes, parallel config); the tiny model has 4 query / 2 K/V heads
+    "ring2": (2, ParallelConfig(cp_impl="ring")),
+    "ulysses2": (2, ParallelConfig(cp_impl="ulysses")),
+    "upipe2_U2": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2)),
+    "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2)),
+}
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_cp_loss_and_gradients_equal_single_process(impl, tmp_path):
     path = str(tmp_path / "cp.pt")
-    run_gloo(_worker, n, path)
+    n, par = IMPLS[impl]
+    run_gloo(_worker, n, par, path)
     got = torch.load(path)
     for doc_masking in (True, False):
         loss1, grads1 = loss_and_grads(CPContext(), doc_masking)
         lossn, gradsn = got[doc_masking]
-        assert abs(lossn.item() - loss1.item()) <= 1e-5 * abs(loss1.item()), (doc_masking, lossn, loss1)
+        assert abs(lossn.item() - loss1.item()) <= 1e-5 * abs(loss1.item()), (impl, doc_masking, lossn, loss1)
         worst = max(((gradsn[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item() for k, g in grads1.items())
-        assert worst <= 1e-5, f"doc_masking={doc_masking}: worst relative gradient difference {worst:.2e}"
+        assert worst <= 1e-5, f"{impl} doc_masking={doc_masking}: worst relative gradient difference {worst:.2e}"
     assert not torch.allclose(got[True][0], got[False][0]), "document masking must change the loss"

@@ -171,3 +171,11 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
                                                             f"parallel.fsdp={'true' if two else 'false'}"],
                           "model FSDPChunkedLossLM", crash_at=4)
+
+
+def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):
+    """cp=2 with UPipe (Ulysses all-to-all in 2 stages of 2 query heads) through accelerate launch: the
+    losses equal the one-process run's."""
+    _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
+                                                            "parallel.cp_impl=upipe", "parallel.upipe_heads=2"],
+                          "cp 2 upipe: ulysses 2, 2 heads per stage")

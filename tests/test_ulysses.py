@@ -1,0 +1,142 @@
+"""Ulysses, UPipe and Ulysses x ring parity: gloo processes against one process, outputs and all
+gradients asserted, with document masking and GQA (9:3, the SmolLM2-135M shape, included).
+
+One spawn per process layout runs every case of that layout: seeded Q/K/V and output gradient cut
+into each rank's share (ring zig-zag share, then its Ulysses piece), forward and backward, gathered,
+put back in sequence order and compared with the fp64 dense reference of tests/test_ring.py and with
+the single-process document attention.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.attention import CPContext, cp_context, shard_for_cp
+from parallel.blocks import ring_plan
+from parallel.config import CPDegrees, ParallelConfig, ParallelDims, cp_degrees
+from parallel.ulysses import HeadComm, ulysses_attention
+from parallel.upipe import head_schedule
+from parallel.zigzag import shard, split, unshard
+from tests.distributed import gather_cat, run_gloo
+from tests.test_ring import B, D, L, inputs, layouts, reference, single_process
+
+# (ring degree, Ulysses degree) -> cases (query heads, K/V heads, U; 0 = plain Ulysses)
+LAYOUTS = {
+    (1, 2): [(8, 2, 0), (8, 2, 2), (8, 2, 4), (6, 2, 2)],
+    (1, 3): [(9, 3, 0), (9, 3, 3), (6, 2, 0), (6, 2, 3)],  # 6:2 over 3 ranks replicates K/V to 6 heads
+    (1, 4): [(8, 2, 0), (8, 2, 4), (12, 4, 4)],  # 8:2 over 4 ranks replicates K/V to 4 heads
+    (2, 2): [(8, 2, 0), (8, 2, 2)],  # hybrid: Ulysses inside each rank of a zig-zag ring
+}
+
+
+def local_share(x: torch.Tensor, ring: int, ring_rank: int, uly: int, uly_rank: int) -> torch.Tensor:
+    return split(shard(x, ring, ring_rank, dim=2), uly, uly_rank, dim=2)
+
+
+def full_sequence(parts: list[torch.Tensor], ring: int, uly: int) -> torch.Tensor:
+    """Inverse of local_share over all ranks (global rank = ring_rank * uly + uly_rank)."""
+    shares = [torch.cat(parts[r * uly:(r + 1) * uly], dim=2) for r in range(ring)]
+    return unshard(shares, dim=2) if ring > 1 else shares[0]
+
+
+def _worker(rank: int, world: int, ring: int, path: str) -> None:
+    uly = world // ring
+    cp = cp_context(ParallelDims(world, 1, world), CPDegrees(ring, uly), "cpu")
+    results = {}
+    for h, hkv, U in LAYOUTS[ring, uly]:
+        for lname, doc in layouts().items():
+            for dtype in (torch.float32, torch.bfloat16):
+                q, k, v, dout = inputs(h, hkv, dtype)
+                plan = ring_plan(doc, B, L, ring, cp.rank)
+                ql, kl, vl = (local_share(x, ring, cp.rank, uly, cp.ulysses_rank).requires_grad_(True)
+                              for x in (q, k, v))
+                out = ulysses_attention(ql, kl, vl, plan, "sdpa", D ** -0.5, cp.comm, cp.heads, U)
+                out.backward(local_share(dout, ring, cp.rank, uly, cp.ulysses_rank))
+                got = [out.detach(), ql.grad, kl.grad, vl.grad]
+                results[h, hkv, U, lname, str(dtype)] = [full_sequence(gather_cat(x), ring, uly) for x in got]
+    if rank == 0:
+        torch.save(results, path)
+
+
+@pytest.mark.parametrize("ring,uly", list(LAYOUTS), ids=[f"ring{r}xulysses{u}" for r, u in LAYOUTS])
+def test_ulysses_upipe_hybrid_match_single_process(ring, uly, tmp_path):
+    path = str(tmp_path / "ulysses.pt")
+    run_gloo(_worker, ring * uly, ring, path)
+    results = torch.load(path)
+    for h, hkv, U in LAYOUTS[ring, uly]:
+        for lname, doc in layouts().items():
+            case = f"ring {ring} x ulysses {uly}, {h}:{hkv} heads, U={U or h}, {lname}"
+            ref = reference(*inputs(h, hkv, torch.float64), doc)
+            want = [ref[0], *ref[2:]]
+            got32 = results[h, hkv, U, lname, str(torch.float32)]
+            single32 = single_process(*inputs(h, hkv, torch.float32), doc)
+            for name, got, r64, one in zip(("out", "dq", "dk", "dv"), got32, want, single32):
+                err = (got.double() - r64).abs().max().item()
+                assert err <= 1e-5, f"{case} fp32 {name}: max |cp - fp64 ref| = {err:.2e}"
+                err = (got - one).abs().max().item()
+                assert err <= 1e-5, f"{case} fp32 {name}: max |cp - single process| = {err:.2e}"
+            single16 = single_process(*inputs(h, hkv, torch.bfloat16), doc)
+            for name, got, r64, one in zip(("out", "dq", "dk", "dv"), results[h, hkv, U, lname, str(torch.bfloat16)],
+                                           want, single16):
+                e_cp, e_one = ((x.double() - r64).abs().mean().item() for x in (got, one))
+                assert e_cp <= 1.5 * e_one + 1e-4, f"{case} bf16 {name}: error {e_cp:.2e} vs single {e_one:.2e}"
+
+
+def test_upipe_schedule_exchanges_each_kv_head_once_and_covers_every_query_head():
+    # 32:8 heads over N = 2 with U = 2 (Llama-3-8B's shape): stage s holds query head s of each of a
+    # rank's K/V groups, i.e. one query head per rank, reading one kept K/V head through a slice
+    sched = head_schedule(32, 8, 2, 2)
+    assert len(sched.stages) == 16 and sched.kv_rep == 1 and sched.kv_per_rank == 4
+    sent = torch.cat([st.send for st in sched.stages])
+    assert sorted(sent.tolist()) == list(range(32))
+    for st in sched.stages:
+        q0, q1 = st.send.tolist()  # rank 0's query head, rank 1's
+        assert q0 // 4 < 4 <= q1 // 4, "each rank's query heads read the K/V heads it holds"
+        assert isinstance(st.kv, slice) and st.kv.stop - st.kv.start == 1 and q0 // 4 == st.kv.start
+    # K/V heads not divisible by N: replicated to lcm(Hkv, N) heads, stated by the schedule
+    assert head_schedule(6, 2, 3, 3).kv_travel == 6 and head_schedule(8, 2, 4, 0).kv_travel == 4
+    # single-process stages (identity exchanges) against the one-call path, for a gather schedule too
+    assert head_schedule(12, 6, 1, 4).stages[1].kv.tolist() == [0, 1, 4, 5], "U=4 of 12:6 needs a K/V gather"
+    for heads_, kv_, U in ((12, 6, 4), (12, 6, 2), (12, 6, 0)):
+        q, k, v, dout = inputs(heads_, kv_, torch.float32)
+        doc = layouts()["docs_random"]
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        out = ulysses_attention(qq, kk, vv, ring_plan(doc, B, L, 1, 0), "sdpa", D ** -0.5, None, HeadComm(None), U)
+        out.backward(dout)
+        for got, want in zip((out, qq.grad, kk.grad, vv.grad), single_process(q, k, v, dout, doc)):
+            assert (got - want).abs().max().item() <= 1e-5, f"{heads_}:{kv_} U={U}"
+
+
+def _cfg(impl: str, ulysses: int = 0, upipe_heads: int = 0) -> ParallelConfig:
+    return ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads)
+
+
+def test_degrees_and_their_errors():
+    assert cp_degrees(_cfg("ring"), 4, 9) == CPDegrees(4, 1, 0)
+    assert cp_degrees(_cfg("ulysses"), 3, 9) == CPDegrees(1, 3, 0)
+    assert cp_degrees(_cfg("upipe"), 3, 9) == CPDegrees(1, 3, 3), "U defaults to the Ulysses degree"
+    assert cp_degrees(_cfg("upipe", upipe_heads=8), 2, 32) == CPDegrees(1, 2, 8)
+    assert cp_degrees(_cfg("hybrid", ulysses=2), 4, 8) == CPDegrees(2, 2, 0)
+    with pytest.raises(ValueError, match=r"Ulysses degree 4 must divide the model's 9 query heads; valid Ulysses "
+                                         r"degrees are \[3, 9\] \(nearest: \[3, 9\]\)"):
+        cp_degrees(_cfg("ulysses"), 4, 9)
+    with pytest.raises(ValueError, match=r"upipe_heads=6 must be a multiple of the Ulysses degree 4 and divide the 32 "
+                                         r"query heads; valid: \[4, 8, 16, 32\] \(nearest: \[4, 8\]\)"):
+        cp_degrees(_cfg("upipe", upipe_heads=6), 4, 32)
+    assert cp_degrees(_cfg("hybrid", ulysses=2), 2, 8) == CPDegrees(1, 2, 0), "a stage's cp may equal the degree"
+    with pytest.raises(ValueError, match=r"parallel.ulysses=3: hybrid .* one of \[1, 2, 4, 8\]"):
+        cp_degrees(_cfg("hybrid", ulysses=3), 8, 32)
+    with pytest.raises(ValueError, match="use parallel.cp_impl=upipe"):
+        cp_degrees(_cfg("ulysses", upipe_heads=2), 2, 8)
+
+
+def test_shard_for_cp_gives_each_rank_its_ring_share_then_its_ulysses_piece():
+    batch = {"input_ids": torch.arange(2 * 16).view(2, 16)}
+    batch["doc_ids"] = torch.zeros_like(batch["input_ids"])
+    cp = CPContext(n=2, rank=1, ulysses=2, ulysses_rank=1, heads=HeadComm(None))
+    local, layout = shard_for_cp(batch, True, "sdpa", cp)
+    # ring rank 1 of 2 holds chunks 1 and 2 of 4 (positions 4..11); its Ulysses rank 1 the second half
+    assert local["input_ids"][0].tolist() == [8, 9, 10, 11]
+    assert layout.plan.n == 2 and layout.heads is cp.heads
+    with pytest.raises(ValueError, match="does not split into 3 Ulysses pieces"):
+        shard_for_cp(batch, True, "sdpa", CPContext(n=2, rank=0, ulysses=3, heads=HeadComm(None)))
