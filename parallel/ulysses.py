@@ -45,19 +45,23 @@ class HeadComm:
                 bufs[name] = b
         return b
 
-    def to_heads(self, x: torch.Tensor, bufs: Optional[dict] = None, name: str = "") -> torch.Tensor:
-        """(M, h, Lloc, D) -> (M, h/N, N*Lloc, D): head chunk i goes to rank i, whose sequence is the
-        ranks' pieces in rank order. bufs: reused buffers (the result is one of them)."""
-        N = self.size
+    def to_heads(self, xs, bufs: Optional[dict] = None, name: str = "") -> torch.Tensor:
+        """xs: one (M, h, Lloc, D) tensor or a list of them, exchanged in one all-to-all ->
+        (P*M, h/N, N*Lloc, D), P the list length: head chunk i goes to rank i, whose sequence is the ranks'
+        pieces in rank order. bufs: buffers reused across calls (the result is one of them)."""
+        xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
+        N, P = self.size, len(xs)
+        M, h, Ll, D = xs[0].shape
         if N == 1:
-            return x
-        M, h, Ll, D = x.shape
-        send = self._buf(bufs, name + ".send", (N, M, h // N, Ll, D), x)
-        send.copy_(x.view(M, N, h // N, Ll, D).transpose(0, 1))
-        recv = self._buf(bufs, name + ".recv", send.shape, x)
+            return xs[0] if P == 1 else torch.cat(xs)
+        send = self._buf(bufs, name + ".send", (N, P * M, h // N, Ll, D), xs[0])
+        parts = send.view(N, P, M, h // N, Ll, D)
+        for i, x in enumerate(xs):  # straight into the send buffer, no stacked copy
+            parts[:, i].copy_(x.reshape(M, N, h // N, Ll, D).transpose(0, 1))
+        recv = self._buf(bufs, name + ".recv", send.shape, xs[0])
         dist.all_to_all_single(recv, send, group=self.group)
-        full = self._buf(bufs, name + ".full", (M, h // N, N * Ll, D), x)
-        full.view(M, h // N, N, Ll, D).copy_(recv.permute(1, 2, 0, 3, 4))
+        full = self._buf(bufs, name + ".full", (P * M, h // N, N * Ll, D), xs[0])
+        full.view(P * M, h // N, N, Ll, D).copy_(recv.permute(1, 2, 0, 3, 4))
         return full
 
     def to_seq(self, y: torch.Tensor, bufs: Optional[dict] = None, name: str = "") -> torch.Tensor:
@@ -70,16 +74,15 @@ class HeadComm:
         send.copy_(y.view(M, hl, N, L // N, D).permute(2, 0, 1, 3, 4))
         recv = self._buf(bufs, name + ".recv", send.shape, y)
         dist.all_to_all_single(recv, send, group=self.group)
-        return recv.transpose(0, 1).reshape(M, N * hl, L // N, D)
+        return recv.transpose(0, 1).flatten(1, 2)  # a view of recv when M == 1
 
 
 def _kv_to_heads(k, v, sched: HeadSchedule, heads: HeadComm) -> torch.Tensor:
     """K and V (replicated where the schedule says) in one all-to-all -> kept (2, B, Kr, L, D)."""
-    kv = torch.stack([k, v])
     if sched.kv_rep > 1:
-        kv = kv.repeat_interleave(sched.kv_rep, dim=2)
-    two, B, Hkv, Ll, D = kv.shape
-    return heads.to_heads(kv.reshape(2 * B, Hkv, Ll, D)).view(2, B, Hkv // heads.size, Ll * heads.size, D)
+        k, v = (x.repeat_interleave(sched.kv_rep, dim=1) for x in (k, v))
+    B, Hkv, Ll, D = k.shape
+    return heads.to_heads([k, v]).view(2, B, Hkv // heads.size, Ll * heads.size, D)
 
 
 class _UlyssesAttention(torch.autograd.Function):
@@ -87,12 +90,16 @@ class _UlyssesAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, kernel, scale, ring, heads, stage_heads):
         sched = head_schedule(q.shape[1], k.shape[1], heads.size, stage_heads)
         kv = _kv_to_heads(k, v, sched, heads)
-        out, lses, bufs = torch.empty_like(q), [], {}
-        for st in sched.stages:
-            qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
-            o, lse = ring_forward(qf, st.pick(kv[0]), st.pick(kv[1]), plan, kernel, scale, ring)
-            out.index_copy_(1, st.send, heads.to_seq(o, bufs, "o"))
-            lses.append(lse)
+        if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
+            o, lse = ring_forward(heads.to_heads(q), kv[0], kv[1], plan, kernel, scale, ring)
+            out, lses = heads.to_seq(o).contiguous(), [lse]
+        else:
+            out, lses, bufs = torch.empty_like(q), [], {}
+            for st in sched.stages:
+                qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
+                o, lse = ring_forward(qf, st.pick(kv[0]), st.pick(kv[1]), plan, kernel, scale, ring)
+                out.index_copy_(1, st.send, heads.to_seq(o, bufs, "o"))
+                lses.append(lse)
         ctx.save_for_backward(q, k, v, out, *lses)
         ctx.args = (plan, kernel, scale, ring, heads, sched)
         return out
@@ -103,21 +110,22 @@ class _UlyssesAttention(torch.autograd.Function):
         plan, kernel, scale, ring, heads, sched = ctx.args
         kv = _kv_to_heads(k, v, sched, heads)
         dkv = torch.zeros(kv.shape, dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
-        dq, bufs = torch.empty_like(q), {}
-        B, U = q.shape[0], len(sched.stages[0].send)
+        dq, bufs = torch.empty_like(q), ({} if len(sched.stages) > 1 else None)  # buffers reused by stages
+        B = q.shape[0]
         for st, lse in zip(sched.stages, lses):
-            x = torch.stack([t.index_select(1, st.send) for t in (q, out, dout)])  # (3, B, U, Lloc, D)
-            f = heads.to_heads(x.view(3 * B, U, *x.shape[3:]), bufs, "qod").view(3, B, U // heads.size, -1, x.shape[-1])
+            pick = (lambda t: t) if bufs is None else (lambda t: t.index_select(1, st.send))  # noqa: E731
+            f = heads.to_heads([pick(t) for t in (q, out, dout)], bufs, "qod")  # (3B, U/N, L, D)
+            f = f.view(3, B, *f.shape[1:])
             gq, gk, gv = ring_backward(f[2], f[0], st.pick(kv[0]), st.pick(kv[1]), f[1], lse, plan, kernel, scale,
                                        ring)
             st.add(dkv[0], gk)
             st.add(dkv[1], gv)
             dq.index_copy_(1, st.send, heads.to_seq(gq, bufs, "dq"))
-        two, _, kr, L, D = dkv.shape
-        back = heads.to_seq(dkv.to(k.dtype).view(2 * B, kr, L, D)).reshape(2, B, -1, L // heads.size, D)
+        del kv, bufs
+        dk, dv = (heads.to_seq(g.to(k.dtype)) for g in dkv)  # one at a time: each exchange's buffers are half
         if sched.kv_rep > 1:  # the replicas' gradients sum into their K/V head
-            back = back.view(2, B, sched.kv_heads, sched.kv_rep, L // heads.size, D).sum(3)
-        return dq, back[0], back[1], None, None, None, None, None, None
+            dk, dv = (g.unflatten(1, (sched.kv_heads, sched.kv_rep)).sum(2) for g in (dk, dv))
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ulysses_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, ring: Optional[RingComm],
