@@ -28,23 +28,29 @@ class PackedSequences(torch.utils.data.Dataset):
         return len(self.plan)
 
     def __getitem__(self, i: int) -> dict:
-        p, L = self.plan, self.plan.seq_len
+        p = self.plan
         lo, hi = int(p.seq_ptr[i]), int(p.seq_ptr[i + 1])
-        starts, lens = p.seg_start[lo:hi], p.seg_len[lo:hi]
-        used = int(lens.sum())
-        ids = np.full(L, self.pad_id, dtype=np.int64)
-        ids[:used] = np.concatenate([self.tokens[s:s + n] for s, n in zip(starts.tolist(), lens.tolist())])
-        seg_begin = np.cumsum(lens) - lens
-        if used < L:  # padding is one more document so that no real token ever sees it
-            lens = np.append(lens, L - used)
-            seg_begin = np.append(seg_begin, used)
-        doc = np.repeat(np.arange(len(lens)), lens)
-        pos = np.arange(L) - np.repeat(seg_begin, lens)
-        labels = np.empty(L, dtype=np.int64)
-        labels[:-1] = ids[1:]
-        labels[seg_begin + lens - 1] = IGNORE_INDEX
-        labels[used:] = IGNORE_INDEX
-        return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc, "seq_index": np.arange(L)}
+        pieces = [self.tokens[s:s + n] for s, n in zip(p.seg_start[lo:hi].tolist(), p.seg_len[lo:hi].tolist())]
+        return packed_item(pieces, p.seq_len, self.pad_id)
+
+
+def packed_item(pieces: list[np.ndarray], L: int, pad_id: int) -> dict:
+    """One packed sequence of exactly L tokens from its documents (or document pieces), in order."""
+    lens = np.array([len(x) for x in pieces], dtype=np.int64)
+    used = int(lens.sum())
+    ids = np.full(L, pad_id, dtype=np.int64)
+    ids[:used] = np.concatenate(pieces) if pieces else []
+    seg_begin = np.cumsum(lens) - lens
+    if used < L:  # padding is one more document so that no real token ever sees it
+        lens = np.append(lens, L - used)
+        seg_begin = np.append(seg_begin, used)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    pos = np.arange(L) - np.repeat(seg_begin, lens)
+    labels = np.empty(L, dtype=np.int64)
+    labels[:-1] = ids[1:]
+    labels[seg_begin + lens - 1] = IGNORE_INDEX
+    labels[used:] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc, "seq_index": np.arange(L)}
 
 
 def collate(items: list[dict]) -> dict:

@@ -42,6 +42,8 @@ class DataConfig:
     packing: str = "best_fit"  # best_fit | concat
     doc_masking: bool = True  # False = attend across documents (for comparison only)
     num_proc: int = 1
+    streaming: bool = False  # read sources lazily (corpora larger than memory), pack online: data/stream.py
+    stream_open_seqs: int = 64  # streaming best-fit: sequences kept open for placing documents
     num_workers: int = 0
     eval_sequences: int = 8  # packed sequences per stage held out of training for the validation loss
     seed: int = 1234

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data.config import DataConfig, LongDocConfig
-from data.sources import digest, drop_skipped, load_source
+from data.sources import digest, drop_skipped, load_source, stream_source
 from data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer
 
 
@@ -40,18 +40,21 @@ def build_tokenizer(cfg: DataConfig, cache_dir: str):
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
     name, src = next(iter(cfg.sources.items()))
-    ds, _ = drop_skipped(load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}"))
+    if cfg.streaming:  # the first tokenizer_train_bytes of the stream
+        texts, n = (row["text"] for row in stream_source(src, cache_dir, f"data.sources.{name}") if not row["skip"]), -1
+    else:
+        ds, _ = drop_skipped(load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}"))
+        texts, n = iter(ds["text"]), len(ds)
 
     def sample():
         budget = cfg.tokenizer_train_bytes
-        for text in ds["text"]:
+        for text in texts:
             if budget <= 0:
                 return
             budget -= len(text)
             yield text
 
-    key = digest({"source": vars(src), "n": len(ds),
-                  "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes})
+    key = digest({"source": vars(src), "n": n, "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes})
     tok = cached_bpe(sample(), cfg.vocab_size, cache_dir, f"bpe-{key}")
     check_tokenizer(tok, "data.tokenizer")
     return tok

@@ -62,14 +62,18 @@ def _files_dataset(paths: list[str], cache_dir: str) -> datasets.Dataset:
     )
 
 
-def _mark_skips(ds: datasets.Dataset, column: str, num_proc: int) -> datasets.Dataset:
+def _marker(column: str):
     def mark(batch):
         texts = batch[column]
         skip = ["missing" if t is None else "empty" if not t else "whitespace" if not t.strip() else "" for t in texts]
         return {"text": [t or "" for t in texts], "skip": skip}
 
+    return mark
+
+
+def _mark_skips(ds: datasets.Dataset, column: str, num_proc: int) -> datasets.Dataset:
     keep = [c for c in ds.column_names if c not in ("text", "skip")]
-    return ds.map(mark, batched=True, num_proc=num_proc if len(ds) > 1000 else None, remove_columns=keep,
+    return ds.map(_marker(column), batched=True, num_proc=num_proc if len(ds) > 1000 else None, remove_columns=keep,
                   desc="checking documents")
 
 
@@ -130,3 +134,49 @@ def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
     if counts:
         ds = ds.select([i for i, r in enumerate(reasons) if not r])
     return ds.remove_columns("skip"), counts
+
+
+def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources", rank: int = 0, world: int = 1,
+                  skip: int = 0) -> datasets.IterableDataset:
+    """Rows {text, skip} read lazily (data.streaming=true): the first `skip` rows dropped, then rank's
+    share of the rest (whole shards when the shard count divides by world, else every world-th row).
+    Raises ValueError naming the field on bad input, before anything is read past the first row."""
+    if src.kind in ("stdlib", "local_dir"):
+        root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
+        if src.kind == "local_dir" and (not src.path or not root.is_dir()):
+            raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
+        paths = list_files(root, "**/*.py" if src.kind == "stdlib" else src.glob)[: src.max_docs]
+        if not paths:
+            raise ValueError(f"{field}: no files match under {root}; change {field}.glob or .path")
+        ds = datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": paths})
+    else:
+        if src.kind == "disk":
+            ds = load_source(src, cache_dir, 1, field).to_iterable_dataset(num_shards=max(world, 1) * 8)
+        elif src.kind == "files":
+            pattern = src.path or ""
+            files = sorted(glob.glob(pattern)) if any(ch in pattern for ch in "*?[") else [pattern]
+            if not pattern or not files or not all(os.path.isfile(f) for f in files):
+                raise ValueError(f"{field}.path={src.path!r}: file not found; check the path")
+            ext = Path(files[0]).suffix.lower()
+            if ext not in FILE_BUILDERS:
+                raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+            ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=files, split="train", streaming=True)
+        elif src.kind == "hub":
+            if not src.name:
+                raise ValueError(f"{field}.name is empty; name the hub dataset (the only kind that needs network)")
+            ds = datasets.load_dataset(src.name, src.subset, split=src.split, streaming=True)
+        else:
+            raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk or hub")
+        columns = ds.column_names or list(next(iter(ds), {}))
+        if src.text_column not in columns:
+            raise ValueError(f"{field}.text_column={src.text_column!r} is not a column; the columns are {columns}")
+        if src.max_docs is not None:
+            ds = ds.take(src.max_docs)
+        ds = ds.map(_marker(src.text_column), batched=True, remove_columns=[c for c in columns if c != "text"])
+    if skip:
+        ds = ds.skip(skip)
+    if world > 1:
+        from datasets.distributed import split_dataset_by_node
+
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+    return ds

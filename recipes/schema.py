@@ -231,6 +231,15 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
     if cfg.train.precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.precision={cfg.train.precision!r}; use auto, bf16 or fp32")
+    if cfg.data.streaming:
+        if cfg.data.long_docs.min_tokens or any(s.long_docs and s.long_docs.min_tokens for s in r.stages.values()):
+            raise ValueError("data.long_docs upsampling needs the in-memory corpus (it counts every document's "
+                             "length first); set data.long_docs.min_tokens=0 or data.streaming=false")
+        if cfg.data.num_workers:
+            raise ValueError(f"data.num_workers={cfg.data.num_workers}: the streaming packer runs in the training "
+                             "process; set data.num_workers=0 with data.streaming=true")
+        if cfg.data.stream_open_seqs < 1:
+            raise ValueError(f"data.stream_open_seqs={cfg.data.stream_open_seqs} must be >= 1 (64 is a good default)")
     if cfg.data.packing not in ("best_fit", "concat"):
         raise ValueError(f"data.packing={cfg.data.packing!r}; use best_fit or concat")
     if cfg.data.tokenizer and not os.path.isdir(cfg.data.tokenizer):

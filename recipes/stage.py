@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from data.batch import collate
 from data.pipeline import split_holdout, stage_loader, stage_sequences
+from data.stream import streaming_stage
 from model.build import build_model
 from model.loss import IGNORE_INDEX, ChunkedLossLM
 from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
@@ -138,9 +139,15 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     scheduler = build_scheduler(optimizer, total, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
 
-    dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture, stage.long_docs)
-    train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + index)
-    loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
+    if cfg.data.streaming:
+        loader, held_out, pack_stats = streaming_stage(cfg.data, tok, stage.seq_len, pad_id, stage.mixture,
+                                                       stage.micro_batch_size, dp_rank, dims.dp,
+                                                       os.path.abspath(cfg.paths.cache_dir))
+    else:
+        dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
+                                              stage.long_docs)
+        train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + index)
+        loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
 
     def evaluate() -> float:
         return validation_loss(model, held_out, dp_rank, dims.dp, acc.device, prep)

@@ -76,8 +76,8 @@ def setup(cfg: Config, raw: DictConfig | None):
     cache_dir = os.path.abspath(cfg.paths.cache_dir)
     with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
         tokenizer = build_tokenizer(cfg.data, cache_dir)
-        corpus = build_corpus(cfg.data, tokenizer, cache_dir)
-    tracker.info("corpus: %s", corpus.report)
+        corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
+    tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")
     return RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved), stages, init_from
 
 

@@ -179,3 +179,24 @@ def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
                                                             "parallel.cp_impl=upipe", "parallel.upipe_heads=2"],
                           "cp 2 upipe: ulysses 2, 2 heads per stage")
+
+
+def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir):
+    """data.streaming=true: the stage reads the stdlib files lazily and packs online; killed after step
+    4 (checkpoint at step 3) and rerun, its losses equal an uninterrupted streaming run's bitwise."""
+    from tests.conftest import micro_overrides
+
+    def run(root, *more):
+        return run_cli(micro_overrides(root, cache_dir) + ["stage=s1_256", "data.streaming=true", *more])
+
+    killed = run(tmp_path / "crash", "train.crash_at_step=4")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = run(tmp_path / "crash")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr + resumed.stdout and "'streaming': True" in resumed.stderr + resumed.stdout
+    clean = run(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    a, b = read_metrics(tmp_path / "crash" / "tiny" / "s1_256"), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
+    assert sorted(a) == sorted(b) and len(a) >= 6
+    assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]
+    assert a[max(a)]["val_loss"] == b[max(b)]["val_loss"]
