@@ -4,6 +4,9 @@ For each sequence length: padding fraction, fraction of documents cut, and throu
 one core) of packing + collating every sequence, for best-fit-decreasing, concatenate-and-chunk,
 and transformers' DataCollatorWithFlattening (which collates a given batch and does not pack: it is
 fed greedy runs of documents of about L tokens, so only its collation speed is comparable).
+`stream best_fit` is the streaming packer (data.streaming=true: OnlinePacker with 64 open sequences)
+fed the documents one at a time in corpus order; its padding counts the sequences it emitted, as in
+an endless stream (the few still open at the corpus' end are not flushed).
 
     python -m benchmarks.bench_data            # writes benchmarks/results/bench_data.json
 Targets: best-fit padding < 0.5%, documents cut <= 1/10 of concat's, >= 20M tokens/s.
@@ -18,10 +21,10 @@ import numpy as np
 import torch
 
 from benchmarks.common import print_table, write_results
-from data.batch import PackedSequences, collate
+from data.batch import PackedSequences, collate, packed_item
 from data.config import DataConfig, SourceConfig
 from data.corpus import build_corpus, build_tokenizer
-from data.packing import pack
+from data.packing import OnlinePacker, pack
 
 
 def timed(fn, repeats: int = 3) -> tuple[float, object]:
@@ -39,6 +42,15 @@ def pack_and_collate(starts, lens, tokens, L, method, pad_id):
     for i in range(len(ds)):
         collate([ds[i]])
     return stats
+
+
+def stream_pack_and_collate(docs, L, pad_id, open_seqs=64) -> dict:
+    packer = OnlinePacker(L, "best_fit", open_seqs)
+    for d in docs:
+        packer.add(d)
+        while packer.ready:
+            collate([packed_item(packer.ready.pop(0), L, pad_id)])
+    return packer.stats()
 
 
 def flattening(docs: list[np.ndarray], L: int) -> int:
@@ -71,6 +83,10 @@ def main(lengths=(4096, 32768, 65536)) -> list[dict]:
                          "docs_cut_%": 100 * stats["docs_cut_fraction"], "docs_per_seq": stats["docs_per_sequence"],
                          "Mtok_per_s": n_tok / t / 1e6})
         docs = [tokens[s:s + n] for s, n in zip(starts.tolist(), lens.tolist())]
+        t, stats = timed(lambda: stream_pack_and_collate(docs, L, tok.pad_token_id))
+        rows.append({"seq_len": L, "method": "stream best_fit (64 open)", "padding_%": 100 * stats["padding_fraction"],
+                     "docs_cut_%": 100 * stats["docs_cut_fraction"], "docs_per_seq": stats["docs_per_sequence"],
+                     "Mtok_per_s": stats["sequences"] * L * (1 - stats["padding_fraction"]) / t / 1e6})
         t, n = timed(lambda: flattening(docs, L), repeats=1)
         rows.append({"seq_len": L, "method": "hf_flattening (collate only)", "padding_%": 0.0,
                      "docs_cut_%": 100 * float((lens > L).mean()), "docs_per_seq": float("nan"),

@@ -5,6 +5,7 @@ pieces are placed by best-fit-decreasing (each piece goes into the fullest seque
 in), which cuts only the over-long documents and leaves almost no padding.
 concat: the classic concatenate-and-chunk, for comparison: no padding, many documents cut.
 A plan is segments (start in the flat token array, length) grouped per sequence, CSR style.
+OnlinePacker does the same one document at a time, for streams (data/stream.py).
 """
 from __future__ import annotations
 
@@ -118,3 +119,74 @@ def pack(starts: np.ndarray, lens: np.ndarray, seq_len: int, method: str) -> tup
     else:
         raise ValueError(f"data.packing={method!r} is unknown; use best_fit or concat")
     return plan, plan.stats(len(lens), cut)
+
+
+class OnlinePacker:
+    """Packs documents as they arrive. best_fit: each piece (documents longer than seq_len are cut
+    into seq_len pieces) goes into the open sequence with the least room that still fits it, or a new
+    one; a full sequence is ready at once, and when more than `open_seqs` are open the fullest is
+    made ready. concat: one open sequence, documents cut at its end. Its state is plain data."""
+
+    def __init__(self, seq_len: int, method: str = "best_fit", open_seqs: int = 64):
+        if method not in ("best_fit", "concat"):
+            raise ValueError(f"data.packing={method!r} is unknown; use best_fit or concat")
+        self.seq_len, self.method = seq_len, method
+        self.open_seqs = max(1, open_seqs) if method == "best_fit" else 1
+        self.load_state_dict(None)
+
+    def state_dict(self) -> dict:
+        return {"open": [list(seq) for seq in self.open], "ready": list(self.ready), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state) -> None:
+        self.open = [list(seq) for seq in state["open"]] if state else []  # lists of token arrays
+        self.used = [sum(len(p) for p in seq) for seq in self.open]
+        self.ready = list(state["ready"]) if state else []
+        self.counts = dict(state["counts"]) if state else {"sequences": 0, "used": 0, "pieces": 0, "docs": 0,
+                                                           "docs_cut": 0}
+
+    def _emit(self, i: int) -> None:
+        seq, used = self.open.pop(i), self.used.pop(i)
+        self.counts["sequences"] += 1
+        self.counts["used"] += used
+        self.counts["pieces"] += len(seq)
+        self.ready.append(seq)
+
+    def _put(self, i: int, piece: np.ndarray) -> None:
+        if i == len(self.open):
+            self.open.append([])
+            self.used.append(0)
+        self.open[i].append(piece)
+        self.used[i] += len(piece)
+
+    def add(self, doc: np.ndarray) -> None:
+        L = self.seq_len
+        self.counts["docs"] += 1
+        if self.method == "concat":
+            parts = 0
+            while len(doc):
+                room = L - (self.used[0] if self.open else 0)
+                self._put(0, doc[:room])
+                doc, parts = doc[room:], parts + 1
+                if self.used[0] == L:
+                    self._emit(0)
+            self.counts["docs_cut"] += parts > 1
+            return
+        self.counts["docs_cut"] += len(doc) > L
+        for s in range(0, len(doc), L):
+            piece = doc[s:s + L]
+            best, room = len(self.open), L + 1
+            for i, u in enumerate(self.used):
+                if len(piece) <= L - u < room:
+                    best, room = i, L - u
+            self._put(best, piece)
+            if self.used[best] == L:
+                self._emit(best)
+            elif len(self.open) > self.open_seqs:
+                self._emit(int(np.argmax(self.used)))
+
+    def stats(self) -> dict:
+        c, cap = self.counts, self.counts["sequences"] * self.seq_len
+        return {"seq_len": self.seq_len, "sequences": c["sequences"],
+                "padding_fraction": 1 - c["used"] / cap if cap else 0.0,
+                "docs_cut_fraction": c["docs_cut"] / c["docs"] if c["docs"] else 0.0,
+                "docs_per_sequence": c["pieces"] / c["sequences"] if c["sequences"] else 0.0}

@@ -6,11 +6,8 @@ map. Sources are mixed by token deficit: the next document comes from the source
 its weight's share of the tokens drawn so far, so the mixture is exact and needs no RNG. A source
 that runs out starts its next epoch.
 
-`StreamPacker` packs online into sequences of exactly seq_len tokens. best_fit: documents longer
-than the sequence are cut into seq_len pieces, each piece goes into the open sequence with the
-least room that still fits it (a new one if none does); a full sequence is emitted at once, and
-when more than `open_seqs` are open the fullest is emitted. concat: one open sequence, documents
-cut at its end. Its state (stream positions, mixer counters, open and ready sequences) resumes the
+`StreamPacker` packs them online into sequences of exactly seq_len tokens (data/packing.py:
+OnlinePacker, best-fit over `open_seqs` open sequences or concatenate-and-chunk). Its state (stream positions, mixer counters, open and ready sequences) resumes the
 stream exactly; torchdata's StatefulDataLoader stores it in every checkpoint.
 
 The validation sequences are packed from the first documents of the unsharded stream (eval_sequences
@@ -29,7 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.batch import PackedSequences, collate, packed_item
 from data.config import DataConfig
-from data.packing import pack
+from data.packing import OnlinePacker, pack
 from data.sources import stream_source
 
 
@@ -48,47 +45,37 @@ class StreamPacker(torch.utils.data.IterableDataset):
 
     def __init__(self, factories: dict[str, Callable[[], datasets.IterableDataset]], weights: dict[str, float],
                  seq_len: int, pad_id: int, method: str = "best_fit", open_seqs: int = 64, held_rows=None):
-        if method not in ("best_fit", "concat"):
-            raise ValueError(f"data.packing={method!r} is unknown; use best_fit or concat")
-        self.factories, self.seq_len, self.pad_id, self.method = factories, seq_len, pad_id, method
+        self.factories, self.seq_len, self.pad_id = factories, seq_len, pad_id
+        self.packer = OnlinePacker(seq_len, method, open_seqs)
         total = sum(weights.get(n, 0.0) for n in factories)
         self.weights = {n: weights.get(n, 0.0) / total for n in factories if weights.get(n, 0.0) > 0}
-        self.open_seqs = max(1, open_seqs if method == "best_fit" else 1)
         self.held_rows = held_rows or {}  # rows of each source skipped because they are held out (for errors)
         self.load_state_dict(None)
 
-    # ---- state ----
     def state_dict(self) -> dict:
         return {"sources": {n: ds.state_dict() for n, ds in self._ds.items()}, "counters": copy.deepcopy(self.counters),
-                "open": [list(s) for s in self._open], "ready": list(self._ready)}
+                "packer": self.packer.state_dict()}
 
     def load_state_dict(self, state) -> None:
+        names = list(self.weights)
         self.counters = copy.deepcopy(state["counters"]) if state else {
-            "epoch": {n: 0 for n in self.weights}, "tokens": {n: 0 for n in self.weights},
-            "rows": {n: 0 for n in self.weights}, "skipped": {n: {} for n in self.weights},
-            "epoch_docs": {n: 0 for n in self.weights},
-            "sequences": 0, "used": 0, "pieces": 0, "docs": 0, "docs_cut": 0}
+            key: {n: ({} if key == "skipped" else 0) for n in names}
+            for key in ("epoch", "tokens", "rows", "skipped", "epoch_docs")}
+        self.packer.load_state_dict(state["packer"] if state else None)
         self._ds, self._its = {}, {}
-        for n in self.weights:
+        for n in names:
             ds = self.factories[n]()
             ds.set_epoch(self.counters["epoch"][n])
             if state:
                 ds.load_state_dict(state["sources"][n])
             self._ds[n] = ds
-        self._open = [list(s) for s in state["open"]] if state else []
-        self._ready = list(state["ready"]) if state else []
 
     def report(self) -> dict:
-        c = self.counters
-        cap = c["sequences"] * self.seq_len
-        return {"seq_len": self.seq_len, "streaming": True, "sequences": c["sequences"],
-                "padding_fraction": 1 - c["used"] / cap if cap else 0.0,
-                "docs_cut_fraction": c["docs_cut"] / c["docs"] if c["docs"] else 0.0,
-                "docs_per_sequence": c["pieces"] / c["sequences"] if c["sequences"] else 0.0,
-                "skipped": c["skipped"], "rows": dict(c["rows"])}
+        return {**self.packer.stats(), "streaming": True, "skipped": self.counters["skipped"],
+                "rows": dict(self.counters["rows"])}
 
-    # ---- documents ----
     def next_document(self) -> np.ndarray:
+        """The next usable document's token ids, from the source furthest below its token share."""
         c = self.counters
         drawn = sum(c["tokens"].values())
         name = max(self.weights, key=lambda n: (self.weights[n] * (drawn + 1) - c["tokens"][n], -list(self.weights).index(n)))
@@ -116,51 +103,13 @@ class StreamPacker(torch.utils.data.IterableDataset):
             ids = np.asarray(row["input_ids"], dtype=np.int32)
             c["tokens"][name] += len(ids)
             c["epoch_docs"][name] += 1
-            c["docs"] += 1
             return ids
-
-    # ---- packing ----
-    def _emit(self, i: int) -> None:
-        seq = self._open.pop(i)
-        self.counters["sequences"] += 1
-        self.counters["used"] += sum(len(p) for p in seq)
-        self.counters["pieces"] += len(seq)
-        self._ready.append(seq)
-
-    def _place(self, doc: np.ndarray) -> None:
-        L = self.seq_len
-        if self.method == "concat":
-            parts = 0
-            while len(doc):
-                if not self._open:
-                    self._open.append([])
-                room = L - sum(len(p) for p in self._open[0])
-                self._open[0].append(doc[:room])
-                doc, parts = doc[room:], parts + 1
-                if len(self._open[0][-1]) == room:
-                    self._emit(0)
-            self.counters["docs_cut"] += parts > 1
-            return
-        self.counters["docs_cut"] += len(doc) > L
-        for piece in (doc[s:s + L] for s in range(0, len(doc), L)):
-            rooms = [L - sum(len(p) for p in seq) for seq in self._open]
-            fits = [(r, i) for i, r in enumerate(rooms) if r >= len(piece)]
-            if fits:
-                i = min(fits)[1]
-                self._open[i].append(piece)
-            else:
-                self._open.append([piece])
-                i = len(self._open) - 1
-            if sum(len(p) for p in self._open[i]) == L:
-                self._emit(i)
-            elif len(self._open) > self.open_seqs:
-                self._emit(int(np.argmin([L - sum(len(p) for p in seq) for seq in self._open])))
 
     def __iter__(self):
         while True:
-            while not self._ready:
-                self._place(self.next_document())
-            yield packed_item(self._ready.pop(0), self.seq_len, self.pad_id)
+            while not self.packer.ready:
+                self.packer.add(self.next_document())
+            yield packed_item(self.packer.ready.pop(0), self.seq_len, self.pad_id)
 
 
 class StreamLoader:

@@ -79,9 +79,9 @@ def test_every_sequence_is_full_length_and_tokens_are_conserved(setup):
     batches = [next(loader) for _ in range(20)]
     assert all(b["input_ids"].shape == (MB, L) for b in batches)
     packer = loader.loader.dataset
-    c = packer.counters
-    open_tokens = sum(len(p) for seq in packer._open for p in seq) + sum(len(p) for seq in packer._ready for p in seq)
-    assert c["used"] + open_tokens == sum(c["tokens"].values()), "every drawn token is emitted or still open"
+    c, pk = packer.counters, packer.packer
+    open_tokens = sum(len(p) for seq in pk.open for p in seq)
+    assert pk.counts["used"] + open_tokens == sum(c["tokens"].values()), "every drawn token is packed or still open"
     # the whitespace and empty rows (past the held-out ones) are skipped and counted once per epoch
     assert report["held_out_rows"]["a"] <= 20 and report["held_out_rows"]["b"] <= 8, report
     assert c["skipped"] == {"a": {"whitespace": c["epoch"]["a"]}, "b": {"empty": c["epoch"]["b"]}}, c
