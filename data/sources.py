@@ -77,30 +77,52 @@ def _mark_skips(ds: datasets.Dataset, column: str, num_proc: int) -> datasets.Da
                   desc="checking documents")
 
 
+def _walk_files(src: SourceConfig, field: str) -> list[str]:
+    """The files of a stdlib / local_dir source, in sorted order."""
+    root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
+    if src.kind == "local_dir" and (not src.path or not root.is_dir()):
+        raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
+    patterns = "**/*.py" if src.kind == "stdlib" else src.glob
+    paths = list_files(root, patterns)[: src.max_docs]
+    if not paths:
+        raise ValueError(f"{field}: no files match {patterns!r} under {root}; change {field}.glob or .path")
+    return paths
+
+
+def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
+    """(datasets builder, files) of a `files` source."""
+    if not src.path:
+        raise ValueError(f"{field}.path is empty; give a file or a glob such as data/*.jsonl")
+    files = sorted(glob.glob(src.path)) if any(ch in src.path for ch in "*?[") else [src.path]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if not files or missing:
+        raise ValueError(f"{field}.path={src.path!r}: file not found ({missing or 'no match'}); check the path")
+    ext = Path(files[0]).suffix.lower()
+    if ext not in FILE_BUILDERS:
+        raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+    return FILE_BUILDERS[ext], files
+
+
+def _hub_dataset(src: SourceConfig, field: str, **kw):
+    if src.kind != "hub":
+        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk or hub")
+    if not src.name:
+        raise ValueError(f"{field}.name is empty; name the hub dataset (this is the only kind that needs network)")
+    return datasets.load_dataset(src.name, src.subset, split=src.split, **kw)
+
+
+def _check_text_column(src: SourceConfig, columns: list, field: str) -> None:
+    if src.text_column not in columns:
+        raise ValueError(f"{field}.text_column={src.text_column!r} is not a column; the columns are {columns}")
+
+
 def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str = "data.sources") -> datasets.Dataset:
     """Rows {text, skip} for one source; raises ValueError naming the field on bad input."""
     if src.kind in ("stdlib", "local_dir"):
-        root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
-        if src.kind == "local_dir" and (not src.path or not root.is_dir()):
-            raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
-        patterns = "**/*.py" if src.kind == "stdlib" else src.glob
-        paths = list_files(root, patterns)
-        if src.max_docs is not None:
-            paths = paths[: src.max_docs]
-        if not paths:
-            raise ValueError(f"{field}: no files match {patterns!r} under {root}; change {field}.glob or .path")
-        return _files_dataset(paths, cache_dir)
+        return _files_dataset(_walk_files(src, field), cache_dir)
     if src.kind == "files":
-        if not src.path:
-            raise ValueError(f"{field}.path is empty; give a file or a glob such as data/*.jsonl")
-        files = sorted(glob.glob(src.path)) if any(ch in src.path for ch in "*?[") else [src.path]
-        missing = [f for f in files if not os.path.isfile(f)]
-        if not files or missing:
-            raise ValueError(f"{field}.path={src.path!r}: file not found ({missing or 'no match'}); check the path")
-        ext = Path(files[0]).suffix.lower()
-        if ext not in FILE_BUILDERS:
-            raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
-        ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=files, split="train", cache_dir=cache_dir)
+        builder, files = _data_files(src, field)
+        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
     elif src.kind == "disk":
         if not src.path or not os.path.isdir(src.path):
             raise ValueError(f"{field}.path={src.path!r} is not a directory written by Dataset.save_to_disk")
@@ -109,16 +131,9 @@ def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str
             if src.split not in ds:
                 raise ValueError(f"{field}.split={src.split!r} is not in {list(ds)}; pick one of those")
             ds = ds[src.split]
-    elif src.kind == "hub":
-        if not src.name:
-            raise ValueError(f"{field}.name is empty; name the hub dataset (this is the only kind that needs network)")
-        ds = datasets.load_dataset(src.name, src.subset, split=src.split, cache_dir=cache_dir)
     else:
-        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk or hub")
-    if src.text_column not in ds.column_names:
-        raise ValueError(
-            f"{field}.text_column={src.text_column!r} is not a column; the columns are {ds.column_names}"
-        )
+        ds = _hub_dataset(src, field, cache_dir=cache_dir)
+    _check_text_column(src, ds.column_names, field)
     if src.max_docs is not None:
         ds = ds.select(range(min(src.max_docs, len(ds))))
     return _mark_skips(ds, src.text_column, num_proc)
@@ -142,34 +157,17 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
     share of the rest (whole shards when the shard count divides by world, else every world-th row).
     Raises ValueError naming the field on bad input, before anything is read past the first row."""
     if src.kind in ("stdlib", "local_dir"):
-        root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
-        if src.kind == "local_dir" and (not src.path or not root.is_dir()):
-            raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
-        paths = list_files(root, "**/*.py" if src.kind == "stdlib" else src.glob)[: src.max_docs]
-        if not paths:
-            raise ValueError(f"{field}: no files match under {root}; change {field}.glob or .path")
-        ds = datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": paths})
+        ds = datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": _walk_files(src, field)})
     else:
         if src.kind == "disk":
             ds = load_source(src, cache_dir, 1, field).to_iterable_dataset(num_shards=max(world, 1) * 8)
         elif src.kind == "files":
-            pattern = src.path or ""
-            files = sorted(glob.glob(pattern)) if any(ch in pattern for ch in "*?[") else [pattern]
-            if not pattern or not files or not all(os.path.isfile(f) for f in files):
-                raise ValueError(f"{field}.path={src.path!r}: file not found; check the path")
-            ext = Path(files[0]).suffix.lower()
-            if ext not in FILE_BUILDERS:
-                raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
-            ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=files, split="train", streaming=True)
-        elif src.kind == "hub":
-            if not src.name:
-                raise ValueError(f"{field}.name is empty; name the hub dataset (the only kind that needs network)")
-            ds = datasets.load_dataset(src.name, src.subset, split=src.split, streaming=True)
+            builder, files = _data_files(src, field)
+            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
         else:
-            raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk or hub")
+            ds = _hub_dataset(src, field, streaming=True)
         columns = ds.column_names or list(next(iter(ds), {}))
-        if src.text_column not in columns:
-            raise ValueError(f"{field}.text_column={src.text_column!r} is not a column; the columns are {columns}")
+        _check_text_column(src, columns, field)
         if src.max_docs is not None:
             ds = ds.take(src.max_docs)
         ds = ds.map(_marker(src.text_column), batched=True, remove_columns=[c for c in columns if c != "text"])

@@ -36,7 +36,14 @@ class ModelConfig:
     # Starting RoPE base before the first stage; each stage writes its own.
     rope_theta: float = 10000.0
     yarn: YarnConfig = field(default_factory=YarnConfig)
-    # Activation checkpointing of every decoder layer (transformers' gradient checkpointing).
+    # Activation checkpointing of every decoder layer (model/checkpointing.py): full keeps each layer's
+    # input only; selective keeps cheap ops' outputs and recomputes matmuls and attention. Offload holds
+    # the checkpointed inputs in pinned host memory on CUDA runs.
     activation_checkpointing: bool = False
+    checkpoint_mode: str = "full"  # full | selective
+    offload_activations: bool = False
     # Sequence tile for the chunked cross-entropy: never more than tile x vocab logits at once.
     loss_tile_tokens: int = 1024
+    # Tiled MLP (model/tiling.py): each layer's MLP over tiles of this many tokens, recomputed in
+    # backward, so tile x intermediate_size activations exist at a time. 0 = off.
+    mlp_tile_tokens: int = 0

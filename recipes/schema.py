@@ -42,6 +42,7 @@ class StageConfig:
     long_docs: Optional[LongDocConfig] = None  # None = data.long_docs
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only the final one
     activation_checkpointing: Optional[bool] = None  # None = model.activation_checkpointing
+    mlp_tile_tokens: Optional[int] = None  # None = model.mlp_tile_tokens
 
     @property
     def total_steps(self) -> int:
@@ -194,6 +195,8 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
         if s.cp > 1:
             _check_cp_length(f, s, cfg.parallel, _query_heads(cfg.model))
+        if s.mlp_tile_tokens is not None and s.mlp_tile_tokens < 0:
+            raise ValueError(f"{f}.mlp_tile_tokens={s.mlp_tile_tokens} must be >= 0 (0 = off, e.g. 4096 = tiled)")
         dims = ParallelDims.from_world(world_size, s.cp, where=f"{f}.cp")
         per_step = dims.dp * s.micro_batch_size * s.seq_len
         if s.batch_tokens % per_step:
@@ -231,6 +234,10 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
     if cfg.train.precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.precision={cfg.train.precision!r}; use auto, bf16 or fp32")
+    if cfg.model.checkpoint_mode not in ("full", "selective"):
+        raise ValueError(f"model.checkpoint_mode={cfg.model.checkpoint_mode!r}; use full or selective")
+    if cfg.model.mlp_tile_tokens < 0:
+        raise ValueError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0 = off, e.g. 4096)")
     if cfg.data.streaming:
         if cfg.data.long_docs.min_tokens or any(s.long_docs and s.long_docs.min_tokens for s in r.stages.values()):
             raise ValueError("data.long_docs upsampling needs the in-memory corpus (it counts every document's "

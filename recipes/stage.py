@@ -21,6 +21,8 @@ from data.pipeline import split_holdout, stage_loader, stage_sequences
 from data.stream import streaming_stage
 from model.build import build_model
 from model.loss import IGNORE_INDEX, ChunkedLossLM
+from model.checkpointing import enable_checkpointing
+from model.tiling import tile_mlps
 from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelDims, cp_degrees, describe_cp
 from parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip, use_fsdp
@@ -120,8 +122,10 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=resume or init_from, seed=cfg.train.seed)
     ac = cfg.model.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
-    if ac:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(lm, cfg.model.checkpoint_mode if ac else "none",
+                         offload=cfg.model.offload_activations and acc.device.type == "cuda")
+    mlp_tile = cfg.model.mlp_tile_tokens if stage.mlp_tile_tokens is None else stage.mlp_tile_tokens
+    tile_mlps(lm, mlp_tile)
     use_longstride_attention(lm)
     kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type, ring=dims.cp > 1)
     degrees = cp_degrees(cfg.parallel, stage.cp, lm.config.num_attention_heads, where=f"recipe.stages.{name}.cp")
@@ -163,7 +167,11 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         tracker.info("stage %s: resuming from %s (step %d)", name, resume, step)
     else:
         tracker.info("stage %s: from %s", name, init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
-    tracker.info("stage %s: model %s on %s (%s)", name, type(model).__name__, acc.device, acc.distributed_type)
+    tracker.info("stage %s: model %s on %s (%s); activation checkpointing %s%s; MLP tile %s", name,
+                 type(model).__name__, acc.device, acc.distributed_type, cfg.model.checkpoint_mode if ac else "off",
+                 "" if not (ac and cfg.model.offload_activations) else
+                 (", offloaded to host" if acc.device.type == "cuda" else ", offload ignored on CPU"),
+                 mlp_tile or "off")
     tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d%s); "
                  "packing %s", name, stage.seq_len, stage.rope_theta, total, stage.batch_tokens, accum, dims.dp,
                  dims.cp, describe_cp(cfg.parallel.cp_impl, degrees) if dims.cp > 1 else "",

@@ -9,6 +9,8 @@ import torch
 from model.build import build_model
 from model.config import ModelConfig
 from model.loss import IGNORE_INDEX, ChunkedLossLM
+from model.checkpointing import enable_checkpointing
+from model.tiling import tile_mlps
 from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelConfig, ParallelDims, cp_degrees
 from tests.distributed import run_gloo
@@ -30,29 +32,33 @@ def packed_batch() -> dict:
             "doc_ids": doc, "seq_index": torch.arange(L)[None]}
 
 
-def tiny_model() -> ChunkedLossLM:
+def tiny_model(ac: str = "none") -> ChunkedLossLM:
+    """ac: activation checkpointing mode; with checkpointing the MLP is also tiled (tiles of 16 tokens)."""
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
+    if ac != "none":
+        tile_mlps(lm, 16)
+        enable_checkpointing(lm, ac)
     use_longstride_attention(lm)
     return ChunkedLossLM(lm, tile=20)
 
 
-def loss_and_grads(cp: CPContext, doc_masking: bool):
-    model = tiny_model()
+def loss_and_grads(cp: CPContext, doc_masking: bool, ac: str = "none"):
+    model = tiny_model(ac)
     local, layout = shard_for_cp(packed_batch(), doc_masking, "sdpa", cp)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, n: int, par: ParallelConfig, path: str) -> None:
+def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
     import torch.distributed as dist
 
     cp = cp_context(ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu")
     out = {}
     for doc_masking in (True, False):
-        loss, grads = loss_and_grads(cp, doc_masking)
+        loss, grads = loss_and_grads(cp, doc_masking, ac)
         for t in (loss, *grads.values()):
             dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
         out[doc_masking] = (loss, grads)
@@ -60,19 +66,21 @@ def _worker(rank: int, n: int, par: ParallelConfig, path: str) -> None:
         torch.save(out, path)
 
 
-IMPLS = {  # name: (processes, parallel config); the tiny model has 4 query / 2 K/V heads
-    "ring2": (2, ParallelConfig(cp_impl="ring")),
-    "ulysses2": (2, ParallelConfig(cp_impl="ulysses")),
-    "upipe2_U2": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2)),
-    "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2)),
+IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled with it); 4 query / 2 K/V heads
+    "ring2": (2, ParallelConfig(cp_impl="ring"), "none"),
+    "ring2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="ring"), "full"),
+    "ring2_tiled_mlp_selective_ac": (2, ParallelConfig(cp_impl="ring"), "selective"),
+    "ulysses2": (2, ParallelConfig(cp_impl="ulysses"), "none"),
+    "upipe2_U2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "full"),
+    "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2), "none"),
 }
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_cp_loss_and_gradients_equal_single_process(impl, tmp_path):
     path = str(tmp_path / "cp.pt")
-    n, par = IMPLS[impl]
-    run_gloo(_worker, n, par, path)
+    n, par, ac = IMPLS[impl]
+    run_gloo(_worker, n, par, ac, path)
     got = torch.load(path)
     for doc_masking in (True, False):
         loss1, grads1 = loss_and_grads(CPContext(), doc_masking)

@@ -113,7 +113,7 @@ def test_checkpoint_dir_that_does_not_exist(micro):
         run(cfg)
 
 
-def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str, crash_at: int | None = None) -> None:
+def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_at: int | None = None) -> None:
     """Runs stage s1 in one process and under accelerate launch with the 2-process CPU config (gloo);
     the losses must agree up to reduction order. crash_at: the 2-process run is first SIGKILLed after
     that step, then rerun, and resumes from its last checkpoint."""
@@ -142,7 +142,8 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str, crash_at: int
     assert two.returncode == 0, two.stderr[-3000:]
     if crash_at is not None:
         assert "resuming from" in two.stderr + two.stdout
-    assert expect in two.stderr + two.stdout
+    for text in [expect] if isinstance(expect, str) else expect:
+        assert text in two.stderr + two.stdout, text
     a, b = read_metrics(tmp_path / "one" / "tiny" / "s1_256"), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
     assert sorted(a) == sorted(b)
     for s in a:
@@ -174,11 +175,14 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
 
 
 def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):
-    """cp=2 with UPipe (Ulysses all-to-all in 2 stages of 2 query heads) through accelerate launch: the
-    losses equal the one-process run's."""
+    """cp=2 with UPipe (Ulysses all-to-all in 2 stages of 2 query heads), selective activation
+    checkpointing and the MLP tiled in 16-token tiles, through accelerate launch: the losses equal the
+    plain one-process run's."""
+    lean = ["model.activation_checkpointing=true", "model.checkpoint_mode=selective", "model.mlp_tile_tokens=16"]
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
-                                                            "parallel.cp_impl=upipe", "parallel.upipe_heads=2"],
-                          "cp 2 upipe: ulysses 2, 2 heads per stage")
+                                                            "parallel.cp_impl=upipe", "parallel.upipe_heads=2",
+                                                            *(lean if two else [])],
+                          ["cp 2 upipe: ulysses 2, 2 heads per stage", "activation checkpointing selective; MLP tile 16"])
 
 
 def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir):

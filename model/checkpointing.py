@@ -1,0 +1,52 @@
+"""Activation checkpointing of decoder layers, and offload of what it keeps.
+
+full       each decoder layer keeps only its input; backward recomputes the layer (transformers'
+           activation checkpointing over torch's non-reentrant checkpoint).
+selective  inside each layer, the outputs of cheap ops (norms, RoPE, residual adds, activations,
+           reshapes) are kept and the matmuls and attention kernels are recomputed, through torch's
+           selective-checkpoint contexts: no recompute of cheap ops, and the wide projection and
+           attention outputs are still never kept.
+offload    (CUDA runs, with full or selective) the checkpointed layer inputs are held in pinned
+           host memory instead of on the device: transformers' own `offload`, whose copies run on the
+           compute stream (they are not overlapped with compute). On CPU runs it changes nothing.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+_aten = torch.ops.aten
+KEPT = {  # the cheap ops whose outputs selective checkpointing keeps; everything else is recomputed
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default,
+    _aten.pow.Tensor_Scalar, _aten.mean.dim, _aten.rsqrt.default, _aten.silu.default, _aten.gelu.default,
+    _aten.cos.default, _aten.sin.default, _aten.cat.default, _aten._to_copy.default, _aten.embedding.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses
+    # outputs, receive buffers) must never be cached, and a keep-list never caches them.
+    return CheckpointPolicy.PREFER_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False) -> None:
+    """mode: none | full | selective (see the module docstring); offload: hold the checkpointed inputs in
+    host memory (the caller passes it only for CUDA runs)."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r} is unknown; use one of {MODES}")
+    if mode == "none":
+        return
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        lm.activation_checkpointing_enable(kwargs, offload=offload)
+    else:
+        if offload:
+            raise ValueError("model.offload_activations needs transformers' activation_checkpointing_enable "
+                             "(a newer transformers); upgrade it or set model.offload_activations=false")
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
