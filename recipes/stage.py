@@ -20,8 +20,9 @@ from data.batch import collate
 from data.pipeline import split_holdout, stage_loader, stage_sequences
 from data.stream import streaming_stage
 from model.build import build_model
-from model.loss import IGNORE_INDEX, ChunkedLossLM
 from model.checkpointing import enable_checkpointing
+from model.loss import IGNORE_INDEX, ChunkedLossLM
+from model.memory import device_memory_gib, estimate
 from model.tiling import tile_mlps
 from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelDims, cp_degrees, describe_cp
@@ -99,6 +100,22 @@ def validation_loss(model, held_out, dp_rank: int, dp: int, device, prep: BatchP
     return (all_reduce_sum(total) / all_reduce_sum(count).clamp(min=1)).item()
 
 
+def log_memory_estimate(ctx: RunContext, name: str, lm, tokens: int, ac: str, mlp_tile: int, shard: int) -> None:
+    """The stage's per-rank memory estimate (model/memory.py) against the device's, with a warning."""
+    acc, tracker = ctx.accelerator, ctx.tracker
+    est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), tokens, ac, mlp_tile,
+                   ctx.cfg.model.loss_tile_tokens, shard, act_bytes=2 if acc.mixed_precision == "bf16" else 4)
+    avail, where = device_memory_gib(acc.device)
+    tracker.info("stage %s: memory estimate per rank %.2f GiB (parameters %.2f, gradients %.2f, optimizer %.2f, "
+                 "activations %.2f at %d B/token, loss %.2f) of %.1f GiB (%s)", name, est["total"], est["parameters"],
+                 est["gradients"], est["optimizer"], est["activations"], est["activation_bytes_per_token"],
+                 est["loss"], avail, where)
+    if est["total"] > 0.9 * avail:
+        tracker.warning("stage %s will likely not fit: about %.1f GiB per rank against %.1f GiB; raise its cp, set "
+                        "model.activation_checkpointing=true and mlp_tile_tokens, or lower micro_batch_size", name,
+                        est["total"], avail)
+
+
 def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | None) -> str:
     """Runs (or resumes, or skips if finished) one stage; returns its final checkpoint dir."""
     cfg, acc, tracker = ctx.cfg, ctx.accelerator, ctx.tracker
@@ -131,6 +148,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     degrees = cp_degrees(cfg.parallel, stage.cp, lm.config.num_attention_heads, where=f"recipe.stages.{name}.cp")
     prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, degrees, acc.device.type))
     fsdp = use_fsdp(cfg.parallel.fsdp, acc.device.type, acc.num_processes)
+    log_memory_estimate(ctx, name, lm, stage.micro_batch_size * stage.seq_len // dims.cp,
+                        cfg.model.checkpoint_mode if ac else "none", mlp_tile, acc.num_processes if fsdp else 1)
     if fsdp:  # parameters, gradients and optimizer state sharded over all dp x cp ranks
         lm.to(acc.device)
         bf16 = acc.mixed_precision == "bf16"

@@ -40,6 +40,10 @@ class Tracker:
         if self.is_main:
             log.info(msg, *args)
 
+    def warning(self, msg: str, *args) -> None:
+        if self.is_main:
+            log.warning(msg, *args)
+
     def start_stage(self, stage: str, stage_dir: str, total_steps: int, first_step: int, config: dict) -> None:
         if not self.is_main:
             return

@@ -1,0 +1,59 @@
+"""Memory accounting: a per-stage estimate printed before training, with a warning when the stage
+will not fit, and the device memory it is compared with.
+
+The estimate, per rank, in bytes:
+  parameters 4 P, gradients 4 P, AdamW state 8 P (fp32 master weights; divided by the FSDP world)
+  activations per token, b bytes per element (4 fp32, 2 under bf16 autocast), per decoder layer:
+    kept without checkpointing   b (10 H + 2 (Hq + 2 Hkv) d + 4 I)   (norms, residuals, q/k/v/o,
+                                 MLP gate/up/activation/product; 4 I becomes 0 with a tiled MLP)
+    kept with full checkpointing b H (the layer input), plus one layer's working set as above while it
+                                 is recomputed
+    selective                    b (10 H) kept per layer (the cheap ops), plus one layer's working set
+  loss: min(L, tile) x V x 4 x 3 bytes (fp32 logits, their softmax and gradient, one tile at a time)
+  MLP tile working set: tile x I x b x 4
+The constants follow the usual per-layer accounting (Korthikanti et al., 2022) for attention that
+never materialises L x L scores; benchmarks/bench_memory.py measures the real figures (README).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+
+def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
+             act_bytes: int = 4) -> dict:
+    """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank."""
+    H, I, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+    mlp = 0 if mlp_tile else 4 * I
+    layer = act_bytes * (10 * H + 2 * qkv + mlp)  # bytes per token one layer keeps without checkpointing
+    kept = {"none": n * layer, "full": n * act_bytes * H + layer, "selective": n * act_bytes * 10 * H + layer}[ac]
+    gib = 2 ** 30
+    out = {
+        "parameters": 4 * num_params / shard / gib,
+        "gradients": 4 * num_params / shard / gib,
+        "optimizer": 8 * num_params / shard / gib,
+        "activations": kept * tokens / gib,
+        "loss": min(tokens, loss_tile) * config.vocab_size * 4 * 3 / gib,
+        "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
+        "activation_bytes_per_token": kept,
+    }
+    out["total"] = sum(v for k, v in out.items() if k != "activation_bytes_per_token")
+    return out
+
+
+def device_memory_gib(device: torch.device) -> tuple[float, str]:
+    """(GiB this rank may use, where the figure comes from)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total / 2 ** 30, "CUDA total"
+    try:
+        with open("/proc/meminfo") as f:
+            avail = int(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) * 1024
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return avail / ranks / 2 ** 30, f"CPU MemAvailable / {ranks} local ranks"
+    except (OSError, AttributeError):
+        return float("inf"), "unknown"
