@@ -1,6 +1,7 @@
 """Schema of the `parallel` config group and all degree arithmetic, validated in one place."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 CP_IMPLS = ("ring", "ulysses", "upipe", "hybrid")
@@ -26,11 +27,15 @@ class CPDegrees:
     stage_heads: int = 0
 
 
-def describe_cp(impl: str, d: CPDegrees) -> str:
-    """' = ring 2 x ulysses 2, U 2' for the stage log."""
+def describe_cp(impl: str, d: CPDegrees, kv_heads: int = 0) -> str:
+    """' upipe: ring 2 x ulysses 2, 2 heads per stage' for the stage log; states the K/V heads that travel
+    when they are replicated to divide by the Ulysses degree."""
     parts = [f"ring {d.ring}"] if d.ring > 1 else []
     parts += [f"ulysses {d.ulysses}"] if d.ulysses > 1 else []
-    return f" {impl}: " + " x ".join(parts) + (f", {d.stage_heads} heads per stage" if d.stage_heads else "")
+    text = f" {impl}: " + " x ".join(parts) + (f", {d.stage_heads} heads per stage" if d.stage_heads else "")
+    if d.ulysses > 1 and kv_heads % d.ulysses:
+        text += f", K/V {kv_heads} heads replicated to {math.lcm(kv_heads, d.ulysses)} for the all-to-all"
+    return text
 
 
 def _divisors(n: int) -> list[int]:

@@ -193,7 +193,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                  mlp_tile or "off")
     tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d%s); "
                  "packing %s", name, stage.seq_len, stage.rope_theta, total, stage.batch_tokens, accum, dims.dp,
-                 dims.cp, describe_cp(cfg.parallel.cp_impl, degrees) if dims.cp > 1 else "",
+                 dims.cp, describe_cp(cfg.parallel.cp_impl, degrees, lm.config.num_key_value_heads) if dims.cp > 1 else "",
                  {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
 
     def save(path: str, with_state: bool, extra_meta: dict | None = None) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from parallel.attention import CPContext, cp_context, shard_for_cp
 from parallel.blocks import ring_plan
-from parallel.config import CPDegrees, ParallelConfig, ParallelDims, cp_degrees
+from parallel.config import CPDegrees, ParallelConfig, ParallelDims, cp_degrees, describe_cp
 from parallel.ulysses import HeadComm, ulysses_attention
 from parallel.upipe import head_schedule
 from parallel.zigzag import shard, split, unshard
@@ -124,6 +124,9 @@ def test_degrees_and_their_errors():
                                          r"query heads; valid: \[4, 8, 16, 32\] \(nearest: \[4, 8\]\)"):
         cp_degrees(_cfg("upipe", upipe_heads=6), 4, 32)
     assert cp_degrees(_cfg("hybrid", ulysses=2), 2, 8) == CPDegrees(1, 2, 0), "a stage's cp may equal the degree"
+    assert describe_cp("ulysses", CPDegrees(1, 4, 0), kv_heads=2) == \
+        " ulysses: ulysses 4, K/V 2 heads replicated to 4 for the all-to-all"
+    assert describe_cp("upipe", CPDegrees(2, 2, 2), kv_heads=2) == " upipe: ring 2 x ulysses 2, 2 heads per stage"
     with pytest.raises(ValueError, match=r"parallel.ulysses=3: hybrid .* one of \[1, 2, 4, 8\]"):
         cp_degrees(_cfg("hybrid", ulysses=3), 8, 32)
     with pytest.raises(ValueError, match="use parallel.cp_impl=upipe"):
