@@ -128,8 +128,9 @@ def plot(rows: list[dict], fits: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(MODELS), figsize=(6 * len(MODELS), 4.2))
-    for ax, model_name in zip(np.atleast_1d(axes), MODELS):
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2))
+    for ax, model_name in zip(np.atleast_1d(axes), models):
         for method in METHODS:
             pts = sorted((r["length"], r["peak_gib"]) for r in rows if r["model"] == model_name and r["method"] == method
                          and r["use"] == "fit")
