@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import statistics
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, proc_status_bytes, reset_peak_rss, write_results
 from parallel.blocks import ring_plan
 from parallel.ring import RingComm, ring_attention
 from parallel.ulysses import HeadComm, ulysses_attention
@@ -48,16 +47,6 @@ def methods(n: int) -> list[tuple[str, int]]:
     """(cp_impl, U): ring, plain Ulysses, UPipe with U = N and a few larger U that divide H."""
     ups = [u for u in (n, 2 * n, 4 * n, H // 2) if H % u == 0 and u % n == 0 and u < H]
     return [("ring", 0), ("ulysses", 0)] + [("upipe", u) for u in dict.fromkeys(ups)]
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 class Layer:
@@ -91,10 +80,10 @@ def _memory_worker(rank, n, impl, U, length, path):
     layer.step()  # warm-up: thread pools, gloo buffers
     gc.collect()
     dist.barrier()
-    before = _status("VmRSS")
-    _reset_peak()
+    before = proc_status_bytes("VmRSS")
+    reset_peak_rss()
     layer.step()
-    peak = torch.tensor(float(_status("VmHWM") - before))
+    peak = torch.tensor(float(proc_status_bytes("VmHWM") - before))
     per_rank = gather_cat(peak)
     if rank == 0:
         torch.save([p.item() for p in per_rank], path)

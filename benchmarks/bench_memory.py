@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, print_table, write_results
+from benchmarks.common import RESULTS, print_table, proc_status_bytes, reset_peak_rss, write_results
 from model.config import ModelConfig
 from tests.distributed import gather_cat, run_gloo
 
@@ -46,11 +45,6 @@ METHODS = {"plain": 1, "longstride": 1, "cp2": 2}  # processes
 MLP_TILE, LOSS_TILE = 1024, 1024
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
 def _worker(rank, n, model_name, method, length, path):
     from model.build import build_model
     from model.checkpointing import enable_checkpointing
@@ -59,7 +53,7 @@ def _worker(rank, n, model_name, method, length, path):
     from parallel.attention import cp_context, shard_for_cp, use_longstride_attention
     from parallel.config import CPDegrees, ParallelDims
 
-    zero = _status("VmRSS")
+    zero = proc_status_bytes("VmRSS")
     cfg, vocab = MODELS[model_name]
     lm = build_model(cfg, rope_theta=1e5, seq_len=length, vocab_size=vocab, eos_id=0, pad_id=1, seed=0)
     ids = torch.randint(2, vocab, (1, length), generator=torch.Generator().manual_seed(0))
@@ -89,12 +83,11 @@ def _worker(rank, n, model_name, method, length, path):
         opt.zero_grad(set_to_none=True)
 
     step()  # creates the optimizer state
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak_rss()
     t0 = time.perf_counter()
     step()
     elapsed = time.perf_counter() - t0
-    peak = gather_cat(torch.tensor([float(_status("VmHWM") - zero), float(zero), elapsed]))
+    peak = gather_cat(torch.tensor([float(proc_status_bytes("VmHWM") - zero), float(zero), elapsed]))
     if rank == 0:
         torch.save([p.tolist() for p in peak], path)
 

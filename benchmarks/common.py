@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 
 import torch
@@ -32,3 +33,15 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("-|-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+
+
+def proc_status_bytes(key: str) -> int:
+    """VmRSS, VmHWM, ... of this process from /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Sets this process's VmHWM (peak resident memory) to its current VmRSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

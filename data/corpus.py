@@ -13,7 +13,7 @@ import numpy as np
 
 from data.config import DataConfig, LongDocConfig
 from data.sources import digest, drop_skipped, load_source, stream_source
-from data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer
+from data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer, tokenize_fn
 
 
 @dataclass
@@ -24,16 +24,6 @@ class Corpus:
     doc_source: np.ndarray  # (D,) int16 index into `sources`
     sources: list[str]
     report: dict = field(default_factory=dict)
-
-
-def _tokenize_fn(tokenizer):
-    eos = tokenizer.eos_token_id
-
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
-
-    return tokenize
 
 
 def build_tokenizer(cfg: DataConfig, cache_dir: str):
@@ -71,7 +61,7 @@ def build_corpus(cfg: DataConfig, tokenizer, cache_dir: str) -> Corpus:
         report["skipped"][name] = skipped
         if len(ds) == 0:
             raise ValueError(f"data.sources.{name}: no usable document (skipped: {skipped}); the corpus is empty")
-        ds = ds.map(_tokenize_fn(tokenizer), batched=True, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        ds = ds.map(tokenize_fn(tokenizer), batched=True, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                     remove_columns=ds.column_names, desc=f"tokenizing {name}")
         col = ds.data.column("input_ids").combine_chunks()
         offsets = col.offsets.to_numpy().astype(np.int64)

@@ -28,16 +28,11 @@ from data.batch import PackedSequences, collate, packed_item
 from data.config import DataConfig
 from data.packing import OnlinePacker, pack
 from data.sources import stream_source
+from data.tokenizer import tokenize_fn
 
 
 def tokenized(ds: datasets.IterableDataset, tokenizer) -> datasets.IterableDataset:
-    eos = tokenizer.eos_token_id
-
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
-
-    return ds.map(tokenize, batched=True, batch_size=64, remove_columns=["text"])
+    return ds.map(tokenize_fn(tokenizer), batched=True, batch_size=64, remove_columns=["text"])
 
 
 class StreamPacker(torch.utils.data.IterableDataset):

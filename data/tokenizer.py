@@ -41,6 +41,17 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str) 
     return AutoTokenizer.from_pretrained(final)
 
 
+def tokenize_fn(tokenizer):
+    """A batched `datasets.map` function: each document's token ids with EOS appended."""
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    return tokenize
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise ValueError(f"data.tokenizer={path!r} is not a directory; give a local HF tokenizer dir or null to train one")

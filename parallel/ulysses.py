@@ -34,7 +34,6 @@ class HeadComm:
     def __init__(self, group=None):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
 
     @staticmethod
     def _buf(bufs: Optional[dict], name: str, shape, like: torch.Tensor) -> torch.Tensor:

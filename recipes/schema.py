@@ -147,7 +147,8 @@ def selected_stages(cfg: Config) -> list[str]:
     return [cfg.stage]
 
 
-def _query_heads(m: ModelConfig) -> int:
+def _check_model(m: ModelConfig) -> int:
+    """Checks the model group; returns its query head count (read from config.json for a checkpoint)."""
     if m.arch == "checkpoint":
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
@@ -156,6 +157,11 @@ def _query_heads(m: ModelConfig) -> int:
             raise ValueError(f"model.checkpoint={m.checkpoint!r} is not an HF model directory with a config.json")
         with open(path) as fh:
             return json.load(fh)["num_attention_heads"]
+    if m.arch != "smollm3":
+        raise ValueError(f"model.arch={m.arch!r} is unknown; use smollm3 or checkpoint")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+                         f"model.num_key_value_heads={m.num_key_value_heads}")
     return m.num_attention_heads
 
 
@@ -172,6 +178,7 @@ def _check_cp_length(f: str, s: StageConfig, par: ParallelConfig, heads: int) ->
 def validate(cfg: Config, world_size: int) -> None:
     """Every user-facing check, with the field and the fix; nothing is built before it passes."""
     r = cfg.recipe
+    heads = _check_model(cfg.model)
     if not r.stages:
         raise ValueError(f"recipe {r.name!r} lists no stages; add recipe.stages.<name> entries")
     prev_len = 0
@@ -194,7 +201,7 @@ def validate(cfg: Config, world_size: int) -> None:
         if cfg.parallel.cp_impl not in CP_IMPLS:
             raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
         if s.cp > 1:
-            _check_cp_length(f, s, cfg.parallel, _query_heads(cfg.model))
+            _check_cp_length(f, s, cfg.parallel, heads)
         if s.mlp_tile_tokens is not None and s.mlp_tile_tokens < 0:
             raise ValueError(f"{f}.mlp_tile_tokens={s.mlp_tile_tokens} must be >= 0 (0 = off, e.g. 4096 = tiled)")
         dims = ParallelDims.from_world(world_size, s.cp, where=f"{f}.cp")
@@ -213,18 +220,6 @@ def validate(cfg: Config, world_size: int) -> None:
         if src.kind in ("local_dir", "files", "disk") and not src.path:
             raise ValueError(f"data.sources.{name}.path is not set; data.sources.{name}.path=... "
                              f"({src.kind} sources read local paths)")
-    m = cfg.model
-    if m.arch == "checkpoint":
-        if not m.checkpoint:
-            raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
-        if not os.path.isdir(m.checkpoint) or not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
-            raise ValueError(f"model.checkpoint={m.checkpoint!r} is not an HF model directory with a config.json")
-    elif m.arch == "smollm3":
-        if m.num_attention_heads % m.num_key_value_heads:
-            raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
-                             f"model.num_key_value_heads={m.num_key_value_heads}")
-    else:
-        raise ValueError(f"model.arch={m.arch!r} is unknown; use smollm3 or checkpoint")
     if cfg.parallel.kernel not in KERNELS:
         raise ValueError(f"parallel.kernel={cfg.parallel.kernel!r} is unknown; use one of {KERNELS}")
     use_fsdp(cfg.parallel.fsdp, "cpu", world_size)  # a valid choice?
