@@ -18,6 +18,8 @@ longer length.
     python -m benchmarks.bench_memory [--quick]   # writes benchmarks/results/bench_memory.{json,png}
     python -m benchmarks.bench_memory --from-json # refits and replots bench_memory_points.json (written as
                                                   # each point is measured, so a cut-short run keeps them)
+    python -m benchmarks.bench_memory --model smollm2_135m_shape --method cp2
+                                                  # re-measures only those points, keeping the others in the file
 """
 from __future__ import annotations
 
@@ -177,9 +179,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the tiny model only, short lengths")
     ap.add_argument("--from-json", action="store_true", help="refit and replot the points already in the JSON")
+    ap.add_argument("--model", action="append", choices=list(MODELS), help="measure only this model (repeatable); "
+                    "the points file keeps the other models' and methods' points")
+    ap.add_argument("--method", action="append", choices=list(METHODS), help="measure only this method (repeatable)")
     args = ap.parse_args()
+    points_path = os.path.join(RESULTS, "bench_memory_points.json")
     if args.from_json:
-        with open(os.path.join(RESULTS, "bench_memory_points.json")) as f:
+        with open(points_path) as f:
             rows = json.load(f)["rows"]
     else:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned processes' glibc at start
@@ -187,9 +193,15 @@ def main() -> None:
                 "smollm2_135m_shape": ([1024, 2048, 4096], 8192)}
         if args.quick:
             plan = {"smollm3_tiny": ([1024, 2048, 4096], 8192)}
+        models, methods = args.model or list(plan), args.method or list(METHODS)
         rows = []
+        if args.model or args.method:
+            with open(points_path) as f:
+                rows = [r for r in json.load(f)["rows"] if not (r["model"] in models and r["method"] in methods)]
         for model_name, (lengths, check) in plan.items():
-            for method in METHODS:
+            if model_name not in models:
+                continue
+            for method in methods:
                 for L, use in [*((L, "fit") for L in lengths), (check, "check")]:
                     rows.append({**measure(model_name, method, L), "use": use})
                     print(rows[-1], flush=True)
