@@ -7,15 +7,18 @@ selective  inside each layer, the outputs of cheap ops (norms, RoPE, residual ad
            selective-checkpoint contexts: no recompute of cheap ops, and the wide projection and
            attention outputs are still never kept.
 offload    (CUDA runs, with full or selective) the checkpointed layer inputs are held in pinned
-           host memory instead of on the device: transformers' own `offload`, whose copies run on the
-           compute stream (they are not overlapped with compute). On CPU runs it changes nothing.
+           host memory instead of on the device, copied out and back on a side stream that overlaps
+           with compute (model/offload.py). On CPU runs it changes nothing.
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from model.offload import ActivationOffload
 
 MODES = ("none", "full", "selective")
 
@@ -33,20 +36,33 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False) -> None:
+def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,
+                         simulate_offload: bool = False) -> Optional[ActivationOffload]:
     """mode: none | full | selective (see the module docstring); offload: hold the checkpointed inputs in
-    host memory (the caller passes it only for CUDA runs)."""
+    host memory (the caller passes it only for CUDA runs; `simulate_offload` runs its bookkeeping on CPU
+    for tests). Returns the offloader, if any."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is unknown; use one of {MODES}")
     if mode == "none":
-        return
+        return None
     kwargs = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
     if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        lm.activation_checkpointing_enable(kwargs, offload=offload)
+        lm.activation_checkpointing_enable(kwargs)
     else:
-        if offload:
-            raise ValueError("model.offload_activations needs transformers' activation_checkpointing_enable "
-                             "(a newer transformers); upgrade it or set model.offload_activations=false")
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if not (offload or simulate_offload):
+        return None
+    offloader = ActivationOffload(simulate=simulate_offload)
+    layers = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False)
+              and callable(getattr(m, "_gradient_checkpointing_func", None))]
+    if not layers:
+        raise ValueError(f"model.offload_activations: {type(lm).__name__} has no transformers checkpointing "
+                         f"layers to offload from; set model.offload_activations=false")
+    for layer in layers:  # the layer inputs that checkpoint saves go through the offload hooks
+        def checkpoint_offloaded(fn, *args, _inner=layer._gradient_checkpointing_func, **kw):
+            with offloader.hooks():
+                return _inner(fn, *args, **kw)
+        layer._gradient_checkpointing_func = checkpoint_offloaded
+    return offloader

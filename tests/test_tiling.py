@@ -2,6 +2,7 @@
 the MLP's wide activations really exist for one tile at a time, in forward and in the backward recompute."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model.checkpointing import enable_checkpointing
@@ -65,3 +66,28 @@ def test_no_grad_forward_tiles_without_checkpoint():
         with torch.no_grad():
             losses.append(model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"])))
     assert abs(losses[0].item() - losses[1].item()) <= 1e-6 * abs(losses[0].item()), losses
+
+
+def test_offloaded_activations_same_gradients_and_prefetched_in_order():
+    """The offload hooks' bookkeeping (simulated on CPU: copies stand in for the transfers): the layer
+    inputs leave at save time, each comes back before it is needed (fetched while the layer after it
+    runs backward), every tensor is copied once however many layers save it, nothing is left over."""
+    plain = loss_and_grads(tiny_model())
+    for mode in ("full", "selective"):
+        model = tiny_model()
+        offloader = enable_checkpointing(model.lm, mode, simulate_offload=True)
+        offloader.min_bytes = 0
+        assert_same(loss_and_grads(model), plain, f"{mode} checkpointing with offload")
+        trace = offloader.trace
+        packs = [i for op, i in trace if op == "pack"]
+        unpacks = [(n, i) for n, (op, i) in enumerate(trace) if op == "unpack"]
+        layers = len(model.lm.model.layers)
+        assert len(packs) >= layers and len(packs) == len(set(packs))
+        assert not offloader.items and not offloader.live, "every offloaded tensor was read back and released"
+        hidden = [i for i in packs if sum(1 for _, j in unpacks if j == i) == 1]  # read once: layer inputs
+        assert len(hidden) >= layers
+        for (n_prev, _), (n, i) in zip(unpacks, unpacks[1:]):
+            fetched = trace.index(("fetch", i))
+            assert fetched < n_prev, f"tensor {i} was fetched only when needed, not prefetched"
+    with pytest.raises(ValueError, match="activation checkpointing mode"):
+        enable_checkpointing(tiny_model().lm, "some")

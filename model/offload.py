@@ -1,0 +1,94 @@
+"""Offload of checkpointed activations to pinned host memory, with the copies overlapped with compute.
+
+Under activation checkpointing each decoder layer keeps only its inputs (L x hidden per layer).
+`ActivationOffload` is a pair of saved-tensor hooks that moves them to pinned host memory as they
+are saved and brings them back ahead of need:
+  forward   the device-to-host copy of a layer's input is queued on a side stream once the compute
+            stream has produced it; the compute stream goes on with the next layer at once, and the
+            device memory is released when the copy is done (the caching allocator is told that the
+            side stream uses it).
+  backward  when layer i's input is unpacked for its recompute, the copy back of the input saved just
+            before it (layer i-1's) is queued on the side stream, so it travels while layer i
+            recomputes and back-propagates; the compute stream waits only on the event of the
+            tensor it needs now.
+Tensors under `min_bytes` stay on the device. On a CPU run there is nowhere to offload to and the
+hooks are not installed; `simulate=True` (tests) runs the same bookkeeping on CPU tensors, with
+copies standing in for the transfers and no streams.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Union
+
+import torch
+
+
+class ActivationOffload:
+    def __init__(self, min_bytes: int = 1 << 20, simulate: bool = False):
+        self.min_bytes, self.simulate = min_bytes, simulate
+        self.stream: Optional[torch.cuda.Stream] = None if simulate else torch.cuda.Stream()
+        self.items: dict[int, dict] = {}  # packed id -> host copy, device copy (once fetched), its event, refs
+        self.live: dict[int, int] = {}  # a tensor saved by several layers (RoPE cos/sin) is copied once
+        self.next_id = 0
+        self.trace: list[tuple[str, int]] = []  # ("pack"|"fetch"|"unpack", id), for tests
+
+    def pack(self, t: torch.Tensor) -> Union[torch.Tensor, int]:
+        if t.numel() * t.element_size() < self.min_bytes or (not self.simulate and t.device.type != "cuda"):
+            return t
+        key = id(t)  # the same tensor object (its weak reference tells a reused id apart)
+        if key in self.live and self.items[self.live[key]]["tensor"]() is t:
+            self.items[self.live[key]]["refs"] += 1
+            return self.live[key]
+        i, self.next_id = self.next_id, self.next_id + 1
+        if self.simulate:
+            host = t.detach().clone()
+        else:
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream())  # t is written before it is copied
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)  # its memory is reused only after the copy
+        self.items[i] = {"host": host, "device": None, "event": None, "to": t.device, "refs": 1, "key": key,
+                         "tensor": weakref.ref(t)}
+        self.live[key] = i
+        self.trace.append(("pack", i))
+        return i
+
+    def _fetch(self, i: int) -> None:
+        item = self.items[i]
+        if item["device"] is not None:
+            return
+        self.trace.append(("fetch", i))
+        if self.simulate:
+            item["device"] = item["host"].clone()
+            return
+        with torch.cuda.stream(self.stream):  # after this item's own device-to-host copy (same stream)
+            item["device"] = item["host"].to(item["to"], non_blocking=True)
+            item["event"] = torch.cuda.Event()
+            item["event"].record(self.stream)
+
+    def unpack(self, packed: Union[torch.Tensor, int]) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed not in self.items:
+            raise RuntimeError("an offloaded activation was read twice (backward with retain_graph=True); "
+                               "set model.offload_activations=false for such use")
+        self._fetch(packed)
+        earlier = [j for j in self.items if j < packed]
+        if earlier:  # backward goes in reverse order: the next tensor it needs was saved just before
+            self._fetch(max(earlier))
+        item = self.items[packed]
+        item["refs"] -= 1
+        if item["refs"] == 0:  # the last reader: forget it, so its device copy goes with autograd's use
+            del self.items[packed]
+            if self.live.get(item["key"]) == packed:
+                del self.live[item["key"]]
+        self.trace.append(("unpack", packed))
+        t = item["device"]
+        if item["event"] is not None:
+            torch.cuda.current_stream().wait_event(item["event"])
+            t.record_stream(torch.cuda.current_stream())
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
