@@ -198,6 +198,8 @@ def test_bad_input(checkpoint, tmp_path):
         parse([f"checkpoint={checkpoint}", f"qa.squad={tmp_path}/missing.json"])
     with pytest.raises(ValueError, match="bad argument"):
         parse([f"checkpoint={checkpoint}", "num_sample=3"])
+    with pytest.raises(ValueError, match="prefill=cp splits each prompt over several processes"):
+        parse([f"checkpoint={checkpoint}", "prefill=cp"])
     with pytest.raises(ValueError, match="nothing to run: no runnable task"):
         main([f"checkpoint={checkpoint}", "tasks=[nope]"])
     with pytest.raises(ValueError, match="haystack="):
@@ -206,3 +208,54 @@ def test_bad_input(checkpoint, tmp_path):
     bad.write_text(json.dumps({"data": [{"paragraphs": [{"text": "x"}]}]}))
     with pytest.raises(ValueError, match="is not a squad json file"):
         main([f"checkpoint={checkpoint}", "tasks=[qa_1]", f"qa.squad={bad}"])
+
+
+def _cp_prefill_worker(rank, world, checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.ruler.cp_prefill import cp_prefill, world_cp
+    from eval.ruler.generate import greedy_generate_cached
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    for i, L in enumerate((700, 1000)):
+        prompt = make_sample(TASKS["niah_single_2"], L, i, tok).prompt_ids
+        cache = cp_prefill(model, prompt, world_cp())
+        done = cache.get_seq_length()
+        assert done % (2 * world) == 0 and len(prompt) - 2 * world <= done < len(prompt)
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt[:done]]), use_cache=True).past_key_values
+        for layer in range(model.config.num_hidden_layers):
+            for got, want in ((cache.layers[layer].keys, ref.layers[layer].keys),
+                              (cache.layers[layer].values, ref.layers[layer].values)):
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                assert err <= 1e-5, f"rank {rank} layer {layer}: cache differs by {err:.2e}"
+        answer = greedy_generate_cached(model, tok, prompt, cache, 12)
+        assert answer == greedy_generate(model, tok, [prompt], 12)[0]
+
+
+def test_context_parallel_prefill_gives_the_single_process_cache_and_answer(checkpoint):
+    from tests.distributed import run_gloo
+
+    run_gloo(_cp_prefill_worker, 2, str(checkpoint))
+
+
+def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoint, tmp_path):
+    """torchrun with 2 processes: samples split between them (default) or every prompt's prefill split
+    with ring attention (prefill=cp); both give the one-process predictions."""
+    import os
+    import subprocess
+    import sys
+
+    args = [f"checkpoint={checkpoint}", "lengths=[1024]", "num_samples=3", "tasks=[niah_single_2,vt]", "threads=1"]
+    one = main(args + [f"out={tmp_path / 'one'}"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for mode in ("local", "cp"):
+        out = tmp_path / mode
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "eval.ruler", *args, f"prefill={mode}", f"out={out}"], check=True, env=env,
+                       capture_output=True, timeout=300)
+        saved = json.loads((out / "ruler.json").read_text())["samples"]
+        assert [(r["task"], r["index"], r["prediction"]) for r in saved] == \
+            [(r["task"], r["index"], r["prediction"]) for r in one["records"]], mode

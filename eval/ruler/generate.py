@@ -19,6 +19,16 @@ def stop_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def _config(max_new_tokens: int, eos: list[int], pad: int, prefill_chunk=None) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                            eos_token_id=eos, pad_token_id=pad, prefill_chunk_size=prefill_chunk)
+
+
+def _decode(tokenizer, new: list[int], eos: list[int]) -> str:
+    cut = next((j for j, t in enumerate(new) if t in eos), len(new))
+    return tokenizer.decode(new[:cut], skip_special_tokens=True)
+
+
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
                     prefill_chunk: int = 2048) -> list[str]:
@@ -36,11 +46,20 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
         for r, i in enumerate(rows):  # left padding: every row's last prompt token is at the same column
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, width - len(prompts[i]):] = 1
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True, eos_token_id=eos,
-                                  pad_token_id=pad, prefill_chunk_size=prefill_chunk if width > prefill_chunk else None)
+        config = _config(max_new_tokens, eos, pad, prefill_chunk if width > prefill_chunk else None)
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
         for r, i in enumerate(rows):
-            new = out[r, width:].tolist()
-            cut = next((j for j, t in enumerate(new) if t in eos), len(new))
-            answers[i] = tokenizer.decode(new[:cut], skip_special_tokens=True)
+            answers[i] = _decode(tokenizer, out[r, width:].tolist(), eos)
     return answers
+
+
+@torch.no_grad()
+def greedy_generate_cached(model, tokenizer, prompt: list[int], cache, max_new_tokens: int) -> str:
+    """One prompt whose first tokens are already in `cache` (a context-parallel prefill): generate runs
+    the rest of the prompt and the decoding from it."""
+    eos = stop_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    ids = torch.tensor(prompt, device=next(model.parameters()).device)[None]
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         generation_config=_config(max_new_tokens, eos, pad))
+    return _decode(tokenizer, out[0, len(prompt):].tolist(), eos)

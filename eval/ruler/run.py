@@ -3,6 +3,7 @@
     python -m eval.ruler checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096] num_samples=4
     python -m eval.ruler checkpoint=DIR lengths=[16384] tasks=[niah_single_1,vt] yarn.factor=2
     torchrun --nproc-per-node 2 -m eval.ruler checkpoint=DIR ...   # samples split over processes
+    torchrun --nproc-per-node 2 -m eval.ruler checkpoint=DIR prefill=cp ...  # each prompt's prefill split
 
 Writes <out>/ruler[_yarnF].{json,csv} and plots (default out: <checkpoint>/eval). Bad items (an
 unknown task, a QA task without its file, a length past the model's positions, a length too short
@@ -19,8 +20,9 @@ from typing import List, Optional
 import torch
 from omegaconf import OmegaConf
 
+from eval.ruler.cp_prefill import cp_prefill, world_cp
 from eval.ruler.fit import DoesNotFit, make_sample
-from eval.ruler.generate import greedy_generate
+from eval.ruler.generate import greedy_generate, greedy_generate_cached
 from eval.ruler.report import format_table, log_wandb, plot, write_files
 from eval.ruler.score import sample_score, summarize
 from eval.ruler.tasks import TASKS, load_qa
@@ -52,6 +54,7 @@ class RulerConfig:
     qa: QAFiles = field(default_factory=QAFiles)
     batch_size: int = 1
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
+    prefill: str = "local"  # local | cp: with several processes, ring-attention prefill over all of them
     dtype: str = "float32"
     threshold: float = 85.6  # effective-length threshold (RULER: Llama-2-7B at 4K)
     out: Optional[str] = None
@@ -78,6 +81,11 @@ def parse(argv: list[str]) -> RulerConfig:
         raise ValueError("num_samples, batch_size and prefill_chunk must be >= 1")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}: use one of {list(DTYPES)}")
+    if cfg.prefill not in ("local", "cp"):
+        raise ValueError(f"prefill={cfg.prefill!r}: use local, or cp (under torchrun with several processes)")
+    if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("prefill=cp splits each prompt over several processes: launch with "
+                         "torchrun --nproc-per-node N -m eval.ruler ... (or use prefill=local)")
     if cfg.wandb not in ("disabled", "offline", "online"):
         raise ValueError(f"wandb={cfg.wandb!r}: use disabled, offline or online")
     for kind in ("squad", "hotpotqa"):
@@ -149,13 +157,15 @@ def main(argv: list[str]) -> Optional[dict]:
         raise ValueError("nothing to run: " + ("no runnable task" if not tasks else "no reachable length")
                          + " (see the messages above)")
     rank, world = _dist()
+    cp = cfg.prefill == "cp"
+    share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
     tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
     groups = []  # (task, length, samples of this rank)
     for name in tasks:
         for L in lengths:
             try:
                 mine = [make_sample(TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
-                                    qa=qa.get(name)) for i in range(rank, cfg.num_samples, world)]
+                                    qa=qa.get(name)) for i in share]
             except DoesNotFit as e:
                 skipped.append(str(e))
                 note(str(e))
@@ -166,8 +176,12 @@ def main(argv: list[str]) -> Optional[dict]:
     model.eval()
     records = []
     for name, L, samples in groups:
-        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], TASKS[name].max_new_tokens,
-                                cfg.batch_size, cfg.prefill_chunk)
+        if cp:
+            preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, world_cp()),
+                                            TASKS[name].max_new_tokens) for s in samples]
+        else:
+            preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], TASKS[name].max_new_tokens,
+                                    cfg.batch_size, cfg.prefill_chunk)
         for s, pred in zip(samples, preds):
             records.append({"task": name, "length": L, "index": s.index, "depth": s.depth, "units": s.units,
                             "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred,
@@ -176,7 +190,7 @@ def main(argv: list[str]) -> Optional[dict]:
             done = [r["score"] for r in records if r["task"] == name and r["length"] == L]
             print(f"{name:<16} {L:>7}  {100 * sum(done) / max(len(done), 1):6.1f}  ({len(done)} samples on rank 0)",
                   flush=True)
-    if world > 1:
+    if world > 1 and not cp:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
         records = sorted((r for part in gathered for r in part), key=lambda r: (r["task"], r["length"], r["index"]))

@@ -1,0 +1,66 @@
+"""Context-parallel prefill for generation: with several processes, a long prompt's forward pass is
+split over them with zig-zag ring attention (parallel/), and every rank ends with the full KV cache.
+
+The first P' tokens of a P-token prompt (P' the largest multiple of 2 x world below P) are sharded
+zig-zag; each layer's post-RoPE keys and values are caught inside the ring attention call, gathered
+from every rank and put back in sequence order into a transformers DynamicCache. `generate` then
+runs the remaining P - P' prompt tokens and the decoding on every rank from that cache, so each
+rank's prefill activations are 1/world of the prompt's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+from parallel.attention import CPContext, longstride_attention, no_mask, shard_for_cp
+from parallel.kernels import resolve_kernel
+from parallel.ring import RingComm
+from parallel.zigzag import unshard
+
+NAME = "longstride_kv"
+
+
+def _attention_keeping_kv(module, query, key, value, attention_mask, kv_out=None, **kwargs):
+    # key/value: (B, Hkv, l, D) after RoPE, this rank's zig-zag share
+    kv_out[module.layer_idx] = (key, value)
+    return longstride_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def world_cp() -> CPContext:
+    """A ring over every process of the default group."""
+    n = dist.get_world_size()
+    return CPContext(n, dist.get_rank(), RingComm(dist.group.WORLD) if n > 1 else None)
+
+
+@torch.no_grad()
+def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
+    """The KV cache of the first P' tokens of `ids` (see the module docstring), on every rank."""
+    AttentionInterface.register(NAME, _attention_keeping_kv)
+    AttentionMaskInterface.register(NAME, no_mask)
+    device = next(model.parameters()).device
+    step = 2 * cp.n
+    length = (len(ids) - 1) // step * step  # at least one prompt token is left for generate
+    cache = DynamicCache(config=model.config)
+    if length == 0:
+        return cache
+    full = torch.tensor(ids[:length], device=device)[None]
+    batch = {"input_ids": full, "position_ids": torch.arange(length, device=device)[None]}
+    local, layout = shard_for_cp(batch, False, resolve_kernel("auto", device.type, ring=True), cp)
+    kv: dict[int, tuple] = {}
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    try:
+        model.model(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout,
+                    kv_out=kv, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    for layer in range(len(kv)):
+        parts = []
+        for x in kv[layer]:
+            shards = [torch.empty_like(x) for _ in range(cp.n)]
+            dist.all_gather(shards, x.contiguous())
+            parts.append(unshard(shards, dim=2))  # (B, Hkv, P', D) in sequence order
+        cache.update(parts[0], parts[1], layer)
+    return cache
