@@ -9,6 +9,8 @@ The estimate, per rank, in bytes:
     kept with full checkpointing b H (the layer input), plus one layer's working set as above while it
                                  is recomputed
     selective                    b (10 H) kept per layer (the cheap ops), plus one layer's working set
+    with offload (CUDA)          the layer inputs (b H per layer) live in host memory instead; the device
+                                 holds two of them (the one in use and the one being prefetched)
   loss: min(L, tile) x V x 4 x 3 bytes (fp32 logits, their softmax and gradient, one tile at a time)
   MLP tile working set: tile x I x b x 4
 The constants follow the usual per-layer accounting (Korthikanti et al., 2022) for attention that
@@ -23,7 +25,7 @@ import torch
 
 
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
-             act_bytes: int = 4) -> dict:
+             act_bytes: int = 4, offload: bool = False) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank."""
     H, I, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     d = getattr(config, "head_dim", None) or H // config.num_attention_heads
@@ -31,6 +33,10 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     mlp = 0 if mlp_tile else 4 * I
     layer = act_bytes * (10 * H + 2 * qkv + mlp)  # bytes per token one layer keeps without checkpointing
     kept = {"none": n * layer, "full": n * act_bytes * H + layer, "selective": n * act_bytes * 10 * H + layer}[ac]
+    host = 0
+    if offload and ac != "none":
+        host = n * act_bytes * H  # the layer inputs, in pinned host memory
+        kept += 2 * act_bytes * H - host
     gib = 2 ** 30
     out = {
         "parameters": 4 * num_params / shard / gib,
@@ -40,8 +46,9 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
         "loss": min(tokens, loss_tile) * config.vocab_size * 4 * 3 / gib,
         "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
         "activation_bytes_per_token": kept,
+        "host_activations": host * tokens / gib,
     }
-    out["total"] = sum(v for k, v in out.items() if k != "activation_bytes_per_token")
+    out["total"] = sum(v for k, v in out.items() if k not in ("activation_bytes_per_token", "host_activations"))
     return out
 
 

@@ -100,16 +100,21 @@ def validation_loss(model, held_out, dp_rank: int, dp: int, device, prep: BatchP
     return (all_reduce_sum(total) / all_reduce_sum(count).clamp(min=1)).item()
 
 
-def log_memory_estimate(ctx: RunContext, name: str, lm, tokens: int, ac: str, mlp_tile: int, shard: int) -> None:
+def log_memory_estimate(ctx: RunContext, name: str, lm, tokens: int, ac: str, mlp_tile: int, shard: int,
+                        offload: bool) -> None:
     """The stage's per-rank memory estimate (model/memory.py) against the device's, with a warning."""
     acc, tracker = ctx.accelerator, ctx.tracker
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), tokens, ac, mlp_tile,
-                   ctx.cfg.model.loss_tile_tokens, shard, act_bytes=2 if acc.mixed_precision == "bf16" else 4)
+                   ctx.cfg.model.loss_tile_tokens, shard, act_bytes=2 if acc.mixed_precision == "bf16" else 4,
+                   offload=offload)
     avail, where = device_memory_gib(acc.device)
     tracker.info("stage %s: memory estimate per rank %.2f GiB (parameters %.2f, gradients %.2f, optimizer %.2f, "
                  "activations %.2f at %d B/token, loss %.2f) of %.1f GiB (%s)", name, est["total"], est["parameters"],
                  est["gradients"], est["optimizer"], est["activations"], est["activation_bytes_per_token"],
                  est["loss"], avail, where)
+    if offload:
+        tracker.info("stage %s: %.2f GiB of checkpointed layer inputs per rank offloaded to pinned host memory",
+                     name, est["host_activations"])
     if est["total"] > 0.9 * avail:
         tracker.warning("stage %s will likely not fit: about %.1f GiB per rank against %.1f GiB; raise its cp, set "
                         "model.activation_checkpointing=true and mlp_tile_tokens, or lower micro_batch_size", name,
@@ -139,8 +144,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=resume or init_from, seed=cfg.train.seed)
     ac = cfg.model.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
-    enable_checkpointing(lm, cfg.model.checkpoint_mode if ac else "none",
-                         offload=cfg.model.offload_activations and acc.device.type == "cuda")
+    offload = bool(ac and cfg.model.offload_activations and acc.device.type == "cuda")
+    enable_checkpointing(lm, cfg.model.checkpoint_mode if ac else "none", offload=offload)
     mlp_tile = cfg.model.mlp_tile_tokens if stage.mlp_tile_tokens is None else stage.mlp_tile_tokens
     tile_mlps(lm, mlp_tile)
     use_longstride_attention(lm)
@@ -149,7 +154,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, degrees, acc.device.type))
     fsdp = use_fsdp(cfg.parallel.fsdp, acc.device.type, acc.num_processes)
     log_memory_estimate(ctx, name, lm, stage.micro_batch_size * stage.seq_len // dims.cp,
-                        cfg.model.checkpoint_mode if ac else "none", mlp_tile, acc.num_processes if fsdp else 1)
+                        cfg.model.checkpoint_mode if ac else "none", mlp_tile, acc.num_processes if fsdp else 1, offload)
     if fsdp:  # parameters, gradients and optimizer state sharded over all dp x cp ranks
         lm.to(acc.device)
         bf16 = acc.mixed_precision == "bf16"

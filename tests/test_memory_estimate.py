@@ -24,6 +24,11 @@ def test_switches_lower_activation_memory_by_what_they_remove():
     assert per_token("full", 0) == n * 4 * H + layer, "full: the layer inputs plus one layer being recomputed"
     assert per_token("full", 1024) < per_token("selective", 1024) < per_token("none", 1024)
     assert per_token("none", 0) / per_token("full", 1024) > 15
+    off = estimate(CFG, P, 8192, "full", 1024, 1024, offload=True)
+    assert off["activation_bytes_per_token"] == per_token("full", 1024) - (n - 2) * 4 * H, \
+        "offload: two layer inputs stay on the device, the rest go to the host"
+    assert abs(off["host_activations"] * 2 ** 30 - n * 4 * H * 8192) < 1
+    assert estimate(CFG, P, 8192, "none", 1024, 1024, offload=True)["host_activations"] == 0
 
 
 def test_state_terms_and_sharding():
