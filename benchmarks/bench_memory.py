@@ -20,6 +20,9 @@ longer length.
                                                   # each point is measured, so a cut-short run keeps them)
     python -m benchmarks.bench_memory --model smollm2_135m_shape --method cp2
                                                   # re-measures only those points, keeping the others in the file
+    python -m benchmarks.bench_memory --time-pair 2048 --model smollm2_135m_shape
+                                                  # step time of longstride vs plain: the two alternate in
+                                                  # fresh processes, median of the paired ratios
 """
 from __future__ import annotations
 
@@ -175,6 +178,24 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def time_pair(model_name: str, length: int, reps: int) -> None:
+    """The step-time cost of longstride's recomputation on a noisy shared machine: plain and longstride
+    alternate, each in fresh processes (one warm-up step, one timed step), and the ratio is taken per
+    pair; the median pair is reported."""
+    pairs = []
+    for rep in range(reps):
+        plain, lean = measure(model_name, "plain", length), measure(model_name, "longstride", length)
+        pairs.append({"rep": rep, "plain_s": plain["step_s"], "longstride_s": lean["step_s"],
+                      "ratio": lean["step_s"] / plain["step_s"]})
+        print(pairs[-1], flush=True)
+    ratios = sorted(p["ratio"] for p in pairs)
+    out = {"model": model_name, "length": length, "median_ratio": ratios[len(ratios) // 2],
+           "median_plain_s": float(np.median([p["plain_s"] for p in pairs])),
+           "median_longstride_s": float(np.median([p["longstride_s"] for p in pairs]))}
+    print_table([out], list(out))
+    print("results:", write_results("bench_memory_time", [out], {"pairs": pairs}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the tiny model only, short lengths")
@@ -182,7 +203,11 @@ def main() -> None:
     ap.add_argument("--model", action="append", choices=list(MODELS), help="measure only this model (repeatable); "
                     "the points file keeps the other models' and methods' points")
     ap.add_argument("--method", action="append", choices=list(METHODS), help="measure only this method (repeatable)")
+    ap.add_argument("--time-pair", type=int, metavar="L", help="only time plain vs longstride at length L")
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    if args.time_pair:
+        return time_pair(args.model[0] if args.model else "smollm2_135m_shape", args.time_pair, args.reps)
     points_path = os.path.join(RESULTS, "bench_memory_points.json")
     if args.from_json:
         with open(points_path) as f:
