@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from data.sources import list_files, stdlib_root
-from model.build import check_checkpoint_dir, load_config_with_yarn
+from eval.cli import parse_overrides, run
+from model.build import load_config_with_yarn
 from model.config import YarnConfig
 from model.loss import chunked_cross_entropy_sum
 
@@ -42,13 +42,7 @@ class PplConfig:
 
 
 def parse(argv: list[str]) -> PplConfig:
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PplConfig), OmegaConf.from_cli(argv)))
-    except Exception as e:  # omegaconf's own errors name the key
-        raise ValueError(f"bad argument: {e}".splitlines()[0]) from None
-    if not cfg.checkpoint:
-        raise ValueError("checkpoint=<dir> is required (an HF model dir, e.g. outputs/tiny/s3_4k/final)")
-    check_checkpoint_dir(cfg.checkpoint, "checkpoint")
+    cfg = parse_overrides(PplConfig, argv, "an HF model dir, e.g. outputs/tiny/s3_4k/final")
     if not cfg.lengths or any(L < 2 for L in cfg.lengths):
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 2, e.g. lengths=[1024,2048]")
     return cfg
@@ -156,8 +150,4 @@ def main(argv: list[str]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:
-        print(f"eval.ppl: {e}", file=sys.stderr)
-        sys.exit(2)
+    run("eval.ppl", main)

@@ -60,6 +60,24 @@ def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def micro_checkpoint(directory: Path, vocab_size: int, seq_len: int, extra_texts: tuple = ()):
+    """A 2-layer SmolLM3 with a BPE trained on 40 stdlib files (plus extra_texts), saved as an HF dir."""
+    from data.sources import list_files, stdlib_root
+    from data.tokenizer import train_bpe
+    from model.build import build_model
+    from model.config import ModelConfig
+
+    texts = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:40]]
+    tok = train_bpe(texts + list(extra_texts), vocab_size)
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, nope_interval=2, initializer_range=0.3)
+    model = build_model(cfg, rope_theta=1e4, seq_len=seq_len, vocab_size=len(tok), eos_id=tok.eos_token_id,
+                        pad_id=tok.pad_token_id)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return tok
+
+
 def read_metrics(stage_dir: Path) -> dict[int, dict]:
     """Records merged per step; a resumed run's records replace the killed run's for the same step."""
     out: dict[int, dict] = {}

@@ -7,24 +7,16 @@ import math
 import pytest
 from transformers import AutoConfig
 
-from data.sources import list_files, stdlib_root
-from data.tokenizer import train_bpe
 from eval.ppl import main, parse
-from model.build import build_model, load_config_with_yarn
-from model.config import ModelConfig, YarnConfig
+from model.build import load_config_with_yarn
+from model.config import YarnConfig
+from tests.conftest import micro_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    texts = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:30]]
-    tok = train_bpe(texts, 300)
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, nope_interval=2, initializer_range=0.3)
-    model = build_model(cfg, rope_theta=1e4, seq_len=128, vocab_size=len(tok), eos_id=tok.eos_token_id,
-                        pad_id=tok.pad_token_id)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
+    micro_checkpoint(d, 300, 128)
     return d
 
 

@@ -9,37 +9,30 @@ import re
 import pytest
 import torch
 
-from data.sources import list_files, stdlib_root
-from data.tokenizer import train_bpe
 from eval.ruler.fit import DoesNotFit, make_sample, prompt_ids
 from eval.ruler.generate import greedy_generate
 from eval.ruler.run import main, parse
 from eval.ruler.score import postprocess, sample_score, string_match_all, string_match_part, summarize
 from eval.ruler.tasks import NEEDLE, SYNTHETIC, TASKS, Sampler, load_qa
 from eval.ruler.words import NOISE, common_words
-from model.build import build_model
-from model.config import ModelConfig
+from tests.conftest import micro_checkpoint
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def tok():
-    texts = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:40]]
-    return train_bpe(texts + [NOISE] * 20, 1000)
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ruler_ckpt")
+    micro_checkpoint(d, 1000, 2048, extra_texts=(NOISE,) * 20)
+    return d
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tok):
-    d = tmp_path_factory.mktemp("ruler_ckpt")
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, nope_interval=2, initializer_range=0.3)
-    model = build_model(cfg, rope_theta=1e4, seq_len=2048, vocab_size=len(tok), eos_id=tok.eos_token_id,
-                        pad_id=tok.pad_token_id)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def tok(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 import torch
-from omegaconf import OmegaConf
 
+from eval.cli import parse_overrides
 from eval.ruler.cp_prefill import cp_prefill, world_cp
 from eval.ruler.fit import DoesNotFit, make_sample
 from eval.ruler.generate import greedy_generate, greedy_generate_cached
@@ -27,7 +27,7 @@ from eval.ruler.report import format_table, log_wandb, plot, write_files
 from eval.ruler.score import sample_score, summarize
 from eval.ruler.tasks import TASKS, load_qa
 from eval.ruler.words import prose_words
-from model.build import check_checkpoint_dir, load_config_with_yarn
+from model.build import load_config_with_yarn
 from model.config import YarnConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,14 +64,8 @@ class RulerConfig:
 
 
 def parse(argv: list[str]) -> RulerConfig:
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RulerConfig), OmegaConf.from_cli(argv)))
-    except Exception as e:  # omegaconf's own errors name the key
-        raise ValueError(f"bad argument: {e}".splitlines()[0]) from None
-    if not cfg.checkpoint:
-        raise ValueError("checkpoint=<dir> is required (an HF model dir, e.g. outputs/tiny/s3_4k/final; for a "
-                         "GGUF file convert it once with python -m model.convert_gguf)")
-    check_checkpoint_dir(cfg.checkpoint, "checkpoint")
+    cfg = parse_overrides(RulerConfig, argv, "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file "
+                                             "convert it once with python -m model.convert_gguf")
     if not any(os.path.isfile(os.path.join(cfg.checkpoint, f)) for f in TOKENIZER_FILES):
         raise ValueError(f"checkpoint={cfg.checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
                          f"tokenizer into it with tokenizer.save_pretrained(dir)")
