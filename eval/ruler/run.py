@@ -194,7 +194,8 @@ def main(argv: list[str]) -> Optional[dict]:
     print(format_table(summary))
     out = cfg.out or os.path.join(cfg.checkpoint, "eval")
     stem = f"ruler_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else "ruler"
-    title = f"{os.path.basename(os.path.normpath(cfg.checkpoint))}" + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")
+    name = "/".join(os.path.normpath(os.path.abspath(cfg.checkpoint)).split(os.sep)[-2:])  # e.g. s3_4k/final
+    title = name + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")
     write_files(out, stem, asdict(cfg), summary, records, skipped)
     images = []
     try:
