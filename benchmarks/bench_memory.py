@@ -13,7 +13,9 @@ optimizer state and the step's activations. A quadratic a + b L + c L^2 is fitte
 model; bytes per token is b and the fixed cost a of the straight-line fit, which predicts the longest
 context (where it reaches this machine's 24 GiB minus the zero); the quadratic's c is reported with
 the share of the peak it would explain at the longest fitted length. The prediction is then checked by one real step at a
-longer length.
+longer length. The marginal bytes per token, between the two longest lengths measured (the last fitted one and the
+check), is the slope where activations set the peak: at short lengths the peak of a lean step is the AdamW update's
+transient buffers (about the size of the parameters), so the shortest points sit on that floor.
 
     python -m benchmarks.bench_memory [--quick]   # writes benchmarks/results/bench_memory.{json,png}
     python -m benchmarks.bench_memory --from-json # refits and replots bench_memory_points.json (written as
@@ -162,8 +164,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             f = fits[method] = fit([r for r in pts if r["use"] == "fit"])
             chk = next(r for r in pts if r["use"] == "check")
             longest = max(r["length"] for r in pts if r["use"] == "fit")
+            (l1, g1), (l2, g2) = sorted((r["length"], r["peak_gib"]) for r in pts)[-2:]
             out.append({"model": model_name, "method": method, "fixed_gib": f["fixed_gib"],
-                        "KiB_per_token": f["bytes_per_token"] / 1024, "L2_bytes": f["l2_bytes"],
+                        "KiB_per_token": f["bytes_per_token"] / 1024,
+                        "marginal_KiB_per_token": (g2 - g1) * 2 ** 30 / (l2 - l1) / 1024, "L2_bytes": f["l2_bytes"],
                         "L2_share": f["l2_share"], "pred_max_len": f["predicted_max_len"], "check_len": chk["length"],
                         "check_gib": chk["peak_gib"],
                         "check_pred_gib": f["fixed_gib"] + f["bytes_per_token"] * chk["length"] / 2 ** 30,
@@ -174,6 +178,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         for o in mine:
             o["max_len_vs_plain"] = o["pred_max_len"] / plain["pred_max_len"]
             o["KiB_per_token_vs_longstride"] = o["KiB_per_token"] / lean["KiB_per_token"]
+            o["marginal_vs_longstride"] = o["marginal_KiB_per_token"] / lean["marginal_KiB_per_token"]
             o["step_time_vs_plain"] = o["step_s"] / plain["step_s"]
     return out
 
@@ -233,7 +238,7 @@ def main() -> None:
                     write_results("bench_memory_points", rows)  # a run cut short keeps what it measured
     out = summarize(rows)
     print_table(out, ["model", "method", "fixed_gib", "KiB_per_token", "L2_share", "pred_max_len", "max_len_vs_plain",
-                      "KiB_per_token_vs_longstride", "check_len", "check_gib", "check_pred_gib", "step_len",
+                      "KiB_per_token_vs_longstride", "marginal_KiB_per_token", "marginal_vs_longstride", "check_len", "check_gib", "check_pred_gib", "step_len",
                       "step_time_vs_plain"])
     png = os.path.join(RESULTS, "bench_memory.png")
     plot(rows, {(o["model"], o["method"]): fit([r for r in rows if r["model"] == o["model"] and
