@@ -30,7 +30,8 @@ class ActivationOffload:
         self.items: dict[int, dict] = {}  # packed id -> host copy, device copy (once fetched), its event, refs
         self.live: dict[int, int] = {}  # a tensor saved by several layers (RoPE cos/sin) is copied once
         self.next_id = 0
-        self.trace: list[tuple[str, int]] = []  # ("pack"|"fetch"|"unpack", id), for tests
+        # ("pack"|"fetch"|"unpack", id) in simulate mode, for tests; never kept in a real run
+        self.trace: Optional[list[tuple[str, int]]] = [] if simulate else None
 
     def pack(self, t: torch.Tensor) -> Union[torch.Tensor, int]:
         if t.numel() * t.element_size() < self.min_bytes or (not self.simulate and t.device.type != "cuda"):
@@ -51,14 +52,18 @@ class ActivationOffload:
         self.items[i] = {"host": host, "device": None, "event": None, "to": t.device, "refs": 1, "key": key,
                          "tensor": weakref.ref(t)}
         self.live[key] = i
-        self.trace.append(("pack", i))
+        self._record("pack", i)
         return i
+
+    def _record(self, op: str, i: int) -> None:
+        if self.trace is not None:
+            self.trace.append((op, i))
 
     def _fetch(self, i: int) -> None:
         item = self.items[i]
         if item["device"] is not None:
             return
-        self.trace.append(("fetch", i))
+        self._record("fetch", i)
         if self.simulate:
             item["device"] = item["host"].clone()
             return
@@ -83,7 +88,7 @@ class ActivationOffload:
             del self.items[packed]
             if self.live.get(item["key"]) == packed:
                 del self.live[item["key"]]
-        self.trace.append(("unpack", packed))
+        self._record("unpack", packed)
         t = item["device"]
         if item["event"] is not None:
             torch.cuda.current_stream().wait_event(item["event"])
