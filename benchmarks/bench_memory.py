@@ -122,7 +122,7 @@ def fit(rows: list[dict]) -> dict:
             "l2_share": c * L.max() ** 2 / y.max(), "predicted_max_len": float((budget - a) / b)}
 
 
-def plot(rows: list[dict], fits: dict, path: str) -> None:
+def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,11 +132,11 @@ def plot(rows: list[dict], fits: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2))
     for ax, model_name in zip(np.atleast_1d(axes), models):
         for method in METHODS:
-            pts = sorted((r["length"], r["peak_gib"]) for r in rows if r["model"] == model_name and r["method"] == method
-                         and r["use"] == "fit")
-            if not pts:
+            fitted = [r for r in rows if r["model"] == model_name and r["method"] == method and r["use"] == "fit"]
+            if not fitted:
                 continue
-            f = fits[model_name, method]
+            pts = sorted((r["length"], r["peak_gib"]) for r in fitted)
+            f = fit(fitted)
             xs = np.linspace(0, max(p[0] for p in pts) * 2, 50)
             line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=f"{method}: "
                            f"{f['bytes_per_token'] / 1024:.0f} KiB/token, fits ~{f['predicted_max_len'] / 1024:.0f}K")
@@ -193,8 +193,7 @@ def time_pair(model_name: str, length: int, reps: int) -> None:
         pairs.append({"rep": rep, "plain_s": plain["step_s"], "longstride_s": lean["step_s"],
                       "ratio": lean["step_s"] / plain["step_s"]})
         print(pairs[-1], flush=True)
-    ratios = sorted(p["ratio"] for p in pairs)
-    out = {"model": model_name, "length": length, "median_ratio": ratios[len(ratios) // 2],
+    out = {"model": model_name, "length": length, "median_ratio": float(np.median([p["ratio"] for p in pairs])),
            "median_plain_s": float(np.median([p["plain_s"] for p in pairs])),
            "median_longstride_s": float(np.median([p["longstride_s"] for p in pairs]))}
     print_table([out], list(out))
@@ -241,8 +240,7 @@ def main() -> None:
                       "KiB_per_token_vs_longstride", "marginal_KiB_per_token", "marginal_vs_longstride", "check_len", "check_gib", "check_pred_gib", "step_len",
                       "step_time_vs_plain"])
     png = os.path.join(RESULTS, "bench_memory.png")
-    plot(rows, {(o["model"], o["method"]): fit([r for r in rows if r["model"] == o["model"] and
-                                                r["method"] == o["method"] and r["use"] == "fit"]) for o in out}, png)
+    plot(rows, png)
     print("plot:", png)
     print("results:", write_results("bench_memory", out, {
         "points": rows, "machine_bytes": MACHINE_BYTES, "mlp_tile": MLP_TILE, "loss_tile": LOSS_TILE,

@@ -113,8 +113,7 @@ def main(argv: list[str]) -> list[dict]:
     cfg = parse(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    config = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
-    base_max = load_config_with_yarn(cfg.checkpoint, YarnConfig()).max_position_embeddings
+    config, base_max = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
     too_long = [L for L in cfg.lengths if L > config.max_position_embeddings]
     if too_long:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""

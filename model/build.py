@@ -80,12 +80,14 @@ def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_em
     return config
 
 
-def load_config_with_yarn(checkpoint: str, yarn: YarnConfig) -> PretrainedConfig:
-    """A saved checkpoint's config with YaRN applied, for evaluation beyond the trained length."""
+def load_config_with_yarn(checkpoint: str, yarn: YarnConfig) -> tuple[PretrainedConfig, int]:
+    """A saved checkpoint's config with YaRN applied, for evaluation beyond the trained length, and its
+    max positions before YaRN."""
     config = AutoConfig.from_pretrained(checkpoint)
+    trained = config.max_position_embeddings
     if yarn.factor:
         apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings)
-    return config
+    return config, trained
 
 
 def check_checkpoint_dir(path: str, field_name: str) -> None:

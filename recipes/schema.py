@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from data.config import DataConfig, LongDocConfig
+from model.checkpointing import MODES
 from model.config import ModelConfig
 from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims, cp_degrees
 from parallel.fsdp import use_fsdp
@@ -229,8 +230,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
     if cfg.train.precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.precision={cfg.train.precision!r}; use auto, bf16 or fp32")
-    if cfg.model.checkpoint_mode not in ("full", "selective"):
-        raise ValueError(f"model.checkpoint_mode={cfg.model.checkpoint_mode!r}; use full or selective")
+    if cfg.model.checkpoint_mode not in MODES[1:]:  # "none" is activation_checkpointing=false
+        raise ValueError(f"model.checkpoint_mode={cfg.model.checkpoint_mode!r}; use {' or '.join(MODES[1:])}")
     if cfg.model.mlp_tile_tokens < 0:
         raise ValueError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0 = off, e.g. 4096)")
     if cfg.data.streaming:

@@ -144,8 +144,9 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=resume or init_from, seed=cfg.train.seed)
     ac = cfg.model.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
+    ac_mode = cfg.model.checkpoint_mode if ac else "none"
     offload = bool(ac and cfg.model.offload_activations and acc.device.type == "cuda")
-    enable_checkpointing(lm, cfg.model.checkpoint_mode if ac else "none", offload=offload)
+    enable_checkpointing(lm, ac_mode, offload=offload)
     mlp_tile = cfg.model.mlp_tile_tokens if stage.mlp_tile_tokens is None else stage.mlp_tile_tokens
     tile_mlps(lm, mlp_tile)
     use_longstride_attention(lm)
@@ -154,7 +155,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, degrees, acc.device.type))
     fsdp = use_fsdp(cfg.parallel.fsdp, acc.device.type, acc.num_processes)
     log_memory_estimate(ctx, name, lm, stage.micro_batch_size * stage.seq_len // dims.cp,
-                        cfg.model.checkpoint_mode if ac else "none", mlp_tile, acc.num_processes if fsdp else 1, offload)
+                        ac_mode, mlp_tile, acc.num_processes if fsdp else 1, offload)
     if fsdp:  # parameters, gradients and optimizer state sharded over all dp x cp ranks
         lm.to(acc.device)
         bf16 = acc.mixed_precision == "bf16"
@@ -192,7 +193,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     else:
         tracker.info("stage %s: from %s", name, init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     tracker.info("stage %s: model %s on %s (%s); activation checkpointing %s%s; MLP tile %s", name,
-                 type(model).__name__, acc.device, acc.distributed_type, cfg.model.checkpoint_mode if ac else "off",
+                 type(model).__name__, acc.device, acc.distributed_type, ac_mode if ac else "off",
                  "" if not (ac and cfg.model.offload_activations) else
                  (", offloaded to host" if acc.device.type == "cuda" else ", offload ignored on CPU"),
                  mlp_tile or "off")

@@ -21,7 +21,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_yarn_helper_applies_transformers_yarn(checkpoint):
-    config = load_config_with_yarn(str(checkpoint), YarnConfig(factor=2.0))
+    config, trained = load_config_with_yarn(str(checkpoint), YarnConfig(factor=2.0))
     assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 2.0
     assert config.rope_parameters["original_max_position_embeddings"] == 128
     assert config.rope_parameters["rope_theta"] == 1e4

@@ -11,12 +11,13 @@ import torch
 from transformers import GenerationConfig
 
 
-def stop_ids(model, tokenizer) -> list[int]:
+def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
+    """The token ids that end an answer (the model's and the tokenizer's EOS), and the padding id."""
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
-    return ids
+    return ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[0]
 
 
 def _config(max_new_tokens: int, eos: list[int], pad: int, prefill_chunk=None) -> GenerationConfig:
@@ -33,8 +34,7 @@ def _decode(tokenizer, new: list[int], eos: list[int]) -> str:
 def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
                     prefill_chunk: int = 2048) -> list[str]:
     """Decoded continuations of `prompts` (token id lists), in the given order."""
-    eos = stop_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    eos, pad = stop_and_pad(model, tokenizer)
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[str] = [""] * len(prompts)
@@ -57,8 +57,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
 def greedy_generate_cached(model, tokenizer, prompt: list[int], cache, max_new_tokens: int) -> str:
     """One prompt whose first tokens are already in `cache` (a context-parallel prefill): generate runs
     the rest of the prompt and the decoding from it."""
-    eos = stop_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    eos, pad = stop_and_pad(model, tokenizer)
     ids = torch.tensor(prompt, device=next(model.parameters()).device)[None]
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                          generation_config=_config(max_new_tokens, eos, pad))

@@ -141,8 +141,7 @@ def main(argv: list[str]) -> Optional[dict]:
     tasks, qa, skipped = runnable_tasks(cfg)
     if any(TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
-    config = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
-    original = load_config_with_yarn(cfg.checkpoint, YarnConfig()).max_position_embeddings
+    config, original = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
     lengths, too_long = reachable_lengths(cfg, config.max_position_embeddings, original)
     skipped += too_long
     for msg in skipped:
@@ -176,14 +175,13 @@ def main(argv: list[str]) -> Optional[dict]:
         else:
             preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], TASKS[name].max_new_tokens,
                                     cfg.batch_size, cfg.prefill_chunk)
-        for s, pred in zip(samples, preds):
-            records.append({"task": name, "length": L, "index": s.index, "depth": s.depth, "units": s.units,
-                            "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred,
-                            "score": sample_score(pred, s.answers, s.metric)})
+        scores = [sample_score(pred, s.answers, s.metric) for s, pred in zip(samples, preds)]
+        records += [{"task": name, "length": L, "index": s.index, "depth": s.depth, "units": s.units,
+                     "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred, "score": score}
+                    for s, pred, score in zip(samples, preds, scores)]
         if rank == 0:
-            done = [r["score"] for r in records if r["task"] == name and r["length"] == L]
-            print(f"{name:<16} {L:>7}  {100 * sum(done) / max(len(done), 1):6.1f}  ({len(done)} samples on rank 0)",
-                  flush=True)
+            print(f"{name:<16} {L:>7}  {100 * sum(scores) / max(len(scores), 1):6.1f}  ({len(scores)} samples on "
+                  f"rank 0)", flush=True)
     if world > 1 and not cp:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
