@@ -4,7 +4,8 @@
 (B, H, L, D). Each document attends causally to itself only. K/V keep their own (fewer) heads
 until the kernel call. Kernels:
   flash_attn  flash-attn's varlen function (CUDA, when installed)
-  sdpa        torch SDPA once per document (any device; CPU picks its flash kernel)
+  sdpa        on CPU, the CPU flash op once per document inside one autograd Function that saves only
+              q, k, v, out and lse (K/V with their own heads); on other devices torch SDPA per document
   math        explicit softmax per document, the reference
 """
 from __future__ import annotations
@@ -70,25 +71,74 @@ def _flash_varlen(q, k, v, bounds, scale):
 
 
 def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa") -> torch.Tensor:
-    """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention."""
+    """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention.
+    q: (B, H, L, D), k/v: (B, Hkv, L, D) -> (B, H, L, D), laid out in memory as (B, L, H, D), the layout
+    transformers' o-projection reads, so the transpose back is free."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
     bounds = doc_bounds(doc_ids) if doc_ids is not None else [[(0, q.shape[2])]] * q.shape[0]
     if kernel == "flash_attn":
         return _flash_varlen(q, k, v, bounds, scale)
-    groups = q.shape[1] // k.shape[1]
+    if kernel == "sdpa" and q.device.type != "cpu":  # the block kernels' sdpa is the CPU flash op
+        return _sdpa_per_document(q, k, v, bounds, scale)
+    return _DocAttention.apply(q, k, v, tuple(map(tuple, bounds)), kernel, scale)
+
+
+def _sdpa_per_document(q, k, v, bounds, scale):
     rows = []
     for b, row in enumerate(bounds):
-        kb, vb = expand_kv(k[b:b + 1], groups), expand_kv(v[b:b + 1], groups)
-        parts = []
+        parts = [F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                                is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+                 for s, e in row]
+        rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+    return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)
+
+
+def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float):
+    """(out, lse): each document of each row through the block kernel, written in place, so that no
+    concatenation copy, no K/V expansion and no transpose copy exists. out: (B, H, L, D) over a
+    (B, L, H, D) buffer; lse: (B, H, L) fp32."""
+    B, H, L, D = q.shape
+    fwd = _DENSE[kernel][0]
+    if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
+        return fwd(q, k, v, scale, True)
+    out = q.new_empty(B, L, H, D).transpose(1, 2)
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    for b, row in enumerate(bounds):
         for s, e in row:
-            qs, ks, vs = q[b:b + 1, :, s:e], kb[:, :, s:e], vb[:, :, s:e]
-            if kernel == "math":
-                parts.append(math_attention(qs, ks, vs, scale))
-            else:
-                parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
-        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
-    return torch.cat(rows, dim=0)
+            o, l = fwd(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale, True)
+            out[b:b + 1, :, s:e] = o
+            lse[b:b + 1, :, s:e] = l
+    return out, lse
+
+
+def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: float):
+    """(dq, dk, dv), each in its input's layout, one document at a time."""
+    bwd = _DENSE[kernel][1]
+    if q.shape[0] == 1 and len(bounds[0]) == 1:
+        return bwd(dout, q, k, v, out, lse, scale, True)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))  # empty_like keeps the (B, L, H, D) strides
+    for b, row in enumerate(bounds):
+        for s, e in row:
+            r = (slice(b, b + 1), slice(None), slice(s, e))
+            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale, True)
+            dq[r], dk[r], dv[r] = gq, gk, gv
+    return dq, dk, dv
+
+
+class _DocAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, kernel, scale):
+        out, lse = doc_attention_forward(q, k, v, bounds, kernel, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (bounds, kernel, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = doc_attention_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None
 
 
 # ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----
@@ -105,8 +155,10 @@ def _cpu_flash_fwd(q, k, v, scale, causal):
 
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal):
+    # the CPU op takes any strides whose last dimension is dense (the (B, L, H, D) layout transformers keeps)
+    dense = lambda x: x if x.stride(-1) == 1 else x.contiguous()  # noqa: E731
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        dense(dout), q, k, v, dense(out), lse.contiguous(), 0.0, causal, scale=scale)
 
 
 def _math_scores(q, k, scale, causal):
