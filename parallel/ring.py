@@ -36,11 +36,27 @@ class RingComm:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Starts sending `send` to the next rank and receiving the previous rank's into `recv`."""
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        return dist.batch_isend_irecv(ops)
+    def exchange(self, sends, tag: int) -> tuple[list, list]:
+        """Starts sending each tensor of `sends` to the next rank and receiving the previous rank's into a new
+        buffer of the same shape and layout; returns (the buffers, the requests to wait on)."""
+        ops, recvs = [], []
+        for i, x in enumerate(sends):
+            wire, transposed = _wire(x)
+            buf = torch.empty_like(wire)
+            ops += [dist.P2POp(dist.isend, wire, self.next, self.group, 8 * tag + i),
+                    dist.P2POp(dist.irecv, buf, self.prev, self.group, 8 * tag + i)]
+            recvs.append(buf.transpose(1, 2) if transposed else buf)
+        return recvs, dist.batch_isend_irecv(ops)
+
+
+def _wire(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A contiguous tensor holding x's data, sent without a copy when x is (B, H, L, D) over a (B, L, H, D)
+    buffer (transformers' layout); (tensor, whether it is x transposed)."""
+    if x.is_contiguous():
+        return x, False
+    if x.transpose(1, 2).is_contiguous():
+        return x.transpose(1, 2), True
+    return x.contiguous(), False
 
 
 def _wait(reqs: list) -> None:
@@ -67,16 +83,32 @@ def _check(q, k, v, plan: RingPlan, comm: Optional[RingComm]) -> None:
     assert plan.n == (comm.size if comm is not None else 1), "plan and process group disagree on the CP degree"
 
 
+def _accumulator(like: torch.Tensor) -> torch.Tensor:
+    """fp32 (or wider) zeros shaped (B, H, L, D) over a (B, L, H, D) buffer, the layout of transformers'
+    q/k/v and of what its o-projection reads."""
+    B, H, L, D = like.shape
+    return torch.zeros(B, L, H, D, dtype=_acc_dtype(like), device=like.device).transpose(1, 2)
+
+
+def _add(acc, idx, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """acc[idx] += g; when nothing is accumulated yet and g covers the whole tensor, g itself is the sum."""
+    if acc is None:
+        if g.shape == like.shape:
+            return g.to(_acc_dtype(like))
+        acc = _accumulator(like)
+    acc[idx] += g
+    return acc
+
+
 def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]):
     _check(q, k, v, plan, comm)
     n = plan.n
-    out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    out = _accumulator(q)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-    kv = torch.stack([k, v]) if n > 1 else (k, v)  # (2, B, Hkv, Lloc, D): one message per step
+    kv = (k, v)  # two messages per step, sent from the tensors themselves: no stacked copy
     for t in range(n):
         if t + 1 < n:
-            nxt = torch.empty_like(kv)
-            reqs = comm.exchange(kv, nxt, KV_TAG)
+            nxt, reqs = comm.exchange(kv, KV_TAG)
         for rows, blocks in plan.steps[t]:
             for b in blocks:
                 o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], kv[0][rows, :, b.k0:b.k1],
@@ -90,36 +122,37 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]):
     n = plan.n
-    acc = _acc_dtype(q)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v]) if n > 1 else (k, v)
+    dq = None
+    kv = (k, v)
     dkv_reqs, dkv_in = [], None
     for t in range(n):
         if t + 1 < n:
-            nxt = torch.empty_like(kv)
-            reqs = comm.exchange(kv, nxt, KV_TAG)
-        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # this step's dK/dV of the block held
+            nxt, reqs = comm.exchange(kv, KV_TAG)
+        dk = dv = None  # this step's dK/dV of the block held, fp32
         for rows, blocks in plan.steps[t]:
             for b in blocks:
                 r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
                 gq, gk, gv = block_backward(kernel, dout[r], q[r], kv[0][c], kv[1][c], out[r], lse[r], scale,
                                             b.segments)
-                dq[r] += gq
-                dkv[0][c] += gk
-                dkv[1][c] += gv
+                dq = _add(dq, r, gq, q)
+                dk, dv = _add(dk, c, gk, k), _add(dv, c, gv, v)
+        if dk is None:  # no block of this step reaches this rank's queries
+            dk, dv = _accumulator(k), _accumulator(v)
         if t > 0:  # the block's dK/dV accumulated by the ranks that held it before
             _wait(dkv_reqs)
-            dkv += dkv_in
+            dk += dkv_in[0]
+            dv += dkv_in[1]
         if n > 1:  # pass it on; after the last step it reaches the block's owner
-            dkv_in = torch.empty_like(dkv)
-            dkv_reqs = comm.exchange(dkv, dkv_in, DKV_TAG)
+            dkv_in, dkv_reqs = comm.exchange((dk, dv), DKV_TAG)
         if t + 1 < n:
             _wait(reqs)
             kv = nxt
     if n > 1:
         _wait(dkv_reqs)
-        dkv = dkv_in
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        dk, dv = dkv_in
+    if dq is None:
+        dq = _accumulator(q)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -137,5 +170,10 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _dense_last(x: torch.Tensor) -> torch.Tensor:
+    # the kernels read any strides whose last dimension is dense, such as transformers' transposed q/k/v
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]) -> torch.Tensor:
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, kernel, scale, comm)
+    return _RingAttention.apply(_dense_last(q), _dense_last(k), _dense_last(v), plan, kernel, scale, comm)
