@@ -44,6 +44,9 @@ class ModelConfig:
     offload_activations: bool = False
     # Sequence tile for the chunked cross-entropy: never more than tile x vocab logits at once.
     loss_tile_tokens: int = 1024
-    # Tiled MLP (model/tiling.py): each layer's MLP over tiles of this many tokens, recomputed in
-    # backward, so tile x intermediate_size activations exist at a time. 0 = off.
+    # Tiled layers (model/tiling.py): each layer's MLP, and in pre-norm layers its q/k/v projections,
+    # with the norm before them, over tiles of this many tokens, recomputed in backward, so tile x
+    # intermediate_size activations and the normed tensors exist one tile at a time. 0 = off.
     mlp_tile_tokens: int = 0
+    # RMSNorm layers keep only their input and 1/rms for backward (model/rmsnorm.py); same forward values.
+    lean_rms_norm: bool = True

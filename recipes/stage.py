@@ -23,6 +23,7 @@ from model.build import build_model
 from model.checkpointing import enable_checkpointing
 from model.loss import IGNORE_INDEX, ChunkedLossLM
 from model.memory import device_memory_gib, estimate
+from model.rmsnorm import lean_rms_norms
 from model.tiling import tile_mlps
 from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelDims, cp_degrees, describe_cp
@@ -146,6 +147,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     ac = cfg.model.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
     ac_mode = cfg.model.checkpoint_mode if ac else "none"
     offload = bool(ac and cfg.model.offload_activations and acc.device.type == "cuda")
+    if cfg.model.lean_rms_norm:
+        lean_rms_norms(lm)
     enable_checkpointing(lm, ac_mode, offload=offload)
     mlp_tile = cfg.model.mlp_tile_tokens if stage.mlp_tile_tokens is None else stage.mlp_tile_tokens
     tile_mlps(lm, mlp_tile)
