@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from model.offload import ActivationOffload
+from model.tiling import inside_tile
 
 MODES = ("none", "full", "selective")
 
@@ -32,8 +33,9 @@ KEPT = {  # the cheap ops whose outputs selective checkpointing keeps; everythin
 
 def _selective_policy(ctx, op, *args, **kwargs):
     # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses
-    # outputs, receive buffers) must never be cached, and a keep-list never caches them.
-    return CheckpointPolicy.PREFER_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+    # outputs, receive buffers) must never be cached, and a keep-list never caches them. Nothing is cached
+    # inside a tiled op either: it keeps only its input and recomputes its tiles itself.
+    return CheckpointPolicy.PREFER_SAVE if op in KEPT and not inside_tile() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,

@@ -10,6 +10,7 @@ from model.build import build_model
 from model.config import ModelConfig
 from model.loss import IGNORE_INDEX, ChunkedLossLM
 from model.checkpointing import enable_checkpointing
+from model.rmsnorm import lean_rms_norms
 from model.tiling import tile_mlps
 from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
 from parallel.config import ParallelConfig, ParallelDims, cp_degrees
@@ -33,11 +34,13 @@ def packed_batch() -> dict:
 
 
 def tiny_model(ac: str = "none") -> ChunkedLossLM:
-    """ac: activation checkpointing mode; with checkpointing the MLP is also tiled (tiles of 16 tokens)."""
+    """ac: activation checkpointing mode; with checkpointing every memory saver is on: the layers tiled
+    (tiles of 16 tokens, norms folded in) and the lean RMSNorm backward."""
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
     if ac != "none":
+        lean_rms_norms(lm)
         tile_mlps(lm, 16)
         enable_checkpointing(lm, ac)
     use_longstride_attention(lm)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.checkpointing import enable_checkpointing
-from model.tiling import tile_mlps
+from model.checkpointing import _selective_policy, enable_checkpointing
+from model.rmsnorm import lean_rms_norms, rms_norm
+from model.tiling import inside_tile, tile_mlps, tiled_apply
 from tests.test_cp_model import L, packed_batch, tiny_model
 
 
@@ -14,6 +15,7 @@ def loss_and_grads(model):
     b = packed_batch()
     from parallel.attention import DocLayout
 
+    model.zero_grad(set_to_none=True)
     loss = model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -36,10 +38,71 @@ def test_tiled_mlp_equals_plain_and_holds_one_tile_at_a_time():
     for layer in model.lm.model.layers:
         layer.mlp.gate_proj.register_forward_hook(lambda m, i, o: rows.append(o.shape[-2]))
     tiled = loss_and_grads(model)
-    assert_same(tiled, plain, "tiled MLP")
+    assert_same(tiled, plain, "tiled MLP, norms folded into the tiles")
     # 96 tokens in tiles of 16: 6 tiles per layer in forward, recomputed once more in backward
     assert max(rows) == 16 and len(rows) == 2 * 6 * 2, rows
     assert L % 16 == 0
+    x = torch.randn(1, 5, 32)
+    assert model.lm.model.layers[0].input_layernorm(x) is x, "the input norm runs inside the q/k/v tiles"
+    # the lean norm's forward swapped in after tiling reaches the folded norms too
+    lean_rms_norms(model.lm)
+    assert_same(loss_and_grads(model), plain, "tiled, then lean RMSNorm")
+    assert tile_mlps(model.lm, 0) == 0
+    assert model.lm.model.layers[0].input_layernorm(x) is not x, "untiling restores the norms"
+    assert_same(loss_and_grads(model), plain, "untiled again, lean RMSNorm")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_lean_rms_norm_equals_transformers(dtype, tol):
+    from transformers.models.smollm3.modeling_smollm3 import SmolLM3RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = SmolLM3RMSNorm(48, eps=1e-5)
+    norm.weight.data = torch.randn(48, generator=g)
+    x = torch.randn(2, 40, 48, generator=g).to(dtype).requires_grad_()
+    ref = norm(x)
+    dy = torch.randn(ref.shape, generator=g)
+    ref_grads = torch.autograd.grad(ref, (x, norm.weight), dy)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert out.dtype == ref.dtype and torch.equal(out, ref), "the forward is transformers' own expression"
+    for a, b in zip(torch.autograd.grad(out, (x, norm.weight), dy), ref_grads):
+        assert a.dtype == b.dtype
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= tol
+    assert sorted(t.numel() for t in saved) == [48, 80, 80 * 48], "keeps x, the weight and 1/rms only"
+
+
+def test_tiled_layers_keep_only_what_attention_needs():
+    """What the autograd graph holds per decoder layer with the layer tiled (no checkpointing): the layer
+    input (read by the q/k/v tiles), the residual after attention (read by the MLP tiles), post-RoPE q/k,
+    v, the attention output and its log-sum-exp, and cos/sin in RoPE layers. Nothing else as wide as the
+    sequence: no normed tensor, no MLP intermediate, no norm statistics."""
+    model = tiny_model()
+    tile_mlps(model.lm, 16)
+    lean_rms_norms(model.lm)
+    cfg = model.lm.config
+    H, d, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    params = {p.data_ptr() for p in model.parameters()}
+    current, saved = [None], {}
+
+    def pack(t):
+        if current[0] is not None and t.untyped_storage().data_ptr() not in params:
+            saved.setdefault(current[0], {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for i, layer in enumerate(model.lm.model.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
+    b = packed_batch()
+    from parallel.attention import DocLayout
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
+    for i, layer in enumerate(model.lm.model.layers):
+        rope = 2 * d if layer.self_attn.use_rope else 0
+        expected = 4 * L * (2 * H + 2 * Hq * d + 2 * Hkv * d + Hq + rope)
+        assert sum(saved[i].values()) == expected, (i, sorted(saved[i].values()), expected)
 
 
 def test_activation_checkpointing_full_and_selective_same_loss_and_gradients():
@@ -53,6 +116,29 @@ def test_activation_checkpointing_full_and_selective_same_loss_and_gradients():
     for mode in ("full", "selective"):
         both = tiny_model(ac=mode)
         assert_same(loss_and_grads(both), plain, f"tiled MLP inside {mode}-checkpointed layers")
+
+
+def test_tiles_recompute_under_the_forward_autocast_and_are_not_cached_by_selective_checkpointing():
+    seen = []
+    lin = torch.nn.Linear(8, 8)
+
+    def fn(t):
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), inside_tile(),
+                     _selective_policy(None, torch.ops.aten.mul.Tensor)))
+        return lin(t) * 2
+
+    x = torch.randn(1, 10, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tiled_apply(fn, x, list(lin.parameters()), 4)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    forward, backward = seen[:3], seen[3:]
+    assert len(backward) == 3 and all(not g and a and inside and p.name == "PREFER_RECOMPUTE"
+                                      for g, a, inside, p in forward), forward
+    assert all(g and a for g, a, _, _ in backward), "backward recomputes each tile with grad, under autocast"
+    assert _selective_policy(None, torch.ops.aten.mul.Tensor).name == "PREFER_SAVE" and not inside_tile()
+    ref = torch.autograd.grad((lin(x.detach().requires_grad_()) * 2).sum(), lin.weight)[0]
+    assert lin.weight.grad.shape == ref.shape and x.grad.shape == x.shape
 
 
 def test_no_grad_forward_tiles_without_checkpoint():
