@@ -3,18 +3,24 @@ will not fit, and the device memory it is compared with.
 
 The estimate, per rank, in bytes:
   parameters 4 P, gradients 4 P, AdamW state 8 P (fp32 master weights; divided by the FSDP world)
-  activations per token, b bytes per element (4 fp32, 2 under bf16 autocast), per decoder layer:
-    kept without checkpointing   b (10 H + 2 (Hq + 2 Hkv) d + 4 I)   (norms, residuals, q/k/v/o,
-                                 MLP gate/up/activation/product; 4 I becomes 0 with a tiled MLP)
-    kept with full checkpointing b H (the layer input), plus one layer's working set as above while it
-                                 is recomputed
-    selective                    b (10 H) kept per layer (the cheap ops), plus one layer's working set
+  activations per token, b bytes per element (4 fp32, 2 under bf16 autocast), with q = Hq d and
+  qkv = (Hq + 2 Hkv) d:
+    one layer, not checkpointed  plain: b (10 H + 2 qkv + 4 I)   (norms, residuals, q/k/v/o, the MLP's
+                                 gate/up/activation/product);
+                                 tiled (model/tiling.py, a pre-norm layer): b (2 H + qkv + q) + 4 Hq (its
+                                 input, the residual, post-RoPE q/k and v, the attention output, fp32 lse)
+    none                         every layer's set
+    full checkpointing           b H per layer (its input), plus one layer's set while it is recomputed
+    selective                    b 10 H per layer (the cheap ops' outputs), plus one layer's set
     with offload (CUDA)          the layer inputs (b H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
+    at the peak, in one layer's attention backward: the gradients b (H + q + qkv) (residual stream,
+    attention output, q/k/v), and RoPE's cos/sin, b 2 d, read by every layer
   loss: min(L, tile) x V x 4 x 3 bytes (fp32 logits, their softmax and gradient, one tile at a time)
   MLP tile working set: tile x I x b x 4
 The constants follow the usual per-layer accounting (Korthikanti et al., 2022) for attention that
-never materialises L x L scores; benchmarks/bench_memory.py measures the real figures (README).
+never materialises L x L scores; tests/test_tiling.py pins the tiled layer's set exactly, and
+benchmarks/bench_memory.py measures the real figures (README).
 """
 from __future__ import annotations
 
@@ -29,10 +35,15 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank."""
     H, I, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     d = getattr(config, "head_dim", None) or H // config.num_attention_heads
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * d
-    mlp = 0 if mlp_tile else 4 * I
-    layer = act_bytes * (10 * H + 2 * qkv + mlp)  # bytes per token one layer keeps without checkpointing
-    kept = {"none": n * layer, "full": n * act_bytes * H + layer, "selective": n * act_bytes * 10 * H + layer}[ac]
+    q = config.num_attention_heads * d
+    qkv = q + 2 * config.num_key_value_heads * d
+    if mlp_tile:  # bytes per token one layer keeps without checkpointing
+        layer = act_bytes * (2 * H + qkv + q) + 4 * config.num_attention_heads
+    else:
+        layer = act_bytes * (10 * H + 2 * qkv + 4 * I)
+    peak = act_bytes * (H + q + qkv) + act_bytes * 2 * d  # gradients in one layer's backward, cos/sin
+    kept = {"none": n * layer, "full": n * act_bytes * H + layer,
+            "selective": n * act_bytes * 10 * H + layer}[ac] + peak
     host = 0
     if offload and ac != "none":
         host = n * act_bytes * H  # the layer inputs, in pinned host memory

@@ -17,12 +17,18 @@ def per_token(ac, tile):
 
 
 def test_switches_lower_activation_memory_by_what_they_remove():
-    H, I, n, qkv = 576, 1536, 30, (9 + 6) * 64
+    H, I, n, q, d = 576, 1536, 30, 9 * 64, 64
+    qkv = q + 6 * 64
     layer = 4 * (10 * H + 2 * qkv + 4 * I)
-    assert per_token("none", 0) == n * layer
-    assert per_token("none", 1024) == n * 4 * (10 * H + 2 * qkv), "a tiled MLP keeps no I-wide activation"
-    assert per_token("full", 0) == n * 4 * H + layer, "full: the layer inputs plus one layer being recomputed"
-    assert per_token("full", 1024) < per_token("selective", 1024) < per_token("none", 1024)
+    peak = 4 * (H + q + qkv) + 4 * 2 * d
+    assert per_token("none", 0) == n * layer + peak
+    tiled = 4 * (2 * H + qkv + q) + 4 * 9
+    assert per_token("none", 1024) == n * tiled + peak, "a tiled layer keeps no I-wide and no normed activation"
+    assert per_token("full", 0) == n * 4 * H + layer + peak, "full: the layer inputs plus one layer recomputed"
+    assert per_token("full", 1024) == n * 4 * H + tiled + peak
+    assert per_token("full", 0) < per_token("selective", 0) < per_token("none", 0)
+    assert per_token("full", 1024) < per_token("none", 1024) < per_token("selective", 1024), \
+        "a tiled layer keeps less than selective checkpointing's cheap-op outputs"
     assert per_token("none", 0) / per_token("full", 1024) > 15
     off = estimate(CFG, P, 8192, "full", 1024, 1024, offload=True)
     assert off["activation_bytes_per_token"] == per_token("full", 1024) - (n - 2) * 4 * H, \
