@@ -77,9 +77,10 @@ class _Tiled(torch.autograd.Function):
             if dx is not None:
                 dx[..., s:e, :] = grads[0]
                 grads = grads[1:]
-            for i, g in zip(want, grads):
+            for i, g in zip(want, grads):  # summed over tiles in fp32 (bf16 parameters under FSDP2)
                 if g is not None:
-                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+                    dparams[i] = g.float() if dparams[i] is None else dparams[i].add_(g)
+        dparams = [g if g is None else g.to(p.dtype) for g, p in zip(dparams, ctx.params)]
         return (dx, None, None, *dparams)
 
 
