@@ -3,7 +3,8 @@
 For a small SmolLM3-style model and for SmolLM2-135M's shape (30 layers, 576 hidden, 9/3 heads,
 49K vocabulary), one training step (forward + backward + AdamW) on one sequence of L tokens:
   plain       a plain transformers step: SDPA attention, loss from full logits (labels=), no checkpointing
-  longstride  longstride's attention, chunked loss, tiled MLP, full activation checkpointing, 1 process
+  longstride  longstride's attention, chunked loss, tiled MLP (post-attention norm inside the tiles), lean
+              RMSNorm backward, full activation checkpointing, 1 process
   cp2         the same with ring CP over 2 gloo processes (per-rank figure, the larger rank)
 Memory, measured on CPU: every (method, length) runs in fresh processes whose glibc mmap threshold is
 fixed at 64 KiB (freed tensors leave resident memory at once). The zero is the process's resident
@@ -56,6 +57,7 @@ def _worker(rank, n, model_name, method, length, path):
     from model.build import build_model
     from model.checkpointing import enable_checkpointing
     from model.loss import ChunkedLossLM
+    from model.rmsnorm import lean_rms_norms
     from model.tiling import tile_mlps
     from parallel.attention import cp_context, shard_for_cp, use_longstride_attention
     from parallel.config import CPDegrees, ParallelDims
@@ -70,6 +72,7 @@ def _worker(rank, n, model_name, method, length, path):
         def loss_fn():
             return lm(input_ids=ids, labels=ids).loss
     else:
+        lean_rms_norms(lm)
         tile_mlps(lm, MLP_TILE)
         enable_checkpointing(lm, "full")
         use_longstride_attention(lm)
