@@ -48,14 +48,17 @@ def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def math_attention(q, k, v, scale, causal=True):
-    # q: (B, H, Lq, D), k/v: (B, H, Lk, D); causal aligns the last query with the last key
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = q.shape[-2], k.shape[-2]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+def seq_major(like: torch.Tensor, dtype=None, alloc=torch.empty) -> torch.Tensor:
+    """A new tensor shaped like `like` (B, H, L, D) over a (B, L, H, D) buffer: the layout of transformers'
+    q/k/v and of what its o-projection reads, so transposing back costs no copy."""
+    B, H, L, D = like.shape
+    return alloc(B, L, H, D, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
+
+
+def dense_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dimension is dense, which is all the CPU flash op and the block kernels need
+    (transformers' transposed q/k/v are); a contiguous copy otherwise."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _flash_varlen(q, k, v, bounds, scale):
@@ -102,7 +105,7 @@ def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float):
     fwd = _DENSE[kernel][0]
     if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
         return fwd(q, k, v, scale, True)
-    out = q.new_empty(B, L, H, D).transpose(1, 2)
+    out = seq_major(q)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     for b, row in enumerate(bounds):
         for s, e in row:
@@ -155,10 +158,8 @@ def _cpu_flash_fwd(q, k, v, scale, causal):
 
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal):
-    # the CPU op takes any strides whose last dimension is dense (the (B, L, H, D) layout transformers keeps)
-    dense = lambda x: x if x.stride(-1) == 1 else x.contiguous()  # noqa: E731
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dense(dout), q, k, v, dense(out), lse.contiguous(), 0.0, causal, scale=scale)
+        dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), 0.0, causal, scale=scale)
 
 
 def _math_scores(q, k, scale, causal):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.blocks import RingPlan
-from parallel.kernels import block_backward, block_forward
+from parallel.kernels import block_backward, block_forward, dense_last, seq_major
 
 KV_TAG, DKV_TAG = 0, 1
 
@@ -84,10 +84,8 @@ def _check(q, k, v, plan: RingPlan, comm: Optional[RingComm]) -> None:
 
 
 def _accumulator(like: torch.Tensor) -> torch.Tensor:
-    """fp32 (or wider) zeros shaped (B, H, L, D) over a (B, L, H, D) buffer, the layout of transformers'
-    q/k/v and of what its o-projection reads."""
-    B, H, L, D = like.shape
-    return torch.zeros(B, L, H, D, dtype=_acc_dtype(like), device=like.device).transpose(1, 2)
+    """fp32 (or wider) zeros in transformers' (B, L, H, D) layout."""
+    return seq_major(like, _acc_dtype(like), torch.zeros)
 
 
 def _add(acc, idx, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -170,10 +168,5 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _dense_last(x: torch.Tensor) -> torch.Tensor:
-    # the kernels read any strides whose last dimension is dense, such as transformers' transposed q/k/v
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]) -> torch.Tensor:
-    return _RingAttention.apply(_dense_last(q), _dense_last(k), _dense_last(v), plan, kernel, scale, comm)
+    return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), plan, kernel, scale, comm)
