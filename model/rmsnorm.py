@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from model.tiling import set_forward
+
 # transformers' RMSNorm classes with exactly the formula above (Gemma's (1 + w) form is not one of them)
 LLAMA_STYLE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm"}
 
@@ -48,10 +50,6 @@ def lean_rms_norms(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module).__name__ in LLAMA_STYLE:
-            lean = lambda x, _m=module: rms_norm(x, _m.weight, _m.variance_epsilon)  # noqa: E731
-            if "__untiled_forward__" in vars(module):  # folded into tiles by model/tiling.py
-                module.__untiled_forward__ = lean
-            else:
-                module.forward = lean
+            set_forward(module, lambda x, _m=module: rms_norm(x, _m.weight, _m.variance_epsilon))
             count += 1
     return count

@@ -102,6 +102,15 @@ def _keep_untiled(module: torch.nn.Module) -> None:
         module.__untiled_forward__ = module.forward
 
 
+def set_forward(module: torch.nn.Module, forward) -> None:
+    """Replaces a module's forward; on a module that tiling wrapped or folded into tiles, replaces what
+    the tiles call instead, so the tiling stays in place."""
+    if "__untiled_forward__" in vars(module):
+        module.__untiled_forward__ = forward
+    else:
+        module.forward = forward
+
+
 def _restore(module: torch.nn.Module) -> None:
     if "__untiled_forward__" in vars(module):
         module.forward = module.__untiled_forward__
@@ -110,7 +119,8 @@ def _restore(module: torch.nn.Module) -> None:
 
 def _tiled_forward(module: torch.nn.Module, norm: torch.nn.Module | None, tile: int):
     """module(norm(x)) tiled. Forwards and parameters are read at call time: FSDP2 swaps parameters in
-    and out around each forward, and model/rmsnorm.py may swap the norm's forward after tiling."""
+    and out around each forward, and model/rmsnorm.py may set the norm's forward after tiling
+    (set_forward)."""
     def fn(x):
         return module.__untiled_forward__(norm.__untiled_forward__(x) if norm is not None else x)
 
