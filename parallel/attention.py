@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from parallel.blocks import RingPlan, ring_plan
+from parallel.blocks import RingPlan, check_doc_runs, ring_plan
 from parallel.kernels import doc_attention
 from parallel.ring import RingComm, ring_attention
 from parallel.ulysses import HeadComm, ulysses_attention
@@ -76,6 +76,8 @@ def shard_for_cp(batch: dict, doc_masking: bool, kernel: str, cp: CPContext) -> 
     The share is the ring rank's zig-zag share, then its Ulysses rank's contiguous piece of that."""
     docs = batch["doc_ids"] if doc_masking else None
     if cp.size == 1:
+        if docs is not None:
+            check_doc_runs(docs.cpu().numpy())
         return batch, DocLayout(docs, kernel)
     B, L = batch["input_ids"].shape
     local = split_batch(shard_batch(batch, cp.n, cp.rank), cp.ulysses, cp.ulysses_rank)

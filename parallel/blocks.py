@@ -129,11 +129,28 @@ def step_blocks(doc: Optional[np.ndarray], length: int, n: int, rank: int, step:
     return _fuse(blocks)
 
 
+def check_doc_runs(docs: np.ndarray) -> None:
+    """docs: (B, L) document ids. Each document must be one contiguous run of its row (ids need not be
+    sorted): the block geometry above, and the per-run kernels of one device, read a document as a run."""
+    for b, row in enumerate(docs):
+        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        ids, counts = np.unique(row[starts], return_counts=True)
+        if (counts > 1).any():
+            bad = ids[counts > 1][0]
+            at = starts[row[starts] == bad][:2].tolist()
+            raise ValueError(f"doc_ids row {b}: document id {bad} appears in separate runs (starting at positions "
+                             f"{at[0]} and {at[1]}); each document must be one contiguous run of the packed "
+                             f"sequence, as data.batch.packed_item makes them: give every run its own id")
+
+
 def ring_plan(doc_ids: Optional[torch.Tensor], batch: int, length: int, n: int, rank: int) -> RingPlan:
-    """doc_ids: (B, L) full-sequence document ids (non-decreasing runs), or None for plain causal."""
+    """doc_ids: (B, L) full-sequence document ids (each document one contiguous run), or None for plain
+    causal."""
     c = check_divisible(length, n)
     steps = []
     docs = None if doc_ids is None else doc_ids.cpu().numpy()
+    if docs is not None:
+        check_doc_runs(docs)
     for t in range(n):
         if docs is None:
             steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t))])

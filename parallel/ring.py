@@ -37,26 +37,28 @@ class RingComm:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def exchange(self, sends, tag: int) -> tuple[list, list]:
-        """Starts sending each tensor of `sends` to the next rank and receiving the previous rank's into a new
-        buffer of the same shape and layout; returns (the buffers, the requests to wait on)."""
+        """Starts sending each (B, H, L, D) tensor of `sends` to the next rank and receiving the previous
+        rank's into a new buffer; returns (the received tensors, the requests to wait on). The two ranks may
+        hold a tensor in different memory layouts (a dK/dV block's layout depends on the kernel path that
+        made it, which depends on that rank's documents), so no message follows either rank's layout: every
+        message is the tensor's (B, L, H, D)-contiguous bytes (see `to_wire`), and what is received is a
+        (B, H, L, D) view of such a buffer. Shapes and dtypes are the same on every rank of a ring."""
         ops, recvs = [], []
         for i, x in enumerate(sends):
-            wire, transposed = _wire(x)
-            buf = torch.empty_like(wire)
+            wire = to_wire(x)
+            buf = torch.empty(wire.shape, dtype=wire.dtype, device=wire.device)
             ops += [dist.P2POp(dist.isend, wire, self.next, self.group, 8 * tag + i),
                     dist.P2POp(dist.irecv, buf, self.prev, self.group, 8 * tag + i)]
-            recvs.append(buf.transpose(1, 2) if transposed else buf)
+            recvs.append(buf.transpose(1, 2))
         return recvs, dist.batch_isend_irecv(ops)
 
 
-def _wire(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A contiguous tensor holding x's data, sent without a copy when x is (B, H, L, D) over a (B, L, H, D)
-    buffer (transformers' layout); (tensor, whether it is x transposed)."""
-    if x.is_contiguous():
-        return x, False
-    if x.transpose(1, 2).is_contiguous():
-        return x.transpose(1, 2), True
-    return x.contiguous(), False
+def to_wire(x: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, L, D) -> its (B, L, H, D)-contiguous form, the one layout ring messages travel in. No copy
+    when x already lies over such a buffer (transformers' q/k/v, the ring's accumulators, what the ring
+    received); a copy otherwise."""
+    seq = x.transpose(1, 2)
+    return seq if seq.is_contiguous() else seq.contiguous()
 
 
 def _wait(reqs: list) -> None:

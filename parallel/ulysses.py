@@ -47,7 +47,7 @@ class HeadComm:
     def to_heads(self, xs, bufs: Optional[dict] = None, name: str = "") -> torch.Tensor:
         """xs: one (M, h, Lloc, D) tensor or a list of them, exchanged in one all-to-all ->
         (P*M, h/N, N*Lloc, D), P the list length: head chunk i goes to rank i, whose sequence is the ranks'
-        pieces in rank order. bufs: buffers reused across calls (the result is one of them)."""
+        pieces in rank order. bufs: buffers reused across calls (the result is a view of one of them)."""
         xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
         N, P = self.size, len(xs)
         M, h, Ll, D = xs[0].shape
@@ -59,9 +59,11 @@ class HeadComm:
             parts[:, i].copy_(x.reshape(M, N, h // N, Ll, D).transpose(0, 1))
         recv = self._buf(bufs, name + ".recv", send.shape, xs[0])
         dist.all_to_all_single(recv, send, group=self.group)
-        full = self._buf(bufs, name + ".full", (P * M, h // N, N * Ll, D), xs[0])
-        full.view(P * M, h // N, N, Ll, D).copy_(recv.permute(1, 2, 0, 3, 4))
-        return full
+        # (P*M, N*Lloc, h/N, D) buffer, returned as its (P*M, h/N, N*Lloc, D) view: the layout a ring over the
+        # Ulysses groups sends without a copy (parallel/ring.to_wire)
+        full = self._buf(bufs, name + ".full", (P * M, N, Ll, h // N, D), xs[0])
+        full.copy_(recv.permute(1, 0, 3, 2, 4))
+        return full.view(P * M, N * Ll, h // N, D).transpose(1, 2)
 
     def to_seq(self, y: torch.Tensor, bufs: Optional[dict] = None, name: str = "") -> torch.Tensor:
         """Inverse of to_heads: (M, h/N, N*Lloc, D) -> (M, h, Lloc, D) (may be a view of a buffer)."""

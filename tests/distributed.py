@@ -27,6 +27,7 @@ def run_gloo(fn, n: int, *args) -> None:
 
 def gather_cat(x: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's tensor (same shape on all ranks), in rank order."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
+    x = x.contiguous()  # one agreed layout on every rank, whatever layout x had
+    parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
     return parts

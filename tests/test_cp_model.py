@@ -17,14 +17,18 @@ from parallel.config import ParallelConfig, ParallelDims, cp_degrees
 from tests.distributed import run_gloo
 
 L = 96
-LENGTHS = [30, 1, 50, 15]  # a length-1 document, one spanning several chunks of the 4-chunk layout
+# Micro-batch 1 (what the tiny recipe's long stage trains with). Both layouts have a length-1 document and
+# one spanning several chunks of the 4-chunk layout. In the first every rank's own chunks hold several
+# document pieces; in the second rank 1's chunks (tokens 24-71 at cp=2) lie inside one document while
+# rank 0's hold four pieces, so the two ranks' kernels lay out dK/dV differently.
+LENGTHS = {"every_rank_several_docs": [30, 1, 50, 15], "a_rank_inside_one_doc": [20, 70, 1, 5]}
 
 
-def packed_batch() -> dict:
+def packed_batch(lengths: list[int] = LENGTHS["every_rank_several_docs"]) -> dict:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(2, 50, (1, L), generator=g)
-    lens = torch.tensor(LENGTHS)
-    doc = torch.repeat_interleave(torch.arange(len(LENGTHS)), lens)[None]
+    lens = torch.tensor(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lens)[None]
     starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[0, :-1] = ids[0, 1:]
@@ -47,9 +51,9 @@ def tiny_model(ac: str = "none") -> ChunkedLossLM:
     return ChunkedLossLM(lm, tile=20)
 
 
-def loss_and_grads(cp: CPContext, doc_masking: bool, ac: str = "none"):
+def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none"):
     model = tiny_model(ac)
-    local, layout = shard_for_cp(packed_batch(), doc_masking, "sdpa", cp)
+    local, layout = shard_for_cp(packed_batch(lengths), doc_masking, "sdpa", cp)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -60,11 +64,12 @@ def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
 
     cp = cp_context(ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu")
     out = {}
-    for doc_masking in (True, False):
-        loss, grads = loss_and_grads(cp, doc_masking, ac)
-        for t in (loss, *grads.values()):
-            dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
-        out[doc_masking] = (loss, grads)
+    for lname, lengths in LENGTHS.items():
+        for doc_masking in (True, False):
+            loss, grads = loss_and_grads(cp, lengths, doc_masking, ac)
+            for t in (loss, *grads.values()):
+                dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
+            out[lname, doc_masking] = (loss, grads)
     if rank == 0:
         torch.save(out, path)
 
@@ -85,10 +90,13 @@ def test_cp_loss_and_gradients_equal_single_process(impl, tmp_path):
     n, par, ac = IMPLS[impl]
     run_gloo(_worker, n, par, ac, path)
     got = torch.load(path)
-    for doc_masking in (True, False):
-        loss1, grads1 = loss_and_grads(CPContext(), doc_masking)
-        lossn, gradsn = got[doc_masking]
-        assert abs(lossn.item() - loss1.item()) <= 1e-5 * abs(loss1.item()), (impl, doc_masking, lossn, loss1)
-        worst = max(((gradsn[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item() for k, g in grads1.items())
-        assert worst <= 1e-5, f"{impl} doc_masking={doc_masking}: worst relative gradient difference {worst:.2e}"
-    assert not torch.allclose(got[True][0], got[False][0]), "document masking must change the loss"
+    for lname, lengths in LENGTHS.items():
+        for doc_masking in (True, False):
+            case = f"{impl} {lname} doc_masking={doc_masking}"
+            loss1, grads1 = loss_and_grads(CPContext(), lengths, doc_masking)
+            lossn, gradsn = got[lname, doc_masking]
+            assert abs(lossn.item() - loss1.item()) <= 1e-5 * abs(loss1.item()), (case, lossn, loss1)
+            worst = max(((gradsn[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+                        for k, g in grads1.items())
+            assert worst <= 1e-5, f"{case}: worst relative gradient difference {worst:.2e}"
+        assert not torch.allclose(got[lname, True][0], got[lname, False][0]), "document masking must change the loss"

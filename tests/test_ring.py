@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.attention import CPContext, shard_for_cp
 from parallel.blocks import ring_plan
 from parallel.kernels import doc_attention
 from parallel.ring import RingComm, ring_attention, ring_forward
@@ -130,6 +131,58 @@ def test_ring_matches_single_process(n, tmp_path):
             assert err <= 2e-2, f"N={n} {lname} {hname} bf16 lse: max error {err:.2e}"
 
 
+# Batch rows run together and each alone: with one row, a block's dK/dV is the kernel's own tensor, whose
+# memory layout depends on the kernel path (one document segment or several), so neighbouring ranks hold
+# their dK/dV in different layouts; the ring's messages must not depend on either.
+ROWS = {"both_rows": slice(0, 2), "row0": slice(0, 1), "row1": slice(1, 2)}
+KERNELS = ("sdpa", "math")  # the block kernels available on CPU
+
+
+def step0_segments(doc: torch.Tensor, n: int) -> list[int]:
+    """Per rank, the document segments of its own chunks (one row): the kernel path of its step-0 block."""
+    return [len(ring_plan(doc, 1, L, n, r).steps[0][0][1][0].segments) for r in range(n)]
+
+
+def _wire_worker(rank: int, n: int, path: str) -> None:
+    import torch.distributed as dist
+
+    comm = RingComm(dist.group.WORLD)
+    h, hkv = HEADS["gqa4"]
+    results = {}
+    for kernel in KERNELS:
+        for lname, doc in layouts().items():
+            for rname, rows in ROWS.items():
+                q, k, v, dout = (x[rows] for x in inputs(h, hkv, torch.float32))
+                d = None if doc is None else doc[rows]
+                plan = ring_plan(d, q.shape[0], L, n, rank)
+                ql, kl, vl = (shard(x, n, rank, dim=2).requires_grad_(True) for x in (q, k, v))
+                out = ring_attention(ql, kl, vl, plan, kernel, D ** -0.5, comm)
+                out.backward(shard(dout, n, rank, dim=2))
+                got = [out.detach(), ql.grad, kl.grad, vl.grad]
+                results[kernel, lname, rname] = [unshard(gather_cat(x), dim=2) for x in got]
+    if rank == 0:
+        torch.save(results, path)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_gradients_for_every_kernel_batch_size_and_neighbour_layout(n, tmp_path):
+    # the case the table must hold: a row whose neighbouring ranks see different numbers of segments
+    counts = step0_segments(layouts()["docs_spanning"][1:2], n)
+    assert any(counts[r] != counts[(r + 1) % n] for r in range(n)), counts
+    path = str(tmp_path / "wire.pt")
+    run_gloo(_wire_worker, n, path)
+    results = torch.load(path)
+    h, hkv = HEADS["gqa4"]
+    for lname, doc in layouts().items():
+        for rname, rows in ROWS.items():
+            ref = reference(*(x[rows] for x in inputs(h, hkv, torch.float64)), None if doc is None else doc[rows])
+            for kernel in KERNELS:
+                for name, got, want in zip(("out", "dq", "dk", "dv"), results[kernel, lname, rname],
+                                           [ref[0], *ref[2:]]):
+                    err = (got.double() - want).abs().max().item()
+                    assert err <= 1e-5, f"N={n} {kernel} {lname} {rname} {name}: max |ring - fp64 ref| = {err:.2e}"
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_zigzag_shard_round_trip_and_balanced_causal_work(n):
     length = 2 * n * 7
@@ -157,6 +210,16 @@ def test_plan_skips_blocks_with_nothing_to_attend():
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="not divisible by 2 x cp = 6"):
         shard(torch.zeros(1, 100), 3, 0)
+    # a document must be one run: an id that comes back later is refused, by the ring plan and on one device
+    split_doc = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 2]])
+    with pytest.raises(ValueError, match=r"doc_ids row 0: document id 0 appears in separate runs \(starting at "
+                                         r"positions 0 and 5\)"):
+        ring_plan(split_doc, 1, 8, 2, 0)
+    with pytest.raises(ValueError, match="document id 0 appears in separate runs"):
+        shard_for_cp({"input_ids": torch.zeros_like(split_doc), "doc_ids": split_doc}, True, "sdpa", CPContext())
+    # ids need not be sorted: runs are what counts, and unsorted ids plan like sorted ones
+    unsorted, ordered = torch.tensor([[3, 3, 3, 1, 1, 2, 2, 2]]), torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    assert ring_plan(unsorted, 1, 8, 2, 1) == ring_plan(ordered, 1, 8, 2, 1)
     q, k = torch.zeros(1, 6, 8, 4), torch.zeros(1, 4, 8, 4)
     with pytest.raises(ValueError, match="query heads 6 must be a multiple of key/value heads 4"):
         ring_forward(q, k, k, ring_plan(None, 1, 8, 1, 0), "sdpa", 0.5, None)

@@ -25,8 +25,17 @@ LAYOUTS = {
     (1, 2): [(8, 2, 0), (8, 2, 2), (8, 2, 4), (6, 2, 2)],
     (1, 3): [(9, 3, 0), (9, 3, 3), (6, 2, 0), (6, 2, 3)],  # 6:2 over 3 ranks replicates K/V to 6 heads
     (1, 4): [(8, 2, 0), (8, 2, 4), (12, 4, 4)],  # 8:2 over 4 ranks replicates K/V to 4 heads
-    (2, 2): [(8, 2, 0), (8, 2, 2)],  # hybrid: Ulysses inside each rank of a zig-zag ring
+    # hybrid: Ulysses inside each rank of a zig-zag ring; 12:4 puts two K/V heads on each Ulysses rank, where
+    # a (B, H, L, D) and a (B, L, H, D) layout of the ring's K/V and dK/dV are different bytes
+    (2, 2): [(8, 2, 0), (8, 2, 2), (12, 4, 0), (12, 4, 4)],
 }
+# Besides the whole batch (fp32 and bf16), each case runs with row 1 alone in fp32: with one row a ring
+# block's dK/dV is the kernel's own tensor, laid out by the kernel path, differently on neighbouring ranks.
+RUNS = ((slice(0, 2), torch.float32), (slice(0, 2), torch.bfloat16), (slice(1, 2), torch.float32))
+
+
+def _key(rows: slice, dtype) -> str:
+    return f"rows {rows.start}:{rows.stop} {dtype}"
 
 
 def local_share(x: torch.Tensor, ring: int, ring_rank: int, uly: int, uly_rank: int) -> torch.Tensor:
@@ -45,15 +54,15 @@ def _worker(rank: int, world: int, ring: int, path: str) -> None:
     results = {}
     for h, hkv, U in LAYOUTS[ring, uly]:
         for lname, doc in layouts().items():
-            for dtype in (torch.float32, torch.bfloat16):
-                q, k, v, dout = inputs(h, hkv, dtype)
-                plan = ring_plan(doc, B, L, ring, cp.rank)
+            for rows, dtype in RUNS:
+                q, k, v, dout = (x[rows] for x in inputs(h, hkv, dtype))
+                plan = ring_plan(None if doc is None else doc[rows], q.shape[0], L, ring, cp.rank)
                 ql, kl, vl = (local_share(x, ring, cp.rank, uly, cp.ulysses_rank).requires_grad_(True)
                               for x in (q, k, v))
                 out = ulysses_attention(ql, kl, vl, plan, "sdpa", D ** -0.5, cp.comm, cp.heads, U)
                 out.backward(local_share(dout, ring, cp.rank, uly, cp.ulysses_rank))
                 got = [out.detach(), ql.grad, kl.grad, vl.grad]
-                results[h, hkv, U, lname, str(dtype)] = [full_sequence(gather_cat(x), ring, uly) for x in got]
+                results[h, hkv, U, lname, _key(rows, dtype)] = [full_sequence(gather_cat(x), ring, uly) for x in got]
     if rank == 0:
         torch.save(results, path)
 
@@ -68,7 +77,7 @@ def test_ulysses_upipe_hybrid_match_single_process(ring, uly, tmp_path):
             case = f"ring {ring} x ulysses {uly}, {h}:{hkv} heads, U={U or h}, {lname}"
             ref = reference(*inputs(h, hkv, torch.float64), doc)
             want = [ref[0], *ref[2:]]
-            got32 = results[h, hkv, U, lname, str(torch.float32)]
+            got32 = results[h, hkv, U, lname, _key(*RUNS[0])]
             single32 = single_process(*inputs(h, hkv, torch.float32), doc)
             for name, got, r64, one in zip(("out", "dq", "dk", "dv"), got32, want, single32):
                 err = (got.double() - r64).abs().max().item()
@@ -76,10 +85,16 @@ def test_ulysses_upipe_hybrid_match_single_process(ring, uly, tmp_path):
                 err = (got - one).abs().max().item()
                 assert err <= 1e-5, f"{case} fp32 {name}: max |cp - single process| = {err:.2e}"
             single16 = single_process(*inputs(h, hkv, torch.bfloat16), doc)
-            for name, got, r64, one in zip(("out", "dq", "dk", "dv"), results[h, hkv, U, lname, str(torch.bfloat16)],
+            for name, got, r64, one in zip(("out", "dq", "dk", "dv"), results[h, hkv, U, lname, _key(*RUNS[1])],
                                            want, single16):
                 e_cp, e_one = ((x.double() - r64).abs().mean().item() for x in (got, one))
                 assert e_cp <= 1.5 * e_one + 1e-4, f"{case} bf16 {name}: error {e_cp:.2e} vs single {e_one:.2e}"
+            rows = RUNS[2][0]
+            ref1 = reference(*(x[rows] for x in inputs(h, hkv, torch.float64)), None if doc is None else doc[rows])
+            for name, got, r64 in zip(("out", "dq", "dk", "dv"), results[h, hkv, U, lname, _key(*RUNS[2])],
+                                      [ref1[0], *ref1[2:]]):
+                err = (got.double() - r64).abs().max().item()
+                assert err <= 1e-5, f"{case}, row 1 alone, fp32 {name}: max |cp - fp64 ref| = {err:.2e}"
 
 
 def test_upipe_schedule_exchanges_each_kv_head_once_and_covers_every_query_head():

@@ -59,8 +59,9 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     for layer in range(len(kv)):
         parts = []
         for x in kv[layer]:
-            shards = [torch.empty_like(x) for _ in range(cp.n)]
-            dist.all_gather(shards, x.contiguous())
+            x = x.contiguous()  # every rank sends and receives (B, Hkv, l, D)-contiguous bytes, whatever its layout
+            shards = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(cp.n)]
+            dist.all_gather(shards, x)
             parts.append(unshard(shards, dim=2))  # (B, Hkv, P', D) in sequence order
         cache.update(parts[0], parts[1], layer)
     return cache
