@@ -33,10 +33,10 @@ import time
 import torch
 
 from benchmarks.common import print_table, proc_status_bytes, reset_peak_rss, write_results
-from parallel.blocks import ring_plan
-from parallel.ring import RingComm, ring_attention
-from parallel.ulysses import HeadComm, ulysses_attention
-from parallel.zigzag import shard, split
+from longstride.parallel.blocks import ring_plan
+from longstride.parallel.ring import RingComm, ring_attention
+from longstride.parallel.ulysses import HeadComm, ulysses_attention
+from longstride.parallel.zigzag import shard, split
 from tests.distributed import gather_cat, run_gloo
 
 H, HKV, D = 32, 8, 128

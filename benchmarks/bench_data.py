@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from benchmarks.common import print_table, write_results
-from data.batch import PackedSequences, collate, packed_item
-from data.config import DataConfig, SourceConfig
-from data.corpus import build_corpus, build_tokenizer
-from data.packing import OnlinePacker, pack
+from longstride.data.batch import PackedSequences, collate, packed_item
+from longstride.data.config import DataConfig, SourceConfig
+from longstride.data.corpus import build_corpus, build_tokenizer
+from longstride.data.packing import OnlinePacker, pack
 
 
 def timed(fn, repeats: int = 3) -> tuple[float, object]:

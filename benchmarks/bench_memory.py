@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import RESULTS, print_table, proc_status_bytes, reset_peak_rss, write_results
-from model.config import ModelConfig
+from longstride.model.config import ModelConfig
 from tests.distributed import gather_cat, run_gloo
 
 MACHINE_BYTES = 24 * 2 ** 30
@@ -54,13 +54,13 @@ MLP_TILE, LOSS_TILE = 1024, 1024
 
 
 def _worker(rank, n, model_name, method, length, path):
-    from model.build import build_model
-    from model.checkpointing import enable_checkpointing
-    from model.loss import ChunkedLossLM
-    from model.rmsnorm import lean_rms_norms
-    from model.tiling import tile_mlps
-    from parallel.attention import cp_context, shard_for_cp, use_longstride_attention
-    from parallel.config import CPDegrees, ParallelDims
+    from longstride.model.build import build_model
+    from longstride.model.checkpointing import enable_checkpointing
+    from longstride.model.loss import ChunkedLossLM
+    from longstride.model.rmsnorm import lean_rms_norms
+    from longstride.model.tiling import tile_mlps
+    from longstride.parallel.attention import cp_context, shard_for_cp, use_longstride_attention
+    from longstride.parallel.config import CPDegrees, ParallelDims
 
     zero = proc_status_bytes("VmRSS")
     cfg, vocab = MODELS[model_name]

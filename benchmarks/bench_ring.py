@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import print_table, write_results
-from parallel import ring as ring_mod
-from parallel.blocks import doc_segments, ring_plan
-from parallel.kernels import block_backward, block_forward
-from parallel.ring import RingComm, ring_backward, ring_forward
-from parallel.zigzag import shard, unshard
+from longstride.parallel import ring as ring_mod
+from longstride.parallel.blocks import doc_segments, ring_plan
+from longstride.parallel.kernels import block_backward, block_forward
+from longstride.parallel.ring import RingComm, ring_backward, ring_forward
+from longstride.parallel.zigzag import shard, unshard
 from tests.distributed import gather_cat, run_gloo
 
 H, HKV, D = 8, 2, 64
@@ -47,9 +47,9 @@ def make_inputs(length: int, dtype, seed: int = 0):
 
 def packed_doc_ids(length: int, count: int, seed: int = 0) -> list[torch.Tensor]:
     """Document ids of `count` random best-fit packed sequences of the embedded corpus."""
-    from data.config import DataConfig, SourceConfig
-    from data.corpus import build_corpus, build_tokenizer
-    from data.packing import pack
+    from longstride.data.config import DataConfig, SourceConfig
+    from longstride.data.corpus import build_corpus, build_tokenizer
+    from longstride.data.packing import pack
 
     cfg = DataConfig(sources={"stdlib": SourceConfig(kind="stdlib")})
     tok = build_tokenizer(cfg, ".cache/longstride")

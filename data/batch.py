@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data.packing import PackPlan
-from model.loss import IGNORE_INDEX
+from longstride.data.packing import PackPlan
+from longstride.model.loss import IGNORE_INDEX
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "seq_index")
 

@@ -4,6 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from longstride.choices import Choice
+
+
+class SourceKind(Choice):
+    stdlib = "stdlib"
+    local_dir = "local_dir"
+    files = "files"
+    disk = "disk"
+    hub = "hub"
+
+
+class Packing(Choice):
+    best_fit = "best_fit"
+    concat = "concat"
+
 
 @dataclass
 class SourceConfig:
@@ -12,7 +27,7 @@ class SourceConfig:
     # files: jsonl/json/parquet/csv/txt files (`path` may be a glob), through datasets
     # disk: a dataset written by `save_to_disk` at `path`
     # hub: a hub dataset `name` (only when you name one; needs network)
-    kind: str = "stdlib"
+    kind: SourceKind = SourceKind.stdlib
     path: Optional[str] = None
     glob: str = "**/*.py,**/*.md,**/*.txt,**/*.rst"
     name: Optional[str] = None
@@ -39,7 +54,7 @@ class DataConfig:
     tokenizer: Optional[str] = None
     vocab_size: int = 4096
     tokenizer_train_bytes: int = 8_000_000
-    packing: str = "best_fit"  # best_fit | concat
+    packing: Packing = Packing.best_fit
     doc_masking: bool = True  # False = attend across documents (for comparison only)
     num_proc: int = 1
     streaming: bool = False  # read sources lazily (corpora larger than memory), pack online: data/stream.py

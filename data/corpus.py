@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data.config import DataConfig, LongDocConfig
-from data.sources import digest, drop_skipped, load_source, stream_source
-from data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer, tokenize_fn
+from longstride.data.config import DataConfig, LongDocConfig
+from longstride.data.sources import digest, drop_skipped, load_source, stream_source
+from longstride.data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer, tokenize_fn
 
 
 @dataclass

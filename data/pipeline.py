@@ -6,11 +6,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from data.batch import PackedSequences
-from data.config import DataConfig
-from data.corpus import Corpus, mixture_documents, upsample_long
-from data.loader import EpochLoader
-from data.packing import pack
+from longstride.data.batch import PackedSequences
+from longstride.data.config import DataConfig
+from longstride.data.corpus import Corpus, mixture_documents, upsample_long
+from longstride.data.loader import EpochLoader
+from longstride.data.packing import pack
 
 
 def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import datasets
 
-from data.config import SourceConfig
+from longstride.data.config import SourceConfig
 
 SKIP_EXCLUDED_DIRS = {"site-packages", "__pycache__", "dist-packages"}
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from data.batch import PackedSequences, collate, packed_item
-from data.config import DataConfig
-from data.packing import OnlinePacker, pack
-from data.sources import stream_source
-from data.tokenizer import tokenize_fn
+from longstride.data.batch import PackedSequences, collate, packed_item
+from longstride.data.config import DataConfig
+from longstride.data.packing import OnlinePacker, pack
+from longstride.data.sources import stream_source
+from longstride.data.tokenizer import tokenize_fn
 
 
 def tokenized(ds: datasets.IterableDataset, tokenizer) -> datasets.IterableDataset:

@@ -1,30 +1,28 @@
-"""The key=value command line of the eval entry points: overrides merged into a dataclass schema
-(a mistyped key fails naming it), and ValueErrors shown as one line with exit status 2."""
+"""The eval commands' checkpoint argument on top of longstride/overrides.py's key=value parsing."""
 from __future__ import annotations
 
-import sys
-from typing import Callable
+import os
 
-from omegaconf import OmegaConf
-
-from model.build import check_checkpoint_dir
+from longstride.model.build import check_checkpoint_dir
+from longstride.overrides import parse, run  # noqa: F401  (run: the eval entry points' wrapper)
 
 
-def parse_overrides(schema: type, argv: list[str], example: str):
+def parse_overrides(schema: type, argv: list[str], command: str, doc: str, example: str):
     """argv (key=value ...) into an instance of `schema`, whose `checkpoint` must be an HF model dir."""
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_cli(argv)))
-    except Exception as e:  # omegaconf's own errors name the key
-        raise ValueError(f"bad argument: {e}".splitlines()[0]) from None
+    cfg = parse(schema, argv, command, doc)
     if not cfg.checkpoint:
         raise ValueError(f"checkpoint=<dir> is required ({example})")
     check_checkpoint_dir(cfg.checkpoint, "checkpoint")
     return cfg
 
 
-def run(name: str, main: Callable[[list[str]], object]) -> None:
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:
-        print(f"{name}: {e}", file=sys.stderr)
-        sys.exit(2)
+def default_out(checkpoint: str) -> str:
+    """Where results go without out=: outputs/eval/<checkpoint path, '/' as '-'> (the path relative to
+    the working directory without a leading outputs/, or its last three parts), never inside the
+    checkpoint, which may be uploaded as it is."""
+    path = os.path.abspath(checkpoint)
+    rel = os.path.relpath(path)
+    parts = rel.split(os.sep) if not rel.startswith("..") else path.split(os.sep)[-3:]
+    if len(parts) > 1 and parts[0] == "outputs":
+        parts = parts[1:]
+    return os.path.join("outputs", "eval", "-".join(p for p in parts if p))

@@ -4,9 +4,11 @@ For each length L, the first L tokens of every long local document (at least L t
 checkpoint's own tokenizer) are scored; reported: perplexity over all L tokens and over the last
 quarter (where long context helps or extrapolation breaks). Loss is chunked: no L x V logits.
 
-    python -m eval.ppl checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096,8192]
-    python -m eval.ppl checkpoint=outputs/tiny/s3_4k/final lengths=[4096,8192] yarn.factor=2
-Writes <out>/ppl.json, ppl.csv and ppl.png (default out: <checkpoint>/eval).
+    longstride eval ppl checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096,8192]
+    longstride eval ppl checkpoint=outputs/tiny/s3_4k/final lengths=[4096,8192] yarn.factor=2
+    (or python -m longstride.eval.ppl ...)
+Writes <out>/ppl[_yarnF].json, .csv and .png (default out: outputs/eval/<checkpoint path>, see
+eval/cli.py; never inside the checkpoint unless out= says so).
 """
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ from typing import List, Optional
 
 import torch
 
-from data.sources import list_files, stdlib_root
-from eval.cli import parse_overrides, run
-from model.build import load_config_with_yarn
-from model.config import YarnConfig
-from model.loss import chunked_cross_entropy_sum
+from longstride.data.sources import list_files, stdlib_root
+from longstride.eval.cli import default_out, parse_overrides, run
+from longstride.model.build import load_config_with_yarn
+from longstride.model.config import YarnConfig
+from longstride.model.loss import chunked_cross_entropy_sum
 
 
 @dataclass
@@ -36,13 +38,13 @@ class PplConfig:
     docs_dir: Optional[str] = None  # None = the Python standard library (found on every machine)
     glob: str = "**/*.py"
     max_docs: int = 8  # documents per length
-    out: Optional[str] = None
+    out: Optional[str] = None  # results folder; None = outputs/eval/<checkpoint path>
     tile: int = 1024
     threads: Optional[int] = None
 
 
 def parse(argv: list[str]) -> PplConfig:
-    cfg = parse_overrides(PplConfig, argv, "an HF model dir, e.g. outputs/tiny/s3_4k/final")
+    cfg = parse_overrides(PplConfig, argv, "longstride eval ppl", __doc__, "an HF model dir, e.g. outputs/tiny/s3_4k/final")
     if not cfg.lengths or any(L < 2 for L in cfg.lengths):
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 2, e.g. lengths=[1024,2048]")
     return cfg
@@ -130,7 +132,7 @@ def main(argv: list[str]) -> list[dict]:
              **perplexities(model, docs, L, cfg.tile)}
         rows.append(r)
         print(f"length {L:>7}  ppl {r['ppl']:9.3f}  last-quarter ppl {r['tail_ppl']:9.3f}  ({r['docs']} docs)")
-    out = cfg.out or os.path.join(cfg.checkpoint, "eval")
+    out = cfg.out or default_out(cfg.checkpoint)
     os.makedirs(out, exist_ok=True)
     suffix = f"_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else ""
     with open(os.path.join(out, f"ppl{suffix}.json"), "w") as f:

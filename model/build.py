@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
-from model.config import ModelConfig, YarnConfig
+from longstride.model.config import ModelConfig, YarnConfig
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:

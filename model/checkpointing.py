@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from model.offload import ActivationOffload
-from model.tiling import inside_tile
+from longstride.model.offload import ActivationOffload
+from longstride.model.tiling import inside_tile
 
 MODES = ("none", "full", "selective")
 

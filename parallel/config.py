@@ -4,14 +4,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-CP_IMPLS = ("ring", "ulysses", "upipe", "hybrid")
-KERNELS = ("auto", "sdpa", "flash_attn", "math")
+from longstride.choices import Choice
+
+
+class CPImpl(Choice):
+    ring = "ring"
+    ulysses = "ulysses"
+    upipe = "upipe"
+    hybrid = "hybrid"
+
+
+class Kernel(Choice):
+    auto = "auto"
+    sdpa = "sdpa"
+    flash_attn = "flash_attn"
+    math = "math"
 
 
 @dataclass
 class ParallelConfig:
-    cp_impl: str = "ring"  # how a stage with cp > 1 splits the sequence; the degree is per stage
-    kernel: str = "auto"  # auto: flash_attn on CUDA when installed, else sdpa (per document)
+    cp_impl: CPImpl = CPImpl.ring  # how a stage with cp > 1 splits the sequence; the degree is per stage
+    kernel: Kernel = Kernel.auto  # auto: flash_attn on CUDA when installed, else sdpa (per document)
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
     ulysses: int = 0  # hybrid only: the Ulysses degree inside each ring rank (ring degree = cp / ulysses)
     upipe_heads: int = 0  # upipe (and optionally hybrid): U, query heads per stage; 0 = the Ulysses degree
@@ -49,8 +62,8 @@ def _nearest(choices: list[int], x: int) -> list[int]:
 def cp_degrees(cfg: ParallelConfig, cp: int, heads: int, where: str = "cp") -> CPDegrees:
     """The (ring, Ulysses, U) split of a stage's cp for a model with `heads` query heads. K/V heads need
     no check: when they do not divide by the Ulysses degree they are replicated (parallel/upipe.py)."""
-    if cfg.cp_impl not in CP_IMPLS:
-        raise ValueError(f"parallel.cp_impl={cfg.cp_impl!r} is unknown; use one of {CP_IMPLS}")
+    if cfg.cp_impl not in CPImpl.names():
+        raise ValueError(f"parallel.cp_impl={cfg.cp_impl!r} is unknown; use one of {CPImpl.names()}")
     if cp == 1:
         return CPDegrees()
     if cfg.cp_impl == "ring":

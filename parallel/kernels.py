@@ -15,7 +15,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from parallel.blocks import doc_segments
+from longstride.parallel.blocks import doc_segments
 
 
 def flash_attn_available() -> bool:

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from parallel.blocks import RingPlan
-from parallel.kernels import block_backward, block_forward, dense_last, seq_major
+from longstride.parallel.blocks import RingPlan
+from longstride.parallel.kernels import block_backward, block_forward, dense_last, seq_major
 
 KV_TAG, DKV_TAG = 0, 1
 

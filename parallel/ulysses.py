@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from parallel.blocks import RingPlan
-from parallel.ring import RingComm, ring_backward, ring_forward
-from parallel.upipe import HeadSchedule, head_schedule
+from longstride.parallel.blocks import RingPlan
+from longstride.parallel.ring import RingComm, ring_backward, ring_forward
+from longstride.parallel.upipe import HeadSchedule, head_schedule
 
 
 class HeadComm:

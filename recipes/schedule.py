@@ -5,7 +5,16 @@ import math
 
 import torch
 
-SCHEDULES = ("cosine", "wsd", "constant")
+from longstride.choices import Choice
+
+
+class Schedule(Choice):
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+SCHEDULES = tuple(Schedule.names())
 
 
 def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: float, decay_fraction: float) -> float:

@@ -16,13 +16,25 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from data.config import DataConfig, LongDocConfig
-from model.checkpointing import MODES
-from model.config import ModelConfig
-from parallel.config import CP_IMPLS, KERNELS, ParallelConfig, ParallelDims, cp_degrees
-from parallel.fsdp import use_fsdp
-from parallel.kernels import resolve_kernel
-from recipes.schedule import SCHEDULES
+from longstride.data.config import DataConfig, LongDocConfig
+from longstride.model.config import ModelConfig
+from longstride.choices import Choice
+from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
+from longstride.parallel.fsdp import use_fsdp
+from longstride.parallel.kernels import resolve_kernel
+from longstride.recipes.schedule import Schedule
+
+
+class WandbMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Precision(Choice):
+    auto = "auto"  # bf16 where the GPU has it, else fp32
+    bf16 = "bf16"
+    fp32 = "fp32"
 
 
 @dataclass
@@ -36,7 +48,7 @@ class StageConfig:
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
-    schedule: str = "cosine"
+    schedule: Schedule = Schedule.cosine
     decay_fraction: float = 0.2  # wsd only
     cp: int = 1
     mixture: Optional[Dict[str, float]] = None  # source -> token weight; None = data.sources weights
@@ -66,7 +78,7 @@ class OptimConfig:
 
 @dataclass
 class LoggerConfig:
-    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_mode: WandbMode = WandbMode.offline
     project: str = "longstride"
     entity: Optional[str] = None
     log_every: int = 1
@@ -82,7 +94,7 @@ class PathsConfig:
 @dataclass
 class TrainConfig:
     seed: int = 0
-    precision: str = "auto"  # auto (bf16 where the GPU has it, else fp32) | bf16 | fp32
+    precision: Precision = Precision.auto  # auto: bf16 where the GPU has it, else fp32
     keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
     crash_at_step: Optional[int] = None  # fault injection for resume tests: SIGKILL after this step
 
@@ -195,12 +207,8 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ValueError(f"{f}: give exactly one of steps or tokens (got steps={s.steps}, tokens={s.tokens})")
         if s.total_steps <= 0:
             raise ValueError(f"{f}: the stage has {s.total_steps} optimizer steps; raise steps or tokens")
-        if s.schedule not in SCHEDULES:
-            raise ValueError(f"{f}.schedule={s.schedule!r} is unknown; use one of {SCHEDULES}")
         if not 0 <= s.warmup_steps < s.total_steps:
             raise ValueError(f"{f}.warmup_steps={s.warmup_steps} must be in [0, {s.total_steps})")
-        if cfg.parallel.cp_impl not in CP_IMPLS:
-            raise ValueError(f"parallel.cp_impl={cfg.parallel.cp_impl!r} is unknown; use one of {CP_IMPLS}")
         if s.cp > 1:
             _check_cp_length(f, s, cfg.parallel, heads)
         if s.mlp_tile_tokens is not None and s.mlp_tile_tokens < 0:
@@ -221,17 +229,9 @@ def validate(cfg: Config, world_size: int) -> None:
         if src.kind in ("local_dir", "files", "disk") and not src.path:
             raise ValueError(f"data.sources.{name}.path is not set; data.sources.{name}.path=... "
                              f"({src.kind} sources read local paths)")
-    if cfg.parallel.kernel not in KERNELS:
-        raise ValueError(f"parallel.kernel={cfg.parallel.kernel!r} is unknown; use one of {KERNELS}")
     use_fsdp(cfg.parallel.fsdp, "cpu", world_size)  # a valid choice?
     ring = any(s.cp > 1 for s in r.stages.values())
     resolve_kernel(cfg.parallel.kernel, "cuda" if torch.cuda.is_available() else "cpu", ring)  # installed?
-    if cfg.logger.wandb_mode not in ("offline", "online", "disabled"):
-        raise ValueError(f"logger.wandb_mode={cfg.logger.wandb_mode!r}; use offline, online or disabled")
-    if cfg.train.precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"train.precision={cfg.train.precision!r}; use auto, bf16 or fp32")
-    if cfg.model.checkpoint_mode not in MODES[1:]:  # "none" is activation_checkpointing=false
-        raise ValueError(f"model.checkpoint_mode={cfg.model.checkpoint_mode!r}; use {' or '.join(MODES[1:])}")
     if cfg.model.mlp_tile_tokens < 0:
         raise ValueError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0 = off, e.g. 4096)")
     if cfg.data.streaming:
@@ -243,8 +243,6 @@ def validate(cfg: Config, world_size: int) -> None:
                              "process; set data.num_workers=0 with data.streaming=true")
         if cfg.data.stream_open_seqs < 1:
             raise ValueError(f"data.stream_open_seqs={cfg.data.stream_open_seqs} must be >= 1 (64 is a good default)")
-    if cfg.data.packing not in ("best_fit", "concat"):
-        raise ValueError(f"data.packing={cfg.data.packing!r}; use best_fit or concat")
     if cfg.data.tokenizer and not os.path.isdir(cfg.data.tokenizer):
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} is not a directory; give a local HF tokenizer dir "
                          "or null to train a BPE on the corpus")

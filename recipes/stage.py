@@ -16,23 +16,23 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from data.batch import collate
-from data.pipeline import split_holdout, stage_loader, stage_sequences
-from data.stream import streaming_stage
-from model.build import build_model
-from model.checkpointing import enable_checkpointing
-from model.loss import IGNORE_INDEX, ChunkedLossLM
-from model.memory import device_memory_gib, estimate
-from model.rmsnorm import lean_rms_norms
-from model.tiling import tile_mlps
-from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
-from parallel.config import ParallelDims, cp_degrees, describe_cp
-from parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip, use_fsdp
-from parallel.kernels import resolve_kernel
-from recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
+from longstride.data.batch import collate
+from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
+from longstride.data.stream import streaming_stage
+from longstride.model.build import build_model
+from longstride.model.checkpointing import enable_checkpointing
+from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
+from longstride.model.memory import device_memory_gib, estimate
+from longstride.model.rmsnorm import lean_rms_norms
+from longstride.model.tiling import tile_mlps
+from longstride.parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
+from longstride.parallel.config import ParallelDims, cp_degrees, describe_cp
+from longstride.parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip, use_fsdp
+from longstride.parallel.kernels import resolve_kernel
+from longstride.recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
                                 save_checkpoint, set_rng_state, step_name)
-from recipes.schedule import build_scheduler
-from recipes.tracking import peak_memory_gib
+from longstride.recipes.schedule import build_scheduler
+from longstride.recipes.tracking import peak_memory_gib
 
 
 @dataclass

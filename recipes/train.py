@@ -3,10 +3,10 @@ RoPE base into the model config and starts a fresh LR schedule. Rerunning the sa
 interruption resumes from the newest complete checkpoint; finished stages are skipped.
 
 CPU, the embedded tiny recipe (no GPU, no download, no account):
-    python -m recipes.train recipe=tiny
-    accelerate launch --config_file configs/accelerate/cpu.yaml -m recipes.train recipe=tiny
+    longstride train recipe=tiny
+    accelerate launch --config_file configs/accelerate/cpu.yaml -m longstride.recipes.train recipe=tiny
 GPU node (8 GPUs):
-    accelerate launch --config_file configs/accelerate/gpu8.yaml -m recipes.train recipe=smollm3_3b_64k \
+    accelerate launch --config_file configs/accelerate/gpu8.yaml -m longstride.recipes.train recipe=smollm3_3b_64k \
         data.tokenizer=/path/to/tokenizer data.sources.main.path=/path/to/corpus
 One stage only:  ... recipe=tiny stage=s2_2k
 """
@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.schema import Config, selected_stages, to_schema, validate
+from longstride.recipes.schema import Config, selected_stages, to_schema, validate
 
 
 def resolve_precision(precision: str) -> str:
@@ -47,10 +47,10 @@ def setup(cfg: Config, raw: DictConfig | None):
     before any model is built. Returns (context, stage names to run, first stage's init dir)."""
     from accelerate import Accelerator
 
-    from data.corpus import build_corpus, build_tokenizer
-    from recipes.checkpoint import final_dir
-    from recipes.stage import RunContext
-    from recipes.tracking import Tracker
+    from longstride.data.corpus import build_corpus, build_tokenizer
+    from longstride.recipes.checkpoint import final_dir
+    from longstride.recipes.stage import RunContext
+    from longstride.recipes.tracking import Tracker
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)
@@ -83,7 +83,7 @@ def setup(cfg: Config, raw: DictConfig | None):
 
 def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
     """The stages in order, each from the previous one's final checkpoint. Returns final dirs."""
-    from recipes.stage import train_stage
+    from longstride.recipes.stage import train_stage
 
     names, finals = list(ctx.cfg.recipe.stages), []
     for name in stages:

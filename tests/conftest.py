@@ -37,7 +37,7 @@ def micro_overrides(root: Path, cache: Path) -> list[str]:
 
 
 def compose_cfg(overrides: list[str]):
-    from recipes.schema import to_schema
+    from longstride.recipes.schema import to_schema
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return to_schema(compose("config", overrides=overrides))
@@ -56,16 +56,16 @@ def micro(tmp_path, cache_dir) -> list[str]:
 def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "recipes.train", *overrides], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "longstride.recipes.train", *overrides], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def micro_checkpoint(directory: Path, vocab_size: int, seq_len: int, extra_texts: tuple = ()):
     """A 2-layer SmolLM3 with a BPE trained on 40 stdlib files (plus extra_texts), saved as an HF dir."""
-    from data.sources import list_files, stdlib_root
-    from data.tokenizer import train_bpe
-    from model.build import build_model
-    from model.config import ModelConfig
+    from longstride.data.sources import list_files, stdlib_root
+    from longstride.data.tokenizer import train_bpe
+    from longstride.model.build import build_model
+    from longstride.model.config import ModelConfig
 
     texts = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:40]]
     tok = train_bpe(texts + list(extra_texts), vocab_size)

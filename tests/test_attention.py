@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from model.build import build_model
-from model.config import ModelConfig
-from parallel.attention import DocLayout, use_longstride_attention
-from parallel.kernels import doc_attention
+from longstride.model.build import build_model
+from longstride.model.config import ModelConfig
+from longstride.parallel.attention import DocLayout, use_longstride_attention
+from longstride.parallel.kernels import doc_attention
 
 
 def dense_reference(q, k, v, doc_ids, scale):

@@ -1,7 +1,16 @@
-"""The command line itself: bad input exits with a message naming the field, before any work."""
+"""The command line itself: one installed `longstride` package and command, --help on every command,
+bad input a message naming the field before any work, eval results outside the checkpoint."""
 from __future__ import annotations
 
-from tests.conftest import run_cli
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from longstride.eval.cli import default_out
+from tests.conftest import REPO, run_cli
 
 
 def test_cli_bad_input_is_a_message_not_a_traceback(tmp_path):
@@ -10,3 +19,52 @@ def test_cli_bad_input_is_a_message_not_a_traceback(tmp_path):
     assert "recipe.stages.s2_2k.rope_theta=-1.0 must be positive" in r.stderr
     assert "Traceback" not in r.stderr
     assert not any(tmp_path.iterdir()), "nothing is written before validation passes"
+
+
+def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_one_package_and_one_command_outside_the_checkout(tmp_path):
+    # from a folder that is not the checkout: only `longstride` is importable, not data/model/eval/...
+    code = ("import importlib.util as u, longstride, longstride.parallel.ring, longstride.configs; "
+            "print([m for m in ('data', 'model', 'eval', 'parallel', 'recipes') if u.find_spec(m)])")
+    r = _run([sys.executable, "-c", code], tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    exe = shutil.which("longstride")
+    assert exe, "pip install -e . installs the longstride console script"
+    r = _run([exe, "--help"], tmp_path)
+    assert r.returncode == 0 and "longstride eval ruler" in r.stdout
+    r = _run([exe, "nope"], tmp_path)
+    assert r.returncode == 2 and "unknown command 'nope'" in r.stderr
+
+
+@pytest.mark.parametrize("command,expect", [
+    (["train", "--help"], "Configuration groups"),  # Hydra's help, configs found from the installed package
+    (["eval", "ruler", "--help"], "dtype=float32"),
+    (["eval", "ppl", "--help"], "max_docs=8"),
+    (["convert-gguf", "--help"], "out=null"),
+])
+def test_every_command_has_help(command, expect, tmp_path):
+    r = _run([shutil.which("longstride") or "longstride", *command], tmp_path)
+    assert r.returncode == 0 and expect in r.stdout, r.stdout + r.stderr
+    assert not any(tmp_path.iterdir()), "--help writes nothing"
+
+
+def test_choice_typos_name_the_key_and_the_choices(tmp_path):
+    r = _run([shutil.which("longstride"), "train", "parallel.cp_impl=zigzag"], tmp_path)
+    assert r.returncode != 0 and "expected one of [ring, ulysses, upipe, hybrid]" in r.stderr
+    r = _run([shutil.which("longstride"), "eval", "ruler", "checkpoint=x", "prefill=ring"], tmp_path)
+    assert r.returncode == 2 and "Invalid value 'ring', expected one of [local, cp]" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_eval_results_go_under_outputs_never_into_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert default_out("outputs/tiny/s3_4k/final") == os.path.join("outputs", "eval", "tiny-s3_4k-final")
+    assert default_out("checkpoints/smollm2") == os.path.join("outputs", "eval", "checkpoints-smollm2")
+    outside = str(REPO / "outputs" / "tiny" / "s3_4k" / "final")
+    assert default_out(outside) == os.path.join("outputs", "eval", "tiny-s3_4k-final")
+    for ckpt in ("outputs/tiny/s3_4k/final", outside, "/abs/model"):
+        assert not os.path.abspath(default_out(ckpt)).startswith(os.path.abspath(ckpt) + os.sep)

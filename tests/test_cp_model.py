@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.build import build_model
-from model.config import ModelConfig
-from model.loss import IGNORE_INDEX, ChunkedLossLM
-from model.checkpointing import enable_checkpointing
-from model.rmsnorm import lean_rms_norms
-from model.tiling import tile_mlps
-from parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
-from parallel.config import ParallelConfig, ParallelDims, cp_degrees
+from longstride.model.build import build_model
+from longstride.model.config import ModelConfig
+from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
+from longstride.model.checkpointing import enable_checkpointing
+from longstride.model.rmsnorm import lean_rms_norms
+from longstride.model.tiling import tile_mlps
+from longstride.parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
+from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
 from tests.distributed import run_gloo
 
 L = 96

@@ -6,10 +6,10 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from data.config import DataConfig, SourceConfig
-from data.corpus import build_corpus
-from data.sources import drop_skipped, load_source
-from data.tokenizer import check_tokenizer, train_bpe
+from longstride.data.config import DataConfig, SourceConfig
+from longstride.data.corpus import build_corpus
+from longstride.data.sources import drop_skipped, load_source
+from longstride.data.tokenizer import check_tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_tokenizer_without_eos(tok):
 
 
 def test_corpus_appends_eos_and_mixes_sources(tmp_path, cache_dir, tok):
-    from data.corpus import mixture_documents
+    from longstride.data.corpus import mixture_documents
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

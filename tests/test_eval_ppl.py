@@ -7,9 +7,9 @@ import math
 import pytest
 from transformers import AutoConfig
 
-from eval.ppl import main, parse
-from model.build import load_config_with_yarn
-from model.config import YarnConfig
+from longstride.eval.ppl import main, parse
+from longstride.model.build import load_config_with_yarn
+from longstride.model.config import YarnConfig
 from tests.conftest import micro_checkpoint
 
 

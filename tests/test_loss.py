@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from longstride.model.loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
 
 @pytest.mark.parametrize("tile", [1, 7, 64, 1000])

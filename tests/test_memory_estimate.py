@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import SmolLM3Config
 
-from model.memory import device_memory_gib, estimate
+from longstride.model.memory import device_memory_gib, estimate
 
 CFG = SmolLM3Config(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152)

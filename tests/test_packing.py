@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data.batch import PackedSequences, collate
-from data.corpus import upsample_long
-from data.config import LongDocConfig
-from data.packing import best_fit_decreasing, pack, pack_concat, split_long
-from model.loss import IGNORE_INDEX
+from longstride.data.batch import PackedSequences, collate
+from longstride.data.corpus import upsample_long
+from longstride.data.config import LongDocConfig
+from longstride.data.packing import best_fit_decreasing, pack, pack_concat, split_long
+from longstride.model.loss import IGNORE_INDEX
 
 
 def random_docs(seed: int, n: int = 400, max_len: int = 700):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.attention import CPContext, shard_for_cp
-from parallel.blocks import ring_plan
-from parallel.kernels import doc_attention
-from parallel.ring import RingComm, ring_attention, ring_forward
-from parallel.zigzag import shard, unshard
+from longstride.parallel.attention import CPContext, shard_for_cp
+from longstride.parallel.blocks import ring_plan
+from longstride.parallel.kernels import doc_attention
+from longstride.parallel.ring import RingComm, ring_attention, ring_forward
+from longstride.parallel.zigzag import shard, unshard
 from tests.distributed import gather_cat, run_gloo
 
 L, D, B = 120, 16, 2  # L divisible by 2N for N in 1..4

@@ -9,12 +9,12 @@ import re
 import pytest
 import torch
 
-from eval.ruler.fit import DoesNotFit, make_sample, prompt_ids
-from eval.ruler.generate import greedy_generate
-from eval.ruler.run import main, parse
-from eval.ruler.score import postprocess, sample_score, string_match_all, string_match_part, summarize
-from eval.ruler.tasks import NEEDLE, SYNTHETIC, TASKS, Sampler, load_qa
-from eval.ruler.words import NOISE, common_words
+from longstride.eval.ruler.fit import DoesNotFit, make_sample, prompt_ids
+from longstride.eval.ruler.generate import greedy_generate
+from longstride.eval.ruler.run import main, parse
+from longstride.eval.ruler.score import postprocess, sample_score, string_match_all, string_match_part, summarize
+from longstride.eval.ruler.tasks import NEEDLE, SYNTHETIC, TASKS, Sampler, load_qa
+from longstride.eval.ruler.words import NOISE, common_words
 from tests.conftest import micro_checkpoint
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -191,8 +191,12 @@ def test_bad_input(checkpoint, tmp_path):
         parse([f"checkpoint={checkpoint}", "lengths=[0]"])
     with pytest.raises(ValueError, match="qa.squad="):
         parse([f"checkpoint={checkpoint}", f"qa.squad={tmp_path}/missing.json"])
-    with pytest.raises(ValueError, match="bad argument"):
+    with pytest.raises(ValueError, match=r"Could not override 'num_sample': Key 'num_sample' not in 'RulerConfig' "
+                                         r"\(see longstride eval ruler --help\)"):
         parse([f"checkpoint={checkpoint}", "num_sample=3"])
+    with pytest.raises(ValueError, match=r"override dtype=float8: Invalid value 'float8', expected one of "
+                                         r"\[float32, bfloat16, float16\]"):
+        parse([f"checkpoint={checkpoint}", "dtype=float8"])
     with pytest.raises(ValueError, match="prefill=cp splits each prompt over several processes"):
         parse([f"checkpoint={checkpoint}", "prefill=cp"])
     with pytest.raises(ValueError, match="nothing to run: no runnable task"):
@@ -208,8 +212,8 @@ def test_bad_input(checkpoint, tmp_path):
 def _cp_prefill_worker(rank, world, checkpoint):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eval.ruler.cp_prefill import cp_prefill, world_cp
-    from eval.ruler.generate import greedy_generate_cached
+    from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
+    from longstride.eval.ruler.generate import greedy_generate_cached
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(checkpoint)
@@ -249,7 +253,7 @@ def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoin
     for mode in ("local", "cp"):
         out = tmp_path / mode
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "eval.ruler", *args, f"prefill={mode}", f"out={out}"], check=True, env=env,
+                        "-m", "longstride.eval.ruler", *args, f"prefill={mode}", f"out={out}"], check=True, env=env,
                        capture_output=True, timeout=300)
         saved = json.loads((out / "ruler.json").read_text())["samples"]
         assert [(r["task"], r["index"], r["prediction"]) for r in saved] == \

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.config import DataConfig, SourceConfig
-from data.stream import streaming_stage
-from data.tokenizer import train_bpe
+from longstride.data.config import DataConfig, SourceConfig
+from longstride.data.stream import streaming_stage
+from longstride.data.tokenizer import train_bpe
 
 L, MB = 128, 2
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.batch import PackedSequences
-from data.loader import EpochLoader
-from data.packing import pack
-from recipes.train import run
+from longstride.data.batch import PackedSequences
+from longstride.data.loader import EpochLoader
+from longstride.data.packing import pack
+from longstride.recipes.train import run
 from tests.conftest import compose_cfg, read_metrics, run_cli
 
 
@@ -132,7 +132,7 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
 
     def launch(*more):
         return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                               str(REPO / "configs/accelerate/cpu.yaml"), "-m", "recipes.train",
+                               str(REPO / "configs/accelerate/cpu.yaml"), "-m", "longstride.recipes.train",
                                *overrides(tmp_path / "two", True), *more], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)
     if crash_at is not None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.attention import CPContext, cp_context, shard_for_cp
-from parallel.blocks import ring_plan
-from parallel.config import CPDegrees, ParallelConfig, ParallelDims, cp_degrees, describe_cp
-from parallel.ulysses import HeadComm, ulysses_attention
-from parallel.upipe import head_schedule
-from parallel.zigzag import shard, split, unshard
+from longstride.parallel.attention import CPContext, cp_context, shard_for_cp
+from longstride.parallel.blocks import ring_plan
+from longstride.parallel.config import CPDegrees, ParallelConfig, ParallelDims, cp_degrees, describe_cp
+from longstride.parallel.ulysses import HeadComm, ulysses_attention
+from longstride.parallel.upipe import head_schedule
+from longstride.parallel.zigzag import shard, split, unshard
 from tests.distributed import gather_cat, run_gloo
 from tests.test_ring import B, D, L, inputs, layouts, reference, single_process
 

@@ -1,6 +1,7 @@
-"""`python -m eval.ruler key=value ...`: see eval/ruler/run.py."""
-from eval.cli import run
-from eval.ruler.run import main
+"""`python -m longstride.eval.ruler key=value ...` (the module `longstride eval ruler` runs; torchrun takes it):
+see eval/ruler/run.py."""
+from longstride.eval.cli import run
+from longstride.eval.ruler.run import main
 
 if __name__ == "__main__":
     run("eval.ruler", main)

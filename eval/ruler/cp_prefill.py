@@ -14,10 +14,10 @@ import torch.distributed as dist
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from parallel.attention import CPContext, longstride_attention, no_mask, shard_for_cp
-from parallel.kernels import resolve_kernel
-from parallel.ring import RingComm
-from parallel.zigzag import unshard
+from longstride.parallel.attention import CPContext, longstride_attention, no_mask, shard_for_cp
+from longstride.parallel.kernels import resolve_kernel
+from longstride.parallel.ring import RingComm
+from longstride.parallel.zigzag import unshard
 
 NAME = "longstride_kv"
 

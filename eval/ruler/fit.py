@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from eval.ruler.tasks import QAData, Sampler, Task
+from longstride.eval.ruler.tasks import QAData, Sampler, Task
 
 
 class DoesNotFit(ValueError):

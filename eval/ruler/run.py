@@ -1,13 +1,14 @@
-"""`python -m eval.ruler`: RULER on any local HF causal-LM checkpoint, with YaRN from the command line.
+"""`longstride eval ruler`: RULER on any local HF causal-LM checkpoint, with YaRN from the command line.
 
-    python -m eval.ruler checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096] num_samples=4
-    python -m eval.ruler checkpoint=DIR lengths=[16384] tasks=[niah_single_1,vt] yarn.factor=2
-    torchrun --nproc-per-node 2 -m eval.ruler checkpoint=DIR ...   # samples split over processes
-    torchrun --nproc-per-node 2 -m eval.ruler checkpoint=DIR prefill=cp ...  # each prompt's prefill split
+    longstride eval ruler checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096] num_samples=4
+    longstride eval ruler checkpoint=DIR lengths=[16384] tasks=[niah_single_1,vt] yarn.factor=2
+    torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR ...   # samples split over processes
+    torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR prefill=cp ...  # each prefill split
 
-Writes <out>/ruler[_yarnF].{json,csv} and plots (default out: <checkpoint>/eval). Bad items (an
-unknown task, a QA task without its file, a length past the model's positions, a length too short
-for a task) are reported and skipped; the rest still runs.
+Writes <out>/ruler[_yarnF].{json,csv} and plots (default out: outputs/eval/<checkpoint path>, see
+eval/cli.py; never inside the checkpoint unless out= says so). Bad items (an unknown task, a QA task
+without its file, a length past the model's positions, a length too short for a task) are reported
+and skipped; the rest still runs.
 """
 from __future__ import annotations
 
@@ -19,18 +20,36 @@ from typing import List, Optional
 
 import torch
 
-from eval.cli import parse_overrides
-from eval.ruler.cp_prefill import cp_prefill, world_cp
-from eval.ruler.fit import DoesNotFit, make_sample
-from eval.ruler.generate import greedy_generate, greedy_generate_cached
-from eval.ruler.report import format_table, log_wandb, plot, write_files
-from eval.ruler.score import sample_score, summarize
-from eval.ruler.tasks import TASKS, load_qa
-from eval.ruler.words import prose_words
-from model.build import load_config_with_yarn
-from model.config import YarnConfig
+from longstride.choices import Choice
+from longstride.eval.cli import default_out, parse_overrides
+from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
+from longstride.eval.ruler.fit import DoesNotFit, make_sample
+from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
+from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
+from longstride.eval.ruler.score import sample_score, summarize
+from longstride.eval.ruler.tasks import TASKS, load_qa
+from longstride.eval.ruler.words import prose_words
+from longstride.model.build import load_config_with_yarn
+from longstride.model.config import YarnConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Dtype(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Prefill(Choice):
+    local = "local"
+    cp = "cp"
+
+
+class WandbMode(Choice):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -54,18 +73,19 @@ class RulerConfig:
     qa: QAFiles = field(default_factory=QAFiles)
     batch_size: int = 1
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
-    prefill: str = "local"  # local | cp: with several processes, ring-attention prefill over all of them
-    dtype: str = "float32"
+    prefill: Prefill = Prefill.local  # cp: with several processes, ring-attention prefill over all of them
+    dtype: Dtype = Dtype.float32
     threshold: float = 85.6  # effective-length threshold (RULER: Llama-2-7B at 4K)
-    out: Optional[str] = None
-    wandb: str = "disabled"  # disabled | offline | online
+    out: Optional[str] = None  # results folder; None = outputs/eval/<checkpoint path>
+    wandb: WandbMode = WandbMode.disabled
     wandb_project: str = "longstride-eval"
     threads: Optional[int] = None
 
 
 def parse(argv: list[str]) -> RulerConfig:
-    cfg = parse_overrides(RulerConfig, argv, "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file "
-                                             "convert it once with python -m model.convert_gguf")
+    cfg = parse_overrides(RulerConfig, argv, "longstride eval ruler", __doc__,
+                          "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file convert it once with "
+                          "longstride convert-gguf")
     if not any(os.path.isfile(os.path.join(cfg.checkpoint, f)) for f in TOKENIZER_FILES):
         raise ValueError(f"checkpoint={cfg.checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
                          f"tokenizer into it with tokenizer.save_pretrained(dir)")
@@ -73,15 +93,9 @@ def parse(argv: list[str]) -> RulerConfig:
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
     if cfg.num_samples < 1 or cfg.batch_size < 1 or cfg.prefill_chunk < 1:
         raise ValueError("num_samples, batch_size and prefill_chunk must be >= 1")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype={cfg.dtype!r}: use one of {list(DTYPES)}")
-    if cfg.prefill not in ("local", "cp"):
-        raise ValueError(f"prefill={cfg.prefill!r}: use local, or cp (under torchrun with several processes)")
     if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise ValueError("prefill=cp splits each prompt over several processes: launch with "
-                         "torchrun --nproc-per-node N -m eval.ruler ... (or use prefill=local)")
-    if cfg.wandb not in ("disabled", "offline", "online"):
-        raise ValueError(f"wandb={cfg.wandb!r}: use disabled, offline or online")
+                         "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")
     for kind in ("squad", "hotpotqa"):
         path = getattr(cfg.qa, kind)
         if path and not os.path.isfile(path):
@@ -190,7 +204,7 @@ def main(argv: list[str]) -> Optional[dict]:
         return None
     summary = summarize(records, cfg.threshold)
     print(format_table(summary))
-    out = cfg.out or os.path.join(cfg.checkpoint, "eval")
+    out = cfg.out or default_out(cfg.checkpoint)
     stem = f"ruler_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else "ruler"
     name = "/".join(os.path.normpath(os.path.abspath(cfg.checkpoint)).split(os.sep)[-2:])  # e.g. s3_4k/final
     title = name + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eval.ruler.words import NOISE, common_words, prose_words, word_list
+from longstride.eval.ruler.words import NOISE, common_words, prose_words, word_list
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""The `longstride` command: one entry point for training, evaluation and conversion.
+
+    longstride train recipe=tiny [hydra overrides]           # one process; several: accelerate launch (below)
+    longstride eval ruler checkpoint=DIR lengths=[4096,8192] [key=value ...]
+    longstride eval ppl checkpoint=DIR lengths=[1024,2048,4096] [key=value ...]
+    longstride convert-gguf out=checkpoints/smollm2-135m-instruct [gguf=FILE]
+    longstride <command> --help                              # every option of that command
+
+Several processes run the module behind a command, e.g.
+    accelerate launch --config_file configs/accelerate/cpu.yaml -m longstride.recipes.train recipe=tiny
+    torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR prefill=cp
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def _train(argv: list[str]) -> None:
+    from longstride.recipes.train import main
+
+    sys.argv = ["longstride train", *argv]  # Hydra reads its overrides (and --help) from sys.argv
+    main()
+
+
+def _eval(argv: list[str]) -> None:
+    from longstride.eval.cli import run
+
+    commands = {"ruler": "longstride.eval.ruler.run", "ppl": "longstride.eval.ppl"}
+    if not argv or argv[0] not in commands:
+        _usage(f"longstride eval: name one of {sorted(commands)}, e.g. longstride eval ruler checkpoint=DIR")
+    import importlib
+
+    run(f"longstride eval {argv[0]}", importlib.import_module(commands[argv[0]]).main, argv[1:])
+
+
+def _convert(argv: list[str]) -> None:
+    from longstride.eval.cli import run
+    from longstride.model.convert_gguf import main
+
+    run("longstride convert-gguf", main, argv)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert}
+
+
+def _usage(error: str = "") -> None:
+    print(f"{error}\n\n{USAGE}" if error else __doc__, file=sys.stderr if error else sys.stdout)
+    sys.exit(2 if error else 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        _usage()
+    if argv[0] not in COMMANDS:
+        _usage(f"longstride: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
+    COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""key=value command lines for the commands other than training (eval ruler, eval ppl, convert-gguf),
+parsed like training's: Hydra's override grammar composed onto the command's dataclass schema, so a
+mistyped key or choice fails naming it (and listing the choices), and `--help` prints every option
+with its default and the comment beside it in the schema."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import sys
+import typing
+from enum import Enum
+from typing import Callable, Optional
+
+from hydra import compose, initialize
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+def _comments(schema: type) -> dict[str, str]:
+    """field name -> the comment on its line in the dataclass source ("" when none)."""
+    try:
+        source = inspect.getsource(schema)
+    except (OSError, TypeError):
+        return {}
+    found = {}
+    for line in source.splitlines():
+        m = re.match(r"\s+(\w+):[^#]*(?:#\s*(.*))?$", line)
+        if m:
+            found.setdefault(m.group(1), m.group(2) or "")
+    return found
+
+
+def _options(schema: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) of every leaf field, nested dataclasses as dotted keys."""
+    hints, notes, rows = typing.get_type_hints(schema), _comments(schema), []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            rows += _options(kind, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
+        note = notes.get(f.name, "")
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            note = f"one of {' | '.join(m.value for m in kind)}" + (f"; {note}" if note else "")
+        rows.append((f"{prefix}{f.name}", _value(default), note))
+    return rows
+
+
+def _value(x) -> str:
+    """A default as it is typed on the command line."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return str(x).lower()
+    if isinstance(x, (list, tuple)):
+        return "[" + ",".join(_value(v) for v in x) + "]"
+    return str(x)
+
+
+def help_text(schema: type, command: str, doc: str) -> str:
+    rows = _options(schema)
+    width = min(44, max(len(f"{k}={d}") for k, d, _ in rows))
+    lines = [f"usage: {command} key=value ...   (Hydra's override grammar, as for `longstride train`)", "",
+             doc.strip(), "", "options (key=default):"]
+    for k, d, n in rows:
+        opt = f"{k}={d}"
+        lines.append(f"  {opt:<{width}}  {n}".rstrip() if len(opt) <= width or not n else f"  {opt}\n  {'':<{width}}  {n}")
+    return "\n".join(lines)
+
+
+def parse(schema: type, argv: list[str], command: str, doc: str = ""):
+    """argv (key=value ...) composed onto `schema` -> an instance of it. --help prints the options and exits."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(schema, command, doc))
+        sys.exit(0)
+    name = f"{schema.__module__}.{schema.__qualname__}"
+    ConfigStore.instance().store(name=name, node=schema)
+    try:
+        with initialize(version_base="1.3", config_path=None):
+            return OmegaConf.to_object(compose(config_name=name, overrides=list(argv)))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(_reason(e) + f" (see {command} --help)") from None
+
+
+def _reason(e: BaseException) -> str:
+    """One line: Hydra's first line and the schema's reason (which names the key and the valid choices)."""
+    lines = [str(e).splitlines()[0].rstrip(".")]
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip():
+        lines.append(str(cause).strip().splitlines()[0])
+    return ": ".join(lines)
+
+
+def run(command: str, main: Callable[[list[str]], object], argv: Optional[list[str]] = None) -> None:
+    """main(argv) with ValueErrors shown as one line and exit status 2."""
+    try:
+        main(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        sys.exit(2)
