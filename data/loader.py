@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from data.batch import collate
+from longstride.data.batch import collate
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -26,6 +26,9 @@ class ShardSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.num_items // self.world
+
+    def set_epoch(self, epoch: int) -> None:  # the HF Trainer calls it at each epoch
+        self.epoch = epoch
 
     def __iter__(self):
         perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_items)

@@ -92,6 +92,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         raise NotImplementedError("attention dropout is not supported by longstride attention")
     layout = doc_layout or DocLayout(None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    query, key, value = _same_dtype(query, key, value)
     if layout.heads is not None:
         out = ulysses_attention(query, key, value, layout.plan, layout.kernel, scale, layout.comm, layout.heads,
                                 layout.stage_heads)
@@ -100,6 +101,20 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     else:
         out = doc_attention(query, key, value, layout.doc_ids, scale, layout.kernel)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _same_dtype(q, k, v):
+    """Under autocast, transformers hands attention q/k in fp32 (RoPE multiplies them by fp32 cos/sin) and v in
+    the autocast dtype; the kernels and the ring's messages need one dtype: autocast's (as SDPA would cast
+    to), else the widest of the three. A cast keeps the tensor's (B, L, H, D) memory layout."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    elif q.dtype == k.dtype == v.dtype:
+        return q, k, v
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def no_mask(*args, **kwargs):

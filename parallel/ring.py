@@ -91,10 +91,14 @@ def _accumulator(like: torch.Tensor) -> torch.Tensor:
 
 
 def _add(acc, idx, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """acc[idx] += g; when nothing is accumulated yet and g covers the whole tensor, g itself is the sum."""
+    """acc[idx] += g; when nothing is accumulated yet and g covers the whole tensor, g itself is the sum (kept
+    only when it already is in the accumulators' dtype and (B, L, H, D) layout, so that dK/dV go on the wire
+    without a copy; else copied into one)."""
     if acc is None:
         if g.shape == like.shape:
-            return g.to(_acc_dtype(like))
+            if g.dtype == _acc_dtype(like) and g.transpose(1, 2).is_contiguous():
+                return g
+            return _accumulator(like).copy_(g)
         acc = _accumulator(like)
     acc[idx] += g
     return acc

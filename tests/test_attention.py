@@ -75,3 +75,21 @@ def test_other_documents_logits_unchanged_when_one_document_changes():
     assert torch.equal(a[0, others], b[0, others]), "other documents must be bit-identical"
     assert not torch.equal(a[0, doc[0] == 1], b[0, doc[0] == 1])
     assert not torch.allclose(a[0, doc[0] == 3], c[0, doc[0] == 3]), "without masking, later docs see doc 1"
+
+
+def test_autocast_model_runs_and_matches_sdpa():
+    # under bf16 autocast transformers hands attention fp32 q/k (RoPE by fp32 cos/sin) and bf16 v: longstride
+    # casts them to autocast's dtype, as SDPA does, instead of failing in the kernel
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, nope_interval=2)
+    model = build_model(cfg, rope_theta=1e4, seq_len=64, vocab_size=50, eos_id=0, pad_id=1)
+    ids, pos = torch.randint(2, 50, (1, 64)), torch.arange(64)[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.set_attn_implementation("sdpa")
+        want = model(input_ids=ids, position_ids=pos).logits.float()
+        use_longstride_attention(model)
+        got = model(input_ids=ids, position_ids=pos, doc_layout=DocLayout(torch.zeros_like(ids))).logits.float()
+        got.sum().backward()
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)

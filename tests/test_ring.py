@@ -12,7 +12,7 @@ import torch
 from longstride.parallel.attention import CPContext, shard_for_cp
 from longstride.parallel.blocks import ring_plan
 from longstride.parallel.kernels import doc_attention
-from longstride.parallel.ring import RingComm, ring_attention, ring_forward
+from longstride.parallel.ring import RingComm, ring_attention, ring_forward, to_wire
 from longstride.parallel.zigzag import shard, unshard
 from tests.distributed import gather_cat, run_gloo
 
@@ -164,9 +164,23 @@ def _wire_worker(rank: int, n: int, path: str) -> None:
         torch.save(results, path)
 
 
+def test_wire_form_is_seq_major_for_every_layout():
+    # what a ring message carries: x's (B, L, H, D)-contiguous bytes, without a copy when x already lies so
+    x = torch.randn(2, 3, 8, 4)
+    cases = {"(B, H, L, D)": x, "(B, L, H, D)": x.transpose(1, 2).contiguous().transpose(1, 2),
+             "non-dense slice": torch.randn(2, 6, 8, 4)[:, ::2], "one head": torch.randn(2, 1, 8, 4)}
+    for name, t in cases.items():
+        wire = to_wire(t)
+        assert wire.is_contiguous() and wire.shape == t.transpose(1, 2).shape, name
+        assert torch.equal(wire.transpose(1, 2), t), name
+    seq = cases["(B, L, H, D)"]
+    assert to_wire(seq).data_ptr() == seq.data_ptr(), "a seq-major tensor is sent from its own buffer"
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_gradients_for_every_kernel_batch_size_and_neighbour_layout(n, tmp_path):
-    # the case the table must hold: a row whose neighbouring ranks see different numbers of segments
+    # precondition: in some row, neighbouring ranks' step-0 blocks have different segment counts, hence
+    # (before the wire protocol) dK/dV in different memory layouts
     counts = step0_segments(layouts()["docs_spanning"][1:2], n)
     assert any(counts[r] != counts[(r + 1) % n] for r in range(n)), counts
     path = str(tmp_path / "wire.pt")
@@ -217,7 +231,8 @@ def test_bad_input_errors():
         ring_plan(split_doc, 1, 8, 2, 0)
     with pytest.raises(ValueError, match="document id 0 appears in separate runs"):
         shard_for_cp({"input_ids": torch.zeros_like(split_doc), "doc_ids": split_doc}, True, "sdpa", CPContext())
-    # ids need not be sorted: runs are what counts, and unsorted ids plan like sorted ones
+    # guard against the check refusing valid input: ids need not be sorted, runs are what counts, and unsorted
+    # ids plan like sorted ones
     unsorted, ordered = torch.tensor([[3, 3, 3, 1, 1, 2, 2, 2]]), torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
     assert ring_plan(unsorted, 1, 8, 2, 1) == ring_plan(ordered, 1, 8, 2, 1)
     q, k = torch.zeros(1, 6, 8, 4), torch.zeros(1, 4, 8, 4)

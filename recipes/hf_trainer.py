@@ -1,0 +1,125 @@
+"""longstride's packed, document-masked batches and context-parallel attention inside the HF Trainer
+(and TRL's SFTTrainer, which is a Trainer).
+
+The Trainer's own context parallelism (accelerate's ParallelismConfig) accepts SDPA with a plain causal
+mask only; this module brings longstride's instead: ring, Ulysses, UPipe or Ulysses x ring over any
+number of processes, each document attending to itself only, no L x L mask, no padding per document.
+
+    from longstride.recipes.hf_trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
+
+    args = TrainingArguments(...)                     # initialises torch.distributed under a launcher
+    cp = setup_cp(cp=2, heads=model.config.num_attention_heads)   # CP groups over the launched processes
+    use_longstride_attention(model)                   # longstride.parallel.attention
+    class Trainer(LongstrideTrainerMixin, transformers.Trainer): ...   # or (LongstrideTrainerMixin, SFTTrainer)
+    trainer = Trainer(model=model, args=args, train_dataset=packed_dataset(docs, 4096, pad_id),
+                      data_collator=LongstrideCollator(cp, pad_id=pad_id))
+    accelerate launch --config_file configs/accelerate/cpu.yaml train_script.py    # or torchrun
+
+What each piece does:
+- `packed_dataset` packs token-id documents into rows of exactly seq_len by best-fit-decreasing (the
+  recipe's own packer, data/packing.py); `LongstrideCollator` also takes rows packed elsewhere (TRL's
+  `packing=True` rows: input_ids with position_ids restarting at each document).
+- The collator builds the PackedBatch (document-local labels, positions, document ids), cuts this
+  rank's CP share (zig-zag ring share, then its Ulysses piece) and passes the document layout to the
+  model as the `doc_layout` keyword, which transformers hands to every attention call. Labels are
+  already aligned to the next token (none across a document boundary), so they travel as
+  `shift_labels` and the model's loss does not shift them again.
+- The mixin's dataloader gives every CP rank of a group the same sequences and each data-parallel
+  group its own share (data/loader.ShardSampler, the recipe's sampler), instead of accelerate's split
+  over all processes.
+- Loss normalisation needs nothing extra: the Trainer counts the label tokens of every process
+  (`average_tokens_across_devices`, on by default), each CP rank's loss is its tokens' sum over that
+  global count times the process count, and DDP's gradient average then gives the gradient of the
+  mean over the whole global batch, exactly as one process would.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from longstride.data.batch import PackedSequences, collate, packed_item
+from longstride.data.loader import ShardSampler
+from longstride.data.packing import pack
+from longstride.parallel.attention import CPContext, cp_context, shard_for_cp
+from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
+
+
+def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
+             device_type: Optional[str] = None) -> CPContext:
+    """This process's CP group over the launched processes (torch.distributed must be initialised, as
+    TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
+    model's query heads (checked against the Ulysses degree)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.from_world(world, cp, where="setup_cp")
+    degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return cp_context(dims, degrees, device_type)
+
+
+def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fit") -> PackedSequences:
+    """Token-id documents -> a Dataset of packed rows of exactly seq_len tokens (data/batch.py items)."""
+    lens = np.array([len(d) for d in docs], dtype=np.int64)
+    if not len(lens) or lens.min() < 1:
+        raise ValueError("packed_dataset: give a non-empty list of non-empty token-id documents")
+    tokens = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
+    plan, _ = pack(np.cumsum(lens) - lens, lens, seq_len, method)
+    return PackedSequences(tokens, plan, pad_id)
+
+
+def _documents(row: dict) -> list[np.ndarray]:
+    """A row packed elsewhere -> its documents: cut where position_ids restart at 0 (one document when the
+    row has no position_ids)."""
+    ids = np.asarray(row["input_ids"], dtype=np.int64)
+    if row.get("position_ids") is None:
+        return [ids]
+    starts = np.flatnonzero(np.asarray(row["position_ids"]) == 0)
+    if not len(starts) or starts[0] != 0:
+        raise ValueError("a packed row's position_ids must start at 0 and restart at 0 at every document")
+    return np.split(ids, starts[1:])
+
+
+class LongstrideCollator:
+    """Packed rows -> this rank's share of a PackedBatch, as model keyword arguments (see the module
+    docstring). Rows are data/batch.py items (from `packed_dataset`) or dicts with input_ids and
+    optionally position_ids; rows of other lengths are padded (as a trailing padding document) to the
+    longest, rounded up to a multiple of 2 x the CP size, which the zig-zag layout needs."""
+
+    def __init__(self, cp: CPContext, pad_id: int, doc_masking: bool = True, kernel: str = "auto"):
+        from longstride.parallel.kernels import resolve_kernel
+
+        self.cp, self.pad_id, self.doc_masking = cp, pad_id, doc_masking
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.kernel = resolve_kernel(kernel, device, ring=cp.size > 1)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        if all("doc_ids" in r for r in rows) and len({len(r["input_ids"]) for r in rows}) == 1:
+            batch = collate(rows)
+        else:
+            docs = [_documents(r) for r in rows]
+            step = 2 * self.cp.size
+            L = -(-max(sum(len(d) for d in row) for row in docs) // step) * step
+            batch = collate([packed_item(row, L, self.pad_id) for row in docs])
+        local, layout = shard_for_cp(batch, self.doc_masking, self.kernel, self.cp)
+        return {"input_ids": local["input_ids"], "position_ids": local["position_ids"], "labels": local["labels"],
+                "shift_labels": local["labels"], "doc_layout": layout}
+
+
+class LongstrideTrainerMixin:
+    """Put it first in the bases of a transformers.Trainer (or trl.SFTTrainer) subclass; the trainer's
+    data_collator must be a LongstrideCollator. Training batches: every CP rank of a group gets the same
+    rows, each data-parallel group its own seeded share per epoch."""
+
+    def get_train_dataloader(self):
+        collator = self.data_collator
+        if not isinstance(collator, LongstrideCollator):
+            raise ValueError("LongstrideTrainerMixin needs data_collator=LongstrideCollator(cp, pad_id=...)")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        dims = ParallelDims.from_world(world, collator.cp.size, where="LongstrideCollator")
+        sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self._train_batch_size, sampler=sampler,
+                                           collate_fn=collator, drop_last=True,
+                                           num_workers=self.args.dataloader_num_workers)

@@ -1,0 +1,90 @@
+"""Trains the tiny model a few steps with the HF Trainer and longstride's collator, CP attention and
+dataloader; run by tests/test_hf_trainer.py, on one process or under torchrun. Writes each step's global
+loss (all processes' loss terms summed) and the final parameters to the file given as argv[1].
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.hf_trainer_worker OUT CP IMPL [sft]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+STEPS, BATCH, L, LR = 3, 2, 96, 0.3
+
+
+def documents() -> list[list[int]]:
+    """Seeded token-id documents of mixed lengths (several per packed row, one longer than a row)."""
+    g = torch.Generator().manual_seed(11)
+    lens = [30, 1, 50, 15, 120, 7, 40, 60, 33, 21, 90, 5, 44, 38, 64, 17, 29, 70]
+    return [torch.randint(2, 50, (n,), generator=g).tolist() for n in lens]
+
+
+def tiny_lm():
+    from longstride.model.build import build_model
+    from longstride.model.config import ModelConfig
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, nope_interval=2)
+    return build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
+
+
+def sft_parts(packed):
+    """TRL's SFTTrainer: its config, the same packed rows as a datasets.Dataset of already-tokenized input_ids
+    and position_ids without padding (what TRL's own padding-free packing produces; the collator pads), and
+    a tokenizer (SFTTrainer wants one; it tokenizes nothing here)."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from longstride.data.tokenizer import train_bpe
+
+    p, rows = packed.plan, []
+    for i in range(len(p)):
+        segs = range(int(p.seq_ptr[i]), int(p.seq_ptr[i + 1]))
+        rows.append({"input_ids": [t for j in segs for t in packed.tokens[p.seg_start[j]:p.seg_start[j] + p.seg_len[j]]],
+                     "position_ids": [t for j in segs for t in range(int(p.seg_len[j]))]})
+    ds = datasets.Dataset.from_list([{k: [int(t) for t in v] for k, v in r.items()} for r in rows])
+    tok = train_bpe(["a tiny corpus for a tokenizer that tokenizes nothing here"] * 4, 300)
+    return SFTTrainer, SFTConfig, ds, {"processing_class": tok}
+
+
+def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from longstride.parallel.attention import use_longstride_attention
+    from longstride.recipes.hf_trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
+
+    losses = []
+    data = packed_dataset(documents(), L, pad_id=1)
+    base, config, extra = Trainer, TrainingArguments, {}
+    if kind == "sft":
+        base, config, data, extra = sft_parts(data)
+        # fp32 like the Trainer runs (SFTConfig turns bf16 on by default)
+        extra["args_kwargs"] = {"dataset_kwargs": {"skip_prepare_dataset": True}, "max_length": None, "bf16": False}
+
+    class Recorder(LongstrideTrainerMixin, base):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            term = loss.detach().clone() / self.accelerator.num_processes  # this process's share of the mean
+            if dist.is_initialized():
+                dist.all_reduce(term)
+            losses.append(term.item())
+            return loss
+
+    args = config(output_dir=out + ".run", per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                  lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, optim="sgd", use_cpu=True,
+                  report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
+                  **extra.pop("args_kwargs", {}))
+    model = tiny_lm()
+    use_longstride_attention(model)
+    cpx = setup_cp(cp, model.config.num_attention_heads, impl)
+    trainer = Recorder(model=model, args=args, train_dataset=data,
+                       data_collator=LongstrideCollator(cpx, pad_id=1, kernel="sdpa"), **extra)
+    trainer.train()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

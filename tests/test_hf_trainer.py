@@ -1,0 +1,75 @@
+"""The HF Trainer and TRL's SFTTrainer with longstride's packed batches and CP attention
+(recipes/hf_trainer.py): on 2 gloo processes with ring and with Ulysses CP, the per-step losses and the
+trained parameters equal one process's run of the same trainer and longstride's own loss and optimizer
+loop on the same batches."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longstride.data.batch import collate
+from longstride.data.loader import ShardSampler
+from longstride.model.loss import ChunkedLossLM
+from longstride.parallel.attention import DocLayout, use_longstride_attention
+from longstride.recipes.hf_trainer import _documents, packed_dataset
+from tests.conftest import REPO
+from tests.hf_trainer_worker import BATCH, L, LR, STEPS, documents, tiny_lm
+
+
+def _worker(out, procs: int, cp: int, impl: str, kind: str = "trainer") -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)] \
+        if procs > 1 else [sys.executable]
+    r = subprocess.run([*launch, "-m", "tests.hf_trainer_worker", str(out), str(cp), impl, kind], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out)
+
+
+def own_loop() -> dict:
+    """longstride's chunked loss over the batch's label tokens and plain SGD (linear in the gradients, so the
+    parameters compare at fp32 noise; Adam would divide near-zero gradients by their own size)."""
+    torch.manual_seed(0)
+    model = tiny_lm()
+    use_longstride_attention(model)
+    lm = ChunkedLossLM(model, tile=32)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = packed_dataset(documents(), L, pad_id=1)
+    order = list(ShardSampler(len(data), 0, 1, seed=0))
+    losses = []
+    for step in range(STEPS):
+        batch = collate([data[i] for i in order[step * BATCH:(step + 1) * BATCH]])
+        loss = lm(batch["input_ids"], batch["labels"], batch["position_ids"], doc_layout=DocLayout(batch["doc_ids"]))
+        loss = loss / (batch["labels"] != -100).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": dict(model.named_parameters())}
+
+
+def test_rows_packed_elsewhere_split_at_position_restarts():
+    docs = _documents({"input_ids": [5, 6, 7, 8, 9], "position_ids": [0, 1, 0, 1, 2]})
+    assert [d.tolist() for d in docs] == [[5, 6], [7, 8, 9]]
+    with pytest.raises(ValueError, match="must start at 0"):
+        _documents({"input_ids": [5, 6], "position_ids": [1, 2]})
+
+
+@pytest.mark.parametrize("impl,kind", [("ring", "trainer"), ("ulysses", "trainer"), ("ring", "sft")])
+def test_trainer_with_cp_equals_one_process_and_longstride_loop(impl, kind, tmp_path):
+    one = _worker(tmp_path / "one.pt", 1, 1, "ring", kind)
+    two = _worker(tmp_path / "two.pt", 2, 2, impl, kind)
+    ref = own_loop()
+    assert len(two["losses"]) == len(one["losses"]) == STEPS
+    for name, run in ((f"one-process {kind}", one), (f"{kind} with {impl} cp=2", two)):
+        for step, (got, want) in enumerate(zip(run["losses"], ref["losses"])):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs longstride loop {want}"
+        worst = max(((run["params"][k] - p).abs().max() / p.abs().max()).item() for k, p in ref["params"].items())
+        assert worst <= 1e-5, f"{name}: trained parameters differ from the longstride loop's by {worst:.2e}"
+    init = dict(tiny_lm().named_parameters())
+    moved = max(((ref["params"][k] - p).abs().max() / p.abs().max()).item() for k, p in init.items())
+    assert moved > 1e-2, f"the parameters were trained (largest relative change {moved:.2e})"
