@@ -15,3 +15,11 @@ class Choice(str, Enum):
     @classmethod
     def names(cls) -> list[str]:
         return [m.value for m in cls]
+
+
+class WandbMode(Choice):
+    """wandb's run modes (training's logger and the eval commands)."""
+
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"

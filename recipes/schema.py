@@ -18,17 +18,11 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from longstride.data.config import DataConfig, LongDocConfig
 from longstride.model.config import ModelConfig
-from longstride.choices import Choice
+from longstride.choices import Choice, WandbMode
 from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.schedule import Schedule
-
-
-class WandbMode(Choice):
-    offline = "offline"
-    online = "online"
-    disabled = "disabled"
 
 
 class Precision(Choice):

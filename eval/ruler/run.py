@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch
 
-from longstride.choices import Choice
+from longstride.choices import Choice, WandbMode
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
@@ -44,12 +44,6 @@ class Dtype(Choice):
 class Prefill(Choice):
     local = "local"
     cp = "cp"
-
-
-class WandbMode(Choice):
-    disabled = "disabled"
-    offline = "offline"
-    online = "online"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
