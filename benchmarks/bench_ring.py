@@ -14,6 +14,8 @@ ring_kernel_s is a rank's time inside attention kernels: wall minus kernels is t
 processes on the machine's shared cache and memory costs the kernels.
 
     python -m benchmarks.bench_ring [--length 16384] [--reps 3]   # writes benchmarks/results/bench_ring.json
+    python -m benchmarks.bench_ring --balance docs [--n 3 --length 18432] --no-error
+        # the document sequences on parallel/balance.py's chunk assignment: bench_ring_balance_docs[_n3].json
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from longstride.parallel import ring as ring_mod
 from longstride.parallel.blocks import doc_segments, ring_plan
 from longstride.parallel.kernels import block_backward, block_forward
 from longstride.parallel.ring import RingComm, ring_backward, ring_forward
-from longstride.parallel.zigzag import shard, unshard
+from longstride.parallel.balance import balanced_assignment
+from longstride.parallel.zigzag import shard, unshard, zigzag
 from tests.distributed import gather_cat, run_gloo
 
 H, HKV, D = 8, 2, 64
@@ -114,7 +117,7 @@ def _timed_kernels(log: list):
     ring_mod.block_forward, ring_mod.block_backward = wrap(block_forward), wrap(block_backward)
 
 
-def _timing_worker(rank, n, length, reps, docs, path):
+def _timing_worker(rank, n, length, reps, docs, path, balance="zigzag", causal=tuple(DTYPES)):
     """Per repetition, paired on this noisy shared machine: rank 0 first runs the whole sequence alone
     (the other ranks wait at a barrier, idle), then all ranks run the ring."""
     import torch.distributed as dist
@@ -123,11 +126,12 @@ def _timing_worker(rank, n, length, reps, docs, path):
     kernel_log: list = []
     _timed_kernels(kernel_log)
     res = {}
-    cases = [("causal", name, None) for name in DTYPES] + [("docs", "fp32", d) for d in docs]
+    cases = [("causal", name, None) for name in causal] + [("docs", "fp32", d) for d in docs]
     for i, (layout, name, doc) in enumerate(cases):
         full = make_inputs(length, DTYPES[name])
-        q, k, v, dout = (shard(x, n, rank, dim=2) for x in full)
-        plan = ring_plan(doc, 1, length, n, rank)
+        a = balanced_assignment(doc.numpy(), n) if balance == "docs" and doc is not None else zigzag(n)
+        q, k, v, dout = (shard(x, n, rank, dim=2, assignment=a) for x in full)
+        plan = ring_plan(doc, 1, length, n, rank, a)
         singles, walls, kernels = [], [], []
         for rep in range(reps + 1):
             dist.barrier()
@@ -189,42 +193,49 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=3, help="packed sequences timed with document masking")
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--error-n", type=int, nargs="+", default=[1, 2, 4], help="ring sizes for the bf16 error")
+    ap.add_argument("--no-error", action="store_true", help="skip the bf16 error part")
+    ap.add_argument("--causal", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="dense causal cases")
+    ap.add_argument("--balance", choices=["zigzag", "docs"], default="zigzag",
+                    help="the document sequences' chunk assignment (causal cases stay zig-zag, exact for them)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     L, n, reps = args.length, args.n, args.reps
     docs = packed_doc_ids(L, args.docs)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "timing.pt")
-        run_gloo(_timing_worker, n, L, reps, docs, path)
+        run_gloo(_timing_worker, n, L, reps, docs, path, args.balance, tuple(args.causal))
         ring = torch.load(path)
     causal = {nm: v for (lay, nm, _), v in ring.items() if lay == "causal"}
+    bal = f"balance_{args.balance}"  # slowest / mean rank kernel time (documents on that assignment)
     rows = []
     for name, r in causal.items():
         rows.append({"case": f"causal {name}", "single_s": r["single"], "ring_wall_s": r["wall"],
                      "ring_kernel_s": statistics.mean(r["kernel"]), "efficiency": r["efficiency"],
-                     "balance_zigzag": max(r["kernel"]) / statistics.mean(r["kernel"])})
+                     bal: max(r["kernel"]) / statistics.mean(r["kernel"])})
     rows[0]["balance_contiguous"] = contiguous_balance(L, n, reps)
     for i, doc in enumerate(docs):
-        r = ring[next(key for key in ring if key[0] == "docs" and key[2] == len(DTYPES) + i)]
+        r = ring[next(key for key in ring if key[0] == "docs" and key[2] == len(causal) + i)]
         ideal = ideal_ratio(doc)
         rows.append({"case": f"docs fp32 seq{i} ({int(doc.max()) + 1} docs)", "single_s": r["single"],
                      "ring_wall_s": r["wall"], "ring_kernel_s": statistics.mean(r["kernel"]),
-                     "efficiency": r["efficiency"], "balance_zigzag": max(r["kernel"]) / statistics.mean(r["kernel"]),
+                     "efficiency": r["efficiency"], bal: max(r["kernel"]) / statistics.mean(r["kernel"]),
                      "ideal_ratio": ideal, "single_ratio": r["single"] / causal["fp32"]["single"],
                      "ring_ratio": r["wall"] / causal["fp32"]["wall"],
                      "ring_vs_ideal": r["wall"] / causal["fp32"]["wall"] / ideal})
     print(f"L={L}, N={n} ranks x 1 thread vs 1 process x 1 thread, H={H}/{HKV}, D={D}, forward+backward")
-    print_table(rows, ["case", "single_s", "ring_wall_s", "ring_kernel_s", "efficiency", "balance_zigzag", "balance_contiguous",
+    print_table(rows, ["case", "single_s", "ring_wall_s", "ring_kernel_s", "efficiency", bal, "balance_contiguous",
                        "ideal_ratio", "single_ratio", "ring_ratio", "ring_vs_ideal"])
-    errors = bf16_errors(L, ns=tuple(args.error_n))
-    err_rows = [{"N": k, **v} for k, v in errors.items()]
-    print("bf16 mean |error| / mean |fp64 reference|, causal:")
-    print_table(err_rows, ["N", "out", "dq", "dk", "dv"])
-    worst = max(errors[max(errors)][k] / errors[1][k] for k in errors[1])
-    print(f"bf16 error N={max(errors)} / N=1: at most {worst:.3f}x (over out, dq, dk, dv)")
-    print("results:", write_results("bench_ring", rows, {"length": L, "n": n, "heads": [H, HKV], "head_dim": D,
-                                                          "reps": reps, "bf16_errors": err_rows,
-                                                          "bf16_error_ratio_max": worst}))
+    name = "bench_ring" + ("" if args.balance == "zigzag" else "_balance_docs") + ("" if n == 2 else f"_n{n}")
+    extra = {"length": L, "n": n, "heads": [H, HKV], "head_dim": D, "reps": reps, "balance": args.balance}
+    if not args.no_error:
+        errors = bf16_errors(L, ns=tuple(args.error_n))
+        err_rows = [{"N": k, **v} for k, v in errors.items()]
+        print("bf16 mean |error| / mean |fp64 reference|, causal:")
+        print_table(err_rows, ["N", "out", "dq", "dk", "dv"])
+        worst = max(errors[max(errors)][k] / errors[1][k] for k in errors[1])
+        print(f"bf16 error N={max(errors)} / N=1: at most {worst:.3f}x (over out, dq, dk, dv)")
+        extra.update(bf16_errors=err_rows, bf16_error_ratio_max=worst)
+    print("results:", write_results(name, rows, extra))
 
 
 if __name__ == "__main__":

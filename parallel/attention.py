@@ -5,8 +5,9 @@ function returns None (no L x L mask is ever built); the attention function read
 document layout from the `doc_layout` keyword that the training step passes to the model forward,
 which transformers forwards untouched to every attention call.
 
-With context parallelism, `shard_for_cp` cuts a packed batch into this rank's zig-zag share and
-builds the ring plan from the full batch's document ids; the model then sees only local tokens
+With context parallelism, `shard_for_cp` cuts a packed batch into this rank's share (zig-zag, or the
+document-aware assignment of parallel/balance.py) and builds the ring plan from the full batch's
+document ids; the model then sees only local tokens
 (RoPE is computed for local positions only) and every attention call runs the ring.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from longstride.parallel.blocks import RingPlan, check_doc_runs, ring_plan
 from longstride.parallel.kernels import doc_attention
 from longstride.parallel.ring import RingComm, ring_attention
 from longstride.parallel.ulysses import HeadComm, ulysses_attention
-from longstride.parallel.zigzag import shard_batch, split_batch
+from longstride.parallel.balance import balanced_assignment
+from longstride.parallel.zigzag import shard_batch, split_batch, zigzag
 
 NAME = "longstride"
 
@@ -53,22 +55,25 @@ class CPContext:
     ulysses_rank: int = 0
     heads: Optional[HeadComm] = None
     stage_heads: int = 0
+    balance: str = "zigzag"  # zigzag | docs: the ring's chunk assignment per batch (parallel/balance.py)
+    balance_chunks: int = 8  # docs: the most chunks per ring rank tried
 
     @property
     def size(self) -> int:
         return self.n * self.ulysses
 
 
-def cp_context(dims, degrees, device_type: str) -> CPContext:
-    """This rank's CPContext for a stage: dims a ParallelDims, degrees its CPDegrees (parallel/config.py).
-    Collective (builds the device mesh) when cp > 1."""
+def cp_context(dims, degrees, device_type: str, balance: str = "zigzag", balance_chunks: int = 8) -> CPContext:
+    """This rank's CPContext for a stage: dims a ParallelDims, degrees its CPDegrees (parallel/config.py),
+    balance the ring's chunk assignment (zigzag, or docs: parallel/balance.py). Collective (builds the
+    device mesh) when cp > 1."""
     if dims.cp == 1:
         return CPContext()
     mesh = dims.mesh(device_type, degrees.ulysses)
     ring = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
     heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
     return CPContext(degrees.ring, mesh.get_local_rank("ring"), ring, degrees.ulysses, mesh.get_local_rank("ulysses"),
-                     heads, degrees.stage_heads)
+                     heads, degrees.stage_heads, str(balance), balance_chunks)
 
 
 def shard_for_cp(batch: dict, doc_masking: bool, kernel: str, cp: CPContext) -> tuple[dict, DocLayout]:
@@ -80,8 +85,11 @@ def shard_for_cp(batch: dict, doc_masking: bool, kernel: str, cp: CPContext) -> 
             check_doc_runs(docs.cpu().numpy())
         return batch, DocLayout(docs, kernel)
     B, L = batch["input_ids"].shape
-    local = split_batch(shard_batch(batch, cp.n, cp.rank), cp.ulysses, cp.ulysses_rank)
-    plan = ring_plan(docs, B, L, cp.n, cp.rank)
+    assignment = zigzag(cp.n)
+    if cp.balance == "docs" and docs is not None:
+        assignment = balanced_assignment(docs.cpu().numpy(), cp.n, cp.balance_chunks)
+    local = split_batch(shard_batch(batch, cp.n, cp.rank, assignment), cp.ulysses, cp.ulysses_rank)
+    plan = ring_plan(docs, B, L, cp.n, cp.rank, assignment)
     return local, DocLayout(None, kernel, plan, cp.comm, cp.heads, cp.stage_heads)
 
 

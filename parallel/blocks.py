@@ -12,7 +12,8 @@ So every block is skipped, one dense rectangle, or varlen-causal: no L x L mask,
 constraint, and empty blocks cost nothing. At step 0 (a rank's own K/V) the local order [chunk r,
 chunk 2N-1-r] is itself causal-consistent: every key of chunk r precedes every query of chunk
 2N-1-r, and a document spanning the two is contiguous in local order. So step 0 is one
-varlen-causal call over the local sequence, as large as the kernel can get. The plan depends only
+varlen-causal call over the local sequence, as large as the kernel can get. The same holds for any
+assignment of chunks to ranks (parallel/zigzag.Assignment) whose local order is increasing. The plan depends only
 on the full batch's document ids, which every rank of a CP group has, so it is computed once per
 batch, without communication, and serves every layer's forward and backward.
 """
@@ -24,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from longstride.parallel.zigzag import check_divisible, rank_chunks
+from longstride.parallel.zigzag import Assignment, zigzag
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,18 @@ class Block:
 @dataclass
 class RingPlan:
     """steps[t] = [(rows, blocks), ...]: batch rows (a slice) sharing one list of blocks at ring step t,
-    when this rank holds the K/V of CP rank (rank - t) mod n."""
+    when this rank holds the K/V of CP rank (rank - t) mod n. chunk: the layout's chunk length; local: the
+    rank's tokens per row."""
 
     n: int
     rank: int
     chunk: int
     steps: list
+    assignment: Optional[Assignment] = None  # None: zig-zag
+
+    @property
+    def local(self) -> int:
+        return self.chunk * (self.assignment.k if self.assignment is not None else 2)
 
     def pairs(self) -> int:
         return sum((rows.stop - rows.start) * sum(b.pairs for b in blocks)
@@ -109,20 +116,23 @@ def _fuse(blocks: list[Block]) -> list[Block]:
     return sorted(blocks, key=lambda b: (b.q0, b.k0))
 
 
-def step_blocks(doc: Optional[np.ndarray], length: int, n: int, rank: int, step: int) -> list[Block]:
+def step_blocks(doc: Optional[np.ndarray], length: int, n: int, rank: int, step: int,
+                assignment: Optional[Assignment] = None) -> list[Block]:
     """Blocks of one batch row at ring step `step`. doc: (L,) document ids of the full row, or None
-    for plain causal attention."""
-    c = check_divisible(length, n)
-    if step == 0:
-        a, b = rank_chunks(n, rank)
+    for plain causal attention; assignment: the chunks each rank holds (zig-zag when None)."""
+    a = assignment or zigzag(n)
+    c = a.chunk_len(length)
+    own = a.chunks[rank]
+    if step == 0:  # the rank's own chunks in increasing order: one varlen-causal block
+        m = len(own) * c
         if doc is None:
-            return [Block(0, 2 * c, 0, 2 * c, ((0, 2 * c),))]
-        local = np.concatenate([doc[a * c:(a + 1) * c], doc[b * c:(b + 1) * c]])
-        return [Block(0, 2 * c, 0, 2 * c, doc_segments(local, 0, 2 * c))]
+            return [Block(0, m, 0, m, ((0, m),))]
+        local = np.concatenate([doc[j * c:(j + 1) * c] for j in own])
+        return [Block(0, m, 0, m, doc_segments(local, 0, m))]
     src = (rank - step) % n
     blocks = []
-    for qi, qc in enumerate(rank_chunks(n, rank)):
-        for ki, kc in enumerate(rank_chunks(n, src)):
+    for qi, qc in enumerate(own):
+        for ki, kc in enumerate(a.chunks[src]):
             blk = _pair(doc, qc, kc, c, qi * c, ki * c)
             if blk is not None:
                 blocks.append(blk)
@@ -143,17 +153,21 @@ def check_doc_runs(docs: np.ndarray) -> None:
                              f"sequence, as data.batch.packed_item makes them: give every run its own id")
 
 
-def ring_plan(doc_ids: Optional[torch.Tensor], batch: int, length: int, n: int, rank: int) -> RingPlan:
+def ring_plan(doc_ids: Optional[torch.Tensor], batch: int, length: int, n: int, rank: int,
+              assignment: Optional[Assignment] = None) -> RingPlan:
     """doc_ids: (B, L) full-sequence document ids (each document one contiguous run), or None for plain
-    causal."""
-    c = check_divisible(length, n)
+    causal; assignment: the chunks each rank holds (zig-zag when None; parallel/balance.py)."""
+    a = assignment or zigzag(n)
+    if a.n != n:
+        raise ValueError(f"the chunk assignment is for {a.n} ranks, the ring has {n}")
+    c = a.chunk_len(length)
     steps = []
     docs = None if doc_ids is None else doc_ids.cpu().numpy()
     if docs is not None:
         check_doc_runs(docs)
     for t in range(n):
         if docs is None:
-            steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t))])
+            steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t, a))])
         else:
-            steps.append([(slice(b, b + 1), step_blocks(docs[b], length, n, rank, t)) for b in range(batch)])
-    return RingPlan(n, rank, c, steps)
+            steps.append([(slice(b, b + 1), step_blocks(docs[b], length, n, rank, t, a)) for b in range(batch)])
+    return RingPlan(n, rank, c, steps, assignment)

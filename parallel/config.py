@@ -14,6 +14,11 @@ class CPImpl(Choice):
     hybrid = "hybrid"
 
 
+class Balance(Choice):
+    zigzag = "zigzag"
+    docs = "docs"
+
+
 class Kernel(Choice):
     auto = "auto"
     sdpa = "sdpa"
@@ -28,6 +33,11 @@ class ParallelConfig:
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
     ulysses: int = 0  # hybrid only: the Ulysses degree inside each ring rank (ring degree = cp / ulysses)
     upipe_heads: int = 0  # upipe (and optionally hybrid): U, query heads per stage; 0 = the Ulysses degree
+    # The ring's chunk assignment per batch: zigzag (2 chunks per rank, exact for plain causal attention) or
+    # docs (parallel/balance.py: up to balance_chunks chunks per rank, dealt so that every rank's
+    # within-document attention work is as equal as the batch's documents allow). Per stage too.
+    balance: Balance = Balance.zigzag
+    balance_chunks: int = 8
 
 
 @dataclass(frozen=True)

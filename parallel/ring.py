@@ -81,7 +81,7 @@ def _check(q, k, v, plan: RingPlan, comm: Optional[RingComm]) -> None:
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]} "
                          f"(k {tuple(k.shape)}, v {tuple(v.shape)})")
-    assert q.shape[2] == 2 * plan.chunk, (q.shape, plan.chunk)
+    assert q.shape[2] == plan.local, (q.shape, plan.local)
     assert plan.n == (comm.size if comm is not None else 1), "plan and process group disagree on the CP degree"
 
 

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from longstride.data.config import DataConfig, LongDocConfig
 from longstride.model.config import ModelConfig
 from longstride.choices import Choice, WandbMode
-from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
+from longstride.parallel.config import Balance, ParallelConfig, ParallelDims, cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.schedule import Schedule
@@ -50,6 +50,7 @@ class StageConfig:
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only the final one
     activation_checkpointing: Optional[bool] = None  # None = model.activation_checkpointing
     mlp_tile_tokens: Optional[int] = None  # None = model.mlp_tile_tokens
+    balance: Optional[Balance] = None  # None = parallel.balance
 
     @property
     def total_steps(self) -> int:
@@ -223,6 +224,9 @@ def validate(cfg: Config, world_size: int) -> None:
         if src.kind in ("local_dir", "files", "disk") and not src.path:
             raise ValueError(f"data.sources.{name}.path is not set; data.sources.{name}.path=... "
                              f"({src.kind} sources read local paths)")
+    if cfg.parallel.balance_chunks < 2:
+        raise ValueError(f"parallel.balance_chunks={cfg.parallel.balance_chunks} must be >= 2 (chunks per ring rank "
+                         "that balance=docs may use; 8 is a good default)")
     use_fsdp(cfg.parallel.fsdp, "cpu", world_size)  # a valid choice?
     ring = any(s.cp > 1 for s in r.stages.values())
     resolve_kernel(cfg.parallel.kernel, "cuda" if torch.cuda.is_available() else "cpu", ring)  # installed?

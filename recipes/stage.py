@@ -155,7 +155,9 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     use_longstride_attention(lm)
     kernel = resolve_kernel(cfg.parallel.kernel, acc.device.type, ring=dims.cp > 1)
     degrees = cp_degrees(cfg.parallel, stage.cp, lm.config.num_attention_heads, where=f"recipe.stages.{name}.cp")
-    prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, degrees, acc.device.type))
+    balance = cfg.parallel.balance if stage.balance is None else stage.balance
+    prep = BatchPrep(cfg.data.doc_masking, kernel, cp_context(dims, degrees, acc.device.type, balance,
+                                                             cfg.parallel.balance_chunks))
     fsdp = use_fsdp(cfg.parallel.fsdp, acc.device.type, acc.num_processes)
     log_memory_estimate(ctx, name, lm, stage.micro_batch_size * stage.seq_len // dims.cp,
                         ac_mode, mlp_tile, acc.num_processes if fsdp else 1, offload)

@@ -139,6 +139,8 @@ def test_ring_kernel_not_installed():
 CHOICES = {  # every choice field of the schema: a typo fails while Hydra composes, listing the choices
     "parallel.cp_impl": "ring, ulysses, upipe, hybrid",
     "parallel.kernel": "auto, sdpa, flash_attn, math",
+    "parallel.balance": "zigzag, docs",
+    "recipe.stages.s3_4k.balance": "zigzag, docs",
     "recipe.stages.s2_2k.schedule": "cosine, wsd, constant",
     "data.packing": "best_fit, concat",
     "data.sources.stdlib.kind": "stdlib, local_dir, files, disk, hub",

@@ -62,7 +62,7 @@ def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str
 def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
     import torch.distributed as dist
 
-    cp = cp_context(ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu")
+    cp = cp_context(ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", par.balance)
     out = {}
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):
@@ -81,7 +81,18 @@ IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled wi
     "ulysses2": (2, ParallelConfig(cp_impl="ulysses"), "none"),
     "upipe2_U2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "full"),
     "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2), "none"),
+    # document-aware chunk assignment (parallel/balance.py): 8 chunks per rank for every_rank_several_docs
+    "ring2_balance_docs_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="ring", balance="docs"), "full"),
+    "hybrid_ring2xulysses2_balance_docs": (4, ParallelConfig(cp_impl="hybrid", ulysses=2, balance="docs"), "none"),
 }
+
+
+def test_docs_balance_changes_the_layout_of_the_first_batch():
+    from longstride.parallel.balance import balanced_assignment
+    from longstride.parallel.zigzag import zigzag
+
+    a = balanced_assignment(packed_batch()["doc_ids"].numpy(), 2)
+    assert a != zigzag(2) and a.k == 8, "the balance_docs cases above must run a non-zig-zag assignment"
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

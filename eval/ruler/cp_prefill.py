@@ -62,6 +62,6 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
             x = x.contiguous()  # every rank sends and receives (B, Hkv, l, D)-contiguous bytes, whatever its layout
             shards = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(cp.n)]
             dist.all_gather(shards, x)
-            parts.append(unshard(shards, dim=2))  # (B, Hkv, P', D) in sequence order
+            parts.append(unshard(shards, dim=2, assignment=layout.plan.assignment))  # (B, Hkv, P', D) in order
         cache.update(parts[0], parts[1], layer)
     return cache
