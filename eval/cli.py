@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from longstride.model.build import check_checkpoint_dir
-from longstride.overrides import parse, run  # noqa: F401  (run: the eval entry points' wrapper)
+from longstride.overrides import parse
 
 
 def parse_overrides(schema: type, argv: list[str], command: str, doc: str, example: str):

@@ -25,7 +25,7 @@ def _train(argv: list[str]) -> None:
 
 
 def _eval(argv: list[str]) -> None:
-    from longstride.eval.cli import run
+    from longstride.overrides import run
 
     commands = {"ruler": "longstride.eval.ruler.run", "ppl": "longstride.eval.ppl"}
     if not argv or argv[0] not in commands:
@@ -36,7 +36,7 @@ def _eval(argv: list[str]) -> None:
 
 
 def _convert(argv: list[str]) -> None:
-    from longstride.eval.cli import run
+    from longstride.overrides import run
     from longstride.model.convert_gguf import main
 
     run("longstride convert-gguf", main, argv)

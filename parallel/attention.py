@@ -19,11 +19,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.blocks import RingPlan, check_doc_runs, ring_plan
 from longstride.parallel.kernels import doc_attention
 from longstride.parallel.ring import RingComm, ring_attention
 from longstride.parallel.ulysses import HeadComm, ulysses_attention
-from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.zigzag import shard_batch, split_batch, zigzag
 
 NAME = "longstride"

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from longstride.parallel.blocks import run_starts
 from longstride.parallel.zigzag import Assignment, zigzag
 
 
@@ -34,7 +35,7 @@ def token_work(docs: np.ndarray) -> np.ndarray:
     idx = np.arange(L)
     work = np.zeros(L, dtype=np.int64)
     for row in docs:
-        start = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        start = run_starts(row)
         run_start = np.repeat(start, np.diff(np.r_[start, L]))
         work += idx - run_start + 1
     return work

@@ -57,22 +57,25 @@ class RingPlan:
     rank: int
     chunk: int
     steps: list
-    assignment: Optional[Assignment] = None  # None: zig-zag
+    assignment: Assignment
 
     @property
     def local(self) -> int:
-        return self.chunk * (self.assignment.k if self.assignment is not None else 2)
+        return self.chunk * self.assignment.k
 
     def pairs(self) -> int:
         return sum((rows.stop - rows.start) * sum(b.pairs for b in blocks)
                    for step in self.steps for rows, blocks in step)
 
 
+def run_starts(row: np.ndarray) -> np.ndarray:
+    """row: (L,) document ids -> the start index of each run of equal ids (the first is 0)."""
+    return np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+
+
 def doc_segments(doc: np.ndarray, lo: int, hi: int) -> tuple:
     """(start, end) of each document run in doc[lo:hi], relative to lo."""
-    d = doc[lo:hi]
-    cuts = np.flatnonzero(d[1:] != d[:-1]) + 1
-    edges = [0, *cuts.tolist(), hi - lo]
+    edges = [*run_starts(doc[lo:hi]).tolist(), hi - lo]
     return tuple(zip(edges[:-1], edges[1:]))
 
 
@@ -143,7 +146,7 @@ def check_doc_runs(docs: np.ndarray) -> None:
     """docs: (B, L) document ids. Each document must be one contiguous run of its row (ids need not be
     sorted): the block geometry above, and the per-run kernels of one device, read a document as a run."""
     for b, row in enumerate(docs):
-        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        starts = run_starts(row)
         ids, counts = np.unique(row[starts], return_counts=True)
         if (counts > 1).any():
             bad = ids[counts > 1][0]
@@ -170,4 +173,4 @@ def ring_plan(doc_ids: Optional[torch.Tensor], batch: int, length: int, n: int, 
             steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t, a))])
         else:
             steps.append([(slice(b, b + 1), step_blocks(docs[b], length, n, rank, t, a)) for b in range(batch)])
-    return RingPlan(n, rank, c, steps, assignment)
+    return RingPlan(n, rank, c, steps, a)

@@ -1,6 +1,6 @@
 """`python -m longstride.eval.ruler key=value ...` (the module `longstride eval ruler` runs; torchrun takes it):
 see eval/ruler/run.py."""
-from longstride.eval.cli import run
+from longstride.overrides import run
 from longstride.eval.ruler.run import main
 
 if __name__ == "__main__":
