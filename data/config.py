@@ -13,11 +13,24 @@ class SourceKind(Choice):
     files = "files"
     disk = "disk"
     hub = "hub"
+    synthetic = "synthetic"
 
 
 class Packing(Choice):
     best_fit = "best_fit"
     concat = "concat"
+
+
+@dataclass
+class SyntheticConfig:
+    """A `synthetic` source (data/synthetic.py): retrieval documents made from (seed, index)."""
+
+    seed: int = 0  # give each synthetic source of a mixture its own seed
+    num_docs: int = 2000
+    min_words: int = 50  # filler words per document, drawn log-uniform in [min_words, max_words]
+    max_words: int = 1000
+    kinds: Dict[str, float] = field(default_factory=lambda: {"kv": 0.4, "multikey": 0.4, "chain": 0.2})
+    corpus_share: float = 0.5  # share of filler pieces taken from standard-library lines (rest: sentences)
 
 
 @dataclass
@@ -27,6 +40,7 @@ class SourceConfig:
     # files: jsonl/json/parquet/csv/txt files (`path` may be a glob), through datasets
     # disk: a dataset written by `save_to_disk` at `path`
     # hub: a hub dataset `name` (only when you name one; needs network)
+    # synthetic: retrieval documents made on the fly (see `synthetic`; no files, no download)
     kind: SourceKind = SourceKind.stdlib
     path: Optional[str] = None
     glob: str = "**/*.py,**/*.md,**/*.txt,**/*.rst"
@@ -36,6 +50,7 @@ class SourceConfig:
     text_column: str = "text"
     weight: float = 1.0  # share of *tokens* in the mixture
     max_docs: Optional[int] = None  # keep the first N documents (tests, quick runs)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # kind=synthetic only
 
 
 @dataclass
@@ -53,6 +68,7 @@ class DataConfig:
     # Local HF tokenizer dir; None = train a byte-level BPE on the first source and cache it.
     tokenizer: Optional[str] = None
     vocab_size: int = 4096
+    split_digits: bool = False  # trained BPE only: one token per digit (Llama, Qwen), for copying numbers
     tokenizer_train_bytes: int = 8_000_000
     packing: Packing = Packing.best_fit
     doc_masking: bool = True  # False = attend across documents (for comparison only)

@@ -44,8 +44,11 @@ def build_tokenizer(cfg: DataConfig, cache_dir: str):
             budget -= len(text)
             yield text
 
-    key = digest({"source": vars(src), "n": n, "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes})
-    tok = cached_bpe(sample(), cfg.vocab_size, cache_dir, f"bpe-{key}")
+    source = {k: v for k, v in vars(src).items() if k != "synthetic" or src.kind == "synthetic"}
+    key = {"source": source, "n": n, "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes}
+    if cfg.split_digits:  # only then in the key, so the cached tokenizers of existing runs stay theirs
+        key["split_digits"] = True
+    tok = cached_bpe(sample(), cfg.vocab_size, cache_dir, f"bpe-{digest(key)}", cfg.split_digits)
     check_tokenizer(tok, "data.tokenizer")
     return tok
 

@@ -53,6 +53,46 @@ def _read_files(paths: list[str]):
         yield {"text": text, "skip": "" if text.strip() else ("empty" if not text else "whitespace")}
 
 
+def _synthetic_rows(seed: int, start: int, stop: int, min_words: int, max_words: int, kinds: dict,
+                    corpus_share: float):
+    from longstride.data.synthetic import document
+
+    for i in range(start, stop):
+        yield {"text": document(seed, i, min_words, max_words, kinds, corpus_share), "skip": ""}
+
+
+def check_synthetic(src: SourceConfig, field: str) -> None:
+    from longstride.data.synthetic import KINDS
+
+    s = src.synthetic
+    bad = sorted(set(s.kinds) - set(KINDS))
+    if bad or not s.kinds or any(w < 0 for w in s.kinds.values()) or sum(s.kinds.values()) <= 0:
+        raise ValueError(f"{field}.synthetic.kinds={dict(s.kinds)}: give positive weights for some of {KINDS}")
+    if s.num_docs < 1 or not 1 <= s.min_words <= s.max_words:
+        raise ValueError(f"{field}.synthetic: need num_docs >= 1 and 1 <= min_words <= max_words "
+                         f"(got {s.num_docs}, {s.min_words}, {s.max_words})")
+    if not 0 <= s.corpus_share <= 1:
+        raise ValueError(f"{field}.synthetic.corpus_share={s.corpus_share} must be in [0, 1]")
+
+
+def _synthetic_kwargs(src: SourceConfig, field: str) -> dict:
+    check_synthetic(src, field)
+    s = src.synthetic
+    stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
+    return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
+                kinds=dict(s.kinds), corpus_share=s.corpus_share)
+
+
+def _synthetic_dataset(src: SourceConfig, cache_dir: str, field: str) -> datasets.Dataset:
+    from longstride.data import synthetic
+
+    kw = _synthetic_kwargs(src, field)
+    # the generator's source is part of the key, so an edited generator makes new documents
+    version = digest(Path(synthetic.__file__).read_text(encoding="utf-8"))
+    return datasets.Dataset.from_generator(_synthetic_rows, gen_kwargs=kw, cache_dir=cache_dir,
+                                           config_name=f"synthetic-{digest([kw, version])}")
+
+
 def _files_dataset(paths: list[str], cache_dir: str) -> datasets.Dataset:
     # gen_kwargs are part of the cache fingerprint, so mtimes make an edited file re-read.
     stamps = [os.stat(p).st_mtime_ns for p in paths]
@@ -105,7 +145,7 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
 
 def _hub_dataset(src: SourceConfig, field: str, **kw):
     if src.kind != "hub":
-        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk or hub")
+        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk, hub or synthetic")
     if not src.name:
         raise ValueError(f"{field}.name is empty; name the hub dataset (this is the only kind that needs network)")
     return datasets.load_dataset(src.name, src.subset, split=src.split, **kw)
@@ -120,6 +160,8 @@ def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str
     """Rows {text, skip} for one source; raises ValueError naming the field on bad input."""
     if src.kind in ("stdlib", "local_dir"):
         return _files_dataset(_walk_files(src, field), cache_dir)
+    if src.kind == "synthetic":
+        return _synthetic_dataset(src, cache_dir, field)
     if src.kind == "files":
         builder, files = _data_files(src, field)
         ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
@@ -158,6 +200,8 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
     Raises ValueError naming the field on bad input, before anything is read past the first row."""
     if src.kind in ("stdlib", "local_dir"):
         ds = datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": _walk_files(src, field)})
+    elif src.kind == "synthetic":
+        ds = datasets.IterableDataset.from_generator(_synthetic_rows, gen_kwargs=_synthetic_kwargs(src, field))
     else:
         if src.kind == "disk":
             ds = load_source(src, cache_dir, 1, field).to_iterable_dataset(num_shards=max(world, 1) * 8)

@@ -16,9 +16,13 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def train_bpe(texts: Iterable[str], vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """split_digits: every digit its own token (as Llama and Qwen do), so a number reads the same
+    wherever it stands; otherwise merges make "is 7796" and ": 7180" split at different places."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if split_digits else byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -28,12 +32,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1 << 30)
 
 
-def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str) -> PreTrainedTokenizerFast:
+def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
+               split_digits: bool = False) -> PreTrainedTokenizerFast:
     """Train once per `key`; written to a temporary dir and renamed, so a crash leaves no half file."""
     final = os.path.join(cache_dir, "tokenizers", key)
     if not os.path.isfile(os.path.join(final, "tokenizer.json")):
         tmp = f"{final}.tmp-{os.getpid()}"
-        train_bpe(texts, vocab_size).save_pretrained(tmp)
+        train_bpe(texts, vocab_size, split_digits).save_pretrained(tmp)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished first: theirs is identical

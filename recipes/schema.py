@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from longstride.data.config import DataConfig, LongDocConfig
+from longstride.data.sources import check_synthetic
 from longstride.model.config import ModelConfig
 from longstride.choices import Choice, WandbMode
 from longstride.parallel.config import Balance, ParallelConfig, ParallelDims, cp_degrees
@@ -224,6 +225,8 @@ def validate(cfg: Config, world_size: int) -> None:
         if src.kind in ("local_dir", "files", "disk") and not src.path:
             raise ValueError(f"data.sources.{name}.path is not set; data.sources.{name}.path=... "
                              f"({src.kind} sources read local paths)")
+        if src.kind == "synthetic":
+            check_synthetic(src, f"data.sources.{name}")
     if cfg.parallel.balance_chunks < 2:
         raise ValueError(f"parallel.balance_chunks={cfg.parallel.balance_chunks} must be >= 2 (chunks per ring rank "
                          "that balance=docs may use; 8 is a good default)")

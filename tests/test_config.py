@@ -143,7 +143,7 @@ CHOICES = {  # every choice field of the schema: a typo fails while Hydra compos
     "recipe.stages.s3_4k.balance": "zigzag, docs",
     "recipe.stages.s2_2k.schedule": "cosine, wsd, constant",
     "data.packing": "best_fit, concat",
-    "data.sources.stdlib.kind": "stdlib, local_dir, files, disk, hub",
+    "data.sources.stdlib.kind": "stdlib, local_dir, files, disk, hub, synthetic",
     "train.precision": "auto, bf16, fp32",
     "model.arch": "smollm3, checkpoint",
     "model.checkpoint_mode": "full, selective",

@@ -27,7 +27,7 @@ from longstride.eval.ruler.fit import DoesNotFit, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
 from longstride.eval.ruler.score import sample_score, summarize
-from longstride.eval.ruler.tasks import TASKS, load_qa
+from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
@@ -57,7 +57,7 @@ class QAFiles:
 class RulerConfig:
     checkpoint: Optional[str] = None
     lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    tasks: List[str] = field(default_factory=lambda: list(TASKS))
+    tasks: List[str] = field(default_factory=lambda: list(TASKS))  # RULER's; synth_kv, synth_multikey, synth_chain: in-format
     num_samples: int = 8  # per task and length
     seed: int = 42
     chat: bool = True  # use the tokenizer's chat template when it has one
@@ -105,10 +105,10 @@ def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
     """The tasks that can run, their QA data, and a message per task skipped."""
     tasks, qa, skipped = [], {}, []
     for name in dict.fromkeys(cfg.tasks):
-        if name not in TASKS:
-            skipped.append(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+        if name not in ALL_TASKS:
+            skipped.append(f"unknown task {name!r}; known tasks: {', '.join(ALL_TASKS)}")
             continue
-        kind = TASKS[name].params.get("dataset")
+        kind = ALL_TASKS[name].params.get("dataset")
         if kind:
             path = getattr(cfg.qa, kind)
             if not path:
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> Optional[dict]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tasks, qa, skipped = runnable_tasks(cfg)
-    if any(TASKS[t].params.get("haystack") == "essay" for t in tasks):
+    if any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
     config, original = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
     lengths, too_long = reachable_lengths(cfg, config.max_position_embeddings, original)
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> Optional[dict]:
     for name in tasks:
         for L in lengths:
             try:
-                mine = [make_sample(TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
+                mine = [make_sample(ALL_TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
                                     qa=qa.get(name)) for i in share]
             except DoesNotFit as e:
                 skipped.append(str(e))
@@ -179,9 +179,9 @@ def main(argv: list[str]) -> Optional[dict]:
     for name, L, samples in groups:
         if cp:
             preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, world_cp()),
-                                            TASKS[name].max_new_tokens) for s in samples]
+                                            ALL_TASKS[name].max_new_tokens) for s in samples]
         else:
-            preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], TASKS[name].max_new_tokens,
+            preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], ALL_TASKS[name].max_new_tokens,
                                     cfg.batch_size, cfg.prefill_chunk)
         scores = [sample_score(pred, s.answers, s.metric) for s, pred in zip(samples, preds)]
         records += [{"task": name, "length": L, "index": s.index, "depth": s.depth, "units": s.units,

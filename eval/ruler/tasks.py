@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from longstride.data import synthetic
 from longstride.eval.ruler.words import NOISE, common_words, prose_words, word_list
 
 
@@ -48,6 +49,11 @@ TASKS = {t.name: t for t in [
     Task("qa_2", "qa", 32, "part", dict(dataset="hotpotqa")),
 ]}
 SYNTHETIC = [name for name, t in TASKS.items() if t.kind != "qa"]
+# Not RULER: the training format of the synthetic retrieval source (data/synthetic.py), first question
+# only, filler of this source's own sentences and standard-library lines (the "in-format" score).
+IN_FORMAT = {t.name: t for t in [Task(f"synth_{kind}", "synth", 32, "all", dict(kind=kind, corpus_share=0.5))
+                                 for kind in ("kv", "multikey", "chain")]}
+ALL_TASKS = {**TASKS, **IN_FORMAT}
 
 NIAH_TEMPLATE = ("Some special magic {type_v} are hidden within the following text. Make sure to memorize it. "
                  "I will quiz you about the {type_v} afterwards.\n{context}\n"
@@ -238,6 +244,20 @@ class Sampler:
         words = [w for k, w in enumerate(self.vocab, 1) for _ in range(int(units * k ** -a / z))]
         random.Random(self.seed * 1000003 + units).shuffle(words)
         return Rendered(FWE_TEMPLATE.format(context=" ".join(words)), FWE_PREFIX, self.vocab[1:4])
+
+    # --- the synthetic retrieval source's own format
+    def _draw_synth(self, qa):
+        self.spec = synthetic.draw(self.rng, self.task.params["kind"])
+
+    def _render_synth(self, units):
+        runs, pieces = synthetic.filler_runs(random.Random(self.seed), self.task.params["corpus_share"]), []
+        while len(pieces) < units:
+            pieces += next(runs)
+        body, qa = synthetic.render(self.spec, pieces[:units])
+        prompt, answer = qa[0]
+        question, prefix = prompt.rsplit("\n", 1)
+        return Rendered(f"{body}\n{question}", f"\n{prefix}", answer.split(" ") if self.spec.kind == "chain"
+                        else [answer], self.spec.depths[0] if len(self.spec.facts) == 1 else None)
 
     # --- question answering over local SQuAD / HotpotQA files
     def _draw_qa(self, qa):

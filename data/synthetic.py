@@ -1,0 +1,195 @@
+"""Synthetic retrieval documents: filler text with facts planted at chosen depths, then questions
+whose answers are in the document (the long-stage data of Qwen2.5-1M / ProLong-style recipes).
+
+A document is drawn from a generator seeded by (seed, index) alone, so any document can be made
+again on its own (exact resume, streaming, tests). Three kinds of fact:
+  kv        one key with a value, one question about it
+  multikey  several keys with values (distractors), questions about some of them
+  chain     a value assigned to a name, then names copying names; asks for every name holding it
+The wording, the keys (made-up words and this file's own word lists) and the filler (this file's
+own sentences and lines of the Python standard library) are not RULER's (eval/ruler/tasks.py),
+so a RULER score after training on these measures transfer, not a memorised prompt.
+
+`Spec` separates what a document asks from how much filler surrounds it, as RULER's samplers do:
+`draw(rng, kind)` fixes keys, values, depths and questions; `render(spec, filler)` lays them out.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+
+SENTENCES = (
+    "A narrow road climbs past the quarry toward the ridge.", "The ferry waits at the pier until the bell rings.",
+    "Rain gathers in the gutters of the old market.", "Someone left a lamp burning in the upstairs window.",
+    "The orchard smells of cut grass after the storm.", "Two herons stand still in the shallow water.",
+    "The baker opens the shutters before dawn.", "A freight train rattles across the iron bridge.",
+    "Moss covers the north side of every stone wall.", "The clock tower chimes a quarter past the hour.",
+    "Fishing boats drift back into the harbour at dusk.", "The library keeps its maps in tall oak drawers.",
+    "Snow settles quietly on the roofs of the village.", "A kettle whistles somewhere down the corridor.",
+    "Wind turns the pages of a book left on the bench.", "The potter shapes a bowl on a slow wheel.",
+    "Lanterns sway above the stalls of the night fair.", "A fox crosses the field and slips under the fence.",
+    "The tram stops twice before the university gate.", "Fresh paint dries on the doors of the boathouse.",
+    "Bees hum among the lavender by the garden path.", "The miller counts the sacks stacked by the door.",
+    "A cold current runs beneath the surface of the lake.", "Children chalk numbers on the courtyard stones.",
+    "The observatory dome opens as the sky darkens.", "Ivy climbs the chimney of the empty farmhouse.",
+    "The postman whistles as he sorts the letters.", "Thunder rolls far away over the eastern hills.",
+    "A violin is being tuned in the room next door.", "The tide leaves ribbons of kelp along the beach.",
+)
+FIRST = ("amber", "cobalt", "silent", "northern", "hollow", "crimson", "rapid", "golden", "misty", "iron",
+         "lunar", "velvet", "frozen", "copper", "quiet", "scarlet", "distant", "bright", "stony", "hidden")
+SECOND = ("harbor", "lantern", "falcon", "meadow", "compass", "glacier", "orchard", "anchor", "beacon", "canyon",
+          "thistle", "otter", "quarry", "sparrow", "willow", "comet", "ledger", "summit", "badger", "kestrel")
+SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+ATTRS = ("access code", "room number", "ticket number", "serial number", "locker code", "badge number",
+         "account number", "pin", "reference id", "order number")
+FACT_FORMS = ("The {attr} of {key} is {value}.", "{key} was given the {attr} {value}.",
+              "Note for later: the {attr} for {key} reads {value}.", "Record {key}: {attr} {value}.",
+              "Keep in mind that {key} uses the {attr} {value}.")
+QUESTION_FORMS = (("Question: what is the {attr} of {key}?", "Answer: {value}"),
+                  ("Q: which {attr} belongs to {key}?", "A: {value}"),
+                  ("Recall the {attr} given to {key}.", "It was {value}"),
+                  ("Which {attr} was noted for {key} in the lines above?",
+                   "The {attr} noted for {key} in the lines above was {value}"))
+CHAIN_FIRST = ("{key} starts with the value {value}.", "Set {key} to {value}.")
+CHAIN_COPY = ("{key} takes whatever {prev} holds.", "Let {key} equal {prev}.")
+CHAIN_QUESTION = ("Question: which names end up holding {value}?", "Answer: {names}")
+KINDS = ("kv", "multikey", "chain")
+
+
+def made_up_word(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def random_key(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return f"{made_up_word(rng)}-{made_up_word(rng)}"
+    return f"{rng.choice(FIRST)}-{rng.choice(SECOND)}"
+
+
+def random_value(rng: random.Random) -> str:
+    if rng.random() < 0.8:
+        return str(rng.randint(10 ** 4, 10 ** 8 - 1))
+    return made_up_word(rng) + str(rng.randint(10, 99))
+
+
+def chain_name(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(4))
+
+
+@dataclass
+class Spec:
+    """What a document asks, independent of its filler. facts: sentences planted at `depths` (% of the
+    filler); questions: (question, answer prefix, answer) asked after the filler, in order."""
+
+    kind: str
+    facts: list[str]
+    depths: list[float]
+    questions: list[tuple[str, str, str]]
+
+
+def _kv(rng: random.Random, keys: int, asked: int) -> Spec:
+    names = []
+    while len(names) < keys:
+        key = random_key(rng)
+        if key not in names:
+            names.append(key)
+    attr = rng.choice(ATTRS)  # one attribute per document: the key alone decides the answer
+    values = [random_value(rng) for _ in names]
+    facts = [rng.choice(FACT_FORMS).format(attr=attr, key=k, value=v) for k, v in zip(names, values)]
+    questions = []
+    for i in rng.sample(range(keys), asked):
+        q, a = rng.choice(QUESTION_FORMS)
+        prefix, tail = a.split("{value}")
+        questions.append((q.format(attr=attr, key=names[i]), prefix.rstrip().format(attr=attr, key=names[i]),
+                          values[i] + tail))
+    return Spec("kv" if keys == 1 else "multikey", facts, [rng.uniform(0, 100) for _ in facts], questions)
+
+
+def _chain(rng: random.Random, hops: int) -> Spec:
+    names = []
+    while len(names) < hops + 1:
+        name = chain_name(rng)
+        if name not in names:
+            names.append(name)
+    value = str(rng.randint(10 ** 4, 10 ** 6 - 1))
+    facts = [rng.choice(CHAIN_FIRST).format(key=names[0], value=value)]
+    facts += [rng.choice(CHAIN_COPY).format(key=names[j + 1], prev=names[j]) for j in range(hops)]
+    q, a = CHAIN_QUESTION
+    return Spec("chain", facts, sorted(rng.uniform(0, 100) for _ in facts),
+                [(q.format(value=value), a.split("{names}")[0].rstrip(), " ".join(names))])
+
+
+def draw(rng: random.Random, kind: str) -> Spec:
+    if kind == "kv":
+        return _kv(rng, 1, 1)
+    if kind == "multikey":
+        keys = rng.randint(2, 6)
+        return _kv(rng, keys, rng.randint(1, keys))
+    if kind == "chain":
+        return _chain(rng, rng.randint(1, 4))
+    raise ValueError(f"synthetic kind {kind!r} is unknown; use one of {KINDS}")
+
+
+@lru_cache(maxsize=1)
+def corpus_lines() -> tuple[str, ...]:
+    """Non-blank lines of the standard library's .py files (sorted paths): the corpus' own text."""
+    from longstride.data.sources import list_files, stdlib_root
+
+    lines = []
+    for path in list_files(stdlib_root(), "**/*.py")[:400]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines += [line.strip() for line in f if line.strip()]
+    return tuple(lines)
+
+
+def filler_runs(rng: random.Random, corpus_share: float):
+    """Endless runs of filler pieces: runs of this file's sentences and runs of consecutive
+    standard-library lines, in proportion `corpus_share` (by runs)."""
+    lines = corpus_lines() if corpus_share > 0 else ()
+    while True:
+        if lines and rng.random() < corpus_share:
+            start = rng.randrange(len(lines))
+            yield list(lines[start:start + rng.randint(3, 12)])
+        else:
+            yield [rng.choice(SENTENCES) for _ in range(rng.randint(3, 8))]
+
+
+def filler(rng: random.Random, words: int, corpus_share: float) -> list[str]:
+    """Filler pieces totalling at least `words` words."""
+    pieces, count = [], 0
+    for run in filler_runs(rng, corpus_share):
+        if count >= words:
+            return pieces
+        pieces += run
+        count += sum(len(p.split()) for p in run)
+
+
+def plant(pieces: list[str], facts: list[str], depths: list[float]) -> list[str]:
+    """`pieces` with each fact inserted at its depth (% of the pieces), facts kept in order of depth."""
+    out, last = [], 0
+    for fact, depth in sorted(zip(facts, depths), key=lambda p: p[1]):
+        pos = int(round(len(pieces) * depth / 100))
+        out += pieces[last:pos] + [fact]
+        last = pos
+    return out + pieces[last:]
+
+
+def render(spec: Spec, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """(body, [(question + answer prefix, answer)]): the filler with the facts planted; each question
+    follows the body (and the earlier questions with their answers)."""
+    body = "\n".join(plant(pieces, spec.facts, spec.depths))
+    return body, [(f"{q}\n{prefix}", answer) for q, prefix, answer in spec.questions]
+
+
+def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float) -> str:
+    """Document `index` of a synthetic source: filler of a log-uniform length in [min_words, max_words]
+    with one drawn spec's facts planted, then its questions and answers."""
+    rng = random.Random(f"longstride-synthetic/{seed}/{index}")
+    names = sorted(kinds)
+    kind = rng.choices(names, weights=[kinds[k] for k in names])[0]
+    spec = draw(rng, kind)
+    words = int(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
+    body, qa = render(spec, filler(rng, words, corpus_share))
+    return body + "".join(f"\n{prompt} {answer}" for prompt, answer in qa)

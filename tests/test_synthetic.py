@@ -1,0 +1,189 @@
+"""The synthetic retrieval source (data/synthetic.py): answers are where the document says, documents
+depend on (seed, index) alone, exact resume through the loader, mixture shares, the in-format eval."""
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from longstride.data import synthetic
+from longstride.data.config import DataConfig, SourceConfig, SyntheticConfig
+from longstride.data.corpus import build_corpus, mixture_documents
+from longstride.data.sources import drop_skipped, load_source, stream_source
+from longstride.data.tokenizer import train_bpe
+
+KINDS = {"kv": 1.0, "multikey": 1.0, "chain": 1.0}
+GROUPS = {"attr": "[a-z ]+", "key": "[a-z]+-[a-z]+", "value": r"\S+", "names": "[A-Z ]+"}
+
+
+def form(template: str) -> re.Pattern:
+    """A sentence form of data/synthetic.py as a regex with its fields as named groups."""
+    pattern, seen = re.escape(template), set()
+    for name, group in GROUPS.items():
+        pattern = pattern.replace(rf"\{{{name}\}}", f"(?P<{name}>{group})", 1).replace(rf"\{{{name}\}}", f"(?P={name})")
+    return re.compile(pattern + "$")
+
+
+FACT = [form(f) for f in synthetic.FACT_FORMS]
+QUESTION = [(form(q), form(a)) for q, a in synthetic.QUESTION_FORMS]
+
+
+def doc(i: int, seed: int = 0, words=(20, 400), share: float = 0.5) -> str:
+    return synthetic.document(seed, i, words[0], words[1], KINDS, share)
+
+
+def facts_of(body: list[str]) -> dict:
+    """key -> value for every fact line of a kv / multikey document body."""
+    found = {}
+    for line in body:
+        for form in FACT:
+            m = form.match(line)
+            if m:
+                found[m["key"]] = m["value"].rstrip(".")
+    return found
+
+
+def chain_holders(lines: list[str], value: str) -> list[str]:
+    """Follows the chain through the text: the name set to `value`, then every name copying a holder."""
+    holders = []
+    for line in lines:
+        first = re.match(rf"(?:(?P<a>[A-Z]{{4}}) starts with the value|Set (?P<b>[A-Z]{{4}}) to) {value}\.$", line)
+        copy = re.match(r"(?:(?P<a>[A-Z]{4}) takes whatever (?P<p>[A-Z]{4}) holds|Let (?P<b>[A-Z]{4}) equal "
+                        r"(?P<q>[A-Z]{4}))\.$", line)
+        if first:
+            holders.append(first["a"] or first["b"])
+        elif copy and (copy["p"] or copy["q"]) in holders:
+            holders.append(copy["a"] or copy["b"])
+    return holders
+
+
+@pytest.mark.parametrize("index", range(60))
+def test_every_answer_is_where_the_document_says(index):
+    lines = doc(index).split("\n")
+    is_question = lambda line: line.startswith(synthetic.CHAIN_QUESTION[0][:20]) or any(  # noqa: E731
+        q.match(line) for q, _ in QUESTION)
+    qa_start = next(i for i, line in enumerate(lines) if is_question(line))
+    body, tail = lines[:qa_start], lines[qa_start:]
+    assert len(tail) % 2 == 0 and tail, tail
+    for question, answer_line in zip(tail[::2], tail[1::2]):
+        m = re.match(r"Question: which names end up holding (\d+)\?$", question)
+        if m:  # chain: every name that ends up holding the value, in order of assignment
+            assert answer_line.startswith("Answer: ")
+            assert answer_line[len("Answer: "):].split(" ") == chain_holders(body, m[1]), (question, answer_line)
+            continue
+        (q, a), = [(q, a) for q, a in QUESTION if q.match(question)]
+        key, answer = q.match(question)["key"], a.match(answer_line)
+        assert answer, (question, answer_line)
+        assert facts_of(body)[key] == answer["value"], (question, answer_line, index)
+        assert answer.groupdict().get("key", key) == key
+
+
+def test_facts_sit_at_their_depths():
+    rng = random.Random(3)
+    for _ in range(50):
+        spec = synthetic.draw(rng, "multikey")
+        pieces = [f"filler {i}." for i in range(200)]
+        body, _ = synthetic.render(spec, pieces)
+        lines = body.split("\n")
+        for fact, depth in zip(spec.facts, spec.depths):
+            before = sum(1 for line in lines[:lines.index(fact)] if line.startswith("filler"))
+            assert before == round(200 * depth / 100), (depth, before)
+
+
+def test_a_document_depends_on_seed_and_index_only():
+    forward = [doc(i) for i in range(20)]
+    backward = [doc(i) for i in reversed(range(20))][::-1]
+    assert forward == backward
+    assert len(set(forward)) == 20
+    assert doc(5, seed=1) != doc(5, seed=0)
+    lengths = [len(doc(i, words=(200, 300), share=0.0).split()) for i in range(30)]
+    assert min(lengths) >= 200 and max(lengths) < 300 + 120  # filler of the drawn size, plus facts and questions
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe([doc(i) for i in range(40)], 400)
+
+
+def synth(num_docs=300, seed=0, **kw) -> SourceConfig:
+    kw = {"kinds": KINDS, "min_words": 20, "max_words": 200, **kw}
+    return SourceConfig(kind="synthetic", synthetic=SyntheticConfig(seed=seed, num_docs=num_docs, **kw))
+
+
+def test_loaded_and_streamed_sources_hold_the_same_documents(cache_dir):
+    src = synth(num_docs=25)
+    ds, skipped = drop_skipped(load_source(src, str(cache_dir)))
+    assert not skipped and ds["text"] == [doc(i, words=(20, 200)) for i in range(25)]
+    streamed = [row["text"] for row in stream_source(src, str(cache_dir), rank=1, world=2, skip=4)]
+    assert streamed == ds["text"][4:][1::2]
+
+
+def test_mixture_token_shares_within_two_percent(cache_dir, tok):
+    cfg = DataConfig(sources={"a": synth(seed=1), "b": synth(seed=2, corpus_share=0.0)})
+    corpus = build_corpus(cfg, tok, str(cache_dir))
+    for wa in (0.2, 0.5, 0.8):
+        docs = mixture_documents(corpus, {"a": wa, "b": 1 - wa}, seed=0)
+        share = corpus.doc_len[docs][corpus.doc_source[docs] == 0].sum() / corpus.doc_len[docs].sum()
+        assert abs(share - wa) <= 0.02, (wa, share)
+
+
+def test_resume_through_the_loader_is_exact(cache_dir, tok):
+    from longstride.data.pipeline import stage_loader, stage_sequences
+
+    cfg = DataConfig(sources={"r": synth(num_docs=200)})
+    corpus = build_corpus(cfg, tok, str(cache_dir))
+    seqs, _ = stage_sequences(cfg, corpus, 128, tok.pad_token_id)
+    expected = [next(loader) for loader in [stage_loader(seqs, 2, 0, 1, cfg, 0)] for _ in range(30)]
+    part = stage_loader(seqs, 2, 0, 1, cfg, 0)
+    for _ in range(11):
+        next(part)
+    resumed = stage_loader(seqs, 2, 0, 1, cfg, 0)
+    resumed.load_state_dict(part.state_dict())
+    for i in range(11, 30):
+        got = next(resumed)
+        assert all(np.array_equal(got[k], expected[i][k]) for k in expected[i]), i
+
+
+@pytest.mark.parametrize("bad, field", [(dict(kinds={"kv": 1.0, "lookup": 1.0}), "kinds"),
+                                        (dict(kinds={"kv": 0.0}), "kinds"),
+                                        (dict(min_words=50, max_words=10), "min_words"),
+                                        (dict(corpus_share=1.5), "corpus_share")])
+def test_bad_synthetic_settings_name_the_field(cache_dir, bad, field):
+    with pytest.raises(ValueError, match=rf"data.sources.r.synthetic.*{field}|{field}.*data.sources.r"):
+        load_source(synth(**bad), str(cache_dir), field="data.sources.r")
+
+
+@pytest.mark.parametrize("task", ["synth_kv", "synth_multikey", "synth_chain"])
+def test_in_format_eval_prompt_holds_its_answer_and_grows_with_length(tok, task):
+    from longstride.eval.ruler.fit import make_sample
+    from longstride.eval.ruler.tasks import ALL_TASKS
+
+    short, long = (make_sample(ALL_TASKS[task], L, 3, tok, chat=False) for L in (256, 1024))
+    assert short.units < long.units and len(long.prompt_ids) <= 1024 - 32
+    for sample in (short, long):
+        text = tok.decode(sample.prompt_ids)
+        assert text.endswith(("Answer:", "A:", "was"))
+        body = text[:text.rindex("\n", 0, len(text) - 10)]  # without the question
+        assert all(a in body for a in sample.answers)  # the value (or every chain name) is planted in the body
+
+
+def test_split_digits_gives_one_token_per_digit_in_every_context():
+    texts = [doc(i) for i in range(40)]
+    tok = train_bpe(texts, 400, split_digits=True)
+    for text in ("The pin of amber-otter is 77967205.", "Answer: 77967205", "x = 77967205\n", "(77967205)"):
+        pieces = [tok.decode([i]) for i in tok(text)["input_ids"]]
+        start = next(i for i, p in enumerate(pieces) if p.strip() == "7")
+        assert [p.strip() for p in pieces[start:start + 8]] == list("77967205"), pieces
+        assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_validation_checks_synthetic_sources_before_compute():
+    from longstride.recipes.schema import validate
+    from tests.conftest import compose_cfg
+
+    validate(compose_cfg(["data=retrieval"]), 2)
+    cfg = compose_cfg(["data=retrieval", "data.sources.retrieval_long.synthetic.min_words=0"])
+    with pytest.raises(ValueError, match=r"data.sources.retrieval_long.synthetic: need num_docs >= 1"):
+        validate(cfg, 2)
