@@ -93,6 +93,7 @@ class TrainConfig:
     precision: Precision = Precision.auto  # auto: bf16 where the GPU has it, else fp32
     keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
     crash_at_step: Optional[int] = None  # fault injection for resume tests: SIGKILL after this step
+    max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
 
 
 @dataclass
@@ -184,8 +185,28 @@ def _check_cp_length(f: str, s: StageConfig, par: ParallelConfig, heads: int) ->
                          f"a multiple of {d.ring * math.lcm(2, d.ulysses)}")
 
 
+def non_finite_fields(node, path: str = "") -> list[str]:
+    """Dotted names of NaN / inf floats anywhere in a config (dataclasses, dicts, lists)."""
+    if isinstance(node, float):
+        return [] if math.isfinite(node) else [f"{path}={node}"]
+    if is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        return []
+    return [bad for k, v in items for bad in non_finite_fields(v, f"{path}.{k}" if path else str(k))]
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every user-facing check, with the field and the fix; nothing is built before it passes."""
+    bad = non_finite_fields(cfg)
+    if bad:
+        raise ValueError(f"config fields {', '.join(bad)} are not finite numbers; give finite values")
+    if cfg.train.max_nonfinite_steps < 1:
+        raise ValueError(f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps} must be >= 1 (3 is the default)")
     r = cfg.recipe
     heads = _check_model(cfg.model)
     if not r.stages:

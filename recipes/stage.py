@@ -8,6 +8,7 @@ data parallelism give the same update as one big batch.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import time
@@ -31,6 +32,7 @@ from longstride.parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
                                 save_checkpoint, set_rng_state, step_name)
+from longstride.recipes.faults import NonFiniteGuard, check_finite_parameters
 from longstride.recipes.schedule import build_scheduler
 from longstride.recipes.tracking import peak_memory_gib
 
@@ -187,6 +189,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         return validation_loss(model, held_out, dp_rank, dims.dp, acc.device, prep)
 
     step, tokens_seen, val_start = 0, 0, None
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     if resume:
         trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes)
         optimizer.load_state_dict(mine["optimizer"] if fsdp else trainer["optimizer"])
@@ -208,6 +211,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                  {k: round(v, 4) if isinstance(v, float) else v for k, v in pack_stats.items()})
 
     def save(path: str, with_state: bool, extra_meta: dict | None = None) -> None:
+        check_finite_parameters(model.parameters(), path)
         # FSDP2: the full weights are gathered (collective) and the optimizer state stays sharded per rank
         full = {k.removeprefix("lm."): v for k, v in full_state_dict(model).items()} if fsdp else None
         save_lm = (lambda d: lm.save_pretrained(d, state_dict=full)) if fsdp else \
@@ -251,20 +255,26 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                     acc.backward(part * (acc.num_processes / count.clamp(min=1).item()))
                 loss_sum += part.detach().float().cpu()
             clip = grad_norm_clip if fsdp else acc.clip_grad_norm_
-            grad_norm = clip(model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
+            # the global norm (clipping to it when optim.grad_clip > 0): the non-finite check needs it
+            grad_norm = float(clip(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf))
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
+            loss = (all_reduce_sum(loss_sum) / count.clamp(min=1)).item()
+            update = guard.step_ok(step + 1, loss, grad_norm, latest_checkpoint(stage_dir) or init_from)
+            if update:
+                optimizer.step()
+                scheduler.step()
+            else:
+                tracker.warning("step %d: loss %s, gradient norm %s: not finite, update skipped (%d in a row)",
+                                step + 1, loss, grad_norm, guard.in_row)
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += stage.batch_tokens
-            loss = (all_reduce_sum(loss_sum) / count.clamp(min=1)).item()
             mem_method, mem = peak_memory_gib(acc.device)
             tracker.log(step, {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / (time.perf_counter() - t0),
                                "tokens_seen": tokens_seen, "rope_theta": stage.rope_theta, "seq_len": stage.seq_len,
-                               "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                               f"peak_mem_gib_{mem_method}": mem})
-            if stage.save_every and step % stage.save_every == 0 and step < total:
+                               "grad_norm": grad_norm, "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem})
+            # not in a run of skipped steps: the state that just gave non-finite gradients is not worth keeping
+            if stage.save_every and step % stage.save_every == 0 and step < total and not guard.in_row:
                 save(os.path.join(stage_dir, step_name(step)), with_state=True)
             if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
                 tracker.finish_stage()

@@ -103,7 +103,13 @@ def main(raw: DictConfig) -> None:
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
-    train_stages(*prepared)
+    from longstride.recipes.faults import NonFiniteError
+
+    try:
+        train_stages(*prepared)
+    except NonFiniteError as e:  # bad numerical state: a message saying where to resume from
+        print(f"longstride: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

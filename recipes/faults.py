@@ -1,0 +1,54 @@
+"""Fault policy of the training loop: non-finite steps are skipped, never trained on or saved.
+
+Every rank sees the same all-reduced loss and global gradient norm, so every rank makes the same
+decision and no collective is left waiting. A step whose loss or gradient norm is NaN or inf skips
+the optimizer and LR-scheduler updates (the data is consumed and the step counted, as Megatron-LM
+counts a skipped iteration); after `limit` such steps in a row the run stops with a message naming
+the step and the newest checkpoint to go back to.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped on bad numerical state; the message says where to resume from."""
+
+
+class NonFiniteGuard:
+    def __init__(self, limit: int):
+        self.limit, self.in_row, self.skipped = limit, 0, 0
+
+    def step_ok(self, step: int, loss: float, grad_norm: float, last_good: Optional[str]) -> bool:
+        """True: apply this step's update. False: skip it. Raises after `limit` skips in a row."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.in_row = 0
+            return True
+        self.in_row += 1
+        self.skipped += 1
+        if self.in_row >= self.limit:
+            raise NonFiniteError(
+                f"step {step}: loss {loss} and gradient norm {grad_norm}, non-finite for {self.in_row} steps in a row "
+                f"(train.max_nonfinite_steps={self.limit}); nothing was trained on them or saved. Last good checkpoint: "
+                f"{last_good or 'none in this stage (it starts from the previous stage or the initial model)'}; "
+                "lower the stage's lr or raise optim.grad_clip's strictness, then rerun to resume from it")
+        return False
+
+
+def check_finite_parameters(params, where: str) -> None:
+    """Raises NonFiniteError if any parameter (this rank's shard, for FSDP) is NaN or inf; all ranks
+    must call it, and with several processes they agree through an all-reduce."""
+    params = list(params)
+    bad = torch.zeros((), device=params[0].device if params else "cpu")  # NCCL reduces device tensors only
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not torch.isfinite(local.detach()).all():
+            bad += 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(bad)
+    if bad.item():
+        raise NonFiniteError(f"not saving {where}: the model has NaN or inf parameters; the previous checkpoints are "
+                             "kept as they were")
