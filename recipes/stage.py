@@ -46,6 +46,7 @@ class RunContext:
     tracker: object
     recipe_dir: str
     cfg_dict: dict  # the resolved config, logged with every stage's run
+    lock: object = None  # recipes.runlock.RunLock held by the main process for the run
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ def setup(cfg: Config, raw: DictConfig | None):
 
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.recipes.checkpoint import final_dir
+    from longstride.recipes.runlock import RunLock
     from longstride.recipes.stage import RunContext
     from longstride.recipes.tracking import Tracker
 
@@ -65,20 +66,26 @@ def setup(cfg: Config, raw: DictConfig | None):
 
     # cpu=True where there is no GPU: under a multi-process launch accelerate then uses gloo.
     acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available())
-    torch.manual_seed(cfg.train.seed)
-    tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
-    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    if acc.is_main_process:
-        os.makedirs(recipe_dir, exist_ok=True)
-        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
-        if raw is not None:
-            write_hydra_files(recipe_dir)
-    cache_dir = os.path.abspath(cfg.paths.cache_dir)
-    with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
-        tokenizer = build_tokenizer(cfg.data, cache_dir)
-        corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
-    tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")
-    return RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved), stages, init_from
+    # before anything is written: a second run on this directory stops here (the launcher then ends its other ranks)
+    lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
+    try:
+        torch.manual_seed(cfg.train.seed)
+        tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
+        resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        if acc.is_main_process:
+            OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
+            if raw is not None:
+                write_hydra_files(recipe_dir)
+        cache_dir = os.path.abspath(cfg.paths.cache_dir)
+        with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
+            tokenizer = build_tokenizer(cfg.data, cache_dir)
+            corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
+        tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+    return RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved, lock), stages, init_from
 
 
 def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
@@ -86,9 +93,13 @@ def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
     from longstride.recipes.stage import train_stage
 
     names, finals = list(ctx.cfg.recipe.stages), []
-    for name in stages:
-        init_from = train_stage(ctx, names.index(name), name, ctx.cfg.recipe.stages[name], init_from)
-        finals.append(init_from)
+    try:
+        for name in stages:
+            init_from = train_stage(ctx, names.index(name), name, ctx.cfg.recipe.stages[name], init_from)
+            finals.append(init_from)
+    finally:
+        if ctx.lock:
+            ctx.lock.release()
     return finals
 
 

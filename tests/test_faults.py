@@ -2,6 +2,7 @@
 message naming the last good checkpoint; non-finite config values fail before compute."""
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -56,3 +57,32 @@ def test_non_finite_config_values_fail_before_compute(micro, override, field):
     assert r.returncode == 2
     assert f"config fields {field}=" in r.stderr and "not finite" in r.stderr
     assert "tokenizing" not in r.stderr  # before any data work
+
+
+def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holder(micro, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from longstride.recipes.runlock import RunLock
+    from tests.conftest import REPO
+
+    long_run = micro + ["stage=s1_256", "recipe.stages.s1_256.steps=100000", "recipe.stages.s1_256.save_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "longstride.recipes.train", *long_run], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        stage_dir = tmp_path / "out" / "tiny" / "s1_256"
+        deadline = time.time() + 300
+        while not (stage_dir / "metrics.jsonl").exists() and time.time() < deadline:  # training has started
+            time.sleep(0.1)
+        second = run_cli(micro)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another run ({{\"pid\": {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr and first.poll() is None
+        assert not (tmp_path / "out" / "tiny" / "s2_2k").exists(), "the refused run wrote nothing"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
