@@ -1,14 +1,18 @@
-"""Checkpoints: an HF model dir (save_pretrained + tokenizer) plus the training state.
+"""Checkpoints: an HF model dir (save_pretrained + tokenizer) plus the training state, verified.
 
 Layout of a stage dir (every rank computes the same paths):
-  outputs/<recipe>/<stage>/step_000020/   model + tokenizer + trainer.pt + rank<r>.pt
-  outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json
-A checkpoint is written under `.tmp-<name>` and renamed when every rank has written its part, so a
-crash at any point never leaves a directory that looks complete. Only the last `keep_last` step
-checkpoints are kept.
+  outputs/<recipe>/<stage>/step_000020/   model + tokenizer + trainer.pt + rank<r>.pt + manifest.json
+  outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json + manifest.json
+A checkpoint is written under `.tmp-<name>`: every rank writes and fsyncs its files, then the main
+rank writes manifest.json last (each file's size and SHA-256, the world size), fsyncs the directory
+and renames it into place, so a crash at any point never leaves a directory that looks complete.
+Old step checkpoints beyond `keep_last` are renamed aside before they are deleted. Resume walks the
+step checkpoints from newest to oldest and takes the first that verifies against its manifest,
+warning about each one it passes over.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -21,6 +25,11 @@ import torch
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is; the message names it, the file and what to do."""
 
 
 def step_name(step: int) -> str:
@@ -34,9 +43,89 @@ def step_checkpoints(stage_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest_checkpoint(stage_dir: str) -> Optional[str]:
-    found = step_checkpoints(stage_dir)
-    return found[-1][1] if found else None
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str, world_size: int) -> None:
+    """Lists every file of a written checkpoint (size, SHA-256), then fsyncs it and the directory."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name != MANIFEST and os.path.isfile(path):
+            fsync_path(path)
+            files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"world_size": world_size, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(directory)
+
+
+def verify(directory: str) -> Optional[str]:
+    """None if the checkpoint matches its manifest, else why not (naming the file)."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the write did not finish)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, want in files.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != want["bytes"]:
+            return f"{name} has {os.path.getsize(path)} bytes, the manifest says {want['bytes']}"
+        if sha256(path) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def manifest_world(directory: str) -> int:
+    with open(os.path.join(directory, MANIFEST)) as f:
+        return json.load(f)["world_size"]
+
+
+def latest_checkpoint(stage_dir: str, warn: Callable[[str], None] = lambda msg: None) -> Optional[str]:
+    """The newest step checkpoint that verifies; each damaged newer one is reported through `warn`.
+    Raises CheckpointError (listing each rejected directory and why) when there are some but none verifies."""
+    rejected = []
+    for _, path in reversed(step_checkpoints(stage_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        rejected.append(f"{path}: {problem}")
+        warn(f"checkpoint {path} is damaged ({problem}); falling back to an older one")
+    if rejected:
+        raise CheckpointError("no intact checkpoint to resume from: " + "; ".join(rejected) + ". Move them aside to "
+                         "start the stage again, or restore them")
+    return None
+
+
+def verified_final(stage_dir: str) -> Optional[str]:
+    """The stage's final checkpoint if it exists and verifies; a damaged one raises CheckpointError naming
+    the file (it is never loaded or deleted)."""
+    final = final_dir(stage_dir)
+    if not os.path.isdir(final):
+        return None
+    problem = verify(final)
+    if problem:
+        raise CheckpointError(f"{final} is damaged ({problem}); move it aside (e.g. to {final}.damaged) to train the "
+                         "stage again from its newest intact step checkpoint")
+    return final
 
 
 def final_dir(stage_dir: str) -> str:
@@ -76,6 +165,7 @@ def save_checkpoint(
     trainer_state: Optional[dict],
     rank_state: Optional[dict],
     meta: dict,
+    world_size: int = 1,
     keep_last: int = 0,
 ) -> None:
     """Collective: every rank calls it. `save_model(dir)` runs on the main rank only."""
@@ -95,6 +185,7 @@ def save_checkpoint(
             json.dump(meta, f, indent=2)
     barrier()
     if is_main:
+        write_manifest(tmp, world_size)  # last: its presence means every rank's files are complete
         if os.path.exists(path):  # re-saving the same name: swap, then drop the old one
             old = os.path.join(parent, TMP_PREFIX + "old-" + name)
             os.replace(path, old)
@@ -102,18 +193,20 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        if keep_last > 0:
+        fsync_path(parent)
+        if keep_last > 0:  # renamed aside first: a kill mid-delete leaves no half directory under a step name
             for _, old_path in step_checkpoints(parent)[:-keep_last]:
-                shutil.rmtree(old_path, ignore_errors=True)
+                doomed = os.path.join(parent, TMP_PREFIX + "old-" + os.path.basename(old_path))
+                os.replace(old_path, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
     barrier()
 
 
 def load_training_state(path: str, rank: int, world: int) -> tuple[dict, dict]:
-    """(trainer state, this rank's state) of a step checkpoint written by `world` ranks."""
-    rank_file = os.path.join(path, f"rank{rank}.pt")
-    if not os.path.isfile(rank_file):
-        written = len([n for n in os.listdir(path) if n.startswith("rank")])
-        raise ValueError(f"checkpoint {path} was written by {written} processes but this launch has {world}; "
-                         f"relaunch with {written} processes to resume it")
+    """(trainer state, this rank's state) of a verified step checkpoint written by `world` ranks."""
+    written = manifest_world(path)
+    if written != world:
+        raise CheckpointError(f"checkpoint {path} was written by {written} processes but this launch has {world}; its "
+                         f"data position is per process, so relaunch with {written} processes to resume it")
     trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
-    return trainer, torch.load(rank_file, weights_only=False)
+    return trainer, torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=False)

@@ -31,7 +31,7 @@ from longstride.parallel.config import ParallelDims, cp_degrees, describe_cp
 from longstride.parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip, use_fsdp
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
-                                save_checkpoint, set_rng_state, step_name)
+                                           save_checkpoint, set_rng_state, step_name, verified_final)
 from longstride.recipes.faults import NonFiniteGuard, check_finite_parameters
 from longstride.recipes.schedule import build_scheduler
 from longstride.recipes.tracking import peak_memory_gib
@@ -130,7 +130,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     cfg, acc, tracker = ctx.cfg, ctx.accelerator, ctx.tracker
     stage_dir = os.path.join(ctx.recipe_dir, name)
     final = final_dir(stage_dir)
-    if os.path.isdir(final):
+    if verified_final(stage_dir):
         tracker.info("stage %s already complete: %s", name, final)
         return final
     if acc.is_main_process:
@@ -141,7 +141,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     dp_rank = dims.dp_rank(acc.process_index)
     accum = stage.batch_tokens // (dims.dp * stage.micro_batch_size * stage.seq_len)
     total = stage.total_steps
-    resume = latest_checkpoint(stage_dir)
+    resume = latest_checkpoint(stage_dir, warn=tracker.warning)
 
     tok = ctx.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -229,7 +229,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             meta={"recipe": cfg.recipe.name, "stage": name, "step": step, "seq_len": stage.seq_len,
                   "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats,
                   **(extra_meta or {})},
-            keep_last=cfg.train.keep_last if with_state else 0,
+            world_size=acc.num_processes, keep_last=cfg.train.keep_last if with_state else 0,
         )
 
     tracker.start_stage(name, stage_dir, total, step, {"stage": name, **asdict(stage), "packing": pack_stats,

@@ -48,7 +48,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     from accelerate import Accelerator
 
     from longstride.data.corpus import build_corpus, build_tokenizer
-    from longstride.recipes.checkpoint import final_dir
+    from longstride.recipes.checkpoint import final_dir, verified_final
     from longstride.recipes.runlock import RunLock
     from longstride.recipes.stage import RunContext
     from longstride.recipes.tracking import Tracker
@@ -60,7 +60,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
     first = names.index(stages[0])
     init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
-    if init_from and not os.path.isdir(init_from):
+    if init_from and not verified_final(os.path.dirname(init_from)):
         raise ValueError(f"stage={stages[0]} starts from {names[first - 1]}'s final checkpoint {init_from}, which "
                          f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
 
@@ -114,10 +114,14 @@ def main(raw: DictConfig) -> None:
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
+    from longstride.recipes.checkpoint import CheckpointError
     from longstride.recipes.faults import NonFiniteError
 
     try:
         train_stages(*prepared)
+    except CheckpointError as e:  # damaged or mismatched checkpoints: which, why, and what to do
+        print(f"longstride: {e}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteError as e:  # bad numerical state: a message saying where to resume from
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(3)

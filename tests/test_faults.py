@@ -86,3 +86,113 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
         first.send_signal(signal.SIGKILL)
         first.wait()
     RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
+
+
+# --- damaged checkpoints: stage 2 of the micro recipe killed after step 5, with step checkpoints 2 and 4
+S2 = ["recipe.stages.s2_2k.steps=6", "recipe.stages.s2_2k.save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def killed_and_clean(tmp_path_factory, cache_dir):
+    """(a run killed after s2's step 5, an uninterrupted run): both output roots."""
+    from tests.conftest import micro_overrides
+
+    root = tmp_path_factory.mktemp("faults")
+    first = run_cli(micro_overrides(root / "killed", cache_dir) + S2 + ["stage=s1_256"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    killed = run_cli(micro_overrides(root / "killed", cache_dir) + S2 + ["train.crash_at_step=5"])  # in s2
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    s2 = root / "killed" / "tiny" / "s2_2k"
+    assert sorted(p.name for p in s2.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000004"]
+    clean = run_cli(micro_overrides(root / "clean", cache_dir) + S2)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    return root
+
+
+def damage(ck, how: str) -> str:
+    """Damages one file of checkpoint dir `ck` as a crash, a full disk or bit rot would; returns its name."""
+    name = {"truncate": "model.safetensors", "empty": "model.safetensors", "garble": "trainer.pt",
+            "delete_trainer": "trainer.pt", "delete_rank": "rank0.pt", "config": "config.json",
+            "no_manifest": "manifest.json"}[how]
+    path = ck / name
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "garble":
+        path.write_bytes(os.urandom(path.stat().st_size))
+    elif how == "config":
+        path.write_text(path.read_text().replace('"hidden_size": 32', '"hidden_size": 48'))
+    else:
+        path.unlink()
+    return name
+
+
+@pytest.mark.parametrize("how", ["truncate", "empty", "garble", "delete_trainer", "delete_rank", "config",
+                                 "no_manifest"])
+def test_resume_falls_back_past_a_damaged_checkpoint_and_matches_the_clean_run(killed_and_clean, cache_dir, tmp_path,
+                                                                                how):
+    import shutil
+
+    from tests.conftest import micro_overrides, read_metrics
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    bad = root / "tiny" / "s2_2k" / "step_000004"
+    name = damage(bad, how)
+    r = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stderr + r.stdout
+    assert f"checkpoint {bad} is damaged" in log and name in log and "resuming from" in log
+    assert f"{root / 'tiny' / 's2_2k' / 'step_000002'} (step 2)" in log
+    for stage in ("s2_2k", "s3_4k"):
+        a, b = read_metrics(root / "tiny" / stage), read_metrics(killed_and_clean / "clean" / "tiny" / stage)
+        assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)], stage  # bitwise
+
+
+def test_no_intact_checkpoint_exits_2_listing_each(killed_and_clean, cache_dir, tmp_path):
+    import shutil
+
+    from tests.conftest import micro_overrides
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    s2 = root / "tiny" / "s2_2k"
+    damage(s2 / "step_000004", "truncate")
+    damage(s2 / "step_000002", "delete_rank")
+    r = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no intact checkpoint to resume from" in r.stderr and "Traceback" not in r.stderr
+    assert f"{s2 / 'step_000004'}: model.safetensors has" in r.stderr
+    assert f"{s2 / 'step_000002'}: rank0.pt is missing" in r.stderr
+    assert (s2 / "step_000004").is_dir() and (s2 / "step_000002").is_dir(), "nothing deleted"
+
+
+def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
+    import shutil
+
+    from tests.conftest import micro_overrides
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    final = root / "tiny" / "s1_256" / "final"
+    damage(final, "truncate")
+    for extra in ([], ["stage=s2_2k"]):  # the stage itself, and the next stage that starts from it
+        r = run_cli(micro_overrides(root, cache_dir) + S2 + extra)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert f"{final} is damaged (model.safetensors has" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_resume_with_another_process_count_is_refused(killed_and_clean, cache_dir, tmp_path):
+    import shutil
+
+    from tests.conftest import micro_overrides
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    manifest = root / "tiny" / "s2_2k" / "step_000004" / "manifest.json"
+    written = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**written, "world_size": 2}))  # as a 2-process launch would have written it
+    r = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "was written by 2 processes but this launch has 1" in r.stderr and "Traceback" not in r.stderr
