@@ -200,13 +200,45 @@ def non_finite_fields(node, path: str = "") -> list[str]:
     return [bad for k, v in items for bad in non_finite_fields(v, f"{path}.{k}" if path else str(k))]
 
 
+def _check_ranges(cfg: Config) -> None:
+    """Numbers that must lie in a range, each with the field and the range in the message."""
+    m = cfg.model
+    rules = [("optim.eps", cfg.optim.eps, cfg.optim.eps > 0, "> 0"),
+             ("optim.weight_decay", cfg.optim.weight_decay, cfg.optim.weight_decay >= 0, ">= 0"),
+             ("optim.grad_clip", cfg.optim.grad_clip, cfg.optim.grad_clip >= 0, ">= 0 (0 = no clipping)"),
+             ("optim.betas", list(cfg.optim.betas), len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+              "two numbers in [0, 1), e.g. [0.9,0.95]"),
+             ("model.loss_tile_tokens", m.loss_tile_tokens, m.loss_tile_tokens >= 1, ">= 1 (e.g. 1024)"),
+             ("data.eval_sequences", cfg.data.eval_sequences, cfg.data.eval_sequences >= 0, ">= 0"),
+             ("train.keep_last", cfg.train.keep_last, cfg.train.keep_last >= 0, ">= 0 (0 = keep every one)"),
+             ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps, cfg.train.max_nonfinite_steps >= 1,
+              ">= 1 (3 is the default)")]
+    if m.arch != "checkpoint":
+        rules += [(f"model.{k}", getattr(m, k), getattr(m, k) >= 1, ">= 1")
+                  for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                            "num_key_value_heads")]
+    for name, s in cfg.recipe.stages.items():
+        f = f"recipe.stages.{name}"
+        rules += [(f"{f}.micro_batch_size", s.micro_batch_size, s.micro_batch_size >= 1, ">= 1"),
+                  (f"{f}.lr", s.lr, s.lr > 0, "> 0"),
+                  (f"{f}.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "in [0, 1]"),
+                  (f"{f}.decay_fraction", s.decay_fraction, 0 < s.decay_fraction <= 1, "in (0, 1]"),
+                  (f"{f}.save_every", s.save_every, s.save_every >= 0, ">= 0 (0 = only the final checkpoint)"),
+                  (f"{f}.cp", s.cp, s.cp >= 1, ">= 1")]
+    for field_name, value, ok, want in rules:
+        if not ok:
+            raise ValueError(f"{field_name}={value} must be {want}")
+    root = cfg.paths.output_root
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"paths.output_root={root!r} is a file; give a directory (it is created if missing)")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every user-facing check, with the field and the fix; nothing is built before it passes."""
     bad = non_finite_fields(cfg)
     if bad:
         raise ValueError(f"config fields {', '.join(bad)} are not finite numbers; give finite values")
-    if cfg.train.max_nonfinite_steps < 1:
-        raise ValueError(f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps} must be >= 1 (3 is the default)")
+    _check_ranges(cfg)
     r = cfg.recipe
     heads = _check_model(cfg.model)
     if not r.stages:

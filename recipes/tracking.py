@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import resource
+import uuid
 from typing import Optional
 
 import torch
@@ -22,6 +23,39 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     if device.type == "cuda":
         return "cuda_max_allocated", torch.cuda.max_memory_allocated(device) / 2**30
     return "cpu_peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def rewind_metrics(path: str, first_step: int) -> None:
+    """Keeps the records of steps <= first_step when a stage resumes there (none when it starts afresh):
+    a killed run's later steps, and a last line cut mid-write, would otherwise stay beside the rerun's."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if first_step > 0 and isinstance(record, dict) and record.get("step", first_step + 1) <= first_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def wandb_run_id(stage_dir: str, prefix: str, resuming: bool) -> str:
+    """One wandb run per run of a stage: a new id when the stage starts afresh, the stored one when it
+    resumes (so a resumed run continues its wandb run and a new run never merges into an old one)."""
+    path = os.path.join(stage_dir, "wandb_run_id")
+    if resuming and os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = f"{prefix.replace('/', '-')}-{uuid.uuid4().hex[:8]}"
+    with open(path, "w") as f:
+        f.write(run_id)
+    return run_id
 
 
 class Tracker:
@@ -48,7 +82,9 @@ class Tracker:
         if not self.is_main:
             return
         os.makedirs(stage_dir, exist_ok=True)
-        self.metrics_file = open(os.path.join(stage_dir, "metrics.jsonl"), "a")
+        path = os.path.join(stage_dir, "metrics.jsonl")
+        rewind_metrics(path, first_step)
+        self.metrics_file = open(path, "a")
         lc = self.cfg.logger
         if lc.wandb_mode != "disabled":
             import wandb
@@ -56,7 +92,7 @@ class Tracker:
             recipe = self.cfg.recipe.name
             self.run = wandb.init(
                 project=lc.project, entity=lc.entity, group=recipe, name=f"{recipe}/{stage}",
-                id=f"{recipe}-{stage}".replace("/", "-"), resume="allow", mode=lc.wandb_mode,
+                id=wandb_run_id(stage_dir, f"{recipe}-{stage}", first_step > 0), resume="allow", mode=lc.wandb_mode,
                 dir=self.recipe_dir, config=config, reinit="finish_previous",
             )
         if lc.progress_bar:
