@@ -1,4 +1,5 @@
-"""One run per output directory: an exclusive lock on <output_root>/<recipe>/.lock for a run's life.
+"""One run per output directory: an exclusive lock on <output_root>/<recipe>/.lock for a run's life,
+and the run's identity (the config that decides what it computes) in <output_root>/<recipe>/run.json.
 
 `fcntl.flock` locks belong to the open file, so the kernel drops the lock when the process dies,
 however it dies: a SIGKILLed run leaves nothing to clean up and the next one starts. The file holds
@@ -44,3 +45,48 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+# Keys that change how a run is watched or where it writes, not what it computes.
+NOT_IDENTITY = ("logger", "paths", "stage", "train.crash_at_step", "train.keep_last", "train.max_nonfinite_steps",
+                "train.resume", "data.num_workers", "data.num_proc")
+
+
+def flatten(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        return {k: v for key, sub in node.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def identity(resolved: dict) -> dict:
+    """The resolved config's keys that decide what a run computes."""
+    return {k: v for k, v in flatten(resolved).items()
+            if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)}
+
+
+def check_identity(directory: str, resolved: dict, resume: bool) -> None:
+    """Main process, under the lock, before anything is written. The first run of a directory records its
+    config in run.json; a later run with another config is refused, naming each differing key, unless
+    train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh."""
+    path = os.path.join(directory, "run.json")
+    mine = json.loads(json.dumps(identity(resolved), default=str))  # as it reads back from run.json
+    if os.path.isfile(path):
+        with open(path) as f:
+            theirs = json.load(f)["config"]
+        if not resume:
+            aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(directory, aside)
+            os.makedirs(directory)
+            os.replace(os.path.join(aside, ".lock"), os.path.join(directory, ".lock"))  # the lock moves with us
+            print(f"longstride: train.resume=false: the previous run is now {aside}", file=sys.stderr)
+        elif theirs != mine:
+            diff = [f"{k} (was {theirs.get(k, 'unset')}, now {mine.get(k, 'unset')})"
+                    for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+            raise ValueError(f"{directory} holds a run with another config: {'; '.join(diff)}. Rerun with its "
+                             "config to resume it, write this one elsewhere (paths.output_root=... or recipe.name=...), "
+                             "or set train.resume=false to move the old run aside and start afresh")
+        else:
+            return
+    with open(path + ".tmp", "w") as f:
+        json.dump({"config": mine}, f, indent=1)
+    os.replace(path + ".tmp", path)

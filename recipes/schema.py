@@ -93,6 +93,7 @@ class TrainConfig:
     precision: Precision = Precision.auto  # auto: bf16 where the GPU has it, else fp32
     keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
     crash_at_step: Optional[int] = None  # fault injection for resume tests: SIGKILL after this step
+    resume: bool = True  # false: move a previous run of this directory aside and start afresh
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
 
 

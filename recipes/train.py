@@ -49,7 +49,7 @@ def setup(cfg: Config, raw: DictConfig | None):
 
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.recipes.checkpoint import final_dir, verified_final
-    from longstride.recipes.runlock import RunLock
+    from longstride.recipes.runlock import RunLock, check_identity
     from longstride.recipes.stage import RunContext
     from longstride.recipes.tracking import Tracker
 
@@ -73,6 +73,7 @@ def setup(cfg: Config, raw: DictConfig | None):
         tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
         resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         if acc.is_main_process:
+            check_identity(recipe_dir, resolved, cfg.train.resume)
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
             if raw is not None:
                 write_hydra_files(recipe_dir)

@@ -247,3 +247,20 @@ def test_output_root_that_is_a_file(micro, tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="paths.output_root=.*afile' is a file"):
         validate(compose_cfg(micro + [f"paths.output_root={tmp_path / 'afile'}"]), 1)
+
+
+def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
+    one = micro + ["stage=s1_256"]
+    assert run_cli(one).returncode == 0
+    assert run_cli(one + ["logger.log_every=2", "train.keep_last=5"]).returncode == 0  # what is watched: same run
+    r = run_cli(one + ["recipe.stages.s1_256.lr=0.01", "model.nope_interval=0"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "holds a run with another config: model.nope_interval (was 2, now 0); recipe.stages.s1_256.lr " \
+           "(was 0.003, now 0.01)" in r.stderr
+    before = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
+    r = run_cli(one + ["recipe.stages.s1_256.lr=0.01", "train.resume=false"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    (aside,) = [p for p in (tmp_path / "out").iterdir() if p.name.startswith("tiny.prev-")]
+    assert (aside / "s1_256" / "final" / "model.safetensors").read_bytes() == before, "the old run is kept"
+    new = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
+    assert new != before, "trained afresh with the new lr"
