@@ -1,4 +1,5 @@
-"""Fault policy of the training loop: non-finite steps are skipped, never trained on or saved.
+"""Fault policy of the training loop: non-finite steps are skipped, never trained on or saved; stop
+signals save a checkpoint first; workers die with their launcher.
 
 Every rank sees the same all-reduced loss and global gradient norm, so every rank makes the same
 decision and no collective is left waiting. A step whose loss or gradient norm is NaN or inf skips
@@ -9,6 +10,9 @@ the step and the newest checkpoint to go back to.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import sys
 from typing import Optional
 
 import torch
@@ -52,3 +56,56 @@ def check_finite_parameters(params, where: str) -> None:
     if bad.item():
         raise NonFiniteError(f"not saving {where}: the model has NaN or inf parameters; the previous checkpoints are "
                              "kept as they were")
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM / SIGINT) and saved a checkpoint first."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (a cluster's preemption notice, Ctrl-C) only set a flag; the training loop asks
+    `requested()` after each step, which all-reduces the flag so every rank stops at the same step, saves
+    a checkpoint and exits. Use as a context manager around the loop (the main thread's handlers are
+    restored on exit)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def requested(self, device) -> int:
+        """The signal number if any rank got one, else 0 (a collective: every rank calls it each step)."""
+        flag = torch.tensor(float(self.signum), device=device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent (the launcher) dies, so a killed `accelerate launch`
+    or torchrun leaves no worker training and writing on its own; the rerun resumes from the last checkpoint."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)

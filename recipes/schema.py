@@ -93,6 +93,7 @@ class TrainConfig:
     precision: Precision = Precision.auto  # auto: bf16 where the GPU has it, else fp32
     keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
     crash_at_step: Optional[int] = None  # fault injection for resume tests: SIGKILL after this step
+    collective_timeout_s: int = 1800  # a collective waiting longer (a stuck rank) fails the run
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
 
@@ -213,7 +214,9 @@ def _check_ranges(cfg: Config) -> None:
              ("data.eval_sequences", cfg.data.eval_sequences, cfg.data.eval_sequences >= 0, ">= 0"),
              ("train.keep_last", cfg.train.keep_last, cfg.train.keep_last >= 0, ">= 0 (0 = keep every one)"),
              ("train.max_nonfinite_steps", cfg.train.max_nonfinite_steps, cfg.train.max_nonfinite_steps >= 1,
-              ">= 1 (3 is the default)")]
+              ">= 1 (3 is the default)"),
+             ("train.collective_timeout_s", cfg.train.collective_timeout_s, cfg.train.collective_timeout_s >= 1,
+              ">= 1 second (1800 is the default)")]
     if m.arch != "checkpoint":
         rules += [(f"model.{k}", getattr(m, k), getattr(m, k) >= 1, ">= 1")
                   for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",

@@ -32,7 +32,7 @@ from longstride.parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
                                            save_checkpoint, set_rng_state, step_name, verified_final)
-from longstride.recipes.faults import NonFiniteGuard, check_finite_parameters
+from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, check_finite_parameters
 from longstride.recipes.schedule import build_scheduler
 from longstride.recipes.tracking import peak_memory_gib
 
@@ -232,10 +232,12 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             world_size=acc.num_processes, keep_last=cfg.train.keep_last if with_state else 0,
         )
 
+    stack = contextlib.ExitStack()
     tracker.start_stage(name, stage_dir, total, step, {"stage": name, **asdict(stage), "packing": pack_stats,
                                                         "config": ctx.cfg_dict})
     try:
         model.train()
+        stop = stack.enter_context(StopSignals())
         if val_start is None:
             val_start = evaluate()
             tracker.log_values(0, {"val_loss": val_start})
@@ -277,6 +279,14 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             # not in a run of skipped steps: the state that just gave non-finite gradients is not worth keeping
             if stage.save_every and step % stage.save_every == 0 and step < total and not guard.in_row:
                 save(os.path.join(stage_dir, step_name(step)), with_state=True)
+            signum = stop.requested(acc.device)
+            if signum:  # preemption or Ctrl-C on any rank: all save this step, then stop
+                path = os.path.join(stage_dir, step_name(step))
+                if not guard.in_row and not os.path.isdir(path):
+                    save(path, with_state=True)
+                raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {step} of stage {name}; "
+                                      f"newest checkpoint {latest_checkpoint(stage_dir) or init_from}; rerun the same "
+                                      "command to resume")
             if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
                 tracker.finish_stage()
                 os.kill(os.getpid(), signal.SIGKILL)  # a hard crash, as an OOM killer or preemption would
@@ -285,6 +295,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         tracker.info("stage %s: validation loss %.4f -> %.4f", name, val_start, val_end)
         save(final, with_state=False, extra_meta={"val_loss_start": val_start, "val_loss_end": val_end})
     finally:
+        stack.close()
         tracker.finish_stage()
     acc.free_memory()
     tracker.info("stage %s done: %s", name, final)

@@ -65,7 +65,18 @@ def setup(cfg: Config, raw: DictConfig | None):
                          f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
 
     # cpu=True where there is no GPU: under a multi-process launch accelerate then uses gloo.
-    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available())
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from longstride.recipes.faults import die_with_parent
+
+    if world > 1:
+        die_with_parent()  # a killed launcher takes its workers with it
+    # a collective that waits longer than train.collective_timeout_s (a stuck or stopped rank) fails the run
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available(),
+                      kwargs_handlers=[timeout])
     # before anything is written: a second run on this directory stops here (the launcher then ends its other ranks)
     lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
     try:
@@ -116,10 +127,13 @@ def main(raw: DictConfig) -> None:
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
     from longstride.recipes.checkpoint import CheckpointError
-    from longstride.recipes.faults import NonFiniteError
+    from longstride.recipes.faults import NonFiniteError, Stopped
 
     try:
         train_stages(*prepared)
+    except Stopped as e:  # SIGTERM / SIGINT: a checkpoint was saved; the shell's code for that signal
+        print(f"longstride: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except CheckpointError as e:  # damaged or mismatched checkpoints: which, why, and what to do
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)

@@ -2,6 +2,7 @@
 message naming the last good checkpoint; non-finite config values fail before compute."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -264,3 +265,111 @@ def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
     assert (aside / "s1_256" / "final" / "model.safetensors").read_bytes() == before, "the old run is kept"
     new = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
     assert new != before, "trained afresh with the new lr"
+
+
+# --- stop signals, stuck ranks, a killed launcher: real signals to real processes
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def start(args: list, launcher: bool = False):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "configs/accelerate/cpu.yaml")] if launcher else [sys.executable]
+    return subprocess.Popen([*head, "-m", "longstride.recipes.train", *args], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(stage_dir, step: int, proc, timeout: float = 300) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        path = stage_dir / "metrics.jsonl"
+        if path.exists() and any(json.loads(line).get("step", 0) >= step for line in path.read_text().splitlines()
+                                 if line.endswith("}")):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached: {proc.poll()}")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(micro, tmp_path, sig):
+    import signal
+
+    from tests.conftest import micro_overrides, read_metrics
+
+    long = ["stage=s1_256", "recipe.stages.s1_256.steps=200", "recipe.stages.s1_256.save_every=0"]
+    proc = start(micro + long)
+    stage_dir = tmp_path / "out" / "tiny" / "s1_256"
+    wait_for_step(stage_dir, 10, proc)
+    proc.send_signal(getattr(signal, sig))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + getattr(signal, sig), out[-2000:]
+    (stopped,) = [p for p in stage_dir.iterdir() if p.name.startswith("step_")]
+    assert f"stopped by {sig} after step {int(stopped.name[5:])}" in out and "Traceback" not in out
+    resumed = run_cli(micro + long)
+    assert resumed.returncode == 0 and f"resuming from {stopped}" in resumed.stderr, resumed.stderr[-2000:]
+    clean = run_cli(micro_overrides(tmp_path / "clean", tmp_path / "cache2") + long)
+    assert clean.returncode == 0
+    a, b = read_metrics(stage_dir), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
+    assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise
+
+
+def workers_of(launcher_pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(launcher_pid).children(recursive=True)
+            if "longstride.recipes.train" in " ".join(p.cmdline())]
+
+
+def gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_stuck_rank_fails_the_run_after_the_collective_timeout(micro, tmp_path):
+    import signal
+    import time
+
+    long = ["stage=s1_256", "recipe.stages.s1_256.steps=100000", "recipe.stages.s1_256.save_every=0",
+            "recipe.stages.s1_256.batch_tokens=1024", "train.collective_timeout_s=10"]
+    proc, workers = start(micro + long, launcher=True), []
+    try:
+        wait_for_step(tmp_path / "out" / "tiny" / "s1_256", 3, proc)
+        workers = workers_of(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)  # a hung rank: alive, never reaching the next collective
+        t0 = time.time()
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode != 0 and time.time() - t0 < 90, out[-2000:]
+        assert all(gone(w) for w in workers)
+    finally:
+        for p in [*workers, proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_killing_the_launcher_kills_its_workers(micro, tmp_path):
+    import signal
+    import time
+
+    long = ["stage=s1_256", "recipe.stages.s1_256.steps=100000", "recipe.stages.s1_256.save_every=0",
+            "recipe.stages.s1_256.batch_tokens=1024"]
+    proc = start(micro + long, launcher=True)
+    wait_for_step(tmp_path / "out" / "tiny" / "s1_256", 3, proc)
+    workers = workers_of(proc.pid)
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while not all(gone(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert all(gone(w) for w in workers), "workers outlived their launcher"
