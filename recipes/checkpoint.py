@@ -12,12 +12,14 @@ warning about each one it passes over.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import signal
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
+KILL_IN_SAVE = "LONGSTRIDE_TEST_KILL_IN_SAVE"  # tests: SIGKILL inside the save of the checkpoint of this name
 
 
 class CheckpointError(ValueError):
@@ -155,6 +158,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def disk_errors(path: str):
+    """A failed write (a full disk, a lost mount) as a CheckpointError naming the checkpoint."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        raise CheckpointError(f"could not write checkpoint {path} ({e}); the earlier checkpoints are intact: free "
+                              "space there and rerun to resume") from e
+
+
 def save_checkpoint(
     path: str,
     *,
@@ -168,24 +181,31 @@ def save_checkpoint(
     world_size: int = 1,
     keep_last: int = 0,
 ) -> None:
-    """Collective: every rank calls it. `save_model(dir)` runs on the main rank only."""
+    """Collective: every rank calls it. `save_model(dir)` runs on the main rank only. A failed write (a
+    full disk) raises CheckpointError; the previous checkpoints are untouched."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, TMP_PREFIX + name)
     if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        with disk_errors(path):
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
     barrier()
-    if rank_state is not None:
-        torch.save(rank_state, os.path.join(tmp, f"rank{rank}.pt"))
-    if is_main:
-        save_model(tmp)
-        if trainer_state is not None:
-            torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
-        with open(os.path.join(tmp, "stage.json"), "w") as f:
-            json.dump(meta, f, indent=2)
+    with disk_errors(path):
+        if rank_state is not None:
+            torch.save(rank_state, os.path.join(tmp, f"rank{rank}.pt"))
+        if is_main:
+            save_model(tmp)
+            if trainer_state is not None:
+                torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
+            with open(os.path.join(tmp, "stage.json"), "w") as f:
+                json.dump(meta, f, indent=2)
     barrier()
+    if os.environ.get(KILL_IN_SAVE) == name:  # test hook: a crash after the files, before the manifest
+        os.kill(os.getpid(), signal.SIGKILL)
     if is_main:
-        write_manifest(tmp, world_size)  # last: its presence means every rank's files are complete
+        with disk_errors(path):
+            write_manifest(tmp, world_size)  # last: its presence means every rank's files are complete
+    if is_main:
         if os.path.exists(path):  # re-saving the same name: swap, then drop the old one
             old = os.path.join(parent, TMP_PREFIX + "old-" + name)
             os.replace(path, old)

@@ -373,3 +373,48 @@ def test_killing_the_launcher_kills_its_workers(micro, tmp_path):
     while not all(gone(w) for w in workers) and time.time() < deadline:
         time.sleep(0.1)
     assert all(gone(w) for w in workers), "workers outlived their launcher"
+
+
+def test_kill_inside_a_checkpoint_write_leaves_nothing_that_looks_complete(killed_and_clean, cache_dir, tmp_path):
+    from tests.conftest import micro_overrides, read_metrics
+
+    root = tmp_path / "run"
+    first = run_cli(micro_overrides(root, cache_dir) + S2 + ["stage=s1_256"])
+    assert first.returncode == 0
+    r = run_cli(micro_overrides(root, cache_dir) + S2, env_extra={"LONGSTRIDE_TEST_KILL_IN_SAVE": "step_000004"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    s2 = root / "tiny" / "s2_2k"
+    assert (s2 / ".tmp-step_000004" / "model.safetensors").exists() and not (s2 / "step_000004").exists()
+    resumed = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert resumed.returncode == 0 and f"resuming from {s2 / 'step_000002'}" in resumed.stderr, resumed.stderr[-2000:]
+    assert not (s2 / ".tmp-step_000004").exists()
+    a, b = read_metrics(s2), read_metrics(killed_and_clean / "clean" / "tiny" / "s2_2k")
+    assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise
+
+
+def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path):
+    import subprocess
+
+    from tests.conftest import read_metrics
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=240k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"a small tmpfs needs mount privileges (CAP_SYS_ADMIN): {mounted.stderr.decode().strip()}")
+    try:
+        one = [o for o in micro if not o.startswith("paths.output_root")] + [f"paths.output_root={mnt}",
+                                                                             "stage=s1_256"]
+        r = run_cli(one)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"could not write checkpoint {mnt}/tiny/s1_256/step_000003" in r.stderr and "Traceback" not in r.stderr
+        assert not (mnt / "tiny" / "s1_256" / "step_000003").exists()
+        subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)  # space freed
+        again = run_cli(one)
+        assert again.returncode == 0, again.stderr[-2000:]
+        clean = run_cli(micro + ["stage=s1_256"])
+        assert clean.returncode == 0
+        a, b = read_metrics(mnt / "tiny" / "s1_256"), read_metrics(tmp_path / "out" / "tiny" / "s1_256")
+        assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
