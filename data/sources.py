@@ -5,10 +5,12 @@ is cached by fingerprint and reused by later stages and later runs.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import os
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -24,14 +26,27 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_files(root: Path, patterns: str) -> list[str]:
-    """Sorted files under `root` matching comma-separated glob patterns, without installed packages."""
+def list_files(root: Path, patterns: str, unreadable: bool = False) -> list[str]:
+    """Sorted files under `root` matching comma-separated glob patterns, without installed packages.
+    unreadable: also the matches that are not regular files (dangling or looping links, FIFOs, sockets),
+    so that the reader can count them as skipped instead of dropping them unseen."""
     found = set()
     for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
         for path in root.glob(pattern):
-            if path.is_file() and not SKIP_EXCLUDED_DIRS.intersection(path.relative_to(root).parts):
+            if SKIP_EXCLUDED_DIRS.intersection(path.relative_to(root).parts):
+                continue
+            if path.is_file() or (unreadable and not path.is_dir()):
                 found.add(str(path))
     return sorted(found)
+
+
+def _unreadable(path: str) -> str:
+    """Why `path` cannot be read as a text file, or "" (never opens it: opening a FIFO would block)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # dangling link, link loop, vanished
+        return "broken_link"
+    return "" if stat.S_ISREG(mode) else "not_a_file"
 
 
 def digest(obj) -> str:
@@ -43,6 +58,10 @@ def _read_files(paths: list[str]):
     """Yields one row per file; undecodable or empty files are kept as rows with a `skip` reason so
     the count survives the generator cache."""
     for path in paths:
+        reason = _unreadable(path)
+        if reason:
+            yield {"text": "", "skip": reason}
+            continue
         with open(path, "rb") as f:
             raw = f.read()
         try:
@@ -95,7 +114,7 @@ def _synthetic_dataset(src: SourceConfig, cache_dir: str, field: str) -> dataset
 
 def _files_dataset(paths: list[str], cache_dir: str) -> datasets.Dataset:
     # gen_kwargs are part of the cache fingerprint, so mtimes make an edited file re-read.
-    stamps = [os.stat(p).st_mtime_ns for p in paths]
+    stamps = [os.stat(p).st_mtime_ns if not _unreadable(p) else 0 for p in paths]
     return datasets.Dataset.from_generator(
         _read_files, gen_kwargs={"paths": paths}, cache_dir=cache_dir,
         config_name=f"files-{len(paths)}-{digest([paths, stamps])}",
@@ -123,7 +142,7 @@ def _walk_files(src: SourceConfig, field: str) -> list[str]:
     if src.kind == "local_dir" and (not src.path or not root.is_dir()):
         raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
     patterns = "**/*.py" if src.kind == "stdlib" else src.glob
-    paths = list_files(root, patterns)[: src.max_docs]
+    paths = list_files(root, patterns, unreadable=True)[: src.max_docs]
     if not paths:
         raise ValueError(f"{field}: no files match {patterns!r} under {root}; change {field}.glob or .path")
     return paths
@@ -141,6 +160,46 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     if ext not in FILE_BUILDERS:
         raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
     return FILE_BUILDERS[ext], files
+
+
+@contextlib.contextmanager
+def read_errors(files: list[str], builder: str, field: str):
+    """A reader's failure inside datasets as a ValueError naming the file and line (jsonl) or the files."""
+    try:
+        yield
+    except Exception as e:
+        where = first_bad_record(files, builder) or ", ".join(files)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"{field}.path: {where} could not be read ({type(e).__name__}: {first}); fix or remove "
+                         "that record") from e
+
+
+def first_bad_record(files: list[str], builder: str) -> str:
+    """'file:line: problem' of the first line of a jsonl / json-lines file that is not UTF-8, not a JSON
+    object, or gives a key another type than the first line does; '' when none is found (or not jsonl)."""
+    if builder != "json":
+        return ""
+    for path in files:
+        keys = None
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    return f"{path}:{number}: not UTF-8"
+                except ValueError as e:
+                    return f"{path}:{number}: not JSON ({e})"
+                if not isinstance(record, dict):
+                    return f"{path}:{number}: not a JSON object"
+                kinds = {k: type(v).__name__ for k, v in record.items() if v is not None}
+                if keys is None:
+                    keys = kinds
+                for k in set(kinds) & set(keys):
+                    if kinds[k] != keys[k]:
+                        return f"{path}:{number}: {k!r} is a {kinds[k]}, on the first line a {keys[k]}"
+    return ""
 
 
 def _hub_dataset(src: SourceConfig, field: str, **kw):
@@ -164,7 +223,13 @@ def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str
         return _synthetic_dataset(src, cache_dir, field)
     if src.kind == "files":
         builder, files = _data_files(src, field)
-        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
+        with read_errors(files, builder, field):
+            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
+        _check_text_column(src, ds.column_names, field)
+        if src.max_docs is not None:
+            ds = ds.select(range(min(src.max_docs, len(ds))))
+        with read_errors(files, builder, field):  # arrow decodes the text here: bad bytes surface now
+            return _mark_skips(ds, src.text_column, num_proc)
     elif src.kind == "disk":
         if not src.path or not os.path.isdir(src.path):
             raise ValueError(f"{field}.path={src.path!r} is not a directory written by Dataset.save_to_disk")

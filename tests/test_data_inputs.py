@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -75,3 +76,29 @@ def test_corpus_appends_eos_and_mixes_sources(tmp_path, cache_dir, tok):
     docs = mixture_documents(corpus, {"a": 1.0, "b": 3.0}, seed=0)
     share_b = corpus.doc_len[docs][corpus.doc_source[docs] == 1].sum() / corpus.doc_len[docs].sum()
     assert 0.72 < share_b < 0.78, share_b  # token weight 3:1, up to one document of rounding
+
+
+def test_links_fifos_and_loops_are_skipped_and_counted(tmp_path, cache_dir):
+    import os
+
+    d = tmp_path / "odd"
+    d.mkdir()
+    (d / "a.txt").write_text("a real document\n" * 10)
+    (d / "dangling.txt").symlink_to(d / "missing.txt")
+    (d / "loop1.txt").symlink_to(d / "loop2.txt")
+    (d / "loop2.txt").symlink_to(d / "loop1.txt")
+    os.mkfifo(d / "pipe.txt")  # opening it would block: it must be recognised without opening
+    ds, skipped = drop_skipped(load_source(SourceConfig(kind="local_dir", path=str(d), glob="*.txt"), str(cache_dir)))
+    assert len(ds) == 1 and skipped == {"broken_link": 3, "not_a_file": 1}
+
+
+@pytest.mark.parametrize("bad_line, problem", [
+    (b'{"text": "broken\n', "3: not JSON"),
+    (b'{"text": "bad \xff bytes"}\n', "3: not UTF-8"),
+    (b'{"text": {"nested": 1}}\n', "3: 'text' is a dict, on the first line a str"),
+])
+def test_broken_jsonl_names_the_file_and_line(tmp_path, cache_dir, bad_line, problem):
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b'{"text": "one"}\n{"text": "two"}\n' + bad_line + b'{"text": "four"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"data.sources.path: {f}:{problem}")):
+        load_source(SourceConfig(kind="files", path=str(f)), str(cache_dir), field="data.sources")
