@@ -14,25 +14,26 @@ from longstride.data.batch import collate
 
 
 class ShardSampler(torch.utils.data.Sampler):
-    """A seeded permutation per epoch, rank r of n taking every n-th index; all ranks get the same
-    count (the tail that does not divide is dropped for that epoch)."""
+    """A seeded permutation per epoch, rank r of n taking every n-th index from `start` (0, or where a
+    run on another number of ranks stopped in this epoch); all ranks get the same count (the tail that
+    does not divide is dropped for that epoch)."""
 
     def __init__(self, num_items: int, rank: int, world: int, seed: int):
         if num_items < world:
             raise ValueError(
                 f"only {num_items} packed sequences for {world} data-parallel ranks; use more data or fewer ranks"
             )
-        self.num_items, self.rank, self.world, self.seed, self.epoch = num_items, rank, world, seed, 0
+        self.num_items, self.rank, self.world, self.seed, self.epoch, self.start = num_items, rank, world, seed, 0, 0
 
     def __len__(self) -> int:
-        return self.num_items // self.world
+        return (self.num_items - self.start) // self.world
 
     def set_epoch(self, epoch: int) -> None:  # the HF Trainer calls it at each epoch
-        self.epoch = epoch
+        self.epoch, self.start = epoch, 0
 
     def __iter__(self):
         perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_items)
-        return iter(perm[self.rank: len(self) * self.world: self.world].tolist())
+        return iter(perm[self.start + self.rank: self.start + len(self) * self.world: self.world].tolist())
 
 
 class EpochLoader:
@@ -48,23 +49,40 @@ class EpochLoader:
                                          collate_fn=collate, num_workers=num_workers)
         self._it = None
 
+        self.micro_batch_size, self.consumed = micro_batch_size, 0  # sequences this rank read in this epoch
+
     def __next__(self) -> dict:
         while True:
             if self._it is None:
                 self._it = iter(self.loader)
             try:
-                return next(self._it)
+                batch = next(self._it)
+                self.consumed += self.micro_batch_size
+                return batch
             except StopIteration:
                 self._it = None
-                self.sampler.epoch += 1
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+                self.consumed = 0
 
     def __iter__(self):
         return self
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "loader": self.loader.state_dict()}
+        s = self.sampler
+        return {"epoch": s.epoch, "loader": self.loader.state_dict(), "world": s.world, "start": s.start,
+                "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.epoch = state["epoch"]
-        self.loader.load_state_dict(state["loader"])
+        """Resumes where `state` stopped. A state written with another number of data-parallel ranks is
+        re-split: every rank had read `consumed` sequences of this epoch's order, so the next unread one is
+        start + consumed x world, and this run's ranks share the rest of the epoch from there."""
+        s = self.sampler
+        s.epoch = state["epoch"]
+        if state.get("world", s.world) == s.world:
+            s.start, self.consumed = state.get("start", 0), state.get("consumed", 0)
+            self.loader.load_state_dict(state["loader"])
+        else:
+            s.start, self.consumed = state["start"] + state["consumed"] * state["world"], 0
+            if len(s) < self.micro_batch_size:  # too little left of this epoch for one micro-batch each
+                s.set_epoch(s.epoch + 1)
         self._it = None

@@ -192,13 +192,16 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     step, tokens_seen, val_start = 0, 0, None
     guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     if resume:
-        trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes)
+        trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes,
+                                            resplit=not fsdp and not cfg.data.streaming)
         optimizer.load_state_dict(mine["optimizer"] if fsdp else trainer["optimizer"])
         scheduler.load_state_dict(trainer["scheduler"])
         step, tokens_seen, val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
         loader.load_state_dict(mine["data"])
         set_rng_state(mine["rng"])
-        tracker.info("stage %s: resuming from %s (step %d)", name, resume, step)
+        tracker.info("stage %s: resuming from %s (step %d)%s", name, resume, step,
+                     "" if mine["data"].get("world", dims.dp) == dims.dp else
+                     f"; its data position re-split from {mine['data']['world']} to {dims.dp} data-parallel ranks")
     else:
         tracker.info("stage %s: from %s", name, init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     tracker.info("stage %s: model %s on %s (%s); activation checkpointing %s%s; MLP tile %s", name,
