@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -234,3 +235,40 @@ def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tupl
     trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
     mine = os.path.join(path, f"rank{rank}.pt")
     return trainer, torch.load(mine if rank < written else os.path.join(path, "rank0.pt"), weights_only=False)
+
+
+def resume_from_stage(path: str, recipe_dir: str, stages: list[str]) -> str:
+    """The stage of `path` (a step checkpoint or a final of this run, intact), for train.resume_from."""
+    path = os.path.normpath(path)
+    stage_dir, name = os.path.split(path)
+    stage = os.path.basename(stage_dir)
+    inside = os.path.isdir(path) and os.path.samefile(os.path.dirname(stage_dir), recipe_dir)
+    if not (inside and stage in stages and (STEP_RE.match(name) or name == "final")):
+        raise ValueError(f"train.resume_from={path!r} is not a step_NNNNNN or final checkpoint of a stage under "
+                         f"{recipe_dir} (stages {stages})")
+    problem = verify(path)
+    if problem:
+        raise ValueError(f"train.resume_from={path!r} is damaged ({problem}); pick an intact checkpoint")
+    return stage
+
+
+def supersede_after(path: str, recipe_dir: str, stages: list[str]) -> list[str]:
+    """Moves aside (never deletes) what a run resumed from `path` would otherwise pick up instead: the
+    stage's newer step checkpoints and its final (not `path` itself), and every later stage's directory.
+    Returns the new names."""
+    path = os.path.normpath(path)
+    stage_dir, name = os.path.split(path)
+    stage = os.path.basename(stage_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    doomed = []
+    if name != "final":
+        step = int(STEP_RE.match(name).group(1))
+        doomed += [p for s, p in step_checkpoints(stage_dir) if s > step]
+        doomed += [final_dir(stage_dir)] if os.path.isdir(final_dir(stage_dir)) else []
+    later = stages[stages.index(stage) + 1:]
+    doomed += [d for d in (os.path.join(recipe_dir, s) for s in later) if os.path.isdir(d)]
+    moved = []
+    for d in doomed:
+        os.replace(d, f"{d}.superseded-{stamp}")
+        moved.append(f"{d}.superseded-{stamp}")
+    return moved

@@ -37,8 +37,8 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 f"step {step}: loss {loss} and gradient norm {grad_norm}, non-finite for {self.in_row} steps in a row "
                 f"(train.max_nonfinite_steps={self.limit}); nothing was trained on them or saved. Last good checkpoint: "
-                f"{last_good or 'none in this stage (it starts from the previous stage or the initial model)'}; "
-                "lower the stage's lr or raise optim.grad_clip's strictness, then rerun to resume from it")
+                f"{last_good or 'none (the stage starts from the initial model)'}; rerun with a lower lr (or a "
+                f"stricter optim.grad_clip) and train.resume_from=" + (last_good or "... once one exists"))
         return False
 
 

@@ -49,7 +49,7 @@ class RunLock:
 
 # Keys that change how a run is watched or where it writes, not what it computes.
 NOT_IDENTITY = ("logger", "paths", "stage", "train.crash_at_step", "train.keep_last", "train.max_nonfinite_steps",
-                "train.resume", "train.collective_timeout_s", "data.num_workers", "data.num_proc")
+                "train.resume", "train.resume_from", "train.collective_timeout_s", "data.num_workers", "data.num_proc")
 
 
 def flatten(node, prefix: str = "") -> dict:
@@ -64,10 +64,11 @@ def identity(resolved: dict) -> dict:
             if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)}
 
 
-def check_identity(directory: str, resolved: dict, resume: bool) -> None:
+def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None) -> None:
     """Main process, under the lock, before anything is written. The first run of a directory records its
     config in run.json; a later run with another config is refused, naming each differing key, unless
-    train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh."""
+    train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh, or
+    train.resume_from names the checkpoint to continue from under the new config (recorded as the run's)."""
     path = os.path.join(directory, "run.json")
     mine = json.loads(json.dumps(identity(resolved), default=str))  # as it reads back from run.json
     if os.path.isfile(path):
@@ -82,9 +83,15 @@ def check_identity(directory: str, resolved: dict, resume: bool) -> None:
         elif theirs != mine:
             diff = [f"{k} (was {theirs.get(k, 'unset')}, now {mine.get(k, 'unset')})"
                     for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
-            raise ValueError(f"{directory} holds a run with another config: {'; '.join(diff)}. Rerun with its "
-                             "config to resume it, write this one elsewhere (paths.output_root=... or recipe.name=...), "
-                             "or set train.resume=false to move the old run aside and start afresh")
+            if resume_from:  # asked for: continue from that checkpoint under the new config
+                print(f"longstride: continuing from {resume_from} with a changed config: {'; '.join(diff)}",
+                      file=sys.stderr)
+            else:
+                raise ValueError(f"{directory} holds a run with another config: {'; '.join(diff)}. Rerun with its "
+                                 "config to resume it, write this one elsewhere (paths.output_root=... or "
+                                 "recipe.name=...), continue from one of its checkpoints under this config with "
+                                 "train.resume_from=DIR, or set train.resume=false to move the old run aside and "
+                                 "start afresh")
         else:
             return
     with open(path + ".tmp", "w") as f:

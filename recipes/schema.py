@@ -95,6 +95,7 @@ class TrainConfig:
     crash_at_step: Optional[int] = None  # fault injection for resume tests: SIGKILL after this step
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck rank) fails the run
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
+    resume_from: Optional[str] = None  # a step_NNNNNN or final dir of this run: continue from it (config changes allowed)
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
 
 

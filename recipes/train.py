@@ -48,7 +48,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     from accelerate import Accelerator
 
     from longstride.data.corpus import build_corpus, build_tokenizer
-    from longstride.recipes.checkpoint import final_dir, verified_final
+    from longstride.recipes.checkpoint import final_dir, resume_from_stage, supersede_after, verified_final
     from longstride.recipes.runlock import RunLock, check_identity
     from longstride.recipes.stage import RunContext
     from longstride.recipes.tracking import Tracker
@@ -84,7 +84,13 @@ def setup(cfg: Config, raw: DictConfig | None):
         tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
         resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         if acc.is_main_process:
-            check_identity(recipe_dir, resolved, cfg.train.resume)
+            resume_from = cfg.train.resume_from
+            if resume_from:
+                resume_from_stage(resume_from, recipe_dir, names)
+            check_identity(recipe_dir, resolved, cfg.train.resume, resume_from)
+            if resume_from:  # what would be picked up instead of it is moved aside, never deleted
+                for moved in supersede_after(resume_from, recipe_dir, names):
+                    tracker.info("train.resume_from: moved %s aside", moved)
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
             if raw is not None:
                 write_hydra_files(recipe_dir)

@@ -49,6 +49,16 @@ def test_exploding_stage_stops_naming_the_last_good_checkpoint_and_saves_nothing
     weights = load_file(str(s1_final / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert "update skipped" in r.stderr
+    assert f"train.resume_from={s1_final}" in r.stderr
+    # as the message says: a lower lr, continuing from the last good checkpoint (a changed config, allowed)
+    again = run_cli(micro + ["recipe.stages.s2_2k.lr=1e-3", f"train.resume_from={s1_final}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing from" in again.stderr and "recipe.stages.s2_2k.lr (was 1000000.0, now 0.001)" in again.stderr
+    assert (tmp_path / "out" / "tiny" / "s3_4k" / "final").is_dir()
+    (aside,) = [p for p in (tmp_path / "out" / "tiny").iterdir() if p.name.startswith("s2_2k.superseded-")]
+    assert (aside / "metrics.jsonl").exists(), "the blown-up stage's record is kept, moved aside"
+    bad = run_cli(micro + [f"train.resume_from={tmp_path}"])
+    assert bad.returncode == 2 and "is not a step_NNNNNN or final checkpoint" in bad.stderr
 
 
 @pytest.mark.parametrize("override, field", [("recipe.stages.s1_256.rope_theta=nan", "recipe.stages.s1_256.rope_theta"),
