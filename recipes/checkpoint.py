@@ -63,8 +63,9 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: str, world_size: int) -> None:
-    """Lists every file of a written checkpoint (size, SHA-256), then fsyncs it and the directory."""
+def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None) -> None:
+    """Lists every file of a written checkpoint (size, SHA-256) with the run's layout (`extra`: dp, cp,
+    config fingerprint), then fsyncs it and the directory."""
     files = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
@@ -72,7 +73,7 @@ def write_manifest(directory: str, world_size: int) -> None:
             fsync_path(path)
             files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
     with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"world_size": world_size, "files": files}, f, indent=1)
+        json.dump({"world_size": world_size, **(extra or {}), "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     fsync_path(directory)
@@ -180,6 +181,7 @@ def save_checkpoint(
     rank_state: Optional[dict],
     meta: dict,
     world_size: int = 1,
+    manifest: Optional[dict] = None,
     keep_last: int = 0,
 ) -> None:
     """Collective: every rank calls it. `save_model(dir)` runs on the main rank only. A failed write (a
@@ -205,7 +207,7 @@ def save_checkpoint(
         os.kill(os.getpid(), signal.SIGKILL)
     if is_main:
         with disk_errors(path):
-            write_manifest(tmp, world_size)  # last: its presence means every rank's files are complete
+            write_manifest(tmp, world_size, manifest)  # last: its presence means every rank's files are complete
     if is_main:
         if os.path.exists(path):  # re-saving the same name: swap, then drop the old one
             old = os.path.join(parent, TMP_PREFIX + "old-" + name)

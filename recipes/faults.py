@@ -9,6 +9,7 @@ the step and the newest checkpoint to go back to.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -56,6 +57,18 @@ def check_finite_parameters(params, where: str) -> None:
     if bad.item():
         raise NonFiniteError(f"not saving {where}: the model has NaN or inf parameters; the previous checkpoints are "
                              "kept as they were")
+
+
+class StageInputError(ValueError):
+    """Input that only a stage's own data preparation can find wrong; the message names the stage."""
+
+
+@contextlib.contextmanager
+def stage_input(stage: str):
+    try:
+        yield
+    except ValueError as e:
+        raise StageInputError(f"stage {stage}: {e}") from e
 
 
 class Stopped(Exception):

@@ -8,6 +8,7 @@ who took the lock (pid, host, start time, command) for the message a second run 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -62,6 +63,11 @@ def identity(resolved: dict) -> dict:
     """The resolved config's keys that decide what a run computes."""
     return {k: v for k, v in flatten(resolved).items()
             if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)}
+
+
+def fingerprint(resolved: dict) -> str:
+    """SHA-256 of the identity keys, recorded in every checkpoint's manifest."""
+    return hashlib.sha256(json.dumps(identity(resolved), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None) -> None:

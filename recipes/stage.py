@@ -32,7 +32,8 @@ from longstride.parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.checkpoint import (final_dir, latest_checkpoint, load_training_state, remove_partial, rng_state,
                                            save_checkpoint, set_rng_state, step_name, verified_final)
-from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, check_finite_parameters
+from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, check_finite_parameters, stage_input
+from longstride.recipes.runlock import fingerprint
 from longstride.recipes.schedule import build_scheduler
 from longstride.recipes.tracking import peak_memory_gib
 
@@ -125,6 +126,17 @@ def log_memory_estimate(ctx: RunContext, name: str, lm, tokens: int, ac: str, ml
                         est["total"], avail)
 
 
+def stage_data(ctx: RunContext, index: int, stage, pad_id: int, dp_rank: int, dp: int):
+    """(loader, held-out sequences, packing stats) of one stage: streamed, or packed from the corpus."""
+    cfg = ctx.cfg
+    if cfg.data.streaming:
+        return streaming_stage(cfg.data, ctx.tokenizer, stage.seq_len, pad_id, stage.mixture, stage.micro_batch_size,
+                               dp_rank, dp, os.path.abspath(cfg.paths.cache_dir))
+    dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture, stage.long_docs)
+    train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + index)
+    return stage_loader(train_set, stage.micro_batch_size, dp_rank, dp, cfg.data, index), held_out, pack_stats
+
+
 def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | None) -> str:
     """Runs (or resumes, or skips if finished) one stage; returns its final checkpoint dir."""
     cfg, acc, tracker = ctx.cfg, ctx.accelerator, ctx.tracker
@@ -176,15 +188,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     scheduler = build_scheduler(optimizer, total, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
 
-    if cfg.data.streaming:
-        loader, held_out, pack_stats = streaming_stage(cfg.data, tok, stage.seq_len, pad_id, stage.mixture,
-                                                       stage.micro_batch_size, dp_rank, dims.dp,
-                                                       os.path.abspath(cfg.paths.cache_dir))
-    else:
-        dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
-                                              stage.long_docs)
-        train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + index)
-        loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, index)
+    with stage_input(name):  # the data's own checks (too few sequences for eval_sequences, ...) as exit 2
+        loader, held_out, pack_stats = stage_data(ctx, index, stage, pad_id, dp_rank, dims.dp)
 
     def evaluate() -> float:
         return validation_loss(model, held_out, dp_rank, dims.dp, acc.device, prep)
@@ -232,7 +237,8 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             meta={"recipe": cfg.recipe.name, "stage": name, "step": step, "seq_len": stage.seq_len,
                   "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats,
                   **(extra_meta or {})},
-            world_size=acc.num_processes, keep_last=cfg.train.keep_last if with_state else 0,
+            world_size=acc.num_processes, manifest={"dp": dims.dp, "cp": dims.cp, "config": fingerprint(ctx.cfg_dict)},
+            keep_last=cfg.train.keep_last if with_state else 0,
         )
 
     stack = contextlib.ExitStack()

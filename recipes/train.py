@@ -133,10 +133,13 @@ def main(raw: DictConfig) -> None:
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
     from longstride.recipes.checkpoint import CheckpointError
-    from longstride.recipes.faults import NonFiniteError, Stopped
+    from longstride.recipes.faults import NonFiniteError, StageInputError, Stopped
 
     try:
         train_stages(*prepared)
+    except StageInputError as e:
+        print(f"longstride: {e}", file=sys.stderr)
+        sys.exit(2)
     except Stopped as e:  # SIGTERM / SIGINT: a checkpoint was saved; the shell's code for that signal
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)

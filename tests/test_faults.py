@@ -408,3 +408,34 @@ def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path):
         assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_eval_sequences_beyond_the_stage_data_is_a_message(micro):
+    r = run_cli(micro + ["data.eval_sequences=100000", "stage=s1_256"])
+    assert r.returncode == 2 and "stage s1_256: data.eval_sequences=100000 must be in [0, " in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path):
+    import signal
+    import time
+
+    from tests.conftest import micro_overrides, read_metrics
+
+    two = micro + ["stage=s1_256", "recipe.stages.s1_256.steps=300", "recipe.stages.s1_256.save_every=20",
+                   "recipe.stages.s1_256.batch_tokens=1024", "recipe.stages.s1_256.micro_batch_size=4"]
+    proc = start(two, launcher=True)
+    stage_dir = tmp_path / "out" / "tiny" / "s1_256"
+    wait_for_step(stage_dir, 45, proc)
+    workers = workers_of(proc.pid)
+    os.kill(workers[1], signal.SIGKILL)
+    t0 = time.time()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 30 and all(gone(w) for w in workers)
+    resumed = start(two, launcher=True)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0 and "resuming from" in out, out[-2000:]
+    clean = start([o.replace(str(tmp_path / "out"), str(tmp_path / "clean")) for o in two], launcher=True)
+    assert clean.communicate(timeout=600) and clean.returncode == 0
+    a, b = read_metrics(stage_dir), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
+    assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise, same layout
