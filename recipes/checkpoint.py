@@ -227,13 +227,14 @@ def save_checkpoint(
 
 def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tuple[dict, dict]:
     """(trainer state, this rank's state) of a verified step checkpoint. Written by another number of
-    processes: with `resplit` (the optimizer state is whole in trainer.pt and the loader re-splits its
-    position), a rank the old run did not have takes rank 0's state; otherwise refused."""
+    processes: with `resplit` (the optimizer state is whole in trainer.pt, keyed by parameter name, and
+    the loader re-splits its position), a rank the old run did not have takes rank 0's state; otherwise
+    (streaming data) refused."""
     written = manifest_world(path)
     if written != world and not resplit:
         raise CheckpointError(f"checkpoint {path} was written by {written} processes but this launch has {world}; "
-                              f"with FSDP (optimizer state sharded per process) or streaming data it resumes only on "
-                              f"{written} processes: relaunch with that many")
+                              f"with streaming data (each process's stream position) it resumes only on {written} "
+                              "processes: relaunch with that many")
     trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
     mine = os.path.join(path, f"rank{rank}.pt")
     return trainer, torch.load(mine if rank < written else os.path.join(path, "rank0.pt"), weights_only=False)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from longstride.data.batch import collate
 from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
@@ -198,8 +199,9 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
     guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     if resume:
         trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes,
-                                            resplit=not fsdp and not cfg.data.streaming)
-        optimizer.load_state_dict(mine["optimizer"] if fsdp else trainer["optimizer"])
+                                            resplit=not cfg.data.streaming)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=trainer["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(trainer["scheduler"])
         step, tokens_seen, val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
         loader.load_state_dict(mine["data"])
@@ -225,15 +227,17 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
         full = {k.removeprefix("lm."): v for k, v in full_state_dict(model).items()} if fsdp else None
         save_lm = (lambda d: lm.save_pretrained(d, state_dict=full)) if fsdp else \
             (lambda d: acc.unwrap_model(model).lm.save_pretrained(d))
-        opt_state = optimizer.state_dict() if with_state else None
+        # the whole optimizer state by parameter name (gathered from the shards under FSDP2, a collective),
+        # so that a run resumes on any number of processes, with or without FSDP
+        opt_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True)) if with_state else None
         save_checkpoint(
             path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
             save_model=lambda d: (save_lm(d), tok.save_pretrained(d)),
             trainer_state={"scheduler": scheduler.state_dict(), "step": step, "tokens_seen": tokens_seen,
-                           "val_loss_start": val_start, **({} if fsdp else {"optimizer": opt_state})}
+                           "val_loss_start": val_start, "optimizer": opt_state}
             if with_state else None,
-            rank_state={"data": loader.state_dict(), "rng": rng_state(), **({"optimizer": opt_state} if fsdp else {})}
-            if with_state else None,
+            rank_state={"data": loader.state_dict(), "rng": rng_state()} if with_state else None,
             meta={"recipe": cfg.recipe.name, "stage": name, "step": step, "seq_len": stage.seq_len,
                   "rope_theta": stage.rope_theta, "tokens_seen": tokens_seen, "packing": pack_stats,
                   **(extra_meta or {})},

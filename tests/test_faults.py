@@ -198,27 +198,29 @@ def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
         assert f"{final} is damaged (model.safetensors has" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_fsdp_or_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
+def test_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
     from longstride.recipes.checkpoint import CheckpointError, load_training_state, write_manifest
 
     torch.save({"step": 3}, tmp_path / "trainer.pt")
     for r in range(2):
         torch.save({"data": {}}, tmp_path / f"rank{r}.pt")
     write_manifest(str(tmp_path), world_size=2)
-    with pytest.raises(CheckpointError, match="written by 2 processes but this launch has 1; with FSDP"):
+    with pytest.raises(CheckpointError, match="written by 2 processes but this launch has 1; with streaming"):
         load_training_state(str(tmp_path), 0, 1, resplit=False)
     assert load_training_state(str(tmp_path), 0, 1, resplit=True)[0] == {"step": 3}
 
 
-@pytest.mark.parametrize("first, second", [(1, 2), (2, 1)])
-def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir, first, second):
+@pytest.mark.parametrize("first, second, fsdp", [(1, 2, False), (2, 1, False), (2, 1, True), (1, 2, True)])
+def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir, first, second, fsdp):
     """Killed after step 4 on `first` processes, resumed from step 3 on `second`: the rest of the epoch
     is shared out from where the killed run stopped, so every step sees the sequences of an uninterrupted
-    run and the losses agree up to reduction order."""
+    run and the losses agree up to reduction order. With fsdp, the 2-process side shards parameters and
+    optimizer state (FSDP2), the 1-process side has none to shard."""
     from tests.conftest import micro_overrides, read_metrics
 
     def launch(root, n, *more):
-        args = micro_overrides(root, cache_dir) + ["stage=s1_256", "recipe.stages.s1_256.micro_batch_size=4", *more]
+        args = micro_overrides(root, cache_dir) + ["stage=s1_256", "recipe.stages.s1_256.micro_batch_size=4",
+                                                   f"parallel.fsdp={str(fsdp).lower()}", *more]
         if n == 1:
             return run_cli(args)
         proc = start(args, launcher=True)
