@@ -101,7 +101,7 @@ def evaluate(ckpt: str, out: str, samples: int) -> dict:
     res["ppl"] = {str(r["length"]): r["ppl"] for r in rows}
     with open(path, "w") as f:
         json.dump(res, f, indent=2)
-    return res
+    return json.loads(json.dumps(res))  # lengths as string keys, as when read back from the file
 
 
 def spread(values: list[float]) -> str:
