@@ -235,7 +235,8 @@ def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tupl
         raise CheckpointError(f"checkpoint {path} was written by {written} processes but this launch has {world}; "
                               f"with streaming data (each process's stream position) it resumes only on {written} "
                               "processes: relaunch with that many")
-    trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+    # memory-mapped: every rank reads the whole optimizer state, and only the pages it needs are loaded
+    trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=False, mmap=True)
     mine = os.path.join(path, f"rank{rank}.pt")
     return trainer, torch.load(mine if rank < written else os.path.join(path, "rank0.pt"), weights_only=False)
 

@@ -70,16 +70,21 @@ def fingerprint(resolved: dict) -> str:
     return hashlib.sha256(json.dumps(identity(resolved), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None) -> None:
+def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None) -> bool:
     """Main process, under the lock, before anything is written. The first run of a directory records its
     config in run.json; a later run with another config is refused, naming each differing key, unless
     train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh, or
-    train.resume_from names the checkpoint to continue from under the new config (recorded as the run's)."""
+    train.resume_from names the checkpoint to continue from under the new config (recorded as the run's).
+    Returns whether resume_from is still to be applied: the same command run again (a requeued job) finds
+    it recorded and resumes normally instead of going back to that checkpoint again."""
     path = os.path.join(directory, "run.json")
     mine = json.loads(json.dumps(identity(resolved), default=str))  # as it reads back from run.json
     if os.path.isfile(path):
         with open(path) as f:
-            theirs = json.load(f)["config"]
+            recorded = json.load(f)
+        theirs = recorded["config"]
+        if resume_from and theirs == mine and recorded.get("resumed_from") == os.path.normpath(resume_from):
+            return False
         if not resume:
             aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
             os.rename(directory, aside)
@@ -98,8 +103,10 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
                                  "recipe.name=...), continue from one of its checkpoints under this config with "
                                  "train.resume_from=DIR, or set train.resume=false to move the old run aside and "
                                  "start afresh")
-        else:
-            return
+        elif not resume_from:
+            return False
     with open(path + ".tmp", "w") as f:
-        json.dump({"config": mine}, f, indent=1)
+        json.dump({"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {})}, f,
+                  indent=1)
     os.replace(path + ".tmp", path)
+    return bool(resume_from)

@@ -244,6 +244,13 @@ def validate(cfg: Config, world_size: int) -> None:
     if bad:
         raise ValueError(f"config fields {', '.join(bad)} are not finite numbers; give finite values")
     _check_ranges(cfg)
+    if cfg.train.resume_from and not cfg.train.resume:
+        raise ValueError("train.resume=false (start afresh) and train.resume_from (continue from a checkpoint) "
+                         "contradict each other; give one")
+    first = next(iter(cfg.recipe.stages), None)
+    if cfg.stage and cfg.stage != first and (cfg.train.resume_from or not cfg.train.resume):
+        raise ValueError(f"stage={cfg.stage} with train.resume=false or train.resume_from: those decide where the "
+                         "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
     r = cfg.recipe
     heads = _check_model(cfg.model)
     if not r.stages:

@@ -52,8 +52,12 @@ class RunContext:
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sums x over all ranks in place; NCCL reduces device tensors only, so a CPU x travels through the GPU."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x)
+        if dist.get_backend() == "nccl" and x.device.type == "cpu":
+            x.copy_(all_reduce_sum(x.to(f"cuda:{torch.cuda.current_device()}")))
+        else:
+            dist.all_reduce(x)
     return x
 
 
@@ -197,6 +201,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
 
     step, tokens_seen, val_start = 0, 0, None
     guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
+    last_good = resume or init_from  # the checkpoint to go back to, updated at each save (never re-hashed per step)
     if resume:
         trainer, mine = load_training_state(resume, acc.process_index, acc.num_processes,
                                             resplit=not cfg.data.streaming)
@@ -275,7 +280,7 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
             grad_norm = float(clip(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf))
             lr = scheduler.get_last_lr()[0]
             loss = (all_reduce_sum(loss_sum) / count.clamp(min=1)).item()
-            update = guard.step_ok(step + 1, loss, grad_norm, latest_checkpoint(stage_dir) or init_from)
+            update = guard.step_ok(step + 1, loss, grad_norm, last_good)
             if update:
                 optimizer.step()
                 scheduler.step()
@@ -291,15 +296,16 @@ def train_stage(ctx: RunContext, index: int, name: str, stage, init_from: str | 
                                "grad_norm": grad_norm, "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem})
             # not in a run of skipped steps: the state that just gave non-finite gradients is not worth keeping
             if stage.save_every and step % stage.save_every == 0 and step < total and not guard.in_row:
-                save(os.path.join(stage_dir, step_name(step)), with_state=True)
+                last_good = os.path.join(stage_dir, step_name(step))
+                save(last_good, with_state=True)
             signum = stop.requested(acc.device)
-            if signum:  # preemption or Ctrl-C on any rank: all save this step, then stop
-                path = os.path.join(stage_dir, step_name(step))
-                if not guard.in_row and not os.path.isdir(path):
-                    save(path, with_state=True)
+            if signum:  # preemption or Ctrl-C on any rank: all save this step (the same decision on each), then stop
+                if not guard.in_row and last_good != os.path.join(stage_dir, step_name(step)):
+                    last_good = os.path.join(stage_dir, step_name(step))
+                    save(last_good, with_state=True)
                 raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {step} of stage {name}; "
-                                      f"newest checkpoint {latest_checkpoint(stage_dir) or init_from}; rerun the same "
-                                      "command to resume")
+                                      f"newest checkpoint {last_good or 'none yet'}; rerun the command to resume (without "
+                                      "train.resume=false or train.resume_from, which would start over)")
             if cfg.train.crash_at_step is not None and step == cfg.train.crash_at_step:
                 tracker.finish_stage()
                 os.kill(os.getpid(), signal.SIGKILL)  # a hard crash, as an OOM killer or preemption would

@@ -87,8 +87,8 @@ def setup(cfg: Config, raw: DictConfig | None):
             resume_from = cfg.train.resume_from
             if resume_from:
                 resume_from_stage(resume_from, recipe_dir, names)
-            check_identity(recipe_dir, resolved, cfg.train.resume, resume_from)
-            if resume_from:  # what would be picked up instead of it is moved aside, never deleted
+            if check_identity(recipe_dir, resolved, cfg.train.resume, resume_from):
+                # what would be picked up instead of it is moved aside, never deleted
                 for moved in supersede_after(resume_from, recipe_dir, names):
                     tracker.info("train.resume_from: moved %s aside", moved)
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))

@@ -57,6 +57,9 @@ def test_exploding_stage_stops_naming_the_last_good_checkpoint_and_saves_nothing
     assert (tmp_path / "out" / "tiny" / "s3_4k" / "final").is_dir()
     (aside,) = [p for p in (tmp_path / "out" / "tiny").iterdir() if p.name.startswith("s2_2k.superseded-")]
     assert (aside / "metrics.jsonl").exists(), "the blown-up stage's record is kept, moved aside"
+    requeued = run_cli(micro + ["recipe.stages.s2_2k.lr=1e-3", f"train.resume_from={s1_final}"])  # the same command
+    assert requeued.returncode == 0 and "stage s3_4k already complete" in requeued.stderr, requeued.stderr[-2000:]
+    assert len([p for p in (tmp_path / "out" / "tiny").iterdir() if ".superseded-" in p.name]) == 1
     bad = run_cli(micro + [f"train.resume_from={tmp_path}"])
     assert bad.returncode == 2 and "is not a step_NNNNNN or final checkpoint" in bad.stderr
 
