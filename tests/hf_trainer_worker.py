@@ -84,6 +84,9 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
     trainer.train()
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
+    if dist.is_initialized():  # an orderly teardown: gloo's threads torn down at exit can abort a rank
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
