@@ -245,6 +245,66 @@ def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir,
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5), s
 
 
+def test_metrics_rewind_to_the_resumed_step_and_drop_a_cut_line(tmp_path):
+    from longstride.recipes.tracking import rewind_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)]
+    path.write_text("\n".join(lines) + '\n{"step": 6, "lo')  # killed mid-write
+    rewind_metrics(str(path), 4)
+    assert path.read_text() == "\n".join(lines[:5]) + "\n"
+    rewind_metrics(str(path), 0)  # the stage starts afresh
+    assert path.read_text() == ""
+
+
+def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
+    from longstride.recipes.tracking import wandb_run_id
+
+    first = wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False)
+    assert first.startswith("tiny-s1_256-") and first == wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=True)
+    assert wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False) != first
+
+
+@pytest.mark.parametrize("override, message", [
+    ("recipe.stages.s1_256.micro_batch_size=0", "recipe.stages.s1_256.micro_batch_size=0 must be >= 1"),
+    ("recipe.stages.s2_2k.lr=-0.001", "recipe.stages.s2_2k.lr=-0.001 must be > 0"),
+    ("optim.betas=[0.9]", "optim.betas=[0.9] must be two numbers in [0, 1)"),
+    ("model.loss_tile_tokens=0", "model.loss_tile_tokens=0 must be >= 1"),
+    ("data.eval_sequences=-1", "data.eval_sequences=-1 must be >= 0"),
+    ("recipe.stages.s1_256.save_every=-1", "recipe.stages.s1_256.save_every=-1 must be >= 0"),
+    ("recipe.stages.s3_4k.min_lr_ratio=5", "recipe.stages.s3_4k.min_lr_ratio=5.0 must be in [0, 1]"),
+    ("model.num_hidden_layers=0", "model.num_hidden_layers=0 must be >= 1"),
+])
+def test_out_of_range_values_are_named_before_compute(micro, override, message):
+    from longstride.recipes.schema import validate
+    from tests.conftest import compose_cfg
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate(compose_cfg(micro + [override]), 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.resume=false", "train.resume_from=/x"], "contradict each other"),
+    (["stage=s2_2k", "train.resume=false"], "drop stage="),
+    (["stage=s2_2k", "train.resume_from=/x"], "drop stage="),
+])
+def test_contradictory_restart_options(micro, overrides, message):
+    from longstride.recipes.schema import validate
+    from tests.conftest import compose_cfg
+
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg(micro + overrides), 1)
+
+
+def test_output_root_that_is_a_file(micro, tmp_path):
+    from longstride.recipes.schema import validate
+    from tests.conftest import compose_cfg
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="paths.output_root=.*afile' is a file"):
+        validate(compose_cfg(micro + [f"paths.output_root={tmp_path / 'afile'}"]), 1)
+
+
 def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
     one = micro + ["stage=s1_256"]
     assert run_cli(one).returncode == 0
