@@ -1,0 +1,200 @@
+"""Checkpoint faults on the tiny model: damaged files fall back to an intact checkpoint, a kill inside
+a write or a full disk leave nothing that looks complete, and a run resumes on another number of
+processes. Each resume is compared with an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+from tests.test_faults import start
+
+
+# --- damaged checkpoints: stage 2 of the micro recipe killed after step 5, with step checkpoints 2 and 4
+S2 = ["recipe.stages.s2_2k.steps=6", "recipe.stages.s2_2k.save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def killed_and_clean(tmp_path_factory, cache_dir):
+    """(a run killed after s2's step 5, an uninterrupted run): both output roots."""
+    from tests.conftest import micro_overrides
+
+    root = tmp_path_factory.mktemp("faults")
+    first = run_cli(micro_overrides(root / "killed", cache_dir) + S2 + ["stage=s1_256"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    killed = run_cli(micro_overrides(root / "killed", cache_dir) + S2 + ["train.crash_at_step=5"])  # in s2
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    s2 = root / "killed" / "tiny" / "s2_2k"
+    assert sorted(p.name for p in s2.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000004"]
+    clean = run_cli(micro_overrides(root / "clean", cache_dir) + S2)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    return root
+
+
+def damage(ck, how: str) -> str:
+    """Damages one file of checkpoint dir `ck` as a crash, a full disk or bit rot would; returns its name."""
+    name = {"truncate": "model.safetensors", "empty": "model.safetensors", "garble": "trainer.pt",
+            "delete_trainer": "trainer.pt", "delete_rank": "rank0.pt", "config": "config.json",
+            "no_manifest": "manifest.json"}[how]
+    path = ck / name
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "garble":
+        path.write_bytes(os.urandom(path.stat().st_size))
+    elif how == "config":
+        path.write_text(path.read_text().replace('"hidden_size": 32', '"hidden_size": 48'))
+    else:
+        path.unlink()
+    return name
+
+
+@pytest.mark.parametrize("how", ["truncate", "empty", "garble", "delete_trainer", "delete_rank", "config",
+                                 "no_manifest"])
+def test_resume_falls_back_past_a_damaged_checkpoint_and_matches_the_clean_run(killed_and_clean, cache_dir, tmp_path,
+                                                                                how):
+    import shutil
+
+    from tests.conftest import micro_overrides, read_metrics
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    bad = root / "tiny" / "s2_2k" / "step_000004"
+    name = damage(bad, how)
+    r = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stderr + r.stdout
+    assert f"checkpoint {bad} is damaged" in log and name in log and "resuming from" in log
+    assert f"{root / 'tiny' / 's2_2k' / 'step_000002'} (step 2)" in log
+    for stage in ("s2_2k", "s3_4k"):
+        a, b = read_metrics(root / "tiny" / stage), read_metrics(killed_and_clean / "clean" / "tiny" / stage)
+        assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)], stage  # bitwise
+        raw = [json.loads(line)["step"] for line in (root / "tiny" / stage / "metrics.jsonl").open()]
+        clean = [json.loads(line)["step"] for line in (killed_and_clean / "clean" / "tiny" / stage / "metrics.jsonl").open()]
+        assert raw == clean, "the killed run's steps after the resumed checkpoint are gone, none twice"
+
+
+def test_no_intact_checkpoint_exits_2_listing_each(killed_and_clean, cache_dir, tmp_path):
+    import shutil
+
+    from tests.conftest import micro_overrides
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    s2 = root / "tiny" / "s2_2k"
+    damage(s2 / "step_000004", "truncate")
+    damage(s2 / "step_000002", "delete_rank")
+    r = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no intact checkpoint to resume from" in r.stderr and "Traceback" not in r.stderr
+    assert f"{s2 / 'step_000004'}: model.safetensors has" in r.stderr
+    assert f"{s2 / 'step_000002'}: rank0.pt is missing" in r.stderr
+    assert (s2 / "step_000004").is_dir() and (s2 / "step_000002").is_dir(), "nothing deleted"
+
+
+def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
+    import shutil
+
+    from tests.conftest import micro_overrides
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    final = root / "tiny" / "s1_256" / "final"
+    damage(final, "truncate")
+    for extra in ([], ["stage=s2_2k"]):  # the stage itself, and the next stage that starts from it
+        r = run_cli(micro_overrides(root, cache_dir) + S2 + extra)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert f"{final} is damaged (model.safetensors has" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
+    from longstride.recipes.checkpoint import CheckpointError, load_training_state, write_manifest
+
+    torch.save({"step": 3}, tmp_path / "trainer.pt")
+    for r in range(2):
+        torch.save({"data": {}}, tmp_path / f"rank{r}.pt")
+    write_manifest(str(tmp_path), world_size=2)
+    with pytest.raises(CheckpointError, match="written by 2 processes but this launch has 1; with streaming"):
+        load_training_state(str(tmp_path), 0, 1, resplit=False)
+    assert load_training_state(str(tmp_path), 0, 1, resplit=True)[0] == {"step": 3}
+
+
+@pytest.mark.parametrize("first, second, fsdp", [(1, 2, False), (2, 1, False), (2, 1, True), (1, 2, True)])
+def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir, first, second, fsdp):
+    """Killed after step 4 on `first` processes, resumed from step 3 on `second`: the rest of the epoch
+    is shared out from where the killed run stopped, so every step sees the sequences of an uninterrupted
+    run and the losses agree up to reduction order. With fsdp, the 2-process side shards parameters and
+    optimizer state (FSDP2), the 1-process side has none to shard."""
+    from tests.conftest import micro_overrides, read_metrics
+
+    def launch(root, n, *more):
+        args = micro_overrides(root, cache_dir) + ["stage=s1_256", "recipe.stages.s1_256.micro_batch_size=4",
+                                                   f"parallel.fsdp={str(fsdp).lower()}", *more]
+        if n == 1:
+            return run_cli(args)
+        proc = start(args, launcher=True)
+        out, _ = proc.communicate(timeout=600)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, out)
+
+    import subprocess
+
+    clean = launch(tmp_path / "clean", 1)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    killed = launch(tmp_path / "x", first, "train.crash_at_step=4")
+    assert killed.returncode != 0 and (tmp_path / "x" / "tiny" / "s1_256" / "step_000003").is_dir()
+    resumed = launch(tmp_path / "x", second)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step 3); its data position re-split from {first} to {second} data-parallel ranks" in resumed.stderr
+    a, b = read_metrics(tmp_path / "x" / "tiny" / "s1_256"), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
+    assert sorted(a) == sorted(b) == list(range(7))
+    for s in range(1, 7):
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5), s
+
+
+def test_kill_inside_a_checkpoint_write_leaves_nothing_that_looks_complete(killed_and_clean, cache_dir, tmp_path):
+    from tests.conftest import micro_overrides, read_metrics
+
+    root = tmp_path / "run"
+    first = run_cli(micro_overrides(root, cache_dir) + S2 + ["stage=s1_256"])
+    assert first.returncode == 0
+    r = run_cli(micro_overrides(root, cache_dir) + S2, env_extra={"LONGSTRIDE_TEST_KILL_IN_SAVE": "step_000004"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    s2 = root / "tiny" / "s2_2k"
+    assert (s2 / ".tmp-step_000004" / "model.safetensors").exists() and not (s2 / "step_000004").exists()
+    resumed = run_cli(micro_overrides(root, cache_dir) + S2)
+    assert resumed.returncode == 0 and f"resuming from {s2 / 'step_000002'}" in resumed.stderr, resumed.stderr[-2000:]
+    assert not (s2 / ".tmp-step_000004").exists()
+    a, b = read_metrics(s2), read_metrics(killed_and_clean / "clean" / "tiny" / "s2_2k")
+    assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise
+
+
+def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path):
+    import subprocess
+
+    from tests.conftest import read_metrics
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=240k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"a small tmpfs needs mount privileges (CAP_SYS_ADMIN): {mounted.stderr.decode().strip()}")
+    try:
+        one = [o for o in micro if not o.startswith("paths.output_root")] + [f"paths.output_root={mnt}",
+                                                                             "stage=s1_256"]
+        r = run_cli(one)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"could not write checkpoint {mnt}/tiny/s1_256/step_000003" in r.stderr and "Traceback" not in r.stderr
+        assert not (mnt / "tiny" / "s1_256" / "step_000003").exists()
+        subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)  # space freed
+        again = run_cli(one)
+        assert again.returncode == 0, again.stderr[-2000:]
+        clean = run_cli(micro + ["stage=s1_256"])
+        assert clean.returncode == 0
+        a, b = read_metrics(mnt / "tiny" / "s1_256"), read_metrics(tmp_path / "out" / "tiny" / "s1_256")
+        assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
