@@ -59,8 +59,9 @@ def _worker(rank, n, model_name, method, length, path):
     from longstride.model.loss import ChunkedLossLM
     from longstride.model.rmsnorm import lean_rms_norms
     from longstride.model.tiling import tile_mlps
-    from longstride.parallel.attention import cp_context, shard_for_cp, use_longstride_attention
+    from longstride.parallel.attention import use_longstride_attention
     from longstride.parallel.config import CPDegrees, ParallelDims
+    from longstride.parallel.cp import cp_context, shard_for_cp
 
     zero = proc_status_bytes("VmRSS")
     cfg, vocab = MODELS[model_name]
@@ -80,8 +81,8 @@ def _worker(rank, n, model_name, method, length, path):
         labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
         batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(length)[None],
                  "doc_ids": torch.zeros_like(ids), "seq_index": torch.arange(length)[None]}
-        cp = cp_context(ParallelDims(n, 1, n), CPDegrees(ring=n), "cpu")
-        local, layout = shard_for_cp(batch, True, "sdpa", cp)
+        cp = cp_context("ring", ParallelDims(n, 1, n), CPDegrees(ring=n), "cpu", "sdpa")
+        local, layout = shard_for_cp(batch, True, cp)
 
         def loss_fn():
             return model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout) / length

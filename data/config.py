@@ -7,15 +7,6 @@ from typing import Dict, Optional
 from longstride.choices import Choice
 
 
-class SourceKind(Choice):
-    stdlib = "stdlib"
-    local_dir = "local_dir"
-    files = "files"
-    disk = "disk"
-    hub = "hub"
-    synthetic = "synthetic"
-
-
 class Packing(Choice):
     best_fit = "best_fit"
     concat = "concat"
@@ -41,7 +32,8 @@ class SourceConfig:
     # disk: a dataset written by `save_to_disk` at `path`
     # hub: a hub dataset `name` (only when you name one; needs network)
     # synthetic: retrieval documents made on the fly (see `synthetic`; no files, no download)
-    kind: SourceKind = SourceKind.stdlib
+    # (the kinds are the table data/sources.py KINDS; a wrong name fails before compute, listing them)
+    kind: str = "stdlib"
     path: Optional[str] = None
     glob: str = "**/*.py,**/*.md,**/*.txt,**/*.rst"
     name: Optional[str] = None

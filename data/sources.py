@@ -12,7 +12,9 @@ import json
 import os
 import stat
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import datasets
 
@@ -95,14 +97,13 @@ def check_synthetic(src: SourceConfig, field: str) -> None:
 
 
 def _synthetic_kwargs(src: SourceConfig, field: str) -> dict:
-    check_synthetic(src, field)
     s = src.synthetic
     stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
     return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
                 kinds=dict(s.kinds), corpus_share=s.corpus_share)
 
 
-def _synthetic_dataset(src: SourceConfig, cache_dir: str, field: str) -> datasets.Dataset:
+def _synthetic_dataset(src: SourceConfig, cache_dir: str, num_proc: int, field: str) -> datasets.Dataset:
     from longstride.data import synthetic
 
     kw = _synthetic_kwargs(src, field)
@@ -139,7 +140,7 @@ def _mark_skips(ds: datasets.Dataset, column: str, num_proc: int) -> datasets.Da
 def _walk_files(src: SourceConfig, field: str) -> list[str]:
     """The files of a stdlib / local_dir source, in sorted order."""
     root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
-    if src.kind == "local_dir" and (not src.path or not root.is_dir()):
+    if src.kind == "local_dir" and not root.is_dir():
         raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
     patterns = "**/*.py" if src.kind == "stdlib" else src.glob
     paths = list_files(root, patterns, unreadable=True)[: src.max_docs]
@@ -150,8 +151,6 @@ def _walk_files(src: SourceConfig, field: str) -> list[str]:
 
 def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     """(datasets builder, files) of a `files` source."""
-    if not src.path:
-        raise ValueError(f"{field}.path is empty; give a file or a glob such as data/*.jsonl")
     files = sorted(glob.glob(src.path)) if any(ch in src.path for ch in "*?[") else [src.path]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
@@ -202,11 +201,7 @@ def first_bad_record(files: list[str], builder: str) -> str:
     return ""
 
 
-def _hub_dataset(src: SourceConfig, field: str, **kw):
-    if src.kind != "hub":
-        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use stdlib, local_dir, files, disk, hub or synthetic")
-    if not src.name:
-        raise ValueError(f"{field}.name is empty; name the hub dataset (this is the only kind that needs network)")
+def _hub_dataset(src: SourceConfig, **kw):
     return datasets.load_dataset(src.name, src.subset, split=src.split, **kw)
 
 
@@ -215,35 +210,118 @@ def _check_text_column(src: SourceConfig, columns: list, field: str) -> None:
         raise ValueError(f"{field}.text_column={src.text_column!r} is not a column; the columns are {columns}")
 
 
-def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str = "data.sources") -> datasets.Dataset:
-    """Rows {text, skip} for one source; raises ValueError naming the field on bad input."""
-    if src.kind in ("stdlib", "local_dir"):
-        return _files_dataset(_walk_files(src, field), cache_dir)
-    if src.kind == "synthetic":
-        return _synthetic_dataset(src, cache_dir, field)
-    if src.kind == "files":
-        builder, files = _data_files(src, field)
-        with read_errors(files, builder, field):
-            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
-        _check_text_column(src, ds.column_names, field)
-        if src.max_docs is not None:
-            ds = ds.select(range(min(src.max_docs, len(ds))))
-        with read_errors(files, builder, field):  # arrow decodes the text here: bad bytes surface now
-            return _mark_skips(ds, src.text_column, num_proc)
-    elif src.kind == "disk":
-        if not src.path or not os.path.isdir(src.path):
-            raise ValueError(f"{field}.path={src.path!r} is not a directory written by Dataset.save_to_disk")
-        ds = datasets.load_from_disk(src.path)
-        if isinstance(ds, datasets.DatasetDict):
-            if src.split not in ds:
-                raise ValueError(f"{field}.split={src.split!r} is not in {list(ds)}; pick one of those")
-            ds = ds[src.split]
-    else:
-        ds = _hub_dataset(src, field, cache_dir=cache_dir)
+def _table(ds: datasets.Dataset, src: SourceConfig, num_proc: int, field: str) -> datasets.Dataset:
+    """A tabular source's rows -> {text, skip}: its text column checked, the first max_docs kept."""
     _check_text_column(src, ds.column_names, field)
     if src.max_docs is not None:
         ds = ds.select(range(min(src.max_docs, len(ds))))
     return _mark_skips(ds, src.text_column, num_proc)
+
+
+def _stream_table(ds: datasets.IterableDataset, src: SourceConfig, field: str) -> datasets.IterableDataset:
+    columns = ds.column_names or list(next(iter(ds), {}))
+    _check_text_column(src, columns, field)
+    if src.max_docs is not None:
+        ds = ds.take(src.max_docs)
+    return ds.map(_marker(src.text_column), batched=True, remove_columns=[c for c in columns if c != "text"])
+
+
+# ---- each kind's check (before compute), whole read and streamed read ----
+
+def _needs_path(src: SourceConfig, field: str) -> None:
+    if not src.path:
+        raise ValueError(f"{field}.path is not set; {field}.path=... ({src.kind} sources read local paths)")
+
+
+def _check_hub(src: SourceConfig, field: str) -> None:
+    if not src.name:
+        raise ValueError(f"{field}.name is empty; name the hub dataset (this is the only kind that needs network)")
+
+
+def _load_walked(src, cache_dir, num_proc, field):
+    return _files_dataset(_walk_files(src, field), cache_dir)
+
+
+def _stream_walked(src, cache_dir, field, world):
+    return datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": _walk_files(src, field)})
+
+
+def _load_files(src, cache_dir, num_proc, field):
+    builder, files = _data_files(src, field)
+    with read_errors(files, builder, field):
+        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
+    _check_text_column(src, ds.column_names, field)
+    with read_errors(files, builder, field):  # arrow decodes the text here: bad bytes surface now
+        return _table(ds, src, num_proc, field)
+
+
+def _stream_files(src, cache_dir, field, world):
+    builder, files = _data_files(src, field)
+    return _stream_table(datasets.load_dataset(builder, data_files=files, split="train", streaming=True), src, field)
+
+
+def _load_disk(src, cache_dir, num_proc, field):
+    if not os.path.isdir(src.path):
+        raise ValueError(f"{field}.path={src.path!r} is not a directory written by Dataset.save_to_disk")
+    ds = datasets.load_from_disk(src.path)
+    if isinstance(ds, datasets.DatasetDict):
+        if src.split not in ds:
+            raise ValueError(f"{field}.split={src.split!r} is not in {list(ds)}; pick one of those")
+        ds = ds[src.split]
+    return _table(ds, src, num_proc, field)
+
+
+def _stream_disk(src, cache_dir, field, world):
+    return _load_disk(src, cache_dir, 1, field).to_iterable_dataset(num_shards=max(world, 1) * 8)
+
+
+def _load_hub(src, cache_dir, num_proc, field):
+    return _table(_hub_dataset(src, cache_dir=cache_dir), src, num_proc, field)
+
+
+def _stream_hub(src, cache_dir, field, world):
+    return _stream_table(_hub_dataset(src, streaming=True), src, field)
+
+
+def _stream_synthetic(src, cache_dir, field, world):
+    return datasets.IterableDataset.from_generator(_synthetic_rows, gen_kwargs=_synthetic_kwargs(src, field))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of source: check(src, field) runs before compute; load(src, cache_dir, num_proc, field) reads
+    it whole; stream(src, cache_dir, field, world) reads it lazily (data.streaming=true). Rows {text, skip}."""
+
+    check: Callable
+    load: Callable
+    stream: Callable
+
+
+def _no_check(src, field):
+    return None
+
+
+KINDS = {  # data.sources.<name>.kind -> its Kind; a new kind is one entry here and its functions above
+    "stdlib": Kind(_no_check, _load_walked, _stream_walked),
+    "local_dir": Kind(_needs_path, _load_walked, _stream_walked),
+    "files": Kind(_needs_path, _load_files, _stream_files),
+    "disk": Kind(_needs_path, _load_disk, _stream_disk),
+    "hub": Kind(_check_hub, _load_hub, _stream_hub),
+    "synthetic": Kind(check_synthetic, _synthetic_dataset, _stream_synthetic),
+}
+
+
+def check_source(src: SourceConfig, field: str) -> Kind:
+    """The source's Kind, after its checks; a ValueError naming the field otherwise."""
+    if src.kind not in KINDS:
+        raise ValueError(f"{field}.kind={src.kind!r} is unknown; use one of {list(KINDS)}")
+    KINDS[src.kind].check(src, field)
+    return KINDS[src.kind]
+
+
+def load_source(src: SourceConfig, cache_dir: str, num_proc: int = 1, field: str = "data.sources") -> datasets.Dataset:
+    """Rows {text, skip} for one source; raises ValueError naming the field on bad input."""
+    return check_source(src, field).load(src, cache_dir, num_proc, field)
 
 
 def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
@@ -263,23 +341,7 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
     """Rows {text, skip} read lazily (data.streaming=true): the first `skip` rows dropped, then rank's
     share of the rest (whole shards when the shard count divides by world, else every world-th row).
     Raises ValueError naming the field on bad input, before anything is read past the first row."""
-    if src.kind in ("stdlib", "local_dir"):
-        ds = datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": _walk_files(src, field)})
-    elif src.kind == "synthetic":
-        ds = datasets.IterableDataset.from_generator(_synthetic_rows, gen_kwargs=_synthetic_kwargs(src, field))
-    else:
-        if src.kind == "disk":
-            ds = load_source(src, cache_dir, 1, field).to_iterable_dataset(num_shards=max(world, 1) * 8)
-        elif src.kind == "files":
-            builder, files = _data_files(src, field)
-            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
-        else:
-            ds = _hub_dataset(src, field, streaming=True)
-        columns = ds.column_names or list(next(iter(ds), {}))
-        _check_text_column(src, columns, field)
-        if src.max_docs is not None:
-            ds = ds.take(src.max_docs)
-        ds = ds.map(_marker(src.text_column), batched=True, remove_columns=[c for c in columns if c != "text"])
+    ds = check_source(src, field).stream(src, cache_dir, field, world)
     if skip:
         ds = ds.skip(skip)
     if world > 1:

@@ -16,7 +16,6 @@ x seq_len tokens of them); every rank's training stream skips the rows they came
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Callable
 
 import datasets

@@ -31,7 +31,8 @@ def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None
     return [int((i + 1) % interval != 0) for i in range(num_layers)]
 
 
-def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, seq_len: int) -> SmolLM3Config:
+def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, seq_len: int,
+                   rope_theta: float) -> SmolLM3Config:
     return SmolLM3Config(
         vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
@@ -45,7 +46,7 @@ def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, 
         initializer_range=cfg.initializer_range,
         no_rope_layers=nope_pattern(cfg.num_hidden_layers, cfg.nope_interval, cfg.nope_layers),
         no_rope_layer_interval=max(cfg.nope_interval, 1),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
         max_position_embeddings=seq_len,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
@@ -55,9 +56,8 @@ def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, 
 
 
 def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int) -> PretrainedConfig:
-    """Write a stage's RoPE base and context length into a config (in place, returned)."""
-    if rope_theta <= 0:
-        raise ValueError(f"rope_theta={rope_theta} must be positive")
+    """Write a stage's RoPE base (positive: recipes/plan.py checks it) and context length into a config (in
+    place, returned)."""
     params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
     params["rope_theta"] = float(rope_theta)
     config.rope_parameters = params
@@ -121,7 +121,7 @@ def build_model(
     else:
         if cfg.arch != "smollm3":
             raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
-        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len), rope_theta, seq_len)
+        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta, seq_len)
         if cfg.yarn.factor:
             apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
         with torch.random.fork_rng(devices=[]):

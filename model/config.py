@@ -45,8 +45,6 @@ class ModelConfig:
     # `nope_layers` lists the NoPE layer indices (0-based) explicitly. 0 = RoPE everywhere.
     nope_interval: int = 4
     nope_layers: Optional[List[int]] = None
-    # Starting RoPE base before the first stage; each stage writes its own.
-    rope_theta: float = 10000.0
     yarn: YarnConfig = field(default_factory=YarnConfig)
     # Activation checkpointing of every decoder layer (model/checkpointing.py): full keeps each layer's
     # input only; selective keeps cheap ops' outputs and recomputes matmuls and attention. Offload holds

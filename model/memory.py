@@ -20,12 +20,9 @@ The estimate, per rank, in bytes:
   MLP tile working set: tile x I x b x 4
 The constants follow the usual per-layer accounting (Korthikanti et al., 2022) for attention that
 never materialises L x L scores; tests/test_tiling.py pins the tiled layer's set exactly, and
-benchmarks/bench_memory.py measures the real figures (README).
+benchmarks/bench_memory.py measures the real figures (benchmarks/README.md).
 """
 from __future__ import annotations
-
-import os
-import re
 
 import torch
 
@@ -63,15 +60,12 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     return out
 
 
-def device_memory_gib(device: torch.device) -> tuple[float, str]:
-    """(GiB this rank may use, where the figure comes from)."""
+def device_memory_gib(device: torch.device, local_ranks: int = 1) -> tuple[float, str]:
+    """(GiB this rank may use, where the figure comes from); on CPU the available host memory shared by
+    `local_ranks` processes of this machine."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total / 2 ** 30, "CUDA total"
-    try:
-        with open("/proc/meminfo") as f:
-            avail = int(re.search(r"MemAvailable:\s+(\d+) kB", f.read()).group(1)) * 1024
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return avail / ranks / 2 ** 30, f"CPU MemAvailable / {ranks} local ranks"
-    except (OSError, AttributeError):
-        return float("inf"), "unknown"
+    import psutil  # an accelerate dependency
+
+    return psutil.virtual_memory().available / local_ranks / 2 ** 30, f"CPU available / {local_ranks} local ranks"

@@ -7,13 +7,6 @@ from dataclasses import dataclass
 from longstride.choices import Choice
 
 
-class CPImpl(Choice):
-    ring = "ring"
-    ulysses = "ulysses"
-    upipe = "upipe"
-    hybrid = "hybrid"
-
-
 class Balance(Choice):
     zigzag = "zigzag"
     docs = "docs"
@@ -28,7 +21,7 @@ class Kernel(Choice):
 
 @dataclass
 class ParallelConfig:
-    cp_impl: CPImpl = CPImpl.ring  # how a stage with cp > 1 splits the sequence; the degree is per stage
+    cp_impl: str = "ring"  # a method of parallel/cp.py METHODS: how a stage with cp > 1 splits the sequence
     kernel: Kernel = Kernel.auto  # auto: flash_attn on CUDA when installed, else sdpa (per document)
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
     ulysses: int = 0  # hybrid only: the Ulysses degree inside each ring rank (ring degree = cp / ulysses)
@@ -61,7 +54,7 @@ def describe_cp(impl: str, d: CPDegrees, kv_heads: int = 0) -> str:
     return text
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -69,37 +62,23 @@ def _nearest(choices: list[int], x: int) -> list[int]:
     return sorted(sorted(choices, key=lambda c: (abs(c - x), c))[:2])
 
 
-def cp_degrees(cfg: ParallelConfig, cp: int, heads: int, where: str = "cp") -> CPDegrees:
-    """The (ring, Ulysses, U) split of a stage's cp for a model with `heads` query heads. K/V heads need
-    no check: when they do not divide by the Ulysses degree they are replicated (parallel/upipe.py)."""
-    if cfg.cp_impl not in CPImpl.names():
-        raise ValueError(f"parallel.cp_impl={cfg.cp_impl!r} is unknown; use one of {CPImpl.names()}")
-    if cp == 1:
-        return CPDegrees()
-    if cfg.cp_impl == "ring":
-        return CPDegrees(ring=cp)
-    if cfg.cp_impl == "hybrid":
-        u = cfg.ulysses
-        if u < 1 or cp % u:
-            raise ValueError(f"parallel.ulysses={u}: hybrid needs a Ulysses degree that divides {where}={cp} "
-                             f"(ring degree = cp / ulysses); set parallel.ulysses to one of {_divisors(cp)}")
-    else:
-        u = cp
+def check_ulysses(u: int, cp: int, heads: int, where: str) -> None:
+    """A Ulysses degree u must divide the query heads (the all-to-all splits them over u ranks). K/V heads
+    need no check: when they do not divide by u they are replicated (parallel/heads.py)."""
     if heads % u:
-        ok = [d for d in _divisors(heads) if d > 1]
+        ok = [d for d in divisors(heads) if d > 1]
         raise ValueError(f"{where}={cp}: the Ulysses degree {u} must divide the model's {heads} query heads; "
                          f"valid Ulysses degrees are {ok} (nearest: {_nearest(ok, u)}), or use parallel.cp_impl=ring")
-    if cfg.upipe_heads and cfg.cp_impl == "ulysses":
-        raise ValueError(f"parallel.upipe_heads={cfg.upipe_heads} is read by cp_impl=upipe or hybrid; "
-                         "use parallel.cp_impl=upipe for headwise stages")
-    U = 0
-    if cfg.cp_impl == "upipe" or cfg.upipe_heads:
-        U = cfg.upipe_heads or u
-        ok = [d for d in _divisors(heads) if d % u == 0]
-        if U % u or heads % U:
-            raise ValueError(f"parallel.upipe_heads={U} must be a multiple of the Ulysses degree {u} and divide the "
-                             f"{heads} query heads; valid: {ok} (nearest: {_nearest(ok, U)})")
-    return CPDegrees(cp // u, u, 0 if U == heads else U)
+
+
+def stage_heads(upipe_heads: int, u: int, heads: int) -> int:
+    """UPipe's U from parallel.upipe_heads (0: the Ulysses degree), checked; 0 when U is all the heads."""
+    U = upipe_heads or u
+    if U % u or heads % U:
+        ok = [d for d in divisors(heads) if d % u == 0]
+        raise ValueError(f"parallel.upipe_heads={U} must be a multiple of the Ulysses degree {u} and divide the "
+                         f"{heads} query heads; valid: {ok} (nearest: {_nearest(ok, U)})")
+    return 0 if U == heads else U
 
 
 @dataclass(frozen=True)
@@ -120,19 +99,10 @@ class ParallelDims:
                 f"{where}: world size {world} is not divisible by cp {cp}; "
                 f"launch a multiple of {cp} processes or pick cp from {[d for d in range(1, world + 1) if world % d == 0]}"
             )
-        dims = cls(world, world // cp, cp)
-        dims.validate()
-        return dims
-
-    def validate(self) -> None:
-        if self.world != self.dp * self.cp:
-            raise ValueError(f"world size {self.world} != dp {self.dp} x cp {self.cp}")
+        return cls(world, world // cp, cp)
 
     def dp_rank(self, rank: int) -> int:
         return rank // self.cp
-
-    def cp_rank(self, rank: int) -> int:
-        return rank % self.cp
 
     def mesh(self, device_type: str, ulysses: int = 1):
         """The (dp, ring, ulysses) DeviceMesh over the world, ring x ulysses = cp. Ulysses groups are

@@ -20,8 +20,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longstride.parallel.blocks import RingPlan
+from longstride.parallel.balance import balanced_assignment
+from longstride.parallel.blocks import RingPlan, ring_plan
+from longstride.parallel.config import CPDegrees
 from longstride.parallel.kernels import block_backward, block_forward, dense_last, seq_major
+from longstride.parallel.zigzag import shard_batch, zigzag
 
 KV_TAG, DKV_TAG = 0, 1
 
@@ -176,3 +179,25 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]) -> torch.Tensor:
     return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), plan, kernel, scale, comm)
+
+
+# The "ring" context-parallel method (parallel/cp.py): all of cp is the ring.
+
+def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
+    return CPDegrees(ring=cp)
+
+
+def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan]:
+    """This ring rank's chunks of every (B, L) tensor of a PackedBatch, and the plan of its attention blocks.
+    docs: (B, L) document ids, None for plain causal; cp: the stage's CPContext. The chunk assignment is
+    zig-zag, or with cp.balance=docs the batch's own (parallel/balance.py)."""
+    B, L = batch["input_ids"].shape
+    assignment = zigzag(cp.n)
+    if cp.balance == "docs" and docs is not None:
+        assignment = balanced_assignment(docs.cpu().numpy(), cp.n, cp.balance_chunks)
+    return shard_batch(batch, cp.n, cp.ring_rank, assignment), ring_plan(docs, B, L, cp.n, cp.ring_rank, assignment)
+
+
+def attention(q, k, v, layout, scale: float) -> torch.Tensor:
+    """layout: the batch's DocLayout (parallel/attention.py)."""
+    return ring_attention(q, k, v, layout.plan, layout.cp.kernel, scale, layout.cp.comm)

@@ -6,7 +6,7 @@ its ring rank's zig-zag share) for all heads. An all-to-all turns (L/N tokens, H
 "ring" when there is no ring: one varlen-causal call per document layout, parallel/blocks.py); a
 second all-to-all brings the output back to sequence shards.
 
-UPipe runs the query heads in stages of U (parallel/upipe.py): each stage's all-to-alls and
+UPipe runs the query heads in stages of U (head schedule: parallel/heads.py): each stage's all-to-alls and
 attention reuse the previous stage's buffers, and K/V are exchanged once and kept. Only the local
 inputs, the local output and each stage's log-sum-exp are saved for backward; backward exchanges
 (q, out, dout) per stage again and runs the attention backward stage by stage, so its buffers are
@@ -22,9 +22,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from longstride.parallel import ring as ring_method
 from longstride.parallel.blocks import RingPlan
+from longstride.parallel.config import CPDegrees, check_ulysses
 from longstride.parallel.ring import RingComm, ring_backward, ring_forward
-from longstride.parallel.upipe import HeadSchedule, head_schedule
+from longstride.parallel.heads import HeadSchedule, head_schedule
+from longstride.parallel.zigzag import split_batch
 
 
 class HeadComm:
@@ -134,3 +137,26 @@ def ulysses_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, ring: 
     """plan: the ring plan over the Ulysses group's (ring-local) sequence, n = 1 without a ring."""
     return _UlyssesAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, kernel, scale, ring,
                                    heads, stage_heads)
+
+
+# The "ulysses" context-parallel method (parallel/cp.py): all of cp is the Ulysses group, all heads at once.
+# UPipe and hybrid (parallel/upipe.py, parallel/hybrid.py) shard and attend the same way.
+
+def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
+    check_ulysses(cp, cp, heads, where)
+    if cfg.upipe_heads:
+        raise ValueError(f"parallel.upipe_heads={cfg.upipe_heads} is read by cp_impl=upipe or hybrid; "
+                         "use parallel.cp_impl=upipe for headwise stages")
+    return CPDegrees(1, cp, 0)
+
+
+def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan]:
+    """The ring rank's share (the whole sequence without a ring), then this Ulysses rank's contiguous piece of
+    it; the plan covers the ring-local sequence, which attention sees whole after the all-to-all."""
+    local, plan = ring_method.shard(batch, docs, cp)
+    return split_batch(local, cp.ulysses, cp.ulysses_rank), plan
+
+
+def attention(q, k, v, layout, scale: float) -> torch.Tensor:
+    cp = layout.cp
+    return ulysses_attention(q, k, v, layout.plan, cp.kernel, scale, cp.comm, cp.heads, cp.stage_heads)

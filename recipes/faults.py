@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from longstride.parallel.collectives import all_reduce
+
 
 class NonFiniteError(RuntimeError):
     """The run stopped on bad numerical state; the message says where to resume from."""
@@ -52,9 +54,7 @@ def check_finite_parameters(params, where: str) -> None:
         local = p.to_local() if hasattr(p, "to_local") else p
         if not torch.isfinite(local.detach()).all():
             bad += 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(bad)
-    if bad.item():
+    if all_reduce(bad).item():
         raise NonFiniteError(f"not saving {where}: the model has NaN or inf parameters; the previous checkpoints are "
                              "kept as they were")
 
@@ -105,9 +105,7 @@ class StopSignals:
     def requested(self, device) -> int:
         """The signal number if any rank got one, else 0 (a collective: every rank calls it each step)."""
         flag = torch.tensor(float(self.signum), device=device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item())
+        return int(all_reduce(flag, torch.distributed.ReduceOp.MAX).item())
 
 
 def die_with_parent() -> None:

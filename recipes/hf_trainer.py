@@ -43,20 +43,21 @@ import torch.distributed as dist
 from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
-from longstride.parallel.attention import CPContext, cp_context, shard_for_cp
-from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
+from longstride.parallel.config import ParallelConfig, ParallelDims
+from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
+from longstride.parallel.kernels import resolve_kernel
 
 
 def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
-             device_type: Optional[str] = None) -> CPContext:
+             device_type: Optional[str] = None, kernel: str = "auto") -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
     TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
-    model's query heads (checked against the Ulysses degree)."""
+    model's query heads (checked against the Ulysses degree); kernel: parallel.kernel's choices."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_world(world, cp, where="setup_cp")
     degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return cp_context(dims, degrees, device_type)
+    return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1))
 
 
 def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fit") -> PackedSequences:
@@ -87,12 +88,8 @@ class LongstrideCollator:
     optionally position_ids; rows of other lengths are padded (as a trailing padding document) to the
     longest, rounded up to a multiple of 2 x the CP size, which the zig-zag layout needs."""
 
-    def __init__(self, cp: CPContext, pad_id: int, doc_masking: bool = True, kernel: str = "auto"):
-        from longstride.parallel.kernels import resolve_kernel
-
+    def __init__(self, cp: CPContext, pad_id: int, doc_masking: bool = True):
         self.cp, self.pad_id, self.doc_masking = cp, pad_id, doc_masking
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.kernel = resolve_kernel(kernel, device, ring=cp.size > 1)
 
     def __call__(self, rows: list[dict]) -> dict:
         if all("doc_ids" in r for r in rows) and len({len(r["input_ids"]) for r in rows}) == 1:
@@ -102,7 +99,7 @@ class LongstrideCollator:
             step = 2 * self.cp.size
             L = -(-max(sum(len(d) for d in row) for row in docs) // step) * step
             batch = collate([packed_item(row, L, self.pad_id) for row in docs])
-        local, layout = shard_for_cp(batch, self.doc_masking, self.kernel, self.cp)
+        local, layout = shard_for_cp(batch, self.doc_masking, self.cp)
         return {"input_ids": local["input_ids"], "position_ids": local["position_ids"], "labels": local["labels"],
                 "shift_labels": local["labels"], "doc_layout": layout}
 

@@ -49,7 +49,7 @@ class RunLock:
 
 
 # Keys that change how a run is watched or where it writes, not what it computes.
-NOT_IDENTITY = ("logger", "paths", "stage", "train.crash_at_step", "train.keep_last", "train.max_nonfinite_steps",
+NOT_IDENTITY = ("logger", "paths", "stage", "train.keep_last", "train.max_nonfinite_steps",
                 "train.resume", "train.resume_from", "train.collective_timeout_s", "data.num_workers", "data.num_proc")
 
 

@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from longstride.recipes.schema import Config, selected_stages, to_schema, validate
+from longstride.recipes.schema import Config, selected_stages, to_schema
 
 
 def resolve_precision(precision: str) -> str:
@@ -42,41 +42,68 @@ def write_hydra_files(recipe_dir: str) -> None:
     OmegaConf.save(hc, os.path.join(out, "hydra.yaml"))
 
 
-def setup(cfg: Config, raw: DictConfig | None):
-    """Every check, then the tokenizer and corpus (once for all stages). Bad input fails here,
-    before any model is built. Returns (context, stage names to run, first stage's init dir)."""
-    from accelerate import Accelerator
+def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | None]:
+    """(stages to run, the first one's init checkpoint): with stage=NAME, the previous stage's final one,
+    which must exist."""
+    from longstride.recipes.checkpoint import final_dir, verified_final
 
-    from longstride.data.corpus import build_corpus, build_tokenizer
-    from longstride.recipes.checkpoint import final_dir, resume_from_stage, supersede_after, verified_final
-    from longstride.recipes.runlock import RunLock, check_identity
-    from longstride.recipes.stage import RunContext
-    from longstride.recipes.tracking import Tracker
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world)
-    stages = selected_stages(cfg)
-    names = list(cfg.recipe.stages)
-    recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
+    stages, names = selected_stages(cfg), list(cfg.recipe.stages)
     first = names.index(stages[0])
     init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
     if init_from and not verified_final(os.path.dirname(init_from)):
         raise ValueError(f"stage={stages[0]} starts from {names[first - 1]}'s final checkpoint {init_from}, which "
                          f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
+    return stages, init_from
 
-    # cpu=True where there is no GPU: under a multi-process launch accelerate then uses gloo.
+
+def make_accelerator(cfg: Config, world: int):
+    """accelerate's Accelerator: cpu=True where there is no GPU (under a multi-process launch accelerate then
+    uses gloo); a collective waiting longer than train.collective_timeout_s (a stuck rank) fails the run."""
     from datetime import timedelta
 
+    from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
     from longstride.recipes.faults import die_with_parent
 
     if world > 1:
         die_with_parent()  # a killed launcher takes its workers with it
-    # a collective that waits longer than train.collective_timeout_s (a stuck or stopped rank) fails the run
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.collective_timeout_s))
-    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available(),
-                      kwargs_handlers=[timeout])
+    return Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available(),
+                       kwargs_handlers=[timeout])
+
+
+def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: dict, tracker) -> None:
+    """Main process: the restart decisions (train.resume_from, train.resume=false, a changed config; see
+    recipes/runlock.py), then the run's config files. What a restart supersedes is moved aside, never deleted."""
+    from longstride.recipes.checkpoint import resume_from_stage, supersede_after
+    from longstride.recipes.runlock import check_identity
+
+    names, resume_from = list(cfg.recipe.stages), cfg.train.resume_from
+    if resume_from:
+        resume_from_stage(resume_from, recipe_dir, names)
+    if check_identity(recipe_dir, resolved, cfg.train.resume, resume_from):
+        for moved in supersede_after(resume_from, recipe_dir, names):
+            tracker.info("train.resume_from: moved %s aside", moved)
+    OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
+    if raw is not None:
+        write_hydra_files(recipe_dir)
+
+
+def setup(cfg: Config, raw: DictConfig | None):
+    """Every check, then the tokenizer and corpus (once for all stages). Bad input fails here,
+    before any model is built. Returns (context, stage names to run, first stage's init dir)."""
+    from longstride.data.corpus import build_corpus, build_tokenizer
+    from longstride.recipes.plan import validate
+    from longstride.recipes.runlock import RunLock
+    from longstride.recipes.stage import RunContext
+    from longstride.recipes.tracking import Tracker
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
+    plans = validate(cfg, world, "cuda" if torch.cuda.is_available() else "cpu")
+    recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
+    stages, init_from = start_stage_index(cfg, recipe_dir)
+    acc = make_accelerator(cfg, world)
     # before anything is written: a second run on this directory stops here (the launcher then ends its other ranks)
     lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
     try:
@@ -84,16 +111,7 @@ def setup(cfg: Config, raw: DictConfig | None):
         tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
         resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         if acc.is_main_process:
-            resume_from = cfg.train.resume_from
-            if resume_from:
-                resume_from_stage(resume_from, recipe_dir, names)
-            if check_identity(recipe_dir, resolved, cfg.train.resume, resume_from):
-                # what would be picked up instead of it is moved aside, never deleted
-                for moved in supersede_after(resume_from, recipe_dir, names):
-                    tracker.info("train.resume_from: moved %s aside", moved)
-            OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
-            if raw is not None:
-                write_hydra_files(recipe_dir)
+            record_run(cfg, raw, recipe_dir, resolved, tracker)
         cache_dir = os.path.abspath(cfg.paths.cache_dir)
         with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
             tokenizer = build_tokenizer(cfg.data, cache_dir)
@@ -103,17 +121,18 @@ def setup(cfg: Config, raw: DictConfig | None):
         if lock:
             lock.release()
         raise
-    return RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved, lock), stages, init_from
+    ctx = RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved, plans, lock)
+    return ctx, stages, init_from
 
 
 def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
     """The stages in order, each from the previous one's final checkpoint. Returns final dirs."""
     from longstride.recipes.stage import train_stage
 
-    names, finals = list(ctx.cfg.recipe.stages), []
+    finals = []
     try:
         for name in stages:
-            init_from = train_stage(ctx, names.index(name), name, ctx.cfg.recipe.stages[name], init_from)
+            init_from = train_stage(ctx, ctx.plans[name], init_from)
             finals.append(init_from)
     finally:
         if ctx.lock:

@@ -53,6 +53,11 @@ def micro(tmp_path, cache_dir) -> list[str]:
     return micro_overrides(tmp_path / "out", cache_dir)
 
 
+def crash_after(step: int) -> dict:
+    """The environment of recipes/stage.py's test hook: SIGKILL after optimizer step `step` of a stage."""
+    return {"LONGSTRIDE_TEST_CRASH_AT_STEP": str(step)}
+
+
 def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            **(env_extra or {})}

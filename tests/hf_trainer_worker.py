@@ -78,9 +78,9 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
                   **extra.pop("args_kwargs", {}))
     model = tiny_lm()
     use_longstride_attention(model)
-    cpx = setup_cp(cp, model.config.num_attention_heads, impl)
+    cpx = setup_cp(cp, model.config.num_attention_heads, impl, kernel="sdpa")
     trainer = Recorder(model=model, args=args, train_dataset=data,
-                       data_collator=LongstrideCollator(cpx, pad_id=1, kernel="sdpa"), **extra)
+                       data_collator=LongstrideCollator(cpx, pad_id=1), **extra)
     trainer.train()
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)

@@ -8,7 +8,8 @@ import torch
 
 from longstride.model.build import build_model
 from longstride.model.config import ModelConfig
-from longstride.parallel.attention import DocLayout, use_longstride_attention
+from longstride.parallel.attention import use_longstride_attention
+from longstride.parallel.cp import DocLayout
 from longstride.parallel.kernels import doc_attention
 
 

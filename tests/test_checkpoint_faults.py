@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import crash_after, run_cli
 from tests.test_faults import start
 
 
@@ -25,7 +25,7 @@ def killed_and_clean(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("faults")
     first = run_cli(micro_overrides(root / "killed", cache_dir) + S2 + ["stage=s1_256"])
     assert first.returncode == 0, first.stderr[-2000:]
-    killed = run_cli(micro_overrides(root / "killed", cache_dir) + S2 + ["train.crash_at_step=5"])  # in s2
+    killed = run_cli(micro_overrides(root / "killed", cache_dir) + S2, crash_after(5))  # in s2
     assert killed.returncode == -9, killed.stderr[-2000:]
     s2 = root / "killed" / "tiny" / "s2_2k"
     assert sorted(p.name for p in s2.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000004"]
@@ -131,12 +131,12 @@ def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir,
     optimizer state (FSDP2), the 1-process side has none to shard."""
     from tests.conftest import micro_overrides, read_metrics
 
-    def launch(root, n, *more):
+    def launch(root, n, env=None):
         args = micro_overrides(root, cache_dir) + ["stage=s1_256", "recipe.stages.s1_256.micro_batch_size=4",
-                                                   f"parallel.fsdp={str(fsdp).lower()}", *more]
+                                                   f"parallel.fsdp={str(fsdp).lower()}"]
         if n == 1:
-            return run_cli(args)
-        proc = start(args, launcher=True)
+            return run_cli(args, env)
+        proc = start(args, launcher=True, env_extra=env)
         out, _ = proc.communicate(timeout=600)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, out)
 
@@ -144,7 +144,7 @@ def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir,
 
     clean = launch(tmp_path / "clean", 1)
     assert clean.returncode == 0, clean.stderr[-2000:]
-    killed = launch(tmp_path / "x", first, "train.crash_at_step=4")
+    killed = launch(tmp_path / "x", first, crash_after(4))
     assert killed.returncode != 0 and (tmp_path / "x" / "tiny" / "s1_256" / "step_000003").is_dir()
     resumed = launch(tmp_path / "x", second)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

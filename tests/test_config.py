@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from longstride.recipes.schema import validate
+from longstride.recipes.plan import validate
 from tests.conftest import CONFIGS, compose_cfg
 
 GROUPS = ["model", "data", "parallel", "optim", "logger", "paths", "train"]
@@ -137,18 +137,25 @@ def test_ring_kernel_not_installed():
 
 
 CHOICES = {  # every choice field of the schema: a typo fails while Hydra composes, listing the choices
-    "parallel.cp_impl": "ring, ulysses, upipe, hybrid",
     "parallel.kernel": "auto, sdpa, flash_attn, math",
     "parallel.balance": "zigzag, docs",
     "recipe.stages.s3_4k.balance": "zigzag, docs",
     "recipe.stages.s2_2k.schedule": "cosine, wsd, constant",
     "data.packing": "best_fit, concat",
-    "data.sources.stdlib.kind": "stdlib, local_dir, files, disk, hub, synthetic",
     "train.precision": "auto, bf16, fp32",
     "model.arch": "smollm3, checkpoint",
     "model.checkpoint_mode": "full, selective",
     "logger.wandb_mode": "offline, online, disabled",
 }
+
+
+def test_registry_names_fail_before_compute_with_the_registry_listed():
+    """parallel.cp_impl and a source's kind are the keys of their registries (parallel/cp.py METHODS,
+    data/sources.py KINDS), checked by validate with every valid name in the message."""
+    expect_error(["parallel.cp_impl=typo", "recipe.stages.s2_2k.cp=2"],
+                 r"parallel.cp_impl='typo' is unknown; use one of \['ring', 'ulysses', 'upipe', 'hybrid'\]", world=2)
+    expect_error(["data.sources.stdlib.kind=typo"], r"data.sources.stdlib.kind='typo' is unknown; use one of "
+                 r"\['stdlib', 'local_dir', 'files', 'disk', 'hub', 'synthetic'\]")
 
 
 @pytest.mark.parametrize("key", list(CHOICES))

@@ -12,8 +12,9 @@ from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.checkpointing import enable_checkpointing
 from longstride.model.rmsnorm import lean_rms_norms
 from longstride.model.tiling import tile_mlps
-from longstride.parallel.attention import CPContext, cp_context, shard_for_cp, use_longstride_attention
-from longstride.parallel.config import ParallelConfig, ParallelDims, cp_degrees
+from longstride.parallel.attention import use_longstride_attention
+from longstride.parallel.config import ParallelConfig, ParallelDims
+from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
 from tests.distributed import run_gloo
 
 L = 96
@@ -53,7 +54,7 @@ def tiny_model(ac: str = "none") -> ChunkedLossLM:
 
 def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none"):
     model = tiny_model(ac)
-    local, layout = shard_for_cp(packed_batch(lengths), doc_masking, "sdpa", cp)
+    local, layout = shard_for_cp(packed_batch(lengths), doc_masking, cp)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -62,7 +63,7 @@ def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str
 def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
     import torch.distributed as dist
 
-    cp = cp_context(ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", par.balance)
+    cp = cp_context(par.cp_impl, ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", "sdpa", par.balance)
     out = {}
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):

@@ -134,7 +134,7 @@ def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
     ("model.num_hidden_layers=0", "model.num_hidden_layers=0 must be >= 1"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
-    from longstride.recipes.schema import validate
+    from longstride.recipes.plan import validate
     from tests.conftest import compose_cfg
 
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -147,7 +147,7 @@ def test_out_of_range_values_are_named_before_compute(micro, override, message):
     (["stage=s2_2k", "train.resume_from=/x"], "drop stage="),
 ])
 def test_contradictory_restart_options(micro, overrides, message):
-    from longstride.recipes.schema import validate
+    from longstride.recipes.plan import validate
     from tests.conftest import compose_cfg
 
     with pytest.raises(ValueError, match=message):
@@ -155,7 +155,7 @@ def test_contradictory_restart_options(micro, overrides, message):
 
 
 def test_output_root_that_is_a_file(micro, tmp_path):
-    from longstride.recipes.schema import validate
+    from longstride.recipes.plan import validate
     from tests.conftest import compose_cfg
 
     (tmp_path / "afile").write_text("x")
@@ -184,7 +184,7 @@ def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def start(args: list, launcher: bool = False):
+def start(args: list, launcher: bool = False, env_extra: dict | None = None):
     import subprocess
     import sys
 
@@ -192,7 +192,7 @@ def start(args: list, launcher: bool = False):
 
     head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(REPO / "configs/accelerate/cpu.yaml")] if launcher else [sys.executable]
-    return subprocess.Popen([*head, "-m", "longstride.recipes.train", *args], cwd=REPO, env=ENV,
+    return subprocess.Popen([*head, "-m", "longstride.recipes.train", *args], cwd=REPO, env={**ENV, **(env_extra or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -14,7 +14,8 @@ import torch
 from longstride.data.batch import collate
 from longstride.data.loader import ShardSampler
 from longstride.model.loss import ChunkedLossLM
-from longstride.parallel.attention import DocLayout, use_longstride_attention
+from longstride.parallel.attention import use_longstride_attention
+from longstride.parallel.cp import DocLayout
 from longstride.recipes.hf_trainer import _documents, packed_dataset
 from tests.conftest import REPO
 from tests.hf_trainer_worker import BATCH, L, LR, STEPS, documents, tiny_lm

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstride.parallel.attention import CPContext, shard_for_cp
+from longstride.parallel.cp import CPContext, shard_for_cp
 from longstride.parallel.blocks import ring_plan
 from longstride.parallel.kernels import doc_attention
 from longstride.parallel.ring import RingComm, ring_attention, ring_forward, to_wire
@@ -230,7 +230,7 @@ def test_bad_input_errors():
                                          r"positions 0 and 5\)"):
         ring_plan(split_doc, 1, 8, 2, 0)
     with pytest.raises(ValueError, match="document id 0 appears in separate runs"):
-        shard_for_cp({"input_ids": torch.zeros_like(split_doc), "doc_ids": split_doc}, True, "sdpa", CPContext())
+        shard_for_cp({"input_ids": torch.zeros_like(split_doc), "doc_ids": split_doc}, True, CPContext())
     # guard against the check refusing valid input: ids need not be sorted, runs are what counts, and unsorted
     # ids plan like sorted ones
     unsorted, ordered = torch.tensor([[3, 3, 3, 1, 1, 2, 2, 2]]), torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])

@@ -20,7 +20,7 @@ GROUPS = {"attr": "[a-z ]+", "key": "[a-z]+-[a-z]+", "value": r"\S+", "names": "
 
 def form(template: str) -> re.Pattern:
     """A sentence form of data/synthetic.py as a regex with its fields as named groups."""
-    pattern, seen = re.escape(template), set()
+    pattern = re.escape(template)
     for name, group in GROUPS.items():
         pattern = pattern.replace(rf"\{{{name}\}}", f"(?P<{name}>{group})", 1).replace(rf"\{{{name}\}}", f"(?P={name})")
     return re.compile(pattern + "$")
@@ -180,7 +180,7 @@ def test_split_digits_gives_one_token_per_digit_in_every_context():
 
 
 def test_validation_checks_synthetic_sources_before_compute():
-    from longstride.recipes.schema import validate
+    from longstride.recipes.plan import validate
     from tests.conftest import compose_cfg
 
     validate(compose_cfg(["data=retrieval"]), 2)

@@ -13,7 +13,7 @@ from tests.test_cp_model import L, packed_batch, tiny_model
 
 def loss_and_grads(model):
     b = packed_batch()
-    from longstride.parallel.attention import DocLayout
+    from longstride.parallel.cp import DocLayout
 
     model.zero_grad(set_to_none=True)
     loss = model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
@@ -95,7 +95,7 @@ def test_tiled_layers_keep_only_what_attention_needs():
         layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
     b = packed_batch()
-    from longstride.parallel.attention import DocLayout
+    from longstride.parallel.cp import DocLayout
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
@@ -142,7 +142,7 @@ def test_tiles_recompute_under_the_forward_autocast_and_are_not_cached_by_select
 
 
 def test_no_grad_forward_tiles_without_checkpoint():
-    from longstride.parallel.attention import DocLayout
+    from longstride.parallel.cp import DocLayout
 
     b = packed_batch()
     losses = []

@@ -13,7 +13,7 @@ from longstride.data.batch import PackedSequences
 from longstride.data.loader import EpochLoader
 from longstride.data.packing import pack
 from longstride.recipes.train import run
-from tests.conftest import compose_cfg, read_metrics, run_cli
+from tests.conftest import compose_cfg, crash_after, read_metrics, run_cli
 
 
 def test_recipe_chains_stages_and_bumps_rope_base(micro, tmp_path):
@@ -65,7 +65,7 @@ def test_sigkill_mid_stage_then_rerun_resumes_bitwise(tmp_path, cache_dir):
     first = run_cli(crashed + ["stage=s1_256"])
     assert first.returncode == 0, first.stderr[-2000:]
     # s1 is complete and skipped; s2 saves at step 2 and is SIGKILLed after step 3.
-    r = run_cli(crashed + ["train.crash_at_step=3"])
+    r = run_cli(crashed, crash_after(3))
     assert r.returncode == -9, r.stderr[-2000:]
     stage_dir = tmp_path / "crash" / "tiny" / "s2_2k"
     assert (stage_dir / "step_000002").is_dir() and not (stage_dir / "final").exists()
@@ -130,13 +130,13 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
     assert one.returncode == 0, one.stderr[-2000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
-    def launch(*more):
+    def launch(extra=None):
         return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                str(REPO / "configs/accelerate/cpu.yaml"), "-m", "longstride.recipes.train",
-                               *overrides(tmp_path / "two", True), *more], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=600)
+                               *overrides(tmp_path / "two", True)], cwd=REPO, env={**env, **(extra or {})},
+                              capture_output=True, text=True, timeout=600)
     if crash_at is not None:
-        killed = launch(f"train.crash_at_step={crash_at}")
+        killed = launch(crash_after(crash_at))
         assert killed.returncode != 0 and not (tmp_path / "two" / "tiny" / "s1_256" / "final").exists()
     two = launch()
     assert two.returncode == 0, two.stderr[-3000:]
@@ -194,10 +194,10 @@ def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir)
     4 (checkpoint at step 3) and rerun, its losses equal an uninterrupted streaming run's bitwise."""
     from tests.conftest import micro_overrides
 
-    def run(root, *more):
-        return run_cli(micro_overrides(root, cache_dir) + ["stage=s1_256", "data.streaming=true", *more])
+    def run(root, env=None):
+        return run_cli(micro_overrides(root, cache_dir) + ["stage=s1_256", "data.streaming=true"], env)
 
-    killed = run(tmp_path / "crash", "train.crash_at_step=4")
+    killed = run(tmp_path / "crash", crash_after(4))
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = run(tmp_path / "crash")
     assert resumed.returncode == 0, resumed.stderr[-2000:]

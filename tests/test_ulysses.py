@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstride.parallel.attention import CPContext, cp_context, shard_for_cp
+from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
 from longstride.parallel.blocks import ring_plan
-from longstride.parallel.config import CPDegrees, ParallelConfig, ParallelDims, cp_degrees, describe_cp
+from longstride.parallel.config import CPDegrees, ParallelConfig, ParallelDims, describe_cp
 from longstride.parallel.ulysses import HeadComm, ulysses_attention
-from longstride.parallel.upipe import head_schedule
+from longstride.parallel.heads import head_schedule
 from longstride.parallel.zigzag import shard, split, unshard
 from tests.distributed import gather_cat, run_gloo
 from tests.test_ring import B, D, L, inputs, layouts, reference, single_process
@@ -50,17 +50,17 @@ def full_sequence(parts: list[torch.Tensor], ring: int, uly: int) -> torch.Tenso
 
 def _worker(rank: int, world: int, ring: int, path: str) -> None:
     uly = world // ring
-    cp = cp_context(ParallelDims(world, 1, world), CPDegrees(ring, uly), "cpu")
+    cp = cp_context("hybrid", ParallelDims(world, 1, world), CPDegrees(ring, uly), "cpu", "sdpa")
     results = {}
     for h, hkv, U in LAYOUTS[ring, uly]:
         for lname, doc in layouts().items():
             for rows, dtype in RUNS:
                 q, k, v, dout = (x[rows] for x in inputs(h, hkv, dtype))
-                plan = ring_plan(None if doc is None else doc[rows], q.shape[0], L, ring, cp.rank)
-                ql, kl, vl = (local_share(x, ring, cp.rank, uly, cp.ulysses_rank).requires_grad_(True)
+                plan = ring_plan(None if doc is None else doc[rows], q.shape[0], L, ring, cp.ring_rank)
+                ql, kl, vl = (local_share(x, ring, cp.ring_rank, uly, cp.ulysses_rank).requires_grad_(True)
                               for x in (q, k, v))
                 out = ulysses_attention(ql, kl, vl, plan, "sdpa", D ** -0.5, cp.comm, cp.heads, U)
-                out.backward(local_share(dout, ring, cp.rank, uly, cp.ulysses_rank))
+                out.backward(local_share(dout, ring, cp.ring_rank, uly, cp.ulysses_rank))
                 got = [out.detach(), ql.grad, kl.grad, vl.grad]
                 results[h, hkv, U, lname, _key(rows, dtype)] = [full_sequence(gather_cat(x), ring, uly) for x in got]
     if rank == 0:
@@ -151,10 +151,10 @@ def test_degrees_and_their_errors():
 def test_shard_for_cp_gives_each_rank_its_ring_share_then_its_ulysses_piece():
     batch = {"input_ids": torch.arange(2 * 16).view(2, 16)}
     batch["doc_ids"] = torch.zeros_like(batch["input_ids"])
-    cp = CPContext(n=2, rank=1, ulysses=2, ulysses_rank=1, heads=HeadComm(None))
-    local, layout = shard_for_cp(batch, True, "sdpa", cp)
+    cp = CPContext("hybrid", CPDegrees(2, 2), ring_rank=1, ulysses_rank=1, heads=HeadComm(None))
+    local, layout = shard_for_cp(batch, True, cp)
     # ring rank 1 of 2 holds chunks 1 and 2 of 4 (positions 4..11); its Ulysses rank 1 the second half
     assert local["input_ids"][0].tolist() == [8, 9, 10, 11]
-    assert layout.plan.n == 2 and layout.heads is cp.heads
+    assert layout.plan.n == 2 and layout.cp is cp
     with pytest.raises(ValueError, match="does not split into 3 Ulysses pieces"):
-        shard_for_cp(batch, True, "sdpa", CPContext(n=2, rank=0, ulysses=3, heads=HeadComm(None)))
+        shard_for_cp(batch, True, CPContext("hybrid", CPDegrees(2, 3), heads=HeadComm(None)))

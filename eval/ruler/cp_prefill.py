@@ -14,7 +14,9 @@ import torch.distributed as dist
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from longstride.parallel.attention import CPContext, longstride_attention, no_mask, shard_for_cp
+from longstride.parallel.attention import longstride_attention, no_mask
+from longstride.parallel.config import CPDegrees
+from longstride.parallel.cp import CPContext, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
 from longstride.parallel.ring import RingComm
 from longstride.parallel.zigzag import unshard
@@ -31,7 +33,10 @@ def _attention_keeping_kv(module, query, key, value, attention_mask, kv_out=None
 def world_cp() -> CPContext:
     """A ring over every process of the default group."""
     n = dist.get_world_size()
-    return CPContext(n, dist.get_rank(), RingComm(dist.group.WORLD) if n > 1 else None)
+    kernel = resolve_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu", ring=True)
+    if n == 1:
+        return CPContext(kernel=kernel)
+    return CPContext("ring", CPDegrees(ring=n), dist.get_rank(), comm=RingComm(dist.group.WORLD), kernel=kernel)
 
 
 @torch.no_grad()
@@ -47,7 +52,7 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
         return cache
     full = torch.tensor(ids[:length], device=device)[None]
     batch = {"input_ids": full, "position_ids": torch.arange(length, device=device)[None]}
-    local, layout = shard_for_cp(batch, False, resolve_kernel("auto", device.type, ring=True), cp)
+    local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)

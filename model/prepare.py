@@ -1,0 +1,20 @@
+"""A stage's memory patches on a built transformers model, always in this order: lean RMSNorm backwards
+(model/rmsnorm.py), activation checkpointing and its offload (model/checkpointing.py), then tiling of
+each layer's position-wise parts (model/tiling.py). Parameters, their names and saved checkpoints stay
+plain transformers."""
+from __future__ import annotations
+
+import torch
+
+from longstride.model.checkpointing import enable_checkpointing
+from longstride.model.rmsnorm import lean_rms_norms
+from longstride.model.tiling import tile_mlps
+
+
+def prepare_model(lm: torch.nn.Module, checkpointing: str, offload: bool, mlp_tile: int, lean_norms: bool) -> None:
+    """checkpointing: none | full | selective; offload: checkpointed inputs to pinned host memory (CUDA);
+    mlp_tile: tokens per tile, 0 = off; lean_norms: model.lean_rms_norm."""
+    if lean_norms:
+        lean_rms_norms(lm)
+    enable_checkpointing(lm, checkpointing, offload=offload)
+    tile_mlps(lm, mlp_tile)

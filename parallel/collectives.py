@@ -1,0 +1,17 @@
+"""The few collectives over the default process group that the training loop's policies share (losses,
+token counts, the non-finite and stop-signal decisions): no-ops in a single process."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduces x over all ranks in place and returns it. NCCL reduces device tensors only, so a CPU x
+    travels through the current GPU."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl" and x.device.type == "cpu":
+            x.copy_(all_reduce(x.to(f"cuda:{torch.cuda.current_device()}"), op))
+        else:
+            dist.all_reduce(x, op=op)
+    return x

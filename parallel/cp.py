@@ -1,0 +1,103 @@
+"""Context-parallel methods by name (`parallel.cp_impl`), and a stage's context-parallel context.
+
+Each method is a module that states three things:
+    degrees(cfg, cp, heads, where) -> CPDegrees      how a stage's cp splits (ring x Ulysses, UPipe's U)
+    shard(batch, docs, cp) -> (local batch, plan)    this rank's share of a full PackedBatch, its ring plan
+    attention(q, k, v, layout, scale) -> out         the attention every layer runs
+Adding a method is its module plus one entry in METHODS; the schema, the stage and the attention
+function read them from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from longstride.parallel import hybrid, ring, ulysses, upipe
+from longstride.parallel.blocks import RingPlan, check_doc_runs
+from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.ring import RingComm
+from longstride.parallel.ulysses import HeadComm
+
+METHODS = {"ring": ring, "ulysses": ulysses, "upipe": upipe, "hybrid": hybrid}
+
+
+def method(name: str):
+    if name not in METHODS:
+        raise ValueError(f"parallel.cp_impl={name!r} is unknown; use one of {list(METHODS)}")
+    return METHODS[name]
+
+
+def cp_degrees(cfg, cp: int, heads: int, where: str = "cp") -> CPDegrees:
+    """The (ring, Ulysses, U) split of a stage's cp under cfg.cp_impl (cfg: ParallelConfig), for a model with
+    `heads` query heads; a ValueError naming the fields when it does not divide."""
+    impl = method(cfg.cp_impl)
+    return CPDegrees() if cp == 1 else impl.degrees(cfg, cp, heads, where)
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """One stage's context parallelism on this rank: the method (None: one device, no CP), its degrees, this
+    rank's place in the ring and in its Ulysses group with their communicators, the attention kernel, and
+    the ring's chunk assignment rule (zigzag, or docs: parallel/balance.py, up to balance_chunks per rank)."""
+
+    method: Optional[str] = None
+    degrees: CPDegrees = CPDegrees()
+    ring_rank: int = 0
+    ulysses_rank: int = 0
+    comm: Optional[RingComm] = None
+    heads: Optional[HeadComm] = None
+    kernel: str = "sdpa"
+    balance: str = "zigzag"
+    balance_chunks: int = 8
+
+    @property
+    def n(self) -> int:  # the ring degree
+        return self.degrees.ring
+
+    @property
+    def ulysses(self) -> int:
+        return self.degrees.ulysses
+
+    @property
+    def stage_heads(self) -> int:
+        return self.degrees.stage_heads
+
+    @property
+    def size(self) -> int:
+        return self.n * self.ulysses
+
+
+def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: str, kernel: str,
+               balance: str = "zigzag", balance_chunks: int = 8) -> CPContext:
+    """This rank's CPContext for a stage (dims: its ParallelDims, degrees: cp_degrees(...)). Collective
+    (builds the device mesh) when cp > 1."""
+    if dims.cp == 1:
+        return CPContext(kernel=kernel)
+    mesh = dims.mesh(device_type, degrees.ulysses)
+    comm = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
+    heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
+    return CPContext(impl, degrees, mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses"), comm, heads, kernel,
+                     str(balance), balance_chunks)
+
+
+@dataclass
+class DocLayout:
+    """What attention needs to know about a packed batch: doc_ids (B, L), None for plain causal (one device);
+    with CP the documents are encoded in the ring plan instead (parallel/blocks.py); cp the stage's context."""
+
+    doc_ids: Optional[torch.Tensor]
+    plan: Optional[RingPlan] = None
+    cp: CPContext = CPContext()
+
+
+def shard_for_cp(batch: dict, doc_masking: bool, cp: CPContext) -> tuple[dict, DocLayout]:
+    """A full PackedBatch -> (this rank's share of every tensor, the DocLayout its attention calls read)."""
+    docs = batch["doc_ids"] if doc_masking else None
+    if cp.method is None:
+        if docs is not None:
+            check_doc_runs(docs.cpu().numpy())
+        return batch, DocLayout(docs, cp=cp)
+    local, plan = method(cp.method).shard(batch, docs, cp)
+    return local, DocLayout(None, plan, cp)

@@ -1,0 +1,18 @@
+"""The "hybrid" context-parallel method (parallel/cp.py): Ulysses groups of `parallel.ulysses` ranks inside
+each rank of a ring, cp = ring x ulysses; the all-to-all stays inside a node while the ring crosses nodes.
+With `parallel.upipe_heads` the heads go in UPipe stages. Attention is Ulysses over the ring-local
+sequence, with the ring underneath (parallel/ulysses.py).
+"""
+from __future__ import annotations
+
+from longstride.parallel.config import CPDegrees, divisors, check_ulysses, stage_heads
+from longstride.parallel.ulysses import attention, shard  # noqa: F401  (the method's sharding and attention)
+
+
+def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
+    u = cfg.ulysses
+    if u < 1 or cp % u:
+        raise ValueError(f"parallel.ulysses={u}: hybrid needs a Ulysses degree that divides {where}={cp} "
+                         f"(ring degree = cp / ulysses); set parallel.ulysses to one of {divisors(cp)}")
+    check_ulysses(u, cp, heads, where)
+    return CPDegrees(cp // u, u, stage_heads(cfg.upipe_heads, u, heads) if cfg.upipe_heads else 0)

@@ -1,0 +1,213 @@
+"""Every check of a run's config, then each stage resolved once into a frozen StagePlan.
+
+Nothing is built before `validate` passes: each user-facing check lives here (or in the one function of
+the package it calls: a data source kind's check, the CP method's degrees, the kernel's availability),
+with the field and the fix in its message. The stage then consumes its plan and computes none of it
+again.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields, is_dataclass
+
+from longstride.data.sources import check_source
+from longstride.model.build import check_checkpoint_dir
+from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.cp import cp_degrees
+from longstride.parallel.fsdp import use_fsdp
+from longstride.parallel.kernels import resolve_kernel
+from longstride.recipes.schema import Config, StageConfig, selected_stages
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage as it will run on this launch: its config, the dp x cp split, how cp splits (degrees), the
+    attention kernel, FSDP2 or DDP, activation checkpointing (none | full | selective) and its offload,
+    the MLP tile (0: off), the ring's chunk assignment rule and the micro-batches per optimizer step."""
+
+    name: str
+    index: int
+    stage: StageConfig
+    dims: ParallelDims
+    degrees: CPDegrees
+    kernel: str
+    fsdp: bool
+    checkpointing: str
+    offload: bool
+    mlp_tile: int
+    balance: str
+    accum: int
+
+    @property
+    def field(self) -> str:
+        return f"recipe.stages.{self.name}"
+
+
+def non_finite_fields(node, path: str = "") -> list[str]:
+    """Dotted names of NaN / inf floats anywhere in a config (dataclasses, dicts, lists)."""
+    if isinstance(node, float):
+        return [] if math.isfinite(node) else [f"{path}={node}"]
+    if is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        return []
+    return [bad for k, v in items for bad in non_finite_fields(v, f"{path}.{k}" if path else str(k))]
+
+
+def _range_rules(cfg: Config) -> list[tuple]:
+    """(field, value, ok, what it must be) for every number that must lie in a range."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    rules = [("optim.eps", o.eps, o.eps > 0, "> 0"),
+             ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+             ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0 = no clipping)"),
+             ("optim.betas", list(o.betas), len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+              "two numbers in [0, 1), e.g. [0.9,0.95]"),
+             ("model.loss_tile_tokens", m.loss_tile_tokens, m.loss_tile_tokens >= 1, ">= 1 (e.g. 1024)"),
+             ("model.mlp_tile_tokens", m.mlp_tile_tokens, m.mlp_tile_tokens >= 0, ">= 0 (0 = off, e.g. 4096)"),
+             ("data.eval_sequences", cfg.data.eval_sequences, cfg.data.eval_sequences >= 0, ">= 0"),
+             ("data.stream_open_seqs", cfg.data.stream_open_seqs, cfg.data.stream_open_seqs >= 1,
+              ">= 1 (64 is a good default)"),
+             ("parallel.balance_chunks", cfg.parallel.balance_chunks, cfg.parallel.balance_chunks >= 2,
+              ">= 2 (chunks per ring rank that balance=docs may use; 8 is a good default)"),
+             ("train.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0 = keep every one)"),
+             ("train.max_nonfinite_steps", t.max_nonfinite_steps, t.max_nonfinite_steps >= 1, ">= 1 (3 is the default)"),
+             ("train.collective_timeout_s", t.collective_timeout_s, t.collective_timeout_s >= 1,
+              ">= 1 second (1800 is the default)")]
+    if m.arch != "checkpoint":
+        rules += [(f"model.{k}", getattr(m, k), getattr(m, k) >= 1, ">= 1")
+                  for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                            "num_key_value_heads")]
+    for name, s in cfg.recipe.stages.items():
+        f = f"recipe.stages.{name}"
+        rules += [(f"{f}.rope_theta", s.rope_theta, s.rope_theta > 0, "positive (for example 1e4, 5e5, 1e6)"),
+                  (f"{f}.micro_batch_size", s.micro_batch_size, s.micro_batch_size >= 1, ">= 1"),
+                  (f"{f}.lr", s.lr, s.lr > 0, "> 0"),
+                  (f"{f}.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "in [0, 1]"),
+                  (f"{f}.decay_fraction", s.decay_fraction, 0 < s.decay_fraction <= 1, "in (0, 1]"),
+                  (f"{f}.save_every", s.save_every, s.save_every >= 0, ">= 0 (0 = only the final checkpoint)"),
+                  (f"{f}.cp", s.cp, s.cp >= 1, ">= 1"),
+                  (f"{f}.mlp_tile_tokens", s.mlp_tile_tokens, s.mlp_tile_tokens is None or s.mlp_tile_tokens >= 0,
+                   ">= 0 (0 = off, e.g. 4096 = tiled)")]
+    return rules
+
+
+def _check_run(cfg: Config) -> None:
+    """Finite numbers in range, consistent restart options, a usable output root."""
+    bad = non_finite_fields(cfg)
+    if bad:
+        raise ValueError(f"config fields {', '.join(bad)} are not finite numbers; give finite values")
+    for field_name, value, ok, want in _range_rules(cfg):
+        if not ok:
+            raise ValueError(f"{field_name}={value} must be {want}")
+    root = cfg.paths.output_root
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"paths.output_root={root!r} is a file; give a directory (it is created if missing)")
+    if cfg.train.resume_from and not cfg.train.resume:
+        raise ValueError("train.resume=false (start afresh) and train.resume_from (continue from a checkpoint) "
+                         "contradict each other; give one")
+    first = next(iter(cfg.recipe.stages), None)
+    if cfg.stage and cfg.stage != first and (cfg.train.resume_from or not cfg.train.resume):
+        raise ValueError(f"stage={cfg.stage} with train.resume=false or train.resume_from: those decide where the "
+                         "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
+
+
+def _model_heads(cfg: Config) -> int:
+    """The model's query head count (from config.json for a checkpoint), after the model group's checks."""
+    m = cfg.model
+    if m.arch == "checkpoint":
+        if not m.checkpoint:
+            raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
+        check_checkpoint_dir(m.checkpoint, "model.checkpoint")
+        with open(os.path.join(m.checkpoint, "config.json")) as fh:
+            return json.load(fh)["num_attention_heads"]
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+                         f"model.num_key_value_heads={m.num_key_value_heads}")
+    return m.num_attention_heads
+
+
+def _check_data(cfg: Config) -> None:
+    d, stages = cfg.data, cfg.recipe.stages.values()
+    if not d.sources:
+        raise ValueError("data.sources is empty; pick a data config (data=stdlib, data=files, ...) or add a source")
+    for name, src in d.sources.items():
+        check_source(src, f"data.sources.{name}")
+    for name, s in cfg.recipe.stages.items():
+        unknown = set(s.mixture or ()) - set(d.sources)
+        if unknown:
+            raise ValueError(f"recipe.stages.{name}.mixture names {sorted(unknown)}, not in data.sources "
+                             f"{list(d.sources)}")
+    if d.tokenizer and not os.path.isdir(d.tokenizer):
+        raise ValueError(f"data.tokenizer={d.tokenizer!r} is not a directory; give a local HF tokenizer dir "
+                         "or null to train a BPE on the corpus")
+    if not d.streaming:
+        return
+    if d.long_docs.min_tokens or any(s.long_docs and s.long_docs.min_tokens for s in stages):
+        raise ValueError("data.long_docs upsampling needs the in-memory corpus (it counts every document's "
+                         "length first); set data.long_docs.min_tokens=0 or data.streaming=false")
+    if d.num_workers:
+        raise ValueError(f"data.num_workers={d.num_workers}: the streaming packer runs in the training "
+                         "process; set data.num_workers=0 with data.streaming=true")
+
+
+def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:
+    """Length order, step budget, and the sequence cut that the stage's CP layout needs."""
+    if s.seq_len <= prev_len:
+        raise ValueError(f"{f}.seq_len={s.seq_len} must be larger than the previous stage's {prev_len}: "
+                         "stages must increase in length")
+    if (s.steps is None) == (s.tokens is None):
+        raise ValueError(f"{f}: give exactly one of steps or tokens (got steps={s.steps}, tokens={s.tokens})")
+    if s.total_steps <= 0:
+        raise ValueError(f"{f}: the stage has {s.total_steps} optimizer steps; raise steps or tokens")
+    if not 0 <= s.warmup_steps < s.total_steps:
+        raise ValueError(f"{f}.warmup_steps={s.warmup_steps} must be in [0, {s.total_steps})")
+    if s.cp == 1:
+        return
+    if degrees.ulysses == 1 and s.seq_len % (2 * s.cp):
+        raise ValueError(f"{f}.seq_len={s.seq_len} is not divisible by 2 x cp = {2 * s.cp} "
+                         f"(the zig-zag layout cuts it into 2 x cp chunks); use a multiple of {2 * s.cp}")
+    if s.seq_len % (2 * degrees.ring) or (s.seq_len // degrees.ring) % degrees.ulysses:
+        raise ValueError(f"{f}.seq_len={s.seq_len}: {impl} with ring {degrees.ring} x ulysses {degrees.ulysses} "
+                         f"needs a multiple of {degrees.ring * math.lcm(2, degrees.ulysses)}")
+
+
+def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str, heads: int,
+               prev_len: int = 0) -> StagePlan:
+    """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu)."""
+    s, m, par, f = cfg.recipe.stages[name], cfg.model, cfg.parallel, f"recipe.stages.{name}"
+    dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
+    degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
+    _check_stage_shape(f, s, prev_len, degrees, par.cp_impl)
+    per_step = dims.dp * s.micro_batch_size * s.seq_len
+    if s.batch_tokens % per_step:
+        raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
+                         f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
+    ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+    return StagePlan(
+        name, index, s, dims, degrees, kernel=resolve_kernel(par.kernel, device_type, ring=s.cp > 1),
+        fsdp=use_fsdp(par.fsdp, device_type, world), checkpointing=m.checkpoint_mode if ac else "none",
+        offload=bool(ac and m.offload_activations and device_type == "cuda"),
+        mlp_tile=m.mlp_tile_tokens if s.mlp_tile_tokens is None else s.mlp_tile_tokens,
+        balance=str(par.balance if s.balance is None else s.balance), accum=s.batch_tokens // per_step)
+
+
+def validate(cfg: Config, world: int, device_type: str = "cpu") -> dict[str, StagePlan]:
+    """Every user-facing check, with the field and the fix; returns each stage's plan. Nothing is built
+    before it passes."""
+    _check_run(cfg)
+    heads = _model_heads(cfg)
+    if not cfg.recipe.stages:
+        raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
+    plans, prev_len = {}, 0
+    for index, name in enumerate(cfg.recipe.stages):
+        plans[name] = plan_stage(cfg, index, name, world, device_type, heads, prev_len)
+        prev_len = plans[name].stage.seq_len
+    selected_stages(cfg)
+    _check_data(cfg)
+    return plans

@@ -1,0 +1,49 @@
+"""A stage's checkpoints: what a save writes (the HF model, the optimizer, scheduler and loop counters,
+each rank's data position and RNG) and how a resume puts it back. The file format, the manifest and
+verification are recipes/checkpoint.py's.
+"""
+from __future__ import annotations
+
+from longstride.recipes.checkpoint import load_training_state, rng_state, save_checkpoint, set_rng_state
+from longstride.recipes.faults import check_finite_parameters
+from longstride.recipes.runlock import fingerprint
+
+
+def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = None) -> None:
+    """Collective: every rank calls it. with_state: a resumable step checkpoint; else the stage's final model.
+    NaN parameters are refused before anything is written."""
+    acc, plan, model = ctx.accelerator, run.plan, run.model
+    check_finite_parameters(model.parameters(), path)
+    save_lm = model.weights_saver(run.lm)  # collective under FSDP2
+    opt_state = model.optimizer_state(run.optimizer) if with_state else None  # collective under FSDP2
+    trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
+               "val_loss_start": run.val_start, "optimizer": opt_state}
+    save_checkpoint(
+        path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
+        save_model=lambda d: (save_lm(d), ctx.tokenizer.save_pretrained(d)),
+        trainer_state=trainer if with_state else None,
+        rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else None,
+        meta={"recipe": ctx.cfg.recipe.name, "stage": plan.name, "step": run.step, "seq_len": plan.stage.seq_len,
+              "rope_theta": plan.stage.rope_theta, "tokens_seen": run.tokens_seen, "packing": run.pack_stats,
+              **(extra_meta or {})},
+        world_size=acc.num_processes,
+        manifest={"dp": plan.dims.dp, "cp": plan.dims.cp, "config": fingerprint(ctx.cfg_dict)},
+        keep_last=ctx.cfg.train.keep_last if with_state else 0,
+    )
+
+
+def restore_stage(ctx, run, path: str) -> None:
+    """Puts a step checkpoint's state back into a freshly built run (its weights were loaded with the model);
+    the data position is re-split when the checkpoint had another number of data-parallel ranks."""
+    acc = ctx.accelerator
+    trainer, mine = load_training_state(path, acc.process_index, acc.num_processes,
+                                        resplit=not ctx.cfg.data.streaming)
+    run.model.load_optimizer_state(run.optimizer, trainer["optimizer"])
+    run.scheduler.load_state_dict(trainer["scheduler"])
+    run.step, run.tokens_seen, run.val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
+    run.loader.load_state_dict(mine["data"])
+    set_rng_state(mine["rng"])
+    dp = run.plan.dims.dp
+    ctx.tracker.info("stage %s: resuming from %s (step %d)%s", run.plan.name, path, run.step,
+                     "" if mine["data"].get("world", dp) == dp else
+                     f"; its data position re-split from {mine['data']['world']} to {dp} data-parallel ranks")
