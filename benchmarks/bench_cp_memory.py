@@ -37,7 +37,7 @@ from longstride.parallel.blocks import ring_plan
 from longstride.parallel.ring import RingComm, ring_attention
 from longstride.parallel.ulysses import HeadComm, ulysses_attention
 from longstride.parallel.zigzag import shard, split
-from tests.distributed import gather_cat, run_gloo
+from longstride.parallel.spawn import gather_cat, run_gloo
 
 H, HKV, D = 32, 8, 128
 SCALE = D ** -0.5

@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.common import RESULTS, print_table, proc_status_bytes, reset_peak_rss, write_results
 from longstride.model.config import ModelConfig
-from tests.distributed import gather_cat, run_gloo
+from longstride.parallel.spawn import gather_cat, run_gloo
 
 MACHINE_BYTES = 24 * 2 ** 30
 MODELS = {
@@ -80,7 +80,7 @@ def _worker(rank, n, model_name, method, length, path):
         model = ChunkedLossLM(lm, LOSS_TILE)
         labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
         batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(length)[None],
-                 "doc_ids": torch.zeros_like(ids), "seq_index": torch.arange(length)[None]}
+                 "doc_ids": torch.zeros_like(ids)}
         cp = cp_context("ring", ParallelDims(n, 1, n), CPDegrees(ring=n), "cpu", "sdpa")
         local, layout = shard_for_cp(batch, True, cp)
 

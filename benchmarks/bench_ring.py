@@ -35,7 +35,7 @@ from longstride.parallel.kernels import block_backward, block_forward
 from longstride.parallel.ring import RingComm, ring_backward, ring_forward
 from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.zigzag import shard, unshard, zigzag
-from tests.distributed import gather_cat, run_gloo
+from longstride.parallel.spawn import gather_cat, run_gloo
 
 H, HKV, D = 8, 2, 64
 SCALE = D ** -0.5

@@ -6,7 +6,8 @@ A PackedBatch is a dict of (B, L) int64 tensors:
                 token and on padding (labels are aligned: no shift happens later, so CP can shard them)
   position_ids  RoPE positions, restarting at 0 in every document
   doc_ids       0, 1, 2, ... per document in the row (decides masking)
-  seq_index     0..L-1, the global index in the sequence (decides causality and the zig-zag layout)
+Causality follows the order of the tokens: context parallelism cuts the sequence into chunks and
+the ring plan (parallel/blocks.py) knows each chunk's place, so no per-token index travels with them.
 No L x L mask exists anywhere.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from longstride.data.packing import PackPlan
 from longstride.model.loss import IGNORE_INDEX
 
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "seq_index")
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
 
 
 class PackedSequences(torch.utils.data.Dataset):
@@ -50,7 +51,7 @@ def packed_item(pieces: list[np.ndarray], L: int, pad_id: int) -> dict:
     labels[:-1] = ids[1:]
     labels[seg_begin + lens - 1] = IGNORE_INDEX
     labels[used:] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc, "seq_index": np.arange(L)}
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc}
 
 
 def collate(items: list[dict]) -> dict:

@@ -19,7 +19,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from longstride.model.offload import ActivationOffload
-from longstride.model.tiling import inside_tile
 
 MODES = ("none", "full", "selective")
 
@@ -33,9 +32,11 @@ KEPT = {  # the cheap ops whose outputs selective checkpointing keeps; everythin
 
 def _selective_policy(ctx, op, *args, **kwargs):
     # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses
-    # outputs, receive buffers) must never be cached, and a keep-list never caches them. Nothing is cached
-    # inside a tiled op either: it keeps only its input and recomputes its tiles itself.
-    return CheckpointPolicy.PREFER_SAVE if op in KEPT and not inside_tile() else CheckpointPolicy.PREFER_RECOMPUTE
+    # outputs, receive buffers) must never be cached, and a keep-list never caches them. Nothing that runs
+    # without grad is cached either: the forward of an autograd.Function (a tiled op, which keeps only its
+    # input and recomputes its tiles itself; ring and Ulysses attention) saves what it needs on its own.
+    keep = op in KEPT and torch.is_grad_enabled()
+    return CheckpointPolicy.PREFER_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,
@@ -57,14 +58,12 @@ def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,
     if not (offload or simulate_offload):
         return None
     offloader = ActivationOffload(simulate=simulate_offload)
-    layers = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False)
-              and callable(getattr(m, "_gradient_checkpointing_func", None))]
-    if not layers:
+    body = getattr(lm, "model", None)
+    if body is None or not any(getattr(m, "gradient_checkpointing", False) for m in body.modules()):
         raise ValueError(f"model.offload_activations: {type(lm).__name__} has no transformers checkpointing "
                          f"layers to offload from; set model.offload_activations=false")
-    for layer in layers:  # the layer inputs that checkpoint saves go through the offload hooks
-        def checkpoint_offloaded(fn, *args, _inner=layer._gradient_checkpointing_func, **kw):
-            with offloader.hooks():
-                return _inner(fn, *args, **kw)
-        layer._gradient_checkpointing_func = checkpoint_offloaded
+    # The offload hooks are saved-tensor hooks around the decoder stack's forward. Inside each checkpointed
+    # layer torch's checkpoint installs its own hooks, which take precedence, so what reaches the offloader
+    # is what checkpoint keeps (each layer's inputs) and the few tensors saved between layers.
+    offloader.attach(body)
     return offloader

@@ -39,8 +39,8 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     else:
         layer = act_bytes * (10 * H + 2 * qkv + 4 * I)
     peak = act_bytes * (H + q + qkv) + act_bytes * 2 * d  # gradients in one layer's backward, cos/sin
-    kept = {"none": n * layer, "full": n * act_bytes * H + layer,
-            "selective": n * act_bytes * 10 * H + layer}[ac] + peak
+    per_layer = {"none": layer, "full": act_bytes * H, "selective": act_bytes * 10 * H}[ac]
+    kept = n * per_layer + (layer if ac != "none" else 0) + peak
     host = 0
     if offload and ac != "none":
         host = n * act_bytes * H  # the layer inputs, in pinned host memory
@@ -54,9 +54,11 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
         "loss": min(tokens, loss_tile) * config.vocab_size * 4 * 3 / gib,
         "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
         "activation_bytes_per_token": kept,
+        "layer_bytes_per_token": per_layer,  # what each layer keeps from its forward for backward
         "host_activations": host * tokens / gib,
     }
-    out["total"] = sum(v for k, v in out.items() if k not in ("activation_bytes_per_token", "host_activations"))
+    out["total"] = sum(v for k, v in out.items() if k not in ("activation_bytes_per_token", "layer_bytes_per_token",
+                                                              "host_activations"))
     return out
 
 

@@ -34,7 +34,8 @@ class ActivationOffload:
         self.trace: Optional[list[tuple[str, int]]] = [] if simulate else None
 
     def pack(self, t: torch.Tensor) -> Union[torch.Tensor, int]:
-        if t.numel() * t.element_size() < self.min_bytes or (not self.simulate and t.device.type != "cuda"):
+        small = t.numel() * t.element_size() < self.min_bytes
+        if small or isinstance(t, torch.nn.Parameter) or (not self.simulate and t.device.type != "cuda"):
             return t
         key = id(t)  # the same tensor object (its weak reference tells a reused id apart)
         if key in self.live and self.items[self.live[key]]["tensor"]() is t:
@@ -97,3 +98,17 @@ class ActivationOffload:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def attach(self, module: torch.nn.Module) -> list:
+        """The hooks around every forward of `module`, through its forward pre-hook and forward hook (both
+        public torch module hooks); returns their handles."""
+        active = []
+
+        def enter(mod, args) -> None:
+            active.append(self.hooks())
+            active[-1].__enter__()
+
+        def leave(mod, args, out) -> None:
+            active.pop().__exit__(None, None, None)
+
+        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]

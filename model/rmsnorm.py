@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from longstride.model.tiling import set_forward
-
-# transformers' RMSNorm classes with exactly the formula above (Gemma's (1 + w) form is not one of them)
-LLAMA_STYLE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm"}
+from longstride.model.tiling import set_forward, untiled
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -45,11 +42,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
+@torch.no_grad()
+def computes_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether `module` is an RMSNorm of exactly the formula above: a 1-D `weight`, a float
+    `variance_epsilon`, and on a probe input the same output as rms_norm (Gemma's (1 + w) form, or any other
+    module, fails). A local generator draws the probe, so the global RNG is untouched."""
+    w, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not isinstance(w, torch.Tensor) or w.ndim != 1 or not isinstance(eps, float) or w.device.type == "meta":
+        return False
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(3, w.shape[0], generator=g, device=w.device, dtype=w.dtype)
+    tol = 1e-5 if w.dtype == torch.float32 else 1e-2
+    return torch.allclose(untiled(module)(x), rms_norm(x, w, eps), rtol=tol, atol=tol)
+
+
 def lean_rms_norms(model: torch.nn.Module) -> int:
-    """Gives every Llama-style RMSNorm of a transformers model the lean backward; returns how many."""
+    """Gives every Llama-style RMSNorm of a transformers model (computes_rms_norm) the lean backward;
+    returns how many."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ in LLAMA_STYLE:
+        if computes_rms_norm(module):
             set_forward(module, lambda x, _m=module: rms_norm(x, _m.weight, _m.variance_epsilon))
             count += 1
     return count

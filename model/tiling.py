@@ -19,22 +19,17 @@ their names and the saved checkpoints stay plain transformers.
 """
 from __future__ import annotations
 
-import threading
+import weakref
 
 import torch
 
-# decoder layers whose forward is exactly the pre-norm form above
+# Decoder layers whose forward is exactly the pre-norm form above. A class list, because the order of the
+# calls inside a forward is not visible from the module's structure; other layers get the MLP alone tiled.
 PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                    "SmolLM3DecoderLayer"}
 
-
-_state = threading.local()
-
-
-def inside_tile() -> bool:
-    """True while a tiled op computes its forward: selective checkpointing (model/checkpointing.py)
-    must not cache what runs there, since the tiled op recomputes it in its own backward."""
-    return getattr(_state, "depth", 0) > 0
+# module -> the forward its tiles call (the module's own, or one set later through set_forward)
+UNTILED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
 def _tile_bounds(n: int, tile: int):
@@ -50,15 +45,11 @@ class _Tiled(torch.autograd.Function):
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x)
         out = None
-        _state.depth = getattr(_state, "depth", 0) + 1
-        try:
-            for s, e in _tile_bounds(x.shape[-2], tile):
-                y = fn(x[..., s:e, :])
-                if out is None:
-                    out = y.new_empty(*x.shape[:-1], y.shape[-1])
-                out[..., s:e, :] = y
-        finally:
-            _state.depth -= 1
+        for s, e in _tile_bounds(x.shape[-2], tile):
+            y = fn(x[..., s:e, :])
+            if out is None:
+                out = y.new_empty(*x.shape[:-1], y.shape[-1])
+            out[..., s:e, :] = y
         return out
 
     @staticmethod
@@ -93,28 +84,34 @@ def tiled_apply(fn, x: torch.Tensor, params, tile: int) -> torch.Tensor:
     return torch.cat([fn(t) for t in x.split(tile, dim=-2)], dim=-2)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def folded_into_tiles(x: torch.Tensor) -> torch.Tensor:
+    """The forward of a norm that runs inside the tiles of the projections after it (tile_mlps): the layer's
+    own call of the norm passes its input through, and each tile normalises its tokens."""
     return x
 
 
+def untiled(module: torch.nn.Module):
+    """The forward that `module`'s tiles call: what it was before tiling (or set since by set_forward)."""
+    return UNTILED.get(module, module.forward)
+
+
 def _keep_untiled(module: torch.nn.Module) -> None:
-    if "__untiled_forward__" not in vars(module):
-        module.__untiled_forward__ = module.forward
+    if module not in UNTILED:
+        UNTILED[module] = module.forward
 
 
 def set_forward(module: torch.nn.Module, forward) -> None:
     """Replaces a module's forward; on a module that tiling wrapped or folded into tiles, replaces what
     the tiles call instead, so the tiling stays in place."""
-    if "__untiled_forward__" in vars(module):
-        module.__untiled_forward__ = forward
+    if module in UNTILED:
+        UNTILED[module] = forward
     else:
         module.forward = forward
 
 
 def _restore(module: torch.nn.Module) -> None:
-    if "__untiled_forward__" in vars(module):
-        module.forward = module.__untiled_forward__
-        del module.__untiled_forward__
+    if module in UNTILED:
+        module.forward = UNTILED.pop(module)
 
 
 def _tiled_forward(module: torch.nn.Module, norm: torch.nn.Module | None, tile: int):
@@ -122,13 +119,12 @@ def _tiled_forward(module: torch.nn.Module, norm: torch.nn.Module | None, tile: 
     and out around each forward, and model/rmsnorm.py may set the norm's forward after tiling
     (set_forward)."""
     def fn(x):
-        return module.__untiled_forward__(norm.__untiled_forward__(x) if norm is not None else x)
+        return untiled(module)(untiled(norm)(x) if norm is not None else x)
 
     def forward(x):
         params = [*(norm.parameters() if norm is not None else ()), *module.parameters()]
         return tiled_apply(fn, x, params, tile)
 
-    forward.longstride_tile = tile
     return forward
 
 
@@ -153,5 +149,5 @@ def tile_mlps(model: torch.nn.Module, tile: int) -> int:
         layer.mlp.forward = _tiled_forward(layer.mlp, norm2, tile)
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
             proj.forward = _tiled_forward(proj, norm1, tile)
-        norm1.forward = norm2.forward = _identity
+        norm1.forward = norm2.forward = folded_into_tiles
     return len(layers)

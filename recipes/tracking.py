@@ -66,9 +66,16 @@ class Tracker:
         self.metrics_file = None
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # per-shard save/load bars would drown the training bar
-        if is_main:
-            logging.basicConfig(level=logging.INFO, format="[%(asctime)s longstride] %(message)s", force=True)
+        # for the run only (close() restores them): per-shard save/load bars would drown the training bar
+        self.hf_bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        self.handler = None
+        if is_main:  # longstride's own logger only; the root logger and other libraries' logging stay as they are
+            self.handler = logging.StreamHandler()
+            self.handler.setFormatter(logging.Formatter("[%(asctime)s longstride] %(message)s"))
+            log.addHandler(self.handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False
 
     def info(self, msg: str, *args) -> None:
         if self.is_main:
@@ -132,3 +139,16 @@ class Tracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+    def close(self) -> None:
+        """Ends the run's tracking: the stage's files and wandb run, the log handler, and the HF progress
+        bars as they were before."""
+        self.finish_stage()
+        if self.handler is not None:
+            log.removeHandler(self.handler)
+            log.propagate = True
+            self.handler = None
+        if self.hf_bars:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()

@@ -106,6 +106,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     acc = make_accelerator(cfg, world)
     # before anything is written: a second run on this directory stops here (the launcher then ends its other ranks)
     lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
+    tracker = None
     try:
         torch.manual_seed(cfg.train.seed)
         tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
@@ -118,6 +119,8 @@ def setup(cfg: Config, raw: DictConfig | None):
             corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
         tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")
     except BaseException:
+        if tracker:
+            tracker.close()
         if lock:
             lock.release()
         raise
@@ -135,6 +138,7 @@ def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
             init_from = train_stage(ctx, ctx.plans[name], init_from)
             finals.append(init_from)
     finally:
+        ctx.tracker.close()
         if ctx.lock:
             ctx.lock.release()
     return finals

@@ -11,7 +11,7 @@ from longstride.parallel.balance import balanced_assignment, imbalance, rank_wor
 from longstride.parallel.blocks import ring_plan
 from longstride.parallel.ring import RingComm, ring_attention
 from longstride.parallel.zigzag import Assignment, shard, unshard, zigzag
-from tests.distributed import gather_cat, run_gloo
+from longstride.parallel.spawn import gather_cat, run_gloo
 from tests.test_ring import B, D, HEADS, L, inputs, layouts, reference
 
 

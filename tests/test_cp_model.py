@@ -15,7 +15,7 @@ from longstride.model.tiling import tile_mlps
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
-from tests.distributed import run_gloo
+from longstride.parallel.spawn import run_gloo
 
 L = 96
 # Micro-batch 1 (what the tiny recipe's long stage trains with). Both layouts have a length-1 document and
@@ -35,7 +35,7 @@ def packed_batch(lengths: list[int] = LENGTHS["every_rank_several_docs"]) -> dic
     labels[0, :-1] = ids[0, 1:]
     labels[0, (lens.cumsum(0) - 1)] = IGNORE_INDEX  # no label across a document boundary
     return {"input_ids": ids, "labels": labels, "position_ids": (torch.arange(L) - starts)[None],
-            "doc_ids": doc, "seq_index": torch.arange(L)[None]}
+            "doc_ids": doc}
 
 
 def tiny_model(ac: str = "none") -> ChunkedLossLM:

@@ -14,7 +14,7 @@ from longstride.parallel.blocks import ring_plan
 from longstride.parallel.kernels import doc_attention
 from longstride.parallel.ring import RingComm, ring_attention, ring_forward, to_wire
 from longstride.parallel.zigzag import shard, unshard
-from tests.distributed import gather_cat, run_gloo
+from longstride.parallel.spawn import gather_cat, run_gloo
 
 L, D, B = 120, 16, 2  # L divisible by 2N for N in 1..4
 HEADS = {"gqa4": (8, 2), "gqa3": (6, 2)}

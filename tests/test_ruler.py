@@ -235,7 +235,7 @@ def _cp_prefill_worker(rank, world, checkpoint):
 
 
 def test_context_parallel_prefill_gives_the_single_process_cache_and_answer(checkpoint):
-    from tests.distributed import run_gloo
+    from longstride.parallel.spawn import run_gloo
 
     run_gloo(_cp_prefill_worker, 2, str(checkpoint))
 

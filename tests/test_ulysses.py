@@ -17,7 +17,7 @@ from longstride.parallel.config import CPDegrees, ParallelConfig, ParallelDims, 
 from longstride.parallel.ulysses import HeadComm, ulysses_attention
 from longstride.parallel.heads import head_schedule
 from longstride.parallel.zigzag import shard, split, unshard
-from tests.distributed import gather_cat, run_gloo
+from longstride.parallel.spawn import gather_cat, run_gloo
 from tests.test_ring import B, D, L, inputs, layouts, reference, single_process
 
 # (ring degree, Ulysses degree) -> cases (query heads, K/V heads, U; 0 = plain Ulysses)

@@ -1,4 +1,5 @@
-"""Runs a function on n local gloo processes (torch.multiprocessing spawn, file rendezvous)."""
+"""Runs a function on n local gloo processes (torch.multiprocessing spawn, file rendezvous): the parity tests
+and the CPU benchmarks simulate a context-parallel group with it on one machine."""
 from __future__ import annotations
 
 import os
