@@ -8,11 +8,15 @@ from longstride.choices import Choice
 
 
 class Arch(Choice):
+    """model.arch: a SmolLM3-style model built from this group's sizes, or a local HF checkpoint."""
+
     smollm3 = "smollm3"
     checkpoint = "checkpoint"
 
 
 class CheckpointMode(Choice):
+    """model.checkpoint_mode (model/checkpointing.py)."""
+
     full = "full"
     selective = "selective"
 

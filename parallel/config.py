@@ -8,11 +8,12 @@ from longstride.choices import Choice
 
 
 class Balance(Choice):
-    zigzag = "zigzag"
-    docs = "docs"
+    zigzag = "zigzag"  # 2 chunks per rank (r and 2N-1-r): exact for plain causal attention
+    docs = "docs"  # parallel/balance.py: chunks dealt per batch for equal within-document work
 
 
 class Kernel(Choice):
+    # the attention kernel behind every block (parallel/kernels.py)
     auto = "auto"
     sdpa = "sdpa"
     flash_attn = "flash_attn"

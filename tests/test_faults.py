@@ -298,7 +298,7 @@ def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path)
     import signal
     import time
 
-    from tests.conftest import micro_overrides, read_metrics
+    from tests.conftest import read_metrics
 
     two = micro + ["stage=s1_256", "recipe.stages.s1_256.steps=300", "recipe.stages.s1_256.save_every=20",
                    "recipe.stages.s1_256.batch_tokens=1024", "recipe.stages.s1_256.micro_batch_size=4"]

@@ -11,38 +11,22 @@ from longstride.model.checkpointing import enable_checkpointing
 from longstride.model.memory import device_memory_gib, estimate
 from longstride.model.rmsnorm import lean_rms_norms
 from longstride.model.tiling import tile_mlps
-from longstride.parallel.cp import DocLayout
-from tests.test_cp_model import L, packed_batch, tiny_model
+from tests.test_cp_model import L, tiny_model
+from tests.test_tiling import saved_per_layer
 
 CFG = SmolLM3Config(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152)
 P = 135_000_000
 
 
-def saved_per_layer(ac: str, tile: int) -> tuple[list[float], object]:
+def layer_bytes_per_token(ac: str, tile: int) -> tuple[list[float], object]:
     """Bytes per token each decoder layer's forward hands autograd (parameters excluded), and the config."""
     model = tiny_model()
     lean_rms_norms(model.lm)
     tile_mlps(model.lm, tile)
     enable_checkpointing(model.lm, ac)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    current, saved = [None], {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if current[0] is not None and ptr not in params:
-            saved.setdefault(current[0], {})[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    for i, layer in enumerate(model.lm.model.layers):
-        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
-        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
-    b = packed_batch()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
-    layers = model.lm.model.layers
-    assert not layers[-1].self_attn.use_rope, "the last tiny layer is NoPE: no cos/sin in its figure"
-    return [sum(saved.get(i, {}).values()) / L for i in range(len(layers))], model.lm.config
+    assert not model.lm.model.layers[-1].self_attn.use_rope, "the last tiny layer is NoPE: no cos/sin in its figure"
+    return [b / L for b in saved_per_layer(model)], model.lm.config
 
 
 @pytest.mark.parametrize("ac, tile, exact", [("full", 0, True), ("none", 16, True), ("none", 0, False)])
@@ -50,7 +34,7 @@ def test_layer_estimate_matches_what_a_layer_keeps(ac, tile, exact):
     """Checkpointed and tiled layers keep exactly what the estimate says (the layer input; the tiled set);
     a plain layer's estimate (per-layer constants in the style of Korthikanti et al.) is an upper bound
     within 1.5x of what transformers' layer keeps."""
-    measured, config = saved_per_layer(ac, tile)
+    measured, config = layer_bytes_per_token(ac, tile)
     est = estimate(config, 1, L, ac, tile, 1024)["layer_bytes_per_token"]
     nope = measured[-1]
     if exact:
