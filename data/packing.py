@@ -111,13 +111,17 @@ def pack_concat(starts: np.ndarray, lens: np.ndarray, seq_len: int) -> tuple[Pac
     return PackPlan(seq_len, seg_start.astype(np.int64), (seg_hi - seg_lo).astype(np.int64), ptr), cut
 
 
+METHODS = ("best_fit", "concat")  # data.packing's choices (data/config.py Packing), offline and online
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"data.packing={method!r} is unknown; use one of {list(METHODS)}")
+
+
 def pack(starts: np.ndarray, lens: np.ndarray, seq_len: int, method: str) -> tuple[PackPlan, dict]:
-    if method == "best_fit":
-        plan, cut = pack_best_fit(starts, lens, seq_len)
-    elif method == "concat":
-        plan, cut = pack_concat(starts, lens, seq_len)
-    else:
-        raise ValueError(f"data.packing={method!r} is unknown; use best_fit or concat")
+    check_method(method)
+    plan, cut = (pack_best_fit if method == "best_fit" else pack_concat)(starts, lens, seq_len)
     return plan, plan.stats(len(lens), cut)
 
 
@@ -128,8 +132,7 @@ class OnlinePacker:
     made ready. concat: one open sequence, documents cut at its end. Its state is plain data."""
 
     def __init__(self, seq_len: int, method: str = "best_fit", open_seqs: int = 64):
-        if method not in ("best_fit", "concat"):
-            raise ValueError(f"data.packing={method!r} is unknown; use best_fit or concat")
+        check_method(method)
         self.seq_len, self.method = seq_len, method
         self.open_seqs = max(1, open_seqs) if method == "best_fit" else 1
         self.load_state_dict(None)

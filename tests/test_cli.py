@@ -53,8 +53,11 @@ def test_every_command_has_help(command, expect, tmp_path):
 
 
 def test_choice_typos_name_the_key_and_the_choices(tmp_path):
-    r = _run([shutil.which("longstride"), "train", "parallel.cp_impl=zigzag"], tmp_path)
-    assert r.returncode != 0 and "expected one of [ring, ulysses, upipe, hybrid]" in r.stderr
+    r = _run([shutil.which("longstride"), "train", "parallel.balance=zigzg"], tmp_path)
+    assert r.returncode != 0 and "expected one of [zigzag, docs]" in r.stderr
+    r = _run([shutil.which("longstride"), "train", "parallel.cp_impl=zigzag"], tmp_path)  # a registry name
+    assert r.returncode == 2 and "parallel.cp_impl='zigzag' is unknown; use one of ['ring', 'ulysses', 'upipe', " \
+        "'hybrid']" in r.stderr and "Traceback" not in r.stderr
     r = _run([shutil.which("longstride"), "eval", "ruler", "checkpoint=x", "prefill=ring"], tmp_path)
     assert r.returncode == 2 and "Invalid value 'ring', expected one of [local, cp]" in r.stderr
     assert "Traceback" not in r.stderr
