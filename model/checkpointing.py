@@ -62,8 +62,9 @@ def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,
     if body is None or not any(getattr(m, "gradient_checkpointing", False) for m in body.modules()):
         raise ValueError(f"model.offload_activations: {type(lm).__name__} has no transformers checkpointing "
                          f"layers to offload from; set model.offload_activations=false")
-    # The offload hooks are saved-tensor hooks around the decoder stack's forward. Inside each checkpointed
-    # layer torch's checkpoint installs its own hooks, which take precedence, so what reaches the offloader
-    # is what checkpoint keeps (each layer's inputs) and the few tensors saved between layers.
-    offloader.attach(body)
+    # The offload hooks are saved-tensor hooks around the decoder stack's forward, up to the end of its last
+    # layer. Inside each checkpointed layer torch's checkpoint installs its own hooks, which take precedence,
+    # so what reaches the offloader is what checkpoint keeps: each layer's inputs.
+    layers = getattr(body, "layers", None)
+    offloader.attach(body, until=layers[-1] if layers else None)
     return offloader

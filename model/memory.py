@@ -11,7 +11,8 @@ The estimate, per rank, in bytes:
                                  input, the residual, post-RoPE q/k and v, the attention output, fp32 lse)
     none                         every layer's set
     full checkpointing           b H per layer (its input), plus one layer's set while it is recomputed
-    selective                    b 10 H per layer (the cheap ops' outputs), plus one layer's set
+    selective                    b 10 H per layer (the cheap ops' outputs; an upper bound: with the lean
+                                 RMSNorm and tiles their ops recompute), plus one layer's set
     with offload (CUDA)          the layer inputs (b H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
     at the peak, in one layer's attention backward: the gradients b (H + q + qkv) (residual stream,

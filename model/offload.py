@@ -30,12 +30,14 @@ class ActivationOffload:
         self.items: dict[int, dict] = {}  # packed id -> host copy, device copy (once fetched), its event, refs
         self.live: dict[int, int] = {}  # a tensor saved by several layers (RoPE cos/sin) is copied once
         self.next_id = 0
+        self.armed = True  # attach(module, until=...) limits offload to part of a forward
         # ("pack"|"fetch"|"unpack", id) in simulate mode, for tests; never kept in a real run
         self.trace: Optional[list[tuple[str, int]]] = [] if simulate else None
 
     def pack(self, t: torch.Tensor) -> Union[torch.Tensor, int]:
         small = t.numel() * t.element_size() < self.min_bytes
-        if small or isinstance(t, torch.nn.Parameter) or (not self.simulate and t.device.type != "cuda"):
+        off_device = not self.simulate and t.device.type != "cuda"
+        if not self.armed or small or isinstance(t, torch.nn.Parameter) or off_device:
             return t
         key = id(t)  # the same tensor object (its weak reference tells a reused id apart)
         if key in self.live and self.items[self.live[key]]["tensor"]() is t:
@@ -99,16 +101,24 @@ class ActivationOffload:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def attach(self, module: torch.nn.Module) -> list:
+    def attach(self, module: torch.nn.Module, until: Optional[torch.nn.Module] = None) -> list:
         """The hooks around every forward of `module`, through its forward pre-hook and forward hook (both
-        public torch module hooks); returns their handles."""
+        public torch module hooks); with `until` (a submodule), only what is saved before that submodule's
+        forward ends is offloaded. Returns the hooks' handles."""
         active = []
 
         def enter(mod, args) -> None:
+            self.armed = True
             active.append(self.hooks())
             active[-1].__enter__()
 
         def leave(mod, args, out) -> None:
             active.pop().__exit__(None, None, None)
 
-        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+        def disarm(mod, args, out) -> None:
+            self.armed = False
+
+        handles = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+        if until is not None:
+            handles.append(until.register_forward_hook(disarm))
+        return handles

@@ -56,12 +56,16 @@ def computes_rms_norm(module: torch.nn.Module) -> bool:
     return torch.allclose(untiled(module)(x), rms_norm(x, w, eps), rtol=tol, atol=tol)
 
 
+def _lean_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, norm.weight, norm.variance_epsilon)
+
+
 def lean_rms_norms(model: torch.nn.Module) -> int:
     """Gives every Llama-style RMSNorm of a transformers model (computes_rms_norm) the lean backward;
     returns how many."""
     count = 0
     for module in model.modules():
         if computes_rms_norm(module):
-            set_forward(module, lambda x, _m=module: rms_norm(x, _m.weight, _m.variance_epsilon))
+            set_forward(module, _lean_forward)
             count += 1
     return count

@@ -19,6 +19,7 @@ their names and the saved checkpoints stay plain transformers.
 """
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -28,7 +29,9 @@ import torch
 PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                    "SmolLM3DecoderLayer"}
 
-# module -> the forward its tiles call (the module's own, or one set later through set_forward)
+# module -> the forward its tiles call, as a function of (module, x) that holds no reference to the module
+# (a value that did would keep its weak key, and the model, alive): the class's forward, or one set later
+# through set_forward
 UNTILED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
@@ -92,26 +95,35 @@ def folded_into_tiles(x: torch.Tensor) -> torch.Tensor:
 
 def untiled(module: torch.nn.Module):
     """The forward that `module`'s tiles call: what it was before tiling (or set since by set_forward)."""
-    return UNTILED.get(module, module.forward)
+    fn = UNTILED.get(module)
+    return module.forward if fn is None else types.MethodType(fn, module)
 
 
 def _keep_untiled(module: torch.nn.Module) -> None:
-    if module not in UNTILED:
-        UNTILED[module] = module.forward
+    if module in UNTILED:
+        return
+    own = vars(module).get("forward")  # an instance forward set before tiling (set_forward's), else the class's
+    assert own is None or (isinstance(own, types.MethodType) and own.__self__ is module), own
+    UNTILED[module] = own.__func__ if own is not None else type(module).forward
 
 
 def set_forward(module: torch.nn.Module, forward) -> None:
-    """Replaces a module's forward; on a module that tiling wrapped or folded into tiles, replaces what
-    the tiles call instead, so the tiling stays in place."""
+    """Gives `module` the forward `forward(module, x)`; on a module that tiling wrapped or folded into tiles,
+    replaces what the tiles call instead, so the tiling stays in place."""
     if module in UNTILED:
         UNTILED[module] = forward
     else:
-        module.forward = forward
+        module.forward = types.MethodType(forward, module)
 
 
 def _restore(module: torch.nn.Module) -> None:
-    if module in UNTILED:
-        module.forward = UNTILED.pop(module)
+    fn = UNTILED.pop(module, None)
+    if fn is None:
+        return
+    if fn is type(module).forward:
+        del module.forward  # back to the class's own
+    else:
+        module.forward = types.MethodType(fn, module)
 
 
 def _tiled_forward(module: torch.nn.Module, norm: torch.nn.Module | None, tile: int):

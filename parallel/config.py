@@ -1,4 +1,5 @@
-"""Schema of the `parallel` config group and all degree arithmetic, validated in one place."""
+"""Schema of the `parallel` config group, the dp x cp split of the world (ParallelDims) and the degree
+checks the CP methods share (each method's own degree rule is in its module: parallel/cp.py)."""
 from __future__ import annotations
 
 import math

@@ -4,8 +4,8 @@ Each method is a module that states three things:
     degrees(cfg, cp, heads, where) -> CPDegrees      how a stage's cp splits (ring x Ulysses, UPipe's U)
     shard(batch, docs, cp) -> (local batch, plan)    this rank's share of a full PackedBatch, its ring plan
     attention(q, k, v, layout, scale) -> out         the attention every layer runs
-Adding a method is its module plus one entry in METHODS; the schema, the stage and the attention
-function read them from here.
+Adding a method is its module plus one entry in METHODS; validation (recipes/plan.py), the stage and
+the attention function read them from here.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ sequence, with the ring underneath (parallel/ulysses.py).
 """
 from __future__ import annotations
 
-from longstride.parallel.config import CPDegrees, divisors, check_ulysses, stage_heads
-from longstride.parallel.ulysses import attention, shard  # noqa: F401  (the method's sharding and attention)
+from longstride.parallel import ring, ulysses
+from longstride.parallel.config import CPDegrees, check_ulysses, divisors, stage_heads
+from longstride.parallel.ulysses import shard  # noqa: F401  (the method's sharding: ring share, then Ulysses piece)
 
 
 def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
@@ -16,3 +17,8 @@ def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
                          f"(ring degree = cp / ulysses); set parallel.ulysses to one of {divisors(cp)}")
     check_ulysses(u, cp, heads, where)
     return CPDegrees(cp // u, u, stage_heads(cfg.upipe_heads, u, heads) if cfg.upipe_heads else 0)
+
+
+def attention(q, k, v, layout, scale: float):
+    """Ulysses over the ring-local sequence; with parallel.ulysses=1 (no Ulysses group) the plain ring."""
+    return (ring.attention if layout.cp.heads is None else ulysses.attention)(q, k, v, layout, scale)

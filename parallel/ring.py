@@ -199,5 +199,5 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
 
 
 def attention(q, k, v, layout, scale: float) -> torch.Tensor:
-    """layout: the batch's DocLayout (parallel/attention.py)."""
+    """layout: the batch's DocLayout (parallel/cp.py)."""
     return ring_attention(q, k, v, layout.plan, layout.cp.kernel, scale, layout.cp.comm)

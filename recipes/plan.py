@@ -40,10 +40,6 @@ class StagePlan:
     balance: str
     accum: int
 
-    @property
-    def field(self) -> str:
-        return f"recipe.stages.{self.name}"
-
 
 def non_finite_fields(node, path: str = "") -> list[str]:
     """Dotted names of NaN / inf floats anywhere in a config (dataclasses, dicts, lists)."""

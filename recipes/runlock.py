@@ -83,7 +83,10 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
         with open(path) as f:
             recorded = json.load(f)
         theirs = recorded["config"]
-        if resume_from and theirs == mine and recorded.get("resumed_from") == os.path.normpath(resume_from):
+        # keys on one side only come from another longstride version's schema (a field added or removed), which
+        # this run's code cannot read differently: only values both sides have are compared
+        changed = sorted(k for k in set(theirs) & set(mine) if theirs[k] != mine[k])
+        if resume_from and not changed and recorded.get("resumed_from") == os.path.normpath(resume_from):
             return False
         if not resume:
             aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -91,9 +94,8 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
             os.makedirs(directory)
             os.replace(os.path.join(aside, ".lock"), os.path.join(directory, ".lock"))  # the lock moves with us
             print(f"longstride: train.resume=false: the previous run is now {aside}", file=sys.stderr)
-        elif theirs != mine:
-            diff = [f"{k} (was {theirs.get(k, 'unset')}, now {mine.get(k, 'unset')})"
-                    for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+        elif changed:
+            diff = [f"{k} (was {theirs[k]}, now {mine[k]})" for k in changed]
             if resume_from:  # asked for: continue from that checkpoint under the new config
                 print(f"longstride: continuing from {resume_from} with a changed config: {'; '.join(diff)}",
                       file=sys.stderr)

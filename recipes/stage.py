@@ -180,7 +180,8 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
                          init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     ac = plan.checkpointing != "none"
     ctx.tracker.info("stage %s: model %s on %s (%s); activation checkpointing %s%s; MLP tile %s", plan.name,
-                     type(run.model.module).__name__, acc.device, acc.distributed_type, plan.checkpointing if ac else "off",
+                     type(run.model.module).__name__, acc.device, acc.distributed_type,
+                     plan.checkpointing if ac else "off",
                      "" if not (ac and cfg.model.offload_activations) else
                      (", offloaded to host" if plan.offload else ", offload ignored on CPU"), plan.mlp_tile or "off")
     cp = describe_cp(cfg.parallel.cp_impl, plan.degrees, run.lm.config.num_key_value_heads) if plan.dims.cp > 1 else ""
@@ -226,34 +227,32 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
             "grad_norm": grad_norm, "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
 
 
-def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, last_good: Optional[str]) -> None:
-    """The first validation loss (unless resumed), then steps to the budget: step checkpoints every save_every (never inside a run of skipped steps), a stop
-    signal on any rank saves and raises Stopped on every rank."""
+def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, last_good: Optional[str]) -> None:
+    """The first validation loss (unless resumed), then steps to the budget: step checkpoints every save_every
+    (never inside a run of skipped steps); a stop signal on any rank saves and raises Stopped on every rank."""
     guard, stage = NonFiniteGuard(ctx.cfg.train.max_nonfinite_steps), run.plan.stage
     crash_at = int(os.environ.get(CRASH_HOOK, "0"))
-    with StopSignals() as stop:
-        if run.val_start is None:
-            run.val_start = validation_loss(ctx, run)
-            ctx.tracker.log_values(0, {"val_loss": run.val_start})
-        while run.step < stage.total_steps:
-            metrics = train_step(ctx, run, guard, last_good)
-            ctx.tracker.log(run.step, metrics)
-            here = os.path.join(stage_dir, step_name(run.step))
-            if stage.save_every and run.step % stage.save_every == 0 and run.step < stage.total_steps \
-                    and not guard.in_row:
+    if run.val_start is None:
+        run.val_start = validation_loss(ctx, run)
+        ctx.tracker.log_values(0, {"val_loss": run.val_start})
+    while run.step < stage.total_steps:
+        metrics = train_step(ctx, run, guard, last_good)
+        ctx.tracker.log(run.step, metrics)
+        here = os.path.join(stage_dir, step_name(run.step))
+        if stage.save_every and run.step % stage.save_every == 0 and run.step < stage.total_steps and not guard.in_row:
+            save_stage(ctx, run, here, with_state=True)
+            last_good = here
+        signum = stop.requested(ctx.accelerator.device)
+        if signum:  # preemption or Ctrl-C on any rank: all save this step (the same decision on each), then stop
+            if not guard.in_row and last_good != here:
                 save_stage(ctx, run, here, with_state=True)
                 last_good = here
-            signum = stop.requested(ctx.accelerator.device)
-            if signum:  # preemption or Ctrl-C on any rank: all save this step (the same decision on each), then stop
-                if not guard.in_row and last_good != here:
-                    save_stage(ctx, run, here, with_state=True)
-                    last_good = here
-                raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
-                                      f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
-                                      "to resume (without train.resume=false or train.resume_from, which would start over)")
-            if run.step == crash_at:
-                ctx.tracker.finish_stage()
-                os.kill(os.getpid(), signal.SIGKILL)
+            raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
+                                  f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
+                                  "to resume (without train.resume=false or train.resume_from, which would start over)")
+        if run.step == crash_at:
+            ctx.tracker.finish_stage()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> str:
@@ -274,14 +273,15 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
     log_stage_start(ctx, run, init_from, resumed=bool(resume))
     tracker.start_stage(plan.name, stage_dir, plan.stage.total_steps, run.step,
                         {"stage": plan.name, **asdict(plan.stage), "packing": run.pack_stats, "config": ctx.cfg_dict})
-    try:
-        run.model.train()
-        train_steps(ctx, run, stage_dir, last_good=resume or init_from)
-        val_end = validation_loss(ctx, run)
-        tracker.log_values(run.step, {"val_loss": val_end})
-        tracker.info("stage %s: validation loss %.4f -> %.4f", plan.name, run.val_start, val_end)
-        save_stage(ctx, run, final, with_state=False, extra_meta={"val_loss_start": run.val_start,
-                                                                  "val_loss_end": val_end})
+    try:  # a stop signal during the final validation or save waits for them, as during the steps
+        with StopSignals() as stop:
+            run.model.train()
+            train_steps(ctx, run, stage_dir, stop, last_good=resume or init_from)
+            val_end = validation_loss(ctx, run)
+            tracker.log_values(run.step, {"val_loss": val_end})
+            tracker.info("stage %s: validation loss %.4f -> %.4f", plan.name, run.val_start, val_end)
+            save_stage(ctx, run, final, with_state=False, extra_meta={"val_loss_start": run.val_start,
+                                                                      "val_loss_end": val_end})
     finally:
         tracker.finish_stage()
     acc.free_memory()

@@ -69,7 +69,7 @@ class Tracker:
         # for the run only (close() restores them): per-shard save/load bars would drown the training bar
         self.hf_bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
-        self.handler = None
+        self.handler, self.log_state = None, (log.level, log.propagate)
         if is_main:  # longstride's own logger only; the root logger and other libraries' logging stay as they are
             self.handler = logging.StreamHandler()
             self.handler.setFormatter(logging.Formatter("[%(asctime)s longstride] %(message)s"))
@@ -146,7 +146,8 @@ class Tracker:
         self.finish_stage()
         if self.handler is not None:
             log.removeHandler(self.handler)
-            log.propagate = True
+            log.setLevel(self.log_state[0])
+            log.propagate = self.log_state[1]
             self.handler = None
         if self.hf_bars:
             from transformers.utils import logging as hf_logging

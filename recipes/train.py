@@ -104,6 +104,9 @@ def setup(cfg: Config, raw: DictConfig | None):
     recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
     stages, init_from = start_stage_index(cfg, recipe_dir)
     acc = make_accelerator(cfg, world)
+    if acc.num_processes != world:  # the plans were made for WORLD_SIZE processes
+        raise ValueError(f"the launcher started {acc.num_processes} processes but WORLD_SIZE is {world}; launch with "
+                         "accelerate launch or torchrun, which set WORLD_SIZE")
     # before anything is written: a second run on this directory stops here (the launcher then ends its other ranks)
     lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
     tracker = None

@@ -76,3 +76,21 @@ def test_a_new_source_kind_is_one_table_entry(monkeypatch, tmp_path):
         assert "data.sources.stdlib.max_docs must be set" in str(e)
     else:
         raise AssertionError("the kind's own check did not run in validation")
+
+
+def test_hybrid_with_one_ulysses_rank_is_a_ring():
+    """parallel.cp_impl=hybrid with parallel.ulysses=1 has no Ulysses group: its attention is the ring's (here a
+    one-rank ring), equal to single-device document attention."""
+    from longstride.parallel import hybrid
+    from longstride.parallel.kernels import doc_attention
+
+    cfg = types.SimpleNamespace(ulysses=1, upipe_heads=0)
+    assert hybrid.degrees(cfg, 2, 4, "cp") == CPDegrees(2, 1, 0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=g) for h in (4, 2, 2))
+    docs = torch.tensor([[0] * 5 + [1] * 11])
+    batch = {"input_ids": torch.zeros(1, 16, dtype=torch.long), "doc_ids": docs}
+    local, layout = shard_for_cp(batch, True, CPContext("hybrid", CPDegrees(1, 1), kernel="sdpa"))
+    out, _ = longstride_attention(None, q, k, v, None, doc_layout=layout)
+    want = doc_attention(q, k, v, docs, 8 ** -0.5, "sdpa").transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-5), (out - want).abs().max()

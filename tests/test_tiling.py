@@ -2,6 +2,9 @@
 the MLP's wide activations really exist for one tile at a time, in forward and in the backward recompute."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -74,6 +77,12 @@ def test_tiled_mlp_equals_plain_and_holds_one_tile_at_a_time():
     assert tile_mlps(model.lm, 0) == 0
     assert model.lm.model.layers[0].input_layernorm(x) is not x, "untiling restores the norms"
     assert_same(loss_and_grads(model), plain, "untiled again, lean RMSNorm")
+    assert "forward" not in vars(model.lm.model.layers[0].mlp), "untiling gives the MLP back its class's forward"
+    tile_mlps(model.lm, 16)
+    layer = weakref.ref(model.lm.model.layers[0])
+    del model
+    gc.collect()
+    assert layer() is None, "a tiled model is freed once dropped (the registry of untiled forwards holds it weakly)"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])

@@ -9,6 +9,8 @@ rank's prefill activations are 1/world of the prompt's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from transformers import AttentionInterface, DynamicCache
@@ -31,12 +33,11 @@ def _attention_keeping_kv(module, query, key, value, attention_mask, kv_out=None
 
 
 def world_cp() -> CPContext:
-    """A ring over every process of the default group."""
+    """A ring over every process of the default group (cp_prefill picks the kernel for the model's device)."""
     n = dist.get_world_size()
-    kernel = resolve_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu", ring=True)
     if n == 1:
-        return CPContext(kernel=kernel)
-    return CPContext("ring", CPDegrees(ring=n), dist.get_rank(), comm=RingComm(dist.group.WORLD), kernel=kernel)
+        return CPContext()
+    return CPContext("ring", CPDegrees(ring=n), dist.get_rank(), comm=RingComm(dist.group.WORLD))
 
 
 @torch.no_grad()
@@ -52,6 +53,7 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
         return cache
     full = torch.tensor(ids[:length], device=device)[None]
     batch = {"input_ids": full, "position_ids": torch.arange(length, device=device)[None]}
+    cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None))
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     previous = model.config._attn_implementation
