@@ -317,3 +317,21 @@ def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path)
     assert clean.communicate(timeout=600) and clean.returncode == 0
     a, b = read_metrics(stage_dir), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
     assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise, same layout
+
+
+def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path):
+    """A run recorded by a longstride whose schema had a field this one lacks (a removed field such as
+    model.rope_theta) resumes; a value both versions have and that differs is still refused."""
+    import json
+
+    from longstride.recipes.runlock import check_identity
+
+    resolved = {"model": {"hidden_size": 32}, "recipe": {"name": "tiny"}}
+    assert check_identity(str(tmp_path), resolved, resume=True) is False  # first run: recorded
+    path = tmp_path / "run.json"
+    recorded = json.loads(path.read_text())
+    recorded["config"]["model.rope_theta"] = 10000.0
+    path.write_text(json.dumps(recorded))
+    assert check_identity(str(tmp_path), resolved, resume=True) is False
+    with pytest.raises(ValueError, match=r"model.hidden_size \(was 32, now 64\)"):
+        check_identity(str(tmp_path), {"model": {"hidden_size": 64}, "recipe": {"name": "tiny"}}, resume=True)
