@@ -1,0 +1,112 @@
+"""A check for refactors, kept beside the tests whose micro recipe it runs (not collected by pytest):
+bitwise reproducibility of training across a change: runs the micro recipe (the test suite's 64 -> 128 ->
+256-token, 3-stage recipe on 60 stdlib files) under every parallel layout, and records each step's loss and
+gradient norm, the validation losses and the SHA-256 of every checkpoint's weights. A refactor that does not
+change the math gives the same record (STYLE rule 14).
+
+    python -m tests.bitwise --out /tmp/before            # on the old tree
+    python -m tests.bitwise --out /tmp/after             # on the new tree
+    python -m tests.bitwise --compare /tmp/before /tmp/after
+
+Layouts: one process; ring, ring with selective checkpointing and balance=docs (micro-batch 2), Ulysses,
+UPipe (2 heads per stage) and FSDP2 on 2 gloo processes (cp=2 in stages 2 and 3); hybrid ring 2 x Ulysses
+2 on 4 processes; streaming data on one process. About 2 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CP2 = ["recipe.stages.s2_2k.cp=2", "recipe.stages.s3_4k.cp=2"]
+LAYOUTS = {  # name -> (processes, overrides)
+    "single": (1, []),
+    "ring": (2, CP2),
+    "ring_selective_docs": (2, CP2 + ["model.checkpoint_mode=selective", "parallel.balance=docs",
+                                      "recipe.stages.s3_4k.micro_batch_size=2"]),
+    "ulysses": (2, CP2 + ["parallel.cp_impl=ulysses"]),
+    "upipe": (2, CP2 + ["parallel.cp_impl=upipe", "parallel.upipe_heads=2"]),
+    "hybrid": (4, ["recipe.stages.s1_256.batch_tokens=1024", "recipe.stages.s2_2k.cp=4", "recipe.stages.s3_4k.cp=4",
+                   "parallel.cp_impl=hybrid", "parallel.ulysses=2"]),
+    "fsdp2": (2, CP2 + ["parallel.fsdp=true"]),
+    "streaming": (1, ["data.streaming=true"]),
+}
+
+
+def micro(root: Path, cache: Path) -> list[str]:
+    from tests.conftest import micro_overrides
+
+    return micro_overrides(root, cache)
+
+
+def launch(n: int, args: list[str], log: Path) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "disabled"}
+    head = [sys.executable]
+    if n > 1:
+        cfg = REPO / "configs/accelerate/cpu.yaml"
+        if n != 2:  # the 2-process config with another process count and port
+            text = cfg.read_text().replace("num_processes: 2", f"num_processes: {n}").replace("29517", "29533")
+            cfg = Path(tempfile.mkdtemp()) / "cpu.yaml"
+            cfg.write_text(text)
+        head += ["-m", "accelerate.commands.launch", "--config_file", str(cfg)]
+    with open(log, "w") as f:
+        return subprocess.run([*head, "-m", "longstride.recipes.train", *args], cwd=REPO, env=env, stdout=f,
+                              stderr=subprocess.STDOUT).returncode
+
+
+def record(root: Path) -> dict:
+    """Per file: the metrics' (step, loss, grad_norm, val_loss) rows, or the weights' SHA-256."""
+    out = {}
+    for m in sorted(root.rglob("metrics.jsonl")):
+        rows = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+        out[str(m.relative_to(root))] = [{k: r[k] for k in ("step", "loss", "grad_norm", "val_loss") if k in r}
+                                         for r in rows]
+    for f in sorted(root.rglob("*.safetensors")):
+        out[str(f.relative_to(root))] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def run(out: Path, only: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cache, summary = out / "cache", {}
+    for name in only:
+        n, extra = LAYOUTS[name]
+        rc = launch(n, micro(out / name, cache) + extra, out / f"{name}.log")
+        summary[name] = record(out / name) if rc == 0 else {"exit": rc}
+        print(f"{name:22s} {n} process(es): exit {rc}, {len(summary[name])} files recorded", flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
+def compare(a: Path, b: Path) -> bool:
+    x, y = (json.loads((p / "summary.json").read_text()) for p in (a, b))
+    same = True
+    for name in sorted(set(x) | set(y)):
+        xs, ys = x.get(name, {}), y.get(name, {})
+        diff = sorted(f for f in set(xs) | set(ys) if xs.get(f) != ys.get(f))
+        same &= not diff and name in x and name in y
+        print(f"{name:22s} {'identical' if not diff else 'DIFFERENT: ' + ', '.join(diff)}")
+    return same
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="directory for the runs and summary.json")
+    ap.add_argument("--only", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    args = ap.parse_args()
+    if args.compare:
+        sys.exit(0 if compare(*args.compare) else 1)
+    if not args.out:
+        ap.error("give --out DIR (or --compare BEFORE AFTER)")
+    run(args.out, args.only)
+
+
+if __name__ == "__main__":
+    main()
