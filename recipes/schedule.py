@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from longstride.choices import Choice
 
 
@@ -37,6 +35,8 @@ def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: floa
 
 
 def build_scheduler(optimizer, total: int, warmup: int, kind: str, min_ratio: float, decay_fraction: float):
-    return torch.optim.lr_scheduler.LambdaLR(
+    from torch.optim.lr_scheduler import LambdaLR  # here: the schema imports Schedule without torch
+
+    return LambdaLR(
         optimizer, lambda s: lr_multiplier(s, total, warmup, kind, min_ratio, decay_fraction)
     )

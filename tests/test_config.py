@@ -181,3 +181,15 @@ def test_choice_typo_fails_at_composition_with_the_choices(key):
         compose_cfg([f"{key}=typo"])
     assert f"Invalid value 'typo', expected one of [{CHOICES[key]}]" in str(e.value.__cause__)
     assert f"full_key: {key}" in str(e.value.__cause__)
+
+
+def test_the_schema_imports_constants_not_runtime_modules():
+    """Composing and typing a config needs no torch, transformers, datasets or accelerate: the schema imports
+    only the groups' dataclasses and choices (checks that need runtime modules live in recipes/plan.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, longstride.recipes.schema; "
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
