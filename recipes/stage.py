@@ -29,7 +29,7 @@ from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.memory import device_memory_gib, estimate
 from longstride.model.prepare import prepare_model
 from longstride.parallel.attention import use_longstride_attention
-from longstride.parallel.collectives import all_reduce
+from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import describe_cp
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.parallelize import Parallelized, parallelize
@@ -260,13 +260,14 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
     acc, tracker = ctx.accelerator, ctx.tracker
     stage_dir = os.path.join(ctx.recipe_dir, plan.name)
     final = final_dir(stage_dir)
-    if verified_final(stage_dir):
+    # rank 0 verifies (hashes every file) and tells the others, so all ranks make the same choice
+    if from_main(lambda: verified_final(stage_dir)):
         tracker.info("stage %s already complete: %s", plan.name, final)
         return final
     if acc.is_main_process:
         remove_partial(stage_dir)
     acc.wait_for_everyone()
-    resume = latest_checkpoint(stage_dir, warn=tracker.warning)
+    resume = from_main(lambda: latest_checkpoint(stage_dir, warn=tracker.warning))
     run = build_stage(ctx, plan, resume or init_from)
     if resume:
         restore_stage(ctx, run, resume)

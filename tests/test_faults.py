@@ -335,3 +335,37 @@ def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path)
     assert check_identity(str(tmp_path), resolved, resume=True) is False
     with pytest.raises(ValueError, match=r"model.hidden_size \(was 32, now 64\)"):
         check_identity(str(tmp_path), {"model": {"hidden_size": 64}, "recipe": {"name": "tiny"}}, resume=True)
+
+
+def _from_main_worker(rank: int, world: int, path: str) -> None:
+    import torch
+
+    from longstride.parallel.collectives import from_main
+
+    calls = []
+
+    def decide():
+        calls.append(rank)
+        return f"rank {rank} decided"
+
+    got = from_main(decide)
+    try:
+        from_main(lambda: (_ for _ in ()).throw(ValueError("no intact checkpoint")))
+        raised = ""
+    except ValueError as e:
+        raised = str(e)
+    torch.save({"got": got, "calls": calls, "raised": raised}, f"{path}.{rank}")
+
+
+def test_resume_decision_is_made_on_rank_0_and_shared(tmp_path):
+    """The checkpoint to resume from is chosen (verified) on rank 0 only and handed to every rank; an error
+    there (no intact checkpoint) is raised on every rank instead of leaving the others waiting."""
+    import torch
+
+    from longstride.parallel.spawn import run_gloo
+
+    run_gloo(_from_main_worker, 2, str(tmp_path / "out"))
+    for rank in range(2):
+        r = torch.load(tmp_path / f"out.{rank}")
+        assert r["got"] == "rank 0 decided" and r["calls"] == ([0] if rank == 0 else [])
+        assert r["raised"] == "no intact checkpoint"
