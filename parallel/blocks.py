@@ -156,16 +156,17 @@ def check_doc_runs(docs: np.ndarray) -> None:
                              f"sequence, as data.batch.packed_item makes them: give every run its own id")
 
 
-def ring_plan(doc_ids: Optional[torch.Tensor], batch: int, length: int, n: int, rank: int,
+def ring_plan(doc_ids: Optional[torch.Tensor | np.ndarray], batch: int, length: int, n: int, rank: int,
               assignment: Optional[Assignment] = None) -> RingPlan:
-    """doc_ids: (B, L) full-sequence document ids (each document one contiguous run), or None for plain
-    causal; assignment: the chunks each rank holds (zig-zag when None; parallel/balance.py)."""
+    """doc_ids: (B, L) full-sequence document ids (each document one contiguous run; a tensor or the numpy
+    array a caller already has), or None for plain causal; assignment: the chunks each rank holds (zig-zag
+    when None; parallel/balance.py)."""
     a = assignment or zigzag(n)
     if a.n != n:
         raise ValueError(f"the chunk assignment is for {a.n} ranks, the ring has {n}")
     c = a.chunk_len(length)
     steps = []
-    docs = None if doc_ids is None else doc_ids.cpu().numpy()
+    docs = doc_ids.cpu().numpy() if isinstance(doc_ids, torch.Tensor) else doc_ids
     if docs is not None:
         check_doc_runs(docs)
     for t in range(n):

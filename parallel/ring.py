@@ -192,9 +192,10 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
     docs: (B, L) document ids, None for plain causal; cp: the stage's CPContext. The chunk assignment is
     zig-zag, or with cp.balance=docs the batch's own (parallel/balance.py)."""
     B, L = batch["input_ids"].shape
+    docs = None if docs is None else docs.cpu().numpy()  # once, for the balancer and the plan
     assignment = zigzag(cp.n)
     if cp.balance == "docs" and docs is not None:
-        assignment = balanced_assignment(docs.cpu().numpy(), cp.n, cp.balance_chunks)
+        assignment = balanced_assignment(docs, cp.n, cp.balance_chunks)
     return shard_batch(batch, cp.n, cp.ring_rank, assignment), ring_plan(docs, B, L, cp.n, cp.ring_rank, assignment)
 
 
