@@ -55,10 +55,8 @@ MLP_TILE, LOSS_TILE = 1024, 1024
 
 def _worker(rank, n, model_name, method, length, path):
     from longstride.model.build import build_model
-    from longstride.model.checkpointing import enable_checkpointing
     from longstride.model.loss import ChunkedLossLM
-    from longstride.model.rmsnorm import lean_rms_norms
-    from longstride.model.tiling import tile_mlps
+    from longstride.model.prepare import prepare_model
     from longstride.parallel.attention import use_longstride_attention
     from longstride.parallel.config import CPDegrees, ParallelDims
     from longstride.parallel.cp import cp_context, shard_for_cp
@@ -73,9 +71,7 @@ def _worker(rank, n, model_name, method, length, path):
         def loss_fn():
             return lm(input_ids=ids, labels=ids).loss
     else:
-        lean_rms_norms(lm)
-        tile_mlps(lm, MLP_TILE)
-        enable_checkpointing(lm, "full")
+        prepare_model(lm, "full", offload=False, mlp_tile=MLP_TILE, lean_norms=True)  # as a training stage does
         use_longstride_attention(lm)
         model = ChunkedLossLM(lm, LOSS_TILE)
         labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
