@@ -210,12 +210,17 @@ def _check_text_column(src: SourceConfig, columns: list, field: str) -> None:
         raise ValueError(f"{field}.text_column={src.text_column!r} is not a column; the columns are {columns}")
 
 
-def _table(ds: datasets.Dataset, src: SourceConfig, num_proc: int, field: str) -> datasets.Dataset:
-    """A tabular source's rows -> {text, skip}: its text column checked, the first max_docs kept."""
-    _check_text_column(src, ds.column_names, field)
+def _first_docs_marked(ds: datasets.Dataset, src: SourceConfig, num_proc: int) -> datasets.Dataset:
+    """The first max_docs rows -> {text, skip}."""
     if src.max_docs is not None:
         ds = ds.select(range(min(src.max_docs, len(ds))))
     return _mark_skips(ds, src.text_column, num_proc)
+
+
+def _table(ds: datasets.Dataset, src: SourceConfig, num_proc: int, field: str) -> datasets.Dataset:
+    """A tabular source's rows -> {text, skip}: its text column checked, the first max_docs kept."""
+    _check_text_column(src, ds.column_names, field)
+    return _first_docs_marked(ds, src, num_proc)
 
 
 def _stream_table(ds: datasets.IterableDataset, src: SourceConfig, field: str) -> datasets.IterableDataset:
@@ -250,9 +255,9 @@ def _load_files(src, cache_dir, num_proc, field):
     builder, files = _data_files(src, field)
     with read_errors(files, builder, field):
         ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
-    _check_text_column(src, ds.column_names, field)
+    _check_text_column(src, ds.column_names, field)  # outside read_errors: a wrong column is not a bad record
     with read_errors(files, builder, field):  # arrow decodes the text here: bad bytes surface now
-        return _table(ds, src, num_proc, field)
+        return _first_docs_marked(ds, src, num_proc)
 
 
 def _stream_files(src, cache_dir, field, world):
