@@ -69,13 +69,14 @@ class StageRun:
     held_out: object
     pack_stats: dict
     cp: CPContext
+    doc_masking: bool
     step: int = 0
     tokens_seen: int = 0
     val_start: Optional[float] = None
 
-    def prep(self, batch: dict, doc_masking: bool) -> tuple[dict, object]:
+    def prep(self, batch: dict) -> tuple[dict, object]:
         """A full PackedBatch -> this rank's share of it and its attention layout."""
-        return shard_for_cp(batch, doc_masking, self.cp)
+        return shard_for_cp(batch, self.doc_masking, self.cp)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -109,7 +110,7 @@ def validation_loss(ctx: RunContext, run: StageRun) -> float:
     dims, device = run.plan.dims, ctx.accelerator.device
     total, count = torch.zeros(()), torch.zeros(())
     for i in range(dims.dp_rank(ctx.accelerator.process_index), len(run.held_out), dims.dp):
-        local = run.prep(collate([run.held_out[i]]), ctx.cfg.data.doc_masking)
+        local = run.prep(collate([run.held_out[i]]))
         total += forward_sum(run.model, local, device).float().cpu()
         count += label_count(local)
     run.model.train()
@@ -170,7 +171,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> S
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
     loader, held_out, pack_stats = stage_data(ctx, plan, pad_id)
-    return StageRun(plan, lm, model, optimizer, scheduler, loader, held_out, pack_stats, cp)
+    return StageRun(plan, lm, model, optimizer, scheduler, loader, held_out, pack_stats, cp, cfg.data.doc_masking)
 
 
 def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:
@@ -196,7 +197,7 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     (recipes/faults.py). Returns the step's metrics."""
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
-    micro = [run.prep(next(run.loader), ctx.cfg.data.doc_masking) for _ in range(run.plan.accum)]
+    micro = [run.prep(next(run.loader)) for _ in range(run.plan.accum)]
     count = all_reduce(torch.tensor(float(sum(label_count(m) for m in micro))))
     loss_sum = torch.zeros((), dtype=torch.float32)
     for i, mb in enumerate(micro):

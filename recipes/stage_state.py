@@ -17,11 +17,11 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     save_lm = model.weights_saver(run.lm)  # collective under FSDP2
     opt_state = model.optimizer_state(run.optimizer) if with_state else None  # collective under FSDP2
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
-               "val_loss_start": run.val_start, "optimizer": opt_state}
+               "val_loss_start": run.val_start, "optimizer": opt_state} if with_state else None
     save_checkpoint(
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
         save_model=lambda d: (save_lm(d), ctx.tokenizer.save_pretrained(d)),
-        trainer_state=trainer if with_state else None,
+        trainer_state=trainer,
         rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else None,
         meta={"recipe": ctx.cfg.recipe.name, "stage": plan.name, "step": run.step, "seq_len": plan.stage.seq_len,
               "rope_theta": plan.stage.rope_theta, "tokens_seen": run.tokens_seen, "packing": run.pack_stats,
