@@ -348,9 +348,12 @@ def _from_main_worker(rank: int, world: int, path: str) -> None:
         calls.append(rank)
         return f"rank {rank} decided"
 
+    def fail():
+        raise ValueError("no intact checkpoint")
+
     got = from_main(decide)
     try:
-        from_main(lambda: (_ for _ in ()).throw(ValueError("no intact checkpoint")))
+        from_main(fail)
         raised = ""
     except ValueError as e:
         raised = str(e)
