@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import print_table, write_results
-from longstride.parallel import ring as ring_mod
+from longstride.parallel import kernels as kernels_mod
 from longstride.parallel.blocks import doc_segments, ring_plan
 from longstride.parallel.kernels import block_backward, block_forward
 from longstride.parallel.ring import RingComm, ring_backward, ring_forward
@@ -114,7 +114,8 @@ def _timed_kernels(log: list):
             log.append(time.perf_counter() - t0)
             return out
         return inner
-    ring_mod.block_forward, ring_mod.block_backward = wrap(block_forward), wrap(block_backward)
+    # the ring's steps call the block kernels through the kernels module (parallel/kernels.step_forward)
+    kernels_mod.block_forward, kernels_mod.block_backward = wrap(block_forward), wrap(block_backward)
 
 
 def _timing_worker(rank, n, length, reps, docs, path, balance="zigzag", causal=tuple(DTYPES)):

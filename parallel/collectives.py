@@ -1,5 +1,7 @@
 """The few collectives over the default process group that the training loop's policies share (losses,
-token counts, the non-finite and stop-signal decisions): no-ops in a single process."""
+token counts, the non-finite and stop-signal decisions): no-ops in a single process. And host staging for
+the CP exchanges: gloo moves host memory, so with gloo (several processes sharing one GPU, the GPU tests)
+device tensors travel through host buffers."""
 from __future__ import annotations
 
 import torch
@@ -33,3 +35,29 @@ def from_main(fn):
     if not ok:
         raise value
     return value
+
+
+def host_staged(group, x: torch.Tensor) -> bool:
+    """Whether x must travel through host memory over `group` (gloo, and x on a device)."""
+    return x.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+class CopyIn:
+    """A request after the receive requests it follows: waiting for it copies the received host buffer into
+    the device buffer."""
+
+    def __init__(self, device_buf: torch.Tensor, host_buf: torch.Tensor):
+        self.device_buf, self.host_buf = device_buf, host_buf
+
+    def wait(self) -> None:
+        self.device_buf.copy_(self.host_buf)
+
+
+def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, group) -> None:
+    """dist.all_to_all_single, staged through host memory where the group cannot move device tensors."""
+    if not host_staged(group, send):
+        dist.all_to_all_single(recv, send, group=group)
+        return
+    host = torch.empty(recv.shape, dtype=recv.dtype)
+    dist.all_to_all_single(host, send.cpu(), group=group)
+    recv.copy_(host)

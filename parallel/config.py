@@ -16,15 +16,25 @@ class Balance(Choice):
 class Kernel(Choice):
     # the attention kernel behind every block (parallel/kernels.py)
     auto = "auto"
-    sdpa = "sdpa"
+    torch_flash = "torch_flash"
     flash_attn = "flash_attn"
+    sdpa = "sdpa"
     math = "math"
+
+
+class FlashImpl(Choice):
+    # which flash attention torch_flash runs (torch.nn.attention.activate_flash_attention_impl)
+    FA2 = "FA2"  # built into CUDA builds of torch
+    FA3 = "FA3"  # Hopper; needs the FA3 package (flash_attn_interface)
+    FA4 = "FA4"
 
 
 @dataclass
 class ParallelConfig:
     cp_impl: str = "ring"  # a method of parallel/cp.py METHODS: how a stage with cp > 1 splits the sequence
-    kernel: Kernel = Kernel.auto  # auto: flash_attn on CUDA when installed, else sdpa (per document)
+    # auto: torch_flash on CUDA in bf16 (torch's own varlen flash attention), sdpa on CPU (parallel/kernels.py)
+    kernel: Kernel = Kernel.auto
+    flash_impl: FlashImpl = FlashImpl.FA2  # the flash attention behind torch_flash: FA2, or FA3 / FA4 where installed
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
     ulysses: int = 0  # hybrid only: the Ulysses degree inside each ring rank (ring degree = cp / ulysses)
     upipe_heads: int = 0  # upipe (and optionally hybrid): U, query heads per stage; 0 = the Ulysses degree

@@ -1,41 +1,65 @@
-"""Document-masked causal attention on one device, behind one small interface.
+"""Document-masked causal attention on one device, and the block kernels of ring attention, behind one
+small interface.
 
-`doc_attention(q, k, v, layout, scale, kernel)` with q: (B, H, L, D), k/v: (B, Hkv, L, D) returns
+`doc_attention(q, k, v, doc_ids, scale, kernel)` with q: (B, H, L, D), k/v: (B, Hkv, L, D) returns
 (B, H, L, D). Each document attends causally to itself only. K/V keep their own (fewer) heads
-until the kernel call. Kernels:
-  flash_attn  flash-attn's varlen function (CUDA, when installed)
-  sdpa        on CPU, the CPU flash op once per document inside one autograd Function that saves only
-              q, k, v, out and lse (K/V with their own heads); on other devices torch SDPA per document
-  math        explicit softmax per document, the reference
+until the kernel call. Kernels (`parallel.kernel`):
+  torch_flash  torch's own flash attention for varlen batches (CUDA, fp16/bf16; parallel/varlen.py): every
+               document of every row in one call, and one call per ring step
+  flash_attn   the flash-attn package through the same varlen calls (CUDA, when installed)
+  sdpa         on CPU, the CPU flash op once per document inside one autograd Function that saves only
+               q, k, v, out and lse (K/V with their own heads); on other devices torch SDPA per document
+  math         explicit softmax per document, the reference
 """
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from longstride.parallel.blocks import doc_segments
+from longstride.parallel.varlen import VARLEN, VarlenCall, as_block, flash_attn_available, torch_flash_available
+
+_AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
+_INSTALL = {"torch_flash": "install a CUDA build of torch (pip install torch --index-url "
+                           "https://download.pytorch.org/whl/cu128, or the build for your CUDA)",
+            "flash_attn": "pip install 'longstride[gpu]' (flash-attn, built for your torch and CUDA)"}
 
 
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
-
-
-def resolve_kernel(kernel: str, device_type: str, ring: bool = False) -> str:
-    """The kernel a stage runs. ring: the stage uses ring attention, whose "sdpa" blocks are the CPU
-    flash op; on CUDA the ring runs on flash-attn, or on the math kernel when asked for."""
-    if kernel == "flash_attn" and not flash_attn_available():
-        raise ValueError("parallel.kernel=flash_attn but flash-attn is not installed with CUDA; "
-                         "pip install 'longstride[gpu]' or use parallel.kernel=sdpa")
+def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool = True) -> str:
+    """The kernel a stage runs. ring: the stage uses ring attention (whose "sdpa" blocks are the CPU flash
+    op); half: attention runs in bf16/fp16 (the flash kernels take nothing else). auto: torch_flash on
+    CUDA in bf16/fp16; in fp32 on CUDA, sdpa on one device and math in a ring; sdpa on CPU."""
+    if kernel in _AVAILABLE:
+        if device_type != "cuda" or not _AVAILABLE[kernel]():
+            raise ValueError(f"parallel.kernel={kernel} needs CUDA and {kernel}; {_INSTALL[kernel]}, or use "
+                             "parallel.kernel=auto (sdpa on CPU)")
+        if not half:
+            raise ValueError(f"parallel.kernel={kernel} runs bf16/fp16 attention but this run is fp32; set "
+                             "train.precision=bf16 (or auto) or use parallel.kernel=math")
     if kernel == "auto":
-        kernel = "flash_attn" if device_type == "cuda" and flash_attn_available() else "sdpa"
-        if ring and device_type == "cuda" and kernel == "sdpa":
-            kernel = "math"
+        if device_type == "cuda" and half and _AVAILABLE["torch_flash"]():
+            return "torch_flash"
+        return "math" if device_type == "cuda" and ring else "sdpa"
     if ring and device_type == "cuda" and kernel == "sdpa":
         raise ValueError("parallel.kernel=sdpa: ring attention's sdpa blocks are the CPU flash op; on CUDA "
-                         "install flash-attn (pip install 'longstride[gpu]') or use parallel.kernel=math")
+                         "use parallel.kernel=torch_flash (bf16) or math")
     return kernel
+
+
+def activate_flash_impl(impl: str) -> None:
+    """parallel.flash_impl: FA2 is the flash attention built into torch; FA3 / FA4 replace it behind the same
+    aten ops (torch.nn.attention.activate_flash_attention_impl; the FA3 / FA4 package must be installed)."""
+    if impl == "FA2":
+        return
+    import torch.nn.attention as attn
+
+    if not hasattr(attn, "activate_flash_attention_impl"):
+        raise ValueError(f"parallel.flash_impl={impl} needs torch >= 2.10 (this is {torch.__version__}); use FA2")
+    try:
+        attn.activate_flash_attention_impl(impl)
+    except (ImportError, RuntimeError, ValueError) as e:
+        raise ValueError(f"parallel.flash_impl={impl} could not be activated ({e}); install its package or use "
+                         f"FA2; torch lists {attn.list_flash_attention_impls()}") from e
 
 
 def doc_bounds(doc_ids: torch.Tensor) -> list[tuple]:
@@ -61,18 +85,6 @@ def dense_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _flash_varlen(q, k, v, bounds, scale):
-    from flash_attn import flash_attn_varlen_func
-
-    B, H, L, D = q.shape
-    lens = [e - s for row in bounds for s, e in row]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
-    pack = lambda x: x.transpose(1, 2).reshape(B * L, x.shape[1], D)  # noqa: E731  (total, heads, D)
-    out = flash_attn_varlen_func(pack(q), pack(k), pack(v), cu, cu, max(lens), max(lens),
-                                 softmax_scale=scale, causal=True)
-    return out.reshape(B, L, H, D).transpose(1, 2)
-
-
 def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa") -> torch.Tensor:
     """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention.
     q: (B, H, L, D), k/v: (B, Hkv, L, D) -> (B, H, L, D), laid out in memory as (B, L, H, D), the layout
@@ -80,8 +92,6 @@ def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa") -> torch
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
     bounds = doc_bounds(doc_ids) if doc_ids is not None else [[(0, q.shape[2])]] * q.shape[0]
-    if kernel == "flash_attn":
-        return _flash_varlen(q, k, v, bounds, scale)
     if kernel == "sdpa" and q.device.type != "cpu":  # the block kernels' sdpa is the CPU flash op
         return _sdpa_per_document(q, k, v, bounds, scale)
     return _DocAttention.apply(q, k, v, tuple(map(tuple, bounds)), kernel, scale)
@@ -102,6 +112,9 @@ def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float):
     concatenation copy, no K/V expansion and no transpose copy exists. out: (B, H, L, D) over a
     (B, L, H, D) buffer; lse: (B, H, L) fp32."""
     B, H, L, D = q.shape
+    if kernel in VARLEN:  # every document of every row in one call
+        out, lse = _doc_call(bounds, L).forward(VARLEN[kernel], q, k, v, scale)
+        return out.view(B, L, H, D).transpose(1, 2), lse.view(H, B, L).transpose(0, 1)
     fwd = _DENSE[kernel][0]
     if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
         return fwd(q, k, v, scale, True)
@@ -116,7 +129,11 @@ def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float):
 
 
 def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: float):
-    """(dq, dk, dv), each in its input's layout, one document at a time."""
+    """(dq, dk, dv), each in its input's layout, one document at a time (one call for a varlen kernel)."""
+    if kernel in VARLEN:
+        B, _, L, D = q.shape
+        grads = _doc_call(bounds, L).backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
+        return tuple(g.view(B, L, g.shape[1], D).transpose(1, 2) for g in grads)
     bwd = _DENSE[kernel][1]
     if q.shape[0] == 1 and len(bounds[0]) == 1:
         return bwd(dout, q, k, v, out, lse, scale, True)
@@ -127,6 +144,10 @@ def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: 
             gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale, True)
             dq[r], dk[r], dv[r] = gq, gk, gv
     return dq, dk, dv
+
+
+def _doc_call(bounds, length: int) -> VarlenCall:
+    return VarlenCall([(b, s, e, s, e) for b, row in enumerate(bounds) for s, e in row], length, causal=True)
 
 
 class _DocAttention(torch.autograd.Function):
@@ -197,70 +218,10 @@ def _math_bwd(dout, q, k, v, out, lse, scale, causal):
     return dq, dk, dv
 
 
-def _flash_call(fn, **kw):
-    # flash-attn's private varlen functions changed their arguments across 2.x releases; pass only what
-    # this release takes (window_size as a pair in <= 2.6, as two ints later).
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:
-        kw["window_size"] = (-1, -1)
-    else:
-        kw.update(window_size_left=-1, window_size_right=-1)
-    return fn(**{k: v for k, v in kw.items() if k in params})
-
-
-def _flash_block(q, k, v, segments):
-    # (1, H, L, D) -> (L, H, D) and cu_seqlens for flash-attn's varlen layout
-    lq, lk = q.shape[2], k.shape[2]
-    if segments is None:
-        cu_q, cu_k, mq, mk = [0, lq], [0, lk], lq, lk
-    else:
-        cu_q = [0, *[e for _, e in segments]]
-        cu_k, mq = cu_q, max(e - s for s, e in segments)
-        mk = mq
-    cu = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
-    flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731
-    return flat(q), flat(k), flat(v), cu(cu_q), cu(cu_k), mq, mk
-
-
-def _flash_fwd(q, k, v, scale, segments):
-    from flash_attn import flash_attn_interface as fa
-
-    outs, lses = [], []
-    for b in range(q.shape[0]):
-        fq, fk, fv, cq, ck, mq, mk = _flash_block(q[b:b + 1], k[b:b + 1], v[b:b + 1], segments)
-        res = _flash_call(fa._flash_attn_varlen_forward, q=fq, k=fk, v=fv, cu_seqlens_q=cq, cu_seqlens_k=ck,
-                          max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=scale,
-                          causal=segments is not None, softcap=0.0, alibi_slopes=None, return_softmax=False)
-        outs.append(res[0].transpose(0, 1))  # (H, L, D)
-        lses.append(res[1].reshape(q.shape[1], -1)[:, :q.shape[2]].float())  # (H, L)
-    return torch.stack(outs), torch.stack(lses)
-
-
-def _flash_bwd(dout, q, k, v, out, lse, scale, segments):
-    from flash_attn import flash_attn_interface as fa
-
-    grads = []
-    for b in range(q.shape[0]):
-        fq, fk, fv, cq, ck, mq, mk = _flash_block(q[b:b + 1], k[b:b + 1], v[b:b + 1], segments)
-        fdo, fo = dout[b].transpose(0, 1).contiguous(), out[b].transpose(0, 1).contiguous()
-        dq, dk, dv = torch.empty_like(fq), torch.empty_like(fk), torch.empty_like(fv)
-        _flash_call(fa._flash_attn_varlen_backward, dout=fdo, q=fq, k=fk, v=fv, out=fo,
-                    softmax_lse=lse[b].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cq, cu_seqlens_k=ck,
-                    max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=scale,
-                    causal=segments is not None, softcap=0.0, alibi_slopes=None, deterministic=False,
-                    rng_state=None)
-        grads.append([x.transpose(0, 1) for x in (dq, dk, dv)])
-    return tuple(torch.stack(g) for g in zip(*grads))
-
-
 _DENSE = {"sdpa": (_cpu_flash_fwd, _cpu_flash_bwd), "math": (_math_fwd, _math_bwd)}
 
 
 def block_forward(kernel: str, q, k, v, scale: float, segments=None):
-    if kernel == "flash_attn":
-        return _flash_fwd(q, k, v, scale, segments)
     fwd = _DENSE[kernel][0]
     if segments is None:
         return fwd(q, k, v, scale, False)
@@ -271,8 +232,6 @@ def block_forward(kernel: str, q, k, v, scale: float, segments=None):
 
 
 def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=None):
-    if kernel == "flash_attn":
-        return _flash_bwd(dout, q, k, v, out, lse, scale, segments)
     bwd = _DENSE[kernel][1]
     if segments is None:
         return bwd(dout, q, k, v, out, lse, scale, False)
@@ -281,3 +240,61 @@ def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(g, dim=2) for g in zip(*parts))
+
+
+# ---- One ring step: all its blocks, over all rows ----
+#
+# step: [(rows, [Block, ...]), ...] (parallel/blocks.RingPlan.steps[t]); q: (B, H, Lq, D), k/v: (B, Hkv, Lk, D)
+# the K/V held at that step. A dense kernel runs block by block; a varlen kernel runs the whole step in one
+# call per mask kind (the varlen-causal blocks, the dense rectangles), every row included.
+
+def step_forward(kernel: str, q, k, v, step: list, scale: float):
+    """Yields (rows, block, out, lse) for each block of the step; out: (rows, H, lq, D), lse fp32."""
+    if kernel not in VARLEN:
+        for rows, blocks in step:
+            for b in blocks:
+                o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], k[rows, :, b.k0:b.k1], v[rows, :, b.k0:b.k1],
+                                     scale, b.segments)
+                yield rows, b, o, l
+        return
+    for call, items in _step_calls(step, q.shape[2], k.shape[2]):
+        out, lse = call.forward(VARLEN[kernel], q, k, v, scale)
+        for row, b, sq, _ in items:
+            yield slice(row, row + 1), b, as_block(out, sq), lse[:, sq].unsqueeze(0)
+
+
+def step_backward(kernel: str, dout, q, k, v, out, lse, step: list, scale: float):
+    """Yields (rows, block, dq, dk, dv) for each block of the step, given the merged out and lse."""
+    if kernel not in VARLEN:
+        for rows, blocks in step:
+            for b in blocks:
+                r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
+                yield (rows, b, *block_backward(kernel, dout[r], q[r], k[c], v[c], out[r], lse[r], scale,
+                                                b.segments))
+        return
+    for call, items in _step_calls(step, q.shape[2], k.shape[2]):
+        dq, dk, dv = call.backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
+        for row, b, sq, sk in items:
+            yield slice(row, row + 1), b, as_block(dq, sq), as_block(dk, sk), as_block(dv, sk)
+
+
+def _step_calls(step: list, lq: int, lk: int):
+    """[(VarlenCall, [(row, block, its packed query slice, its packed key slice)])], one per mask kind."""
+    if lq != lk:
+        raise ValueError(f"ring blocks need equal local query and key lengths, got {lq} and {lk}")
+    groups = {True: ([], []), False: ([], [])}  # causal?: (pieces, items)
+    for rows, blocks in step:
+        for row in range(rows.start or 0, rows.stop):
+            for b in blocks:
+                pieces, items = groups[b.segments is not None]
+                first = len(pieces)
+                if b.segments is None:
+                    pieces.append((row, b.q0, b.q1, b.k0, b.k1))
+                else:
+                    pieces += [(row, b.q0 + s, b.q0 + e, b.k0 + s, b.k0 + e) for s, e in b.segments]
+                items.append((row, b, first, len(pieces)))
+    for causal, (pieces, items) in groups.items():
+        if pieces:
+            call = VarlenCall(pieces, lq, causal)
+            yield call, [(row, b, slice(call.cu_q[i], call.cu_q[j]), slice(call.cu_k[i], call.cu_k[j]))
+                         for row, b, i, j in items]

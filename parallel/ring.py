@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.blocks import RingPlan, ring_plan
+from longstride.parallel.collectives import CopyIn, host_staged
 from longstride.parallel.config import CPDegrees
-from longstride.parallel.kernels import block_backward, block_forward, dense_last, seq_major
+from longstride.parallel.kernels import dense_last, seq_major, step_backward, step_forward
 from longstride.parallel.zigzag import shard_batch, zigzag
 
 KV_TAG, DKV_TAG = 0, 1
@@ -46,14 +47,18 @@ class RingComm:
         made it, which depends on that rank's documents), so no message follows either rank's layout: every
         message is the tensor's (B, L, H, D)-contiguous bytes (see `to_wire`), and what is received is a
         (B, H, L, D) view of such a buffer. Shapes and dtypes are the same on every rank of a ring."""
-        ops, recvs = [], []
+        ops, recvs, copies = [], [], []
         for i, x in enumerate(sends):
             wire = to_wire(x)
             buf = torch.empty(wire.shape, dtype=wire.dtype, device=wire.device)
+            recvs.append(buf.transpose(1, 2))
+            if host_staged(self.group, wire):  # gloo: through host buffers, copied in once received
+                wire, host = wire.cpu(), torch.empty(wire.shape, dtype=wire.dtype)
+                copies.append(CopyIn(buf, host))
+                buf = host
             ops += [dist.P2POp(dist.isend, wire, self.next, self.group, 8 * tag + i),
                     dist.P2POp(dist.irecv, buf, self.prev, self.group, 8 * tag + i)]
-            recvs.append(buf.transpose(1, 2))
-        return recvs, dist.batch_isend_irecv(ops)
+        return recvs, dist.batch_isend_irecv(ops) + copies
 
 
 def to_wire(x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +121,8 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     for t in range(n):
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
-        for rows, blocks in plan.steps[t]:
-            for b in blocks:
-                o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], kv[0][rows, :, b.k0:b.k1],
-                                     kv[1][rows, :, b.k0:b.k1], scale, b.segments)
-                _merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
+        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan.steps[t], scale):
+            _merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
         if t + 1 < n:
             _wait(reqs)
             kv = nxt
@@ -136,13 +138,10 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
         dk = dv = None  # this step's dK/dV of the block held, fp32
-        for rows, blocks in plan.steps[t]:
-            for b in blocks:
-                r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
-                gq, gk, gv = block_backward(kernel, dout[r], q[r], kv[0][c], kv[1][c], out[r], lse[r], scale,
-                                            b.segments)
-                dq = _add(dq, r, gq, q)
-                dk, dv = _add(dk, c, gk, k), _add(dv, c, gv, v)
+        for rows, b, gq, gk, gv in step_backward(kernel, dout, q, kv[0], kv[1], out, lse, plan.steps[t], scale):
+            r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
+            dq = _add(dq, r, gq, q)
+            dk, dv = _add(dk, c, gk, k), _add(dv, c, gv, v)
         if dk is None:  # no block of this step reaches this rank's queries
             dk, dv = _accumulator(k), _accumulator(v)
         if t > 0:  # the block's dK/dV accumulated by the ranks that held it before

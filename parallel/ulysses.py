@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from longstride.parallel import ring as ring_method
 from longstride.parallel.blocks import RingPlan
+from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.config import CPDegrees, check_ulysses
 from longstride.parallel.ring import RingComm, ring_backward, ring_forward
 from longstride.parallel.heads import HeadSchedule, head_schedule
@@ -61,7 +62,7 @@ class HeadComm:
         for i, x in enumerate(xs):  # straight into the send buffer, no stacked copy
             parts[:, i].copy_(x.reshape(M, N, h // N, Ll, D).transpose(0, 1))
         recv = self._buf(bufs, name + ".recv", send.shape, xs[0])
-        dist.all_to_all_single(recv, send, group=self.group)
+        all_to_all_single(recv, send, self.group)
         # (P*M, N*Lloc, h/N, D) buffer, returned as its (P*M, h/N, N*Lloc, D) view: the layout a ring over the
         # Ulysses groups sends without a copy (parallel/ring.to_wire)
         full = self._buf(bufs, name + ".full", (P * M, N, Ll, h // N, D), xs[0])
@@ -77,7 +78,7 @@ class HeadComm:
         send = self._buf(bufs, name + ".send", (N, M, hl, L // N, D), y)
         send.copy_(y.view(M, hl, N, L // N, D).permute(2, 0, 1, 3, 4))
         recv = self._buf(bufs, name + ".recv", send.shape, y)
-        dist.all_to_all_single(recv, send, group=self.group)
+        all_to_all_single(recv, send, self.group)
         return recv.transpose(0, 1).flatten(1, 2)  # a view of recv when M == 1
 
 

@@ -49,15 +49,16 @@ from longstride.parallel.kernels import resolve_kernel
 
 
 def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
-             device_type: Optional[str] = None, kernel: str = "auto") -> CPContext:
+             device_type: Optional[str] = None, kernel: str = "auto", half: bool = True) -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
     TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
-    model's query heads (checked against the Ulysses degree); kernel: parallel.kernel's choices."""
+    model's query heads (checked against the Ulysses degree); kernel: parallel.kernel's choices; half:
+    attention runs in bf16/fp16 (TrainingArguments bf16=True), which the flash kernels need."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_world(world, cp, where="setup_cp")
     degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1))
+    return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1, half=half))
 
 
 def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fit") -> PackedSequences:

@@ -173,6 +173,18 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
                          f"needs a multiple of {degrees.ring * math.lcm(2, degrees.ulysses)}")
 
 
+def resolve_precision(precision: str) -> str:
+    """train.precision -> accelerate's mixed_precision ("bf16" | "no")."""
+    import torch
+
+    if precision == "fp32":
+        return "no"
+    bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not bf16_ok:
+        raise ValueError("train.precision=bf16 needs a GPU with bf16; use train.precision=auto or fp32")
+    return "bf16" if bf16_ok else "no"
+
+
 def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str, heads: int,
                prev_len: int = 0) -> StagePlan:
     """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu)."""
@@ -185,8 +197,13 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
         raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
                          f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
     ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+    half = device_type == "cuda" and resolve_precision(str(cfg.train.precision)) == "bf16"
+    kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half)
+    if str(par.flash_impl) != "FA2" and kernel != "torch_flash":
+        raise ValueError(f"parallel.flash_impl={par.flash_impl} applies to parallel.kernel=torch_flash, and this "
+                         f"stage runs {kernel}; use parallel.flash_impl=FA2")
     return StagePlan(
-        name, index, s, dims, degrees, kernel=resolve_kernel(par.kernel, device_type, ring=s.cp > 1),
+        name, index, s, dims, degrees, kernel=kernel,
         fsdp=use_fsdp(par.fsdp, device_type, world), checkpointing=m.checkpoint_mode if ac else "none",
         offload=bool(ac and m.offload_activations and device_type == "cuda"),
         mlp_tile=m.mlp_tile_tokens if s.mlp_tile_tokens is None else s.mlp_tile_tokens,

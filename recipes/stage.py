@@ -32,6 +32,7 @@ from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import describe_cp
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
+from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
 from longstride.recipes.checkpoint import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
 from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input
@@ -162,6 +163,8 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> S
                      init_from=init_from, seed=cfg.train.seed)
     prepare_model(lm, plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm)
     use_longstride_attention(lm)
+    if plan.kernel == "torch_flash":
+        activate_flash_impl(str(cfg.parallel.flash_impl))
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, acc.device.type, plan.kernel, plan.balance,
                     cfg.parallel.balance_chunks)
     log_memory_estimate(ctx, plan, lm)

@@ -22,15 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from longstride.recipes.schema import Config, selected_stages, to_schema
 
 
-def resolve_precision(precision: str) -> str:
-    if precision == "fp32":
-        return "no"
-    bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if precision == "bf16" and not bf16_ok:
-        raise ValueError("train.precision=bf16 needs a GPU with bf16; use train.precision=auto or fp32")
-    return "bf16" if bf16_ok else "no"
-
-
 def write_hydra_files(recipe_dir: str) -> None:
     """Hydra's own record of the run (config, overrides, hydra settings), written once by rank 0."""
     from hydra.core.hydra_config import HydraConfig
@@ -65,6 +56,7 @@ def make_accelerator(cfg: Config, world: int):
     from accelerate.utils import InitProcessGroupKwargs
 
     from longstride.recipes.faults import die_with_parent
+    from longstride.recipes.plan import resolve_precision
 
     if world > 1:
         die_with_parent()  # a killed launcher takes its workers with it

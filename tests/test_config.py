@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 
 from longstride.recipes.plan import validate
@@ -144,17 +145,16 @@ def test_data_group_replaces_sources():
 
 
 def test_kernel_not_installed_fails_before_compute():
-    from longstride.parallel.kernels import flash_attn_available
-
-    if flash_attn_available():
-        pytest.skip("flash-attn with CUDA is installed here: the error path cannot occur")
-    expect_error(["parallel.kernel=flash_attn"], r"parallel.kernel=flash_attn but flash-attn is not installed")
-    expect_error(["parallel.kernel=flash_attn", "recipe.stages.s1_256.cp=2"],
-                 r"parallel.kernel=flash_attn but flash-attn is not installed")
+    # this machine has no CUDA: both GPU kernels are refused before compute, naming the install
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here: the error path cannot occur")
+    for kernel in ("torch_flash", "flash_attn"):
+        for extra in ([], ["recipe.stages.s1_256.cp=2"]):
+            expect_error([f"parallel.kernel={kernel}", *extra], rf"parallel.kernel={kernel} needs CUDA")
 
 
 CHOICES = {  # every choice field of the schema: a typo fails while Hydra composes, listing the choices
-    "parallel.kernel": "auto, sdpa, flash_attn, math",
+    "parallel.kernel": "auto, torch_flash, flash_attn, sdpa, math",
     "parallel.balance": "zigzag, docs",
     "recipe.stages.s3_4k.balance": "zigzag, docs",
     "recipe.stages.s2_2k.schedule": "cosine, wsd, constant",

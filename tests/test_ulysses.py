@@ -48,9 +48,9 @@ def full_sequence(parts: list[torch.Tensor], ring: int, uly: int) -> torch.Tenso
     return unshard(shares, dim=2) if ring > 1 else shares[0]
 
 
-def _worker(rank: int, world: int, ring: int, path: str) -> None:
+def _worker(rank: int, world: int, ring: int, path: str, kernel: str = "sdpa") -> None:
     uly = world // ring
-    cp = cp_context("hybrid", ParallelDims(world, 1, world), CPDegrees(ring, uly), "cpu", "sdpa")
+    cp = cp_context("hybrid", ParallelDims(world, 1, world), CPDegrees(ring, uly), "cpu", kernel)
     results = {}
     for h, hkv, U in LAYOUTS[ring, uly]:
         for lname, doc in layouts().items():
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, ring: int, path: str) -> None:
                 plan = ring_plan(None if doc is None else doc[rows], q.shape[0], L, ring, cp.ring_rank)
                 ql, kl, vl = (local_share(x, ring, cp.ring_rank, uly, cp.ulysses_rank).requires_grad_(True)
                               for x in (q, k, v))
-                out = ulysses_attention(ql, kl, vl, plan, "sdpa", D ** -0.5, cp.comm, cp.heads, U)
+                out = ulysses_attention(ql, kl, vl, plan, kernel, D ** -0.5, cp.comm, cp.heads, U)
                 out.backward(local_share(dout, ring, cp.ring_rank, uly, cp.ulysses_rank))
                 got = [out.detach(), ql.grad, kl.grad, vl.grad]
                 results[h, hkv, U, lname, _key(rows, dtype)] = [full_sequence(gather_cat(x), ring, uly) for x in got]
@@ -71,7 +71,11 @@ def _worker(rank: int, world: int, ring: int, path: str) -> None:
 def test_ulysses_upipe_hybrid_match_single_process(ring, uly, tmp_path):
     path = str(tmp_path / "ulysses.pt")
     run_gloo(_worker, ring * uly, ring, path)
-    results = torch.load(path)
+    check_results(ring, uly, torch.load(path))
+
+
+def check_results(ring: int, uly: int, results: dict) -> None:
+    """_worker's results against the fp64 reference and the one-process attention."""
     for h, hkv, U in LAYOUTS[ring, uly]:
         for lname, doc in layouts().items():
             case = f"ring {ring} x ulysses {uly}, {h}:{hkv} heads, U={U or h}, {lname}"

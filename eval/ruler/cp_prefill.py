@@ -53,7 +53,8 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
         return cache
     full = torch.tensor(ids[:length], device=device)[None]
     batch = {"input_ids": full, "position_ids": torch.arange(length, device=device)[None]}
-    cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None))
+    half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+    cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None, half=half))
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     previous = model.config._attn_implementation

@@ -1,0 +1,232 @@
+"""Varlen attention kernels: many (query range, key range) pieces of a batch in one kernel call.
+
+A varlen kernel takes packed q: (Tq, H, D), k/v: (Tk, Hkv, D), int32 cumulative lengths cu_q / cu_k (n+1,) on
+the tensors' device and the longest piece of each; piece i's queries q[cu_q[i]:cu_q[i+1]] attend to its keys
+k[cu_k[i]:cu_k[i+1]], causally (square pieces) or densely. GQA is resolved inside the kernel (K/V keep their
+own heads). Contract (`Varlen`):
+    forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal) -> out (Tq, H, D), lse (H, Tq) fp32
+    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal) -> dq, dk, dv (packed like q, k, v)
+The backward is handed the *merged* output and LSE of all blocks (ring attention), which makes each piece's
+gradient exact. Backends (VARLEN):
+    torch_flash  torch's own flash attention, aten._flash_attention_forward/_backward (FA2 built into CUDA
+                 torch; FA3/FA4 when activated with torch.nn.attention.activate_flash_attention_impl)
+    flash_attn   the flash-attn package: forward through its public varlen function, backward through its
+                 varlen backward (flash-attn has no public backward that takes a merged LSE)
+`emulate(fwd, bwd)` gives the same contract over the CPU block kernels, checking every input as the CUDA
+kernels would: the CPU tests run the packing, the layout conversions and the block math through it.
+
+`VarlenCall` packs the pieces of a batch: all rows of a micro-batch, and all blocks of a ring step, in one
+call per mask kind (causal pieces, dense pieces), from views of (B, H, L, D) tensors laid out as (B, L, H, D)
+(transformers' layout) without a copy when the pieces tile the batch in order, gathered otherwise.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class Varlen(NamedTuple):
+    forward: Callable
+    backward: Callable
+
+
+class VarlenCall:
+    """pieces: [(row, q0, q1, k0, k1)] of (B, H, L, D) tensors whose rows hold L tokens; causal: the
+    pieces are square and causal within themselves, else dense rectangles. Each piece is one varlen
+    sequence, in the given order."""
+
+    def __init__(self, pieces: list[tuple], length: int, causal: bool):
+        self.pieces, self.length, self.causal = pieces, length, causal
+        self.q_ranges = [(r * length + q0, r * length + q1) for r, q0, q1, _, _ in pieces]
+        self.k_ranges = [(r * length + k0, r * length + k1) for r, _, _, k0, k1 in pieces]
+        q_lens = [b - a for a, b in self.q_ranges]
+        k_lens = [b - a for a, b in self.k_ranges]
+        if causal and q_lens != k_lens:
+            raise ValueError("causal varlen pieces must be square")
+        self.cu_q, self.cu_k = _cumsum(q_lens), _cumsum(k_lens)
+        self.max_q, self.max_k = max(q_lens), max(k_lens)
+
+    def piece_q(self, i: int) -> slice:
+        """Where piece i's queries lie in the packed query tensor."""
+        return slice(self.cu_q[i], self.cu_q[i + 1])
+
+    def piece_k(self, i: int) -> slice:
+        return slice(self.cu_k[i], self.cu_k[i + 1])
+
+    def _args(self, device) -> tuple:
+        cu = lambda c: torch.tensor(c, dtype=torch.int32, device=device)  # noqa: E731
+        return cu(self.cu_q), cu(self.cu_k), self.max_q, self.max_k
+
+    def forward(self, kernel: Varlen, q, k, v, scale: float):
+        """q: (B, H, L, D), k/v: (B, Hkv, L, D) -> packed out (Tq, H, D), lse (H, Tq) fp32."""
+        fq, fk, fv = gather(q, self.q_ranges), gather(k, self.k_ranges), gather(v, self.k_ranges)
+        return kernel.forward(fq, fk, fv, *self._args(q.device), scale, self.causal)
+
+    def backward(self, kernel: Varlen, dout, q, k, v, out, lse, scale: float):
+        """dout/out: (B, H, L, D) like q, lse: (B, H, L) fp32 (merged) -> packed dq, dk, dv."""
+        g = lambda x: gather(x, self.q_ranges)  # noqa: E731
+        flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
+        packed_lse = _gather_cols(flat_lse, self.q_ranges).float()
+        return kernel.backward(g(dout), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
+                               packed_lse.contiguous(), *self._args(q.device), scale, self.causal)
+
+
+def _cumsum(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B*L, H, D): a view when x lies over a (B, L, H, D) buffer (transformers' q/k/v, the
+    ring's buffers), a copy otherwise."""
+    B, H, L, D = x.shape
+    return x.transpose(1, 2).reshape(B * L, H, D)
+
+
+def gather(x: torch.Tensor, ranges: list[tuple]) -> torch.Tensor:
+    """The token ranges of flat(x) packed in order: a slice (no copy) when they follow each other."""
+    f = flat(x)
+    if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):
+        return f[ranges[0][0]:ranges[-1][1]]
+    return torch.cat([f[a:b] for a, b in ranges])
+
+
+def _gather_cols(x: torch.Tensor, ranges: list[tuple]) -> torch.Tensor:
+    if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):
+        return x[:, ranges[0][0]:ranges[-1][1]]
+    return torch.cat([x[:, a:b] for a, b in ranges], dim=1)
+
+
+def as_block(packed: torch.Tensor, rows: slice) -> torch.Tensor:
+    """A piece of packed (T, H, D) output or gradient -> (1, H, T, D), the layout of one row's block."""
+    return packed[rows].transpose(0, 1).unsqueeze(0)
+
+
+# ---- torch's own flash attention ----
+
+def torch_flash_available() -> bool:
+    return (torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
+            and torch.backends.cuda.is_flash_attention_available())
+
+
+def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    _check_half(q, "torch_flash")
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                            scale=scale)
+    return out, _packed_lse(lse, q)
+
+
+def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    # dropout is 0: the philox state is not read; the shapes are those torch's own varlen_attn passes
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0,
+                                                    causal, rng, unused, scale=scale)
+
+
+def _check_half(q: torch.Tensor, name: str) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"parallel.kernel={name} runs fp16/bf16 attention, got {q.dtype}; train with "
+                         "train.precision=bf16 (or auto on a GPU), or use parallel.kernel=math")
+
+
+def _packed_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"the flash kernel returned a log-sum-exp of shape {tuple(lse.shape)}, expected the "
+                           f"unpadded varlen layout (heads, tokens) = {(q.shape[1], q.shape[0])}; this torch / "
+                           "flash-attn build is not supported by longstride's varlen kernels")
+    return lse
+
+
+# ---- flash-attn (optional package) ----
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
+def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    from flash_attn import flash_attn_varlen_func
+
+    _check_half(q, "flash_attn")
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                                         return_attn_probs=True)
+    return out, _packed_lse(lse, q)
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    from flash_attn import flash_attn_interface as fa
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _flash_call(fa._flash_attn_varlen_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
+                softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
+                alibi_slopes=None, deterministic=False, rng_state=None)
+    return dq, dk, dv
+
+
+def _flash_call(fn, **kw):
+    # flash-attn's varlen backward changed its arguments across 2.x releases; pass only what this release
+    # takes (window_size as a pair in <= 2.6, as two ints later)
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        kw["window_size"] = (-1, -1)
+    else:
+        kw.update(window_size_left=-1, window_size_right=-1)
+    return fn(**{k: v for k, v in kw.items() if k in params})
+
+
+VARLEN = {"torch_flash": Varlen(_torch_flash_forward, _torch_flash_backward),
+          "flash_attn": Varlen(_flash_attn_forward, _flash_attn_backward)}
+
+
+# ---- the same contract over the CPU block kernels (tests) ----
+
+def emulate(fwd: Callable, bwd: Callable) -> Varlen:
+    """A Varlen over dense block kernels fwd(q, k, v, scale, causal) -> (out, lse) and
+    bwd(dout, q, k, v, out, lse, scale, causal) on (1, H, l, D) tensors, one piece at a time. It checks what
+    the CUDA kernels require of their inputs (dense last dimension, int32 cumulative lengths on the tensors'
+    device that end at the packed lengths, GQA heads), so a layout mistake fails on CPU too."""
+    def pieces(q, k, cu_q, cu_k, max_q, max_k):
+        _check_contract(q, k, cu_q, cu_k, max_q, max_k)
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+    def one(x, s):  # (T, H, D) -> (1, H, l, D)
+        return x[s].transpose(0, 1).unsqueeze(0)
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k):
+            o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal)
+            out[sq] = o[0].transpose(0, 1)
+            lse[:, sq] = l[0]
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, lse.shape
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k):
+            g = bwd(one(dout, sq), one(q, sq), one(k, sk), one(v, sk), one(out, sq), lse[:, sq].unsqueeze(0),
+                    scale, causal)
+            dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
+        return dq, dk, dv
+
+    return Varlen(forward, backward)
+
+
+def _check_contract(q, k, cu_q, cu_k, max_q, max_k) -> None:
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[2] == k.shape[2], (q.shape, k.shape)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "varlen kernels need a dense last dimension"
+    assert q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
+    for cu, x, m in ((cu_q, q, max_q), (cu_k, k, max_k)):
+        assert cu.dtype == torch.int32 and cu.device == x.device and cu.dim() == 1, cu
+        lens = cu.diff()
+        assert cu[0] == 0 and cu[-1] == x.shape[0] and (lens > 0).all() and int(lens.max()) == m, (cu, m)
+    assert len(cu_q) == len(cu_k)

@@ -1,0 +1,188 @@
+"""The CUDA varlen path checked on CPU: which kernel runs when (and the errors), the packing of documents,
+rows and ring blocks into varlen calls (cu_seqlens, views, LSE layout), and the attention math through
+that interface. parallel/varlen.emulate stands in for torch's flash kernel: the same contract over the CPU
+flash op, asserting what the CUDA kernel requires of its inputs. On a GPU, tests/gpu runs the real kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longstride.parallel import kernels, varlen
+from longstride.parallel.blocks import ring_plan
+from longstride.parallel.kernels import _DENSE, doc_attention, doc_attention_forward, resolve_kernel, step_forward
+from longstride.parallel.spawn import run_gloo
+from longstride.parallel.varlen import VarlenCall, emulate, gather
+from longstride.parallel.zigzag import shard
+from tests import test_ring, test_ulysses
+from tests.conftest import compose_cfg
+from tests.test_attention import dense_reference
+from tests.test_ring import B, D, L, check_ring_results, inputs, layouts
+
+EMULATED = emulate(*_DENSE["sdpa"])
+
+
+def _emulate_torch_flash() -> None:
+    varlen.VARLEN["torch_flash"] = EMULATED
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setitem(varlen.VARLEN, "torch_flash", EMULATED)
+
+
+def seq_major(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, L, D) laid out as transformers lays q/k/v out: over a (B, L, H, D) buffer."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_documents_of_every_row_are_one_call_over_views(emulated):
+    bounds = [((0, 1), (1, 7), (7, 12)), ((0, 12),)]
+    call = kernels._doc_call(bounds, 12)
+    assert call.cu_q == call.cu_k == [0, 1, 7, 12, 24] and call.max_q == 12 and call.causal
+    q = seq_major(torch.randn(2, 4, 12, 8))
+    packed = gather(q, call.q_ranges)
+    assert packed.shape == (24, 4, 8) and packed.data_ptr() == q.data_ptr(), "rows in order are packed as a view"
+    assert torch.equal(packed[12:24], q[1].transpose(0, 1))
+    # ranges out of order are gathered (a copy) in the order given
+    picked = gather(q, [(12, 14), (0, 2)])
+    assert torch.equal(picked, torch.cat([q[1, :, 0:2].transpose(0, 1), q[0, :, 0:2].transpose(0, 1)]))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_doc_attention_through_the_varlen_interface(emulated, heads, dtype):
+    # out, LSE and gradients of the one-call path against the per-document kernel and the fp64 reference
+    h, hkv = heads
+    for lname, doc in layouts().items():
+        g = torch.Generator().manual_seed(1)
+        q, k, v, dout = (torch.randn(B, n, L, D, generator=g).to(dtype) for n in (h, hkv, hkv, h))
+        q, k, v = map(seq_major, (q, k, v))
+        results = {}
+        for kernel in ("torch_flash", "sdpa"):
+            x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            out = doc_attention(*x, doc, D ** -0.5, kernel)
+            out.backward(dout)
+            bounds = kernels.doc_bounds(doc) if doc is not None else [[(0, L)]] * B
+            _, lse = doc_attention_forward(q, k, v, bounds, kernel, D ** -0.5)
+            results[kernel] = [out.detach(), lse, *(t.grad for t in x)]
+        got, per_doc = results["torch_flash"], results["sdpa"]
+        assert got[1].shape == (B, h, L) and got[1].dtype == torch.float32
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, per_doc):
+            err = (a.double() - b.double()).abs().max().item()
+            assert err <= tol, f"{lname} {heads} {dtype} {name}: varlen vs per document {err:.2e}"
+        ids = doc if doc is not None else torch.zeros(B, L, dtype=torch.long)
+        ref = dense_reference(q, k, v, ids, D ** -0.5)
+        err = (got[0].double() - ref).abs().max().item()
+        assert err <= (1e-5 if dtype == torch.float32 else 3e-2), f"{lname} {heads} {dtype}: vs fp64 {err:.2e}"
+
+
+def test_a_ring_step_is_one_call_per_mask_kind_over_all_rows(emulated):
+    calls = []
+
+    def counting(*a):
+        calls.append(a[8])  # causal
+        return EMULATED.forward(*a)
+
+    varlen.VARLEN["torch_flash"] = varlen.Varlen(counting, EMULATED.backward)
+    doc = layouts()["docs_spanning"]
+    n = 3
+    q, k, v, _ = inputs(8, 2, torch.float32)
+    for rank in range(n):
+        plan = ring_plan(doc, B, L, n, rank)
+        loc = [seq_major(shard(x, n, rank, dim=2)) for x in (q, k, v)]
+        for t, step in enumerate(plan.steps):
+            calls.clear()
+            got = list(step_forward("torch_flash", *loc, step, D ** -0.5))
+            want = list(step_forward("sdpa", *loc, step, D ** -0.5))
+            kinds = {b.segments is not None for _, blocks in step for b in blocks}
+            assert sorted(calls) == sorted(kinds), f"rank {rank} step {t}: {len(calls)} calls for kinds {kinds}"
+            # the same blocks (one per row here), the same outputs and LSE
+            per_row = {(r.start, b): (o, l) for r, b, o, l in got}
+            for rows, b, o, l in want:
+                for i, row in enumerate(range(rows.start, rows.stop)):
+                    o2, l2 = per_row[row, b]
+                    assert torch.allclose(o2[0], o[i], atol=1e-6) and torch.allclose(l2[0], l[i], atol=1e-6)
+
+
+def _ring_emulated(rank: int, n: int, path: str) -> None:
+    _emulate_torch_flash()
+    test_ring._ring_worker(rank, n, "torch_flash", path)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_through_the_varlen_interface_matches_single_process(n, tmp_path):
+    path = str(tmp_path / "ring.pt")
+    run_gloo(_ring_emulated, n, path)
+    check_ring_results(n, torch.load(path))
+
+
+def _hybrid_emulated(rank: int, world: int, ring: int, path: str) -> None:
+    _emulate_torch_flash()
+    test_ulysses._worker(rank, world, ring, path, "torch_flash")
+
+
+def test_hybrid_and_upipe_through_the_varlen_interface_match_single_process(tmp_path):
+    path = str(tmp_path / "hybrid.pt")
+    run_gloo(_hybrid_emulated, 4, 2, path)
+    test_ulysses.check_results(2, 2, torch.load(path))
+
+
+# ---- which kernel runs when, and the errors ----
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    """As on a CUDA machine with torch's flash attention and without flash-attn."""
+    monkeypatch.setitem(kernels._AVAILABLE, "torch_flash", lambda: True)
+    monkeypatch.setitem(kernels._AVAILABLE, "flash_attn", lambda: False)
+
+
+def test_auto_picks_torch_flash_on_cuda_in_bf16_and_cpu_kernels_elsewhere(cuda_kernels):
+    assert resolve_kernel("auto", "cuda", ring=False, half=True) == "torch_flash"
+    assert resolve_kernel("auto", "cuda", ring=True, half=True) == "torch_flash"
+    assert resolve_kernel("auto", "cuda", ring=False, half=False) == "sdpa"  # SDPA per document in fp32
+    assert resolve_kernel("auto", "cuda", ring=True, half=False) == "math"
+    assert resolve_kernel("auto", "cpu", ring=True, half=False) == "sdpa"
+    assert resolve_kernel("torch_flash", "cuda", ring=True) == "torch_flash"
+    assert resolve_kernel("math", "cuda", ring=True, half=False) == "math"
+
+
+def test_kernel_errors_name_the_field_and_the_fix(cuda_kernels):
+    cases = {("torch_flash", "cpu", True): r"parallel.kernel=torch_flash needs CUDA",
+             ("flash_attn", "cuda", True): r"parallel.kernel=flash_attn needs CUDA and flash_attn; pip install",
+             ("torch_flash", "cuda", False): r"runs bf16/fp16 attention but this run is fp32; set train.precision",
+             ("sdpa", "cuda", True): r"parallel.kernel=sdpa: ring attention's sdpa blocks are the CPU flash op"}
+    for (kernel, device, half), msg in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            resolve_kernel(kernel, device, ring=True, half=half)
+
+
+def test_flash_impl_needs_torch_flash_and_its_package():
+    from longstride.recipes.plan import validate
+
+    with pytest.raises(ValueError, match=r"parallel.flash_impl=FA3 applies to parallel.kernel=torch_flash"):
+        validate(compose_cfg(["parallel.flash_impl=FA3"]), 2)
+    with pytest.raises(ValueError, match=r"parallel.flash_impl=FA3 could not be activated"):
+        kernels.activate_flash_impl("FA3")  # no FA3 package here
+    kernels.activate_flash_impl("FA2")  # torch's own: nothing to do
+
+
+def test_flash_kernels_refuse_fp32_and_unexpected_lse_layouts():
+    q = torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"parallel.kernel=torch_flash runs fp16/bf16 attention, got torch.float32"):
+        varlen._torch_flash_forward(q, q, q, cu, cu, 6, 6, 0.1, True)
+    with pytest.raises(RuntimeError, match=r"expected the unpadded varlen layout \(heads, tokens\) = \(2, 6\)"):
+        varlen._packed_lse(torch.zeros(1, 2, 8), q)
+
+
+def test_emulated_kernel_checks_what_cuda_requires():
+    q = torch.randn(6, 2, 8)
+    with pytest.raises(AssertionError):  # int64 cumulative lengths: the CUDA kernel takes int32
+        EMULATED.forward(q, q, q, torch.tensor([0, 6]), torch.tensor([0, 6]), 6, 6, 0.1, True)
+    with pytest.raises(AssertionError):  # lengths that do not end at the packed tokens
+        cu = torch.tensor([0, 5], dtype=torch.int32)
+        EMULATED.forward(q, q, q, cu, cu, 5, 5, 0.1, True)
+    with pytest.raises(ValueError, match="square"):
+        VarlenCall([(0, 0, 4, 0, 6)], 8, causal=True)
