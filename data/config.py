@@ -32,10 +32,14 @@ class SourceConfig:
     # disk: a dataset written by `save_to_disk` at `path`
     # hub: a hub dataset `name` (only when you name one; needs network)
     # synthetic: retrieval documents made on the fly (see `synthetic`; no files, no download)
+    # pymanual: the Python reference manual's topics (pydoc_data.topics, shipped with CPython), one document each
     # (the kinds are the table data/sources.py KINDS; a wrong name fails before compute, listing them)
     kind: str = "stdlib"
     path: Optional[str] = None
     glob: str = "**/*.py,**/*.md,**/*.txt,**/*.rst"
+    # stdlib / local_dir: comma-separated glob patterns (under the root) of files left out, e.g. held-out
+    # documents for an evaluation
+    exclude: str = ""
     name: Optional[str] = None
     subset: Optional[str] = None
     split: str = "train"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import stat
@@ -143,9 +144,11 @@ def _walk_files(src: SourceConfig, field: str) -> list[str]:
     if src.kind == "local_dir" and not root.is_dir():
         raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
     patterns = "**/*.py" if src.kind == "stdlib" else src.glob
-    paths = list_files(root, patterns, unreadable=True)[: src.max_docs]
+    left_out = set(list_files(root, src.exclude, unreadable=True)) if src.exclude else set()
+    paths = [p for p in list_files(root, patterns, unreadable=True) if p not in left_out][: src.max_docs]
     if not paths:
-        raise ValueError(f"{field}: no files match {patterns!r} under {root}; change {field}.glob or .path")
+        raise ValueError(f"{field}: no files match {patterns!r} under {root} (less {field}.exclude={src.exclude!r}); "
+                         f"change {field}.glob, .exclude or .path")
     return paths
 
 
@@ -292,6 +295,32 @@ def _stream_synthetic(src, cache_dir, field, world):
     return datasets.IterableDataset.from_generator(_synthetic_rows, gen_kwargs=_synthetic_kwargs(src, field))
 
 
+def manual_topics() -> list[str]:
+    """The Python reference manual's topic texts (pydoc_data.topics, shipped with CPython), by topic name."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def _check_pymanual(src: SourceConfig, field: str) -> None:
+    if importlib.util.find_spec("pydoc_data") is None:
+        raise ValueError(f"{field}.kind=pymanual: this Python has no pydoc_data (the manual's topics); use another "
+                         "source kind")
+
+
+def _pymanual_rows(max_docs):
+    for text in manual_topics()[:max_docs]:
+        yield {"text": text, "skip": "" if text.strip() else "empty"}
+
+
+def _load_pymanual(src, cache_dir, num_proc, field):
+    return datasets.Dataset.from_list(list(_pymanual_rows(src.max_docs)))
+
+
+def _stream_pymanual(src, cache_dir, field, world):
+    return datasets.IterableDataset.from_generator(_pymanual_rows, gen_kwargs={"max_docs": src.max_docs})
+
+
 @dataclass(frozen=True)
 class Kind:
     """One kind of source: check(src, field) runs before compute; load(src, cache_dir, num_proc, field) reads
@@ -313,6 +342,7 @@ KINDS = {  # data.sources.<name>.kind -> its Kind; a new kind is one entry here 
     "disk": Kind(_needs_path, _load_disk, _stream_disk),
     "hub": Kind(_check_hub, _load_hub, _stream_hub),
     "synthetic": Kind(check_synthetic, _synthetic_dataset, _stream_synthetic),
+    "pymanual": Kind(_check_pymanual, _load_pymanual, _stream_pymanual),
 }
 
 

@@ -73,8 +73,8 @@ def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
 def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
     total = tail = n_total = n_tail = 0.0
     for ids in docs:
-        x = torch.tensor(ids[:length])[None]
-        labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], dim=1)
+        x = torch.tensor(ids[:length], device=model.device)[None]
+        labels = torch.cat([x[:, 1:], torch.full((1, 1), -100, device=x.device)], dim=1)
         hidden = model.model(input_ids=x, use_cache=False).last_hidden_state
         q = length - length // 4
         head_labels, tail_labels = labels.clone(), labels.clone()
@@ -124,6 +124,8 @@ def main(argv: list[str]) -> list[dict]:
               f"{config.max_position_embeddings}; they are extrapolation{hint}", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=torch.float32).eval()
+    if torch.cuda.is_available():  # fp32 on the GPU too: perplexities comparable with CPU runs
+        model.to(f"cuda:{torch.cuda.current_device()}")
     docs = long_documents(tok, cfg, max(cfg.lengths))
     if not docs:
         raise ValueError(f"no document of >= {max(cfg.lengths)} tokens under docs_dir; lower lengths or set docs_dir")

@@ -102,3 +102,22 @@ def test_broken_jsonl_names_the_file_and_line(tmp_path, cache_dir, bad_line, pro
     f.write_bytes(b'{"text": "one"}\n{"text": "two"}\n' + bad_line + b'{"text": "four"}\n')
     with pytest.raises(ValueError, match=re.escape(f"data.sources.path: {f}:{problem}")):
         load_source(SourceConfig(kind="files", path=str(f)), str(cache_dir), field="data.sources")
+
+
+def test_exclude_leaves_files_out_of_walked_sources(tmp_path, cache_dir):
+    d = tmp_path / "docs"
+    (d / "keep").mkdir(parents=True)
+    (d / "keep" / "a.txt").write_text("alpha text")
+    (d / "held.txt").write_text("held out text")
+    src = SourceConfig(kind="local_dir", path=str(d), glob="**/*.txt", exclude="held.txt")
+    ds, _ = drop_skipped(load_source(src, str(cache_dir)))
+    assert list(ds["text"]) == ["alpha text"]
+    with pytest.raises(ValueError, match=r"data.sources: no files match .* \(less data.sources.exclude="):
+        load_source(SourceConfig(kind="local_dir", path=str(d), glob="**/*.txt", exclude="**/*.txt"), str(cache_dir))
+
+
+def test_pymanual_source_is_the_manuals_topics(cache_dir):
+    from longstride.data.sources import manual_topics
+
+    ds, _ = drop_skipped(load_source(SourceConfig(kind="pymanual", max_docs=3), str(cache_dir)))
+    assert list(ds["text"]) == manual_topics()[:3] and len(manual_topics()) > 50
