@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -36,34 +35,35 @@ def held_out_files() -> list[str]:
     return list_files(stdlib_root(), patterns)
 
 
-def longstride(args: list[str], out: str) -> float:
-    """Runs `python -m longstride.<args>`; returns its seconds. Its output goes to out/log.txt."""
+def run_eval(args: list[str], out: str) -> float:
+    """Runs `longstride eval ruler|ppl` with key=value args in this process; returns its seconds."""
+    from longstride.eval import ppl as ppl_eval
+    from longstride.eval.ruler import run as ruler_run
+
     os.makedirs(out, exist_ok=True)
+    entry = {"ruler": ruler_run.main, "ppl": ppl_eval.main}[args[0]]
     t0 = time.perf_counter()
-    with open(os.path.join(out, "log.txt"), "w") as log:
-        proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(args[:2])} failed (exit {proc.returncode}); see {out}/log.txt")
+    entry(args[1:])
     return time.perf_counter() - t0
 
 
 def ruler(ckpt: str, lengths: list[int], samples: int, out: str, yarn: float | None = None) -> dict:
-    args = ["longstride.eval.ruler", f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, lengths))}]",
+    args = ["ruler", f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, lengths))}]",
             f"tasks=[{','.join(TASKS)}]", f"num_samples={samples}", "dtype=bfloat16", "extrapolate=true", f"out={out}"]
     if yarn:
         args.append(f"yarn.factor={yarn:g}")
-    seconds = longstride(args, out)
+    seconds = run_eval(args, out)
     with open(os.path.join(out, f"ruler{f'_yarn{yarn:g}' if yarn else ''}.json")) as f:
         summary = json.load(f)["summary"]
     return {"table": summary["table"], "mean": summary["mean"], "seconds": seconds}
 
 
 def ppl(ckpt: str, lengths: list[int], docs_dir: str, out: str, yarn: float | None = None) -> list[dict]:
-    args = ["longstride.eval.ppl", f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, lengths))}]",
+    args = ["ppl", f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, lengths))}]",
             f"docs_dir={docs_dir}", "glob=**/*.py", f"out={out}"]
     if yarn:
         args.append(f"yarn.factor={yarn:g}")
-    longstride(args, out)
+    run_eval(args, out)
     with open(os.path.join(out, f"ppl{f'_yarn{yarn:g}' if yarn else ''}.json")) as f:
         return json.load(f)["results"]
 
