@@ -141,7 +141,14 @@ def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):  # the pinned host blocks of the activation offload
+            torch._C._host_emptyCache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def out_of_memory(e: Exception) -> bool:
+    """A CUDA or pinned-host allocation failure (cuBLAS and the host allocator raise plain RuntimeErrors)."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def peak_gib(device: torch.device) -> float | None:
@@ -167,8 +174,8 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
                     flops = train_flops(shape, length, pairs)
                     row.update(step_s=sec, tokens_per_s=length / sec, peak_gib=peak_gib(device),
                                tflops=flops / sec / 1e12, mfu=flops / sec / peak if peak else None)
-                except torch.OutOfMemoryError:
-                    row["error"] = "out of memory"
+                except Exception as e:  # recorded per row: the other systems and lengths still run
+                    row["error"] = "out of memory" if out_of_memory(e) else f"{type(e).__name__}: {e}"[:300]
                 finally:
                     step = None
                 rows.append(row)
@@ -177,17 +184,18 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
     return rows
 
 
-def fits(system: str, shape: dict, length: int, device: torch.device, lean: bool) -> tuple[bool, float | None]:
-    """Whether two real optimizer steps at `length` tokens fit; (fits, seconds of the second step)."""
+def fits(system: str, shape: dict, length: int, device: torch.device, lean: bool) -> tuple[bool, float | None, str]:
+    """Whether two real optimizer steps at `length` tokens fit; (fits, seconds of the second step, the error
+    if it failed otherwise than by running out of memory)."""
     from benchmarks.bench_ring import packed_doc_ids
 
     step = None
     try:
         free(device)
         step = build_step(system, shape, packed_doc_ids(length, 1)[0], device, lean=lean)
-        return True, time_steps(step, 1, 1)
-    except torch.OutOfMemoryError:
-        return False, None
+        return True, time_steps(step, 1, 1), ""
+    except Exception as e:
+        return False, None, "" if out_of_memory(e) else f"{type(e).__name__}: {e}"[:300]
     finally:
         step = None
         free(device)
@@ -201,8 +209,8 @@ def longest_context(shape_name: str, device: torch.device, start: int, limit: in
         t0, ok, bad, trials = time.perf_counter(), 0, None, []
         length = start
         while length <= limit and time.perf_counter() - t0 < budget_s:
-            fit, sec = fits(system, shape, length, device, lean)
-            trials.append({"seq_len": length, "fits": fit, "step_s": sec})
+            fit, sec, err = fits(system, shape, length, device, lean)
+            trials.append({"seq_len": length, "fits": fit, "step_s": sec, **({"error": err} if err else {})})
             print(system, trials[-1], flush=True)
             if not fit:
                 bad = length
@@ -210,8 +218,8 @@ def longest_context(shape_name: str, device: torch.device, start: int, limit: in
             ok, length = length, length * 2
         while bad and ok and bad - ok > max(ok // 8, 1024) and time.perf_counter() - t0 < budget_s:
             mid = (ok + bad) // 2 // 1024 * 1024
-            fit, sec = fits(system, shape, mid, device, lean)
-            trials.append({"seq_len": mid, "fits": fit, "step_s": sec})
+            fit, sec, err = fits(system, shape, mid, device, lean)
+            trials.append({"seq_len": mid, "fits": fit, "step_s": sec, **({"error": err} if err else {})})
             print(system, trials[-1], flush=True)
             ok, bad = (mid, bad) if fit else (ok, mid)
         rows.append({"shape": shape_name, "system": system + (" (tiled, checkpointed, offloaded)" if lean else ""),

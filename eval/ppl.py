@@ -113,6 +113,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main(argv: list[str]) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from longstride.parallel.attention import use_longstride_attention
+
     cfg = parse(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -126,6 +128,9 @@ def main(argv: list[str]) -> list[dict]:
     model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=torch.float32).eval()
     if torch.cuda.is_available():  # fp32 on the GPU too: perplexities comparable with CPU runs
         model.to(f"cuda:{torch.cuda.current_device()}")
+        # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
+        # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel
+        use_longstride_attention(model)
     docs = long_documents(tok, cfg, max(cfg.lengths))
     if not docs:
         raise ValueError(f"no document of >= {max(cfg.lengths)} tokens under docs_dir; lower lengths or set docs_dir")

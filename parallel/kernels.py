@@ -98,10 +98,13 @@ def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa") -> torch
 
 
 def _sdpa_per_document(q, k, v, bounds, scale):
+    # K/V repeated to the query heads: with enable_gqa, SDPA in fp32 on CUDA has no fused kernel (flash takes
+    # no fp32, the memory-efficient one no GQA) and falls back to math, an L x L matrix per head
+    k, v = (expand_kv(x, q.shape[1] // k.shape[1]) for x in (k, v))
     rows = []
     for b, row in enumerate(bounds):
         parts = [F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
-                                                is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+                                                is_causal=True, scale=scale).transpose(1, 2)
                  for s, e in row]
         rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
     return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)

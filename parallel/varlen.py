@@ -131,7 +131,7 @@ def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, sca
 def _check_half(q: torch.Tensor, name: str) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"parallel.kernel={name} runs fp16/bf16 attention, got {q.dtype}; train with "
-                         "train.precision=bf16 (or auto on a GPU), or use parallel.kernel=math")
+                         "train.precision=bf16 (or auto on a GPU; a Trainer: bf16=True), or use parallel.kernel=math")
 
 
 def _packed_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -192,8 +192,8 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     bwd(dout, q, k, v, out, lse, scale, causal) on (1, H, l, D) tensors, one piece at a time. It checks what
     the CUDA kernels require of their inputs (dense last dimension, int32 cumulative lengths on the tensors'
     device that end at the packed lengths, GQA heads), so a layout mistake fails on CPU too."""
-    def pieces(q, k, cu_q, cu_k, max_q, max_k):
-        _check_contract(q, k, cu_q, cu_k, max_q, max_k)
+    def pieces(q, k, cu_q, cu_k, max_q, max_k, *same_dtype):
+        _check_contract(q, k, cu_q, cu_k, max_q, max_k, *same_dtype)
         cq, ck = cu_q.tolist(), cu_k.tolist()
         return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
@@ -203,7 +203,7 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k):
+        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k, v):
             o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal)
             out[sq] = o[0].transpose(0, 1)
             lse[:, sq] = l[0]
@@ -212,7 +212,7 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, lse.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k):
+        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k, v, out, dout):
             g = bwd(one(dout, sq), one(q, sq), one(k, sk), one(v, sk), one(out, sq), lse[:, sq].unsqueeze(0),
                     scale, causal)
             dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
@@ -221,8 +221,9 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     return Varlen(forward, backward)
 
 
-def _check_contract(q, k, cu_q, cu_k, max_q, max_k) -> None:
+def _check_contract(q, k, cu_q, cu_k, max_q, max_k, *same_dtype) -> None:
     assert q.dim() == 3 and k.dim() == 3 and q.shape[2] == k.shape[2], (q.shape, k.shape)
+    assert all(x.dtype == q.dtype for x in (k, *same_dtype)), "q, k, v, out and dout share one dtype"
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "varlen kernels need a dense last dimension"
     assert q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
     for cu, x, m in ((cu_q, q, max_q), (cu_k, k, max_k)):

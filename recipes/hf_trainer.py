@@ -34,6 +34,8 @@ What each piece does:
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import numpy as np
@@ -49,11 +51,14 @@ from longstride.parallel.kernels import resolve_kernel
 
 
 def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
-             device_type: Optional[str] = None, kernel: str = "auto", half: bool = True) -> CPContext:
+             device_type: Optional[str] = None, kernel: str = "auto", half: Optional[bool] = None) -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
     TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
     model's query heads (checked against the Ulysses degree); kernel: parallel.kernel's choices; half:
-    attention runs in bf16/fp16 (TrainingArguments bf16=True), which the flash kernels need."""
+    attention runs in bf16/fp16, which the flash kernels need; None reads it from the mixed precision that
+    TrainingArguments (bf16=True / fp16=True) hands accelerate, so call this after creating them."""
+    if half is None:
+        half = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("bf16", "fp16")
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_world(world, cp, where="setup_cp")
     degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)

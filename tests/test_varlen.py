@@ -186,3 +186,21 @@ def test_emulated_kernel_checks_what_cuda_requires():
         EMULATED.forward(q, q, q, cu, cu, 5, 5, 0.1, True)
     with pytest.raises(ValueError, match="square"):
         VarlenCall([(0, 0, 4, 0, 6)], 8, causal=True)
+
+
+def test_sdpa_per_document_repeats_gqa_heads_and_matches(emulated):
+    # the fp32 CUDA fallback (SDPA per document) runs device-agnostic code: checked here on CPU tensors
+    q, k, v, _ = inputs(9, 3, torch.float32)
+    doc = layouts()["docs_random"]
+    got = kernels._sdpa_per_document(q, k, v, kernels.doc_bounds(doc), D ** -0.5)
+    want = doc_attention(q, k, v, doc, D ** -0.5, "sdpa")
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_trainer_cp_reads_half_precision_from_training_arguments(cuda_kernels, monkeypatch):
+    from longstride.recipes.hf_trainer import setup_cp
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what TrainingArguments(bf16=True) sets
+    assert setup_cp(1, 8, device_type="cuda").kernel == "torch_flash"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert setup_cp(1, 8, device_type="cuda").kernel == "sdpa"
