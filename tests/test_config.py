@@ -172,7 +172,7 @@ def test_registry_names_fail_before_compute_with_the_registry_listed():
     expect_error(["parallel.cp_impl=typo", "recipe.stages.s2_2k.cp=2"],
                  r"parallel.cp_impl='typo' is unknown; use one of \['ring', 'ulysses', 'upipe', 'hybrid'\]", world=2)
     expect_error(["data.sources.stdlib.kind=typo"], r"data.sources.stdlib.kind='typo' is unknown; use one of "
-                 r"\['stdlib', 'local_dir', 'files', 'disk', 'hub', 'synthetic'\]")
+                 r"\['stdlib', 'local_dir', 'files', 'disk', 'hub', 'synthetic', 'pymanual'\]")
 
 
 @pytest.mark.parametrize("key", list(CHOICES))
