@@ -123,7 +123,9 @@ def test_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
     assert load_training_state(str(tmp_path), 0, 1, resplit=True)[0] == {"step": 3}
 
 
-@pytest.mark.parametrize("first, second, fsdp", [(1, 2, False), (2, 1, False), (2, 1, True), (1, 2, True)])
+# both directions, each with and without FSDP2 once (the four pairs took 86 s of CI time; the re-split and
+# the DCP optimizer state are the same code for both directions)
+@pytest.mark.parametrize("first, second, fsdp", [(1, 2, False), (2, 1, True)])
 def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir, first, second, fsdp):
     """Killed after step 4 on `first` processes, resumed from step 3 on `second`: the rest of the epoch
     is shared out from where the killed run stopped, so every step sees the sequences of an uninterrupted

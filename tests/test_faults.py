@@ -224,6 +224,8 @@ def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(m
     assert proc.returncode == 128 + getattr(signal, sig), out[-2000:]
     (stopped,) = [p for p in stage_dir.iterdir() if p.name.startswith("step_")]
     assert f"stopped by {sig} after step {int(stopped.name[5:])}" in out and "Traceback" not in out
+    if sig == "SIGINT":  # the same handler and save as SIGTERM's: the rerun below is checked once
+        return
     resumed = run_cli(micro + long)
     assert resumed.returncode == 0 and f"resuming from {stopped}" in resumed.stderr, resumed.stderr[-2000:]
     clean = run_cli(micro_overrides(tmp_path / "clean", tmp_path / "cache2") + long)

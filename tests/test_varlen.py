@@ -111,7 +111,7 @@ def _ring_emulated(rank: int, n: int, path: str) -> None:
     test_ring._ring_worker(rank, n, "torch_flash", path)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # an odd ring; ring 2 runs inside the hybrid test below
 def test_ring_through_the_varlen_interface_matches_single_process(n, tmp_path):
     path = str(tmp_path / "ring.pt")
     run_gloo(_ring_emulated, n, path)
