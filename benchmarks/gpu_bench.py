@@ -9,6 +9,8 @@ Systems, each a real bf16 AdamW step (fp32 master weights, bf16 autocast, as `lo
                    document mask itself (its packed-sequence path)
   hf_sdpa_causal   plain transformers, SDPA, one causal sequence (documents not masked: the fast, wrong baseline)
   hf_flash_attention_2  plain transformers' packed flash-attn path, where flash-attn is installed
+  hf_flex_packed   plain transformers with FlexAttention on the packed sequence (its document block mask;
+                   compiled per shape, so only on request: gpu_check --flex)
 The documents are best-fit packed from the embedded corpus (benchmarks/bench_ring.packed_doc_ids).
 """
 from __future__ import annotations
@@ -41,9 +43,9 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK.items() if k in name), None)
 
 
-def systems() -> list[str]:
-    return ["longstride", "hf_sdpa_packed", "hf_sdpa_causal"] + (["hf_flash_attention_2"] if flash_attn_available()
-                                                                  else [])
+def systems(flex: bool = False) -> list[str]:
+    return (["longstride", "hf_sdpa_packed", "hf_sdpa_causal"] + (["hf_flash_attention_2"] if flash_attn_available()
+                                                                   else []) + (["hf_flex_packed"] if flex else []))
 
 
 def doc_pairs(doc: torch.Tensor) -> int:
@@ -94,7 +96,8 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
 
     L = doc.shape[1]
     cfg = LlamaConfig(**shape, max_position_embeddings=L, rope_theta=1e5)
-    attn = {"hf_sdpa_packed": "sdpa", "hf_sdpa_causal": "sdpa", "hf_flash_attention_2": "flash_attention_2"}
+    attn = {"hf_sdpa_packed": "sdpa", "hf_sdpa_causal": "sdpa", "hf_flash_attention_2": "flash_attention_2",
+            "hf_flex_packed": "flex_attention"}
     torch.manual_seed(0)
     with torch.device(device):
         lm = LlamaForCausalLM._from_config(cfg, attn_implementation=attn.get(system, "sdpa"))
@@ -155,7 +158,8 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
 
 
-def throughput(shapes: list[str], lengths: list[int], device: torch.device, warmup: int = 2, reps: int = 5) -> list:
+def throughput(shapes: list[str], lengths: list[int], device: torch.device, warmup: int = 2, reps: int = 5,
+               flex: bool = False) -> list:
     """tokens/s and MFU of one training step per (shape, length, system), on the same packed batch."""
     from benchmarks.bench_ring import packed_doc_ids
 
@@ -164,7 +168,7 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
         doc = packed_doc_ids(length, 1)[0]
         for shape_name in shapes:
             shape = SHAPES[shape_name]
-            for system in systems():
+            for system in systems(flex):
                 row = {"shape": shape_name, "seq_len": length, "system": system, "docs": int(doc.max()) + 1}
                 try:
                     free(device)
