@@ -155,6 +155,7 @@ def test_kernel_not_installed_fails_before_compute():
 
 CHOICES = {  # every choice field of the schema: a typo fails while Hydra composes, listing the choices
     "parallel.kernel": "auto, torch_flash, flash_attn, sdpa, math",
+    "parallel.flash_impl": "FA2, FA3, FA4",
     "parallel.balance": "zigzag, docs",
     "recipe.stages.s3_4k.balance": "zigzag, docs",
     "recipe.stages.s2_2k.schedule": "cosine, wsd, constant",
