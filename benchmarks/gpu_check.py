@@ -1,7 +1,7 @@
 """The GPU check: one command that runs the GPU tests and the GPU benchmarks on one GPU and writes
 benchmarks/results/gpu/*.json, each naming the device, the torch version and the attention kernel.
 
-    python -m benchmarks.gpu_check                          # everything (about 9 minutes on one H100)
+    python -m benchmarks.gpu_check                          # everything (planned for < 9 minutes on one H100; not yet run on one)
     python -m benchmarks.gpu_check --only tests,attention   # a subset: tests, throughput, longest, attention, ruler
     python -m benchmarks.gpu_check --smoke                  # tiny shapes and lengths, any device: checks the script
 
