@@ -22,6 +22,7 @@ call per mask kind (causal pieces, dense pieces), from views of (B, H, L, D) ten
 from __future__ import annotations
 
 import importlib.util
+from itertools import accumulate
 from typing import Callable, NamedTuple
 
 import torch
@@ -35,29 +36,25 @@ class Varlen(NamedTuple):
 class VarlenCall:
     """pieces: [(row, q0, q1, k0, k1)] of (B, H, L, D) tensors whose rows hold L tokens; causal: the
     pieces are square and causal within themselves, else dense rectangles. Each piece is one varlen
-    sequence, in the given order."""
+    sequence, in the given order. Built once per batch (parallel/kernels.py keeps it with the batch's plan or
+    document bounds) and used by every layer's forward and backward."""
 
     def __init__(self, pieces: list[tuple], length: int, causal: bool):
-        self.pieces, self.length, self.causal = pieces, length, causal
+        self.causal = causal
         self.q_ranges = [(r * length + q0, r * length + q1) for r, q0, q1, _, _ in pieces]
         self.k_ranges = [(r * length + k0, r * length + k1) for r, _, _, k0, k1 in pieces]
         q_lens = [b - a for a, b in self.q_ranges]
         k_lens = [b - a for a, b in self.k_ranges]
         if causal and q_lens != k_lens:
             raise ValueError("causal varlen pieces must be square")
-        self.cu_q, self.cu_k = _cumsum(q_lens), _cumsum(k_lens)
+        self.cu_q, self.cu_k = list(accumulate(q_lens, initial=0)), list(accumulate(k_lens, initial=0))
         self.max_q, self.max_k = max(q_lens), max(k_lens)
-
-    def piece_q(self, i: int) -> slice:
-        """Where piece i's queries lie in the packed query tensor."""
-        return slice(self.cu_q[i], self.cu_q[i + 1])
-
-    def piece_k(self, i: int) -> slice:
-        return slice(self.cu_k[i], self.cu_k[i + 1])
+        self._cu: dict = {}  # device -> the int32 cumulative lengths there, copied once
 
     def _args(self, device) -> tuple:
-        cu = lambda c: torch.tensor(c, dtype=torch.int32, device=device)  # noqa: E731
-        return cu(self.cu_q), cu(self.cu_k), self.max_q, self.max_k
+        if device not in self._cu:  # a host-to-device copy waits for the device: once per batch, not per layer
+            self._cu[device] = tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in (self.cu_q, self.cu_k))
+        return (*self._cu[device], self.max_q, self.max_k)
 
     def forward(self, kernel: Varlen, q, k, v, scale: float):
         """q: (B, H, L, D), k/v: (B, Hkv, L, D) -> packed out (Tq, H, D), lse (H, Tq) fp32."""
@@ -68,16 +65,9 @@ class VarlenCall:
         """dout/out: (B, H, L, D) like q, lse: (B, H, L) fp32 (merged) -> packed dq, dk, dv."""
         g = lambda x: gather(x, self.q_ranges)  # noqa: E731
         flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
-        packed_lse = _gather_cols(flat_lse, self.q_ranges).float()
+        packed_lse = _take(flat_lse, self.q_ranges, dim=1).float()
         return kernel.backward(g(dout), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
                                packed_lse.contiguous(), *self._args(q.device), scale, self.causal)
-
-
-def _cumsum(lens: list[int]) -> list[int]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -89,16 +79,14 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 def gather(x: torch.Tensor, ranges: list[tuple]) -> torch.Tensor:
     """The token ranges of flat(x) packed in order: a slice (no copy) when they follow each other."""
-    f = flat(x)
-    if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):
-        return f[ranges[0][0]:ranges[-1][1]]
-    return torch.cat([f[a:b] for a, b in ranges])
+    return _take(flat(x), ranges, dim=0)
 
 
-def _gather_cols(x: torch.Tensor, ranges: list[tuple]) -> torch.Tensor:
+def _take(x: torch.Tensor, ranges: list[tuple], dim: int) -> torch.Tensor:
+    """x's ranges along `dim`, concatenated in order; a slice when each range starts where the last ended."""
     if all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:])):
-        return x[:, ranges[0][0]:ranges[-1][1]]
-    return torch.cat([x[:, a:b] for a, b in ranges], dim=1)
+        return x.narrow(dim, ranges[0][0], ranges[-1][1] - ranges[0][0])
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
 def as_block(packed: torch.Tensor, rows: slice) -> torch.Tensor:
