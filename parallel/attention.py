@@ -33,7 +33,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _same_dtype(query, key, value)
     if layout.cp.method is None:
-        out = doc_attention(query, key, value, layout.doc_ids, scale, layout.cp.kernel)
+        out = doc_attention(query, key, value, layout.doc_ids, scale, layout.cp.kernel, layout.bounds)
     else:
         out = method(layout.cp.method).attention(query, key, value, layout, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -19,7 +19,7 @@ batch, without communication, and serves every layer's forward and backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -58,6 +58,9 @@ class RingPlan:
     chunk: int
     steps: list
     assignment: Assignment
+    # what the kernels derive from the plan once per batch and reuse in every layer's forward and backward
+    # (parallel/kernels.py: a varlen kernel's packed calls per step)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def local(self) -> int:

@@ -10,6 +10,7 @@ the attention function read them from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from longstride.parallel import hybrid, ring, ulysses, upipe
 from longstride.parallel.blocks import RingPlan, check_doc_runs
 from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.kernels import doc_bounds
 from longstride.parallel.ring import RingComm
 from longstride.parallel.ulysses import HeadComm
 
@@ -90,6 +92,11 @@ class DocLayout:
     doc_ids: Optional[torch.Tensor]
     plan: Optional[RingPlan] = None
     cp: CPContext = CPContext()
+
+    @cached_property
+    def bounds(self) -> Optional[list]:
+        """Per row, (start, end) of each document: read from doc_ids once per batch, not in every layer."""
+        return None if self.doc_ids is None else doc_bounds(self.doc_ids)
 
 
 def shard_for_cp(batch: dict, doc_masking: bool, cp: CPContext) -> tuple[dict, DocLayout]:

@@ -13,10 +13,12 @@ until the kernel call. Kernels (`parallel.kernel`):
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
-from longstride.parallel.blocks import doc_segments
+from longstride.parallel.blocks import RingPlan, doc_segments
 from longstride.parallel.varlen import VARLEN, VarlenCall, as_block, flash_attn_available, torch_flash_available
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
@@ -85,13 +87,15 @@ def dense_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa") -> torch.Tensor:
-    """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention.
+def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=None) -> torch.Tensor:
+    """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention; bounds: their
+    doc_bounds when the caller has them already (parallel/cp.DocLayout keeps them per batch).
     q: (B, H, L, D), k/v: (B, Hkv, L, D) -> (B, H, L, D), laid out in memory as (B, L, H, D), the layout
     transformers' o-projection reads, so the transpose back is free."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
-    bounds = doc_bounds(doc_ids) if doc_ids is not None else [[(0, q.shape[2])]] * q.shape[0]
+    if bounds is None:
+        bounds = doc_bounds(doc_ids) if doc_ids is not None else [[(0, q.shape[2])]] * q.shape[0]
     if kernel == "sdpa" and q.device.type != "cpu":  # the block kernels' sdpa is the CPU flash op
         return _sdpa_per_document(q, k, v, bounds, scale)
     return _DocAttention.apply(q, k, v, tuple(map(tuple, bounds)), kernel, scale)
@@ -150,6 +154,12 @@ def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: 
 
 
 def _doc_call(bounds, length: int) -> VarlenCall:
+    return _cached_doc_call(tuple(map(tuple, bounds)), length)
+
+
+@lru_cache(maxsize=8)
+def _cached_doc_call(bounds: tuple, length: int) -> VarlenCall:
+    # the batch's documents are the same in every layer's forward and backward: one VarlenCall per batch
     return VarlenCall([(b, s, e, s, e) for b, row in enumerate(bounds) for s, e in row], length, causal=True)
 
 
@@ -251,40 +261,48 @@ def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=
 # the K/V held at that step. A dense kernel runs block by block; a varlen kernel runs the whole step in one
 # call per mask kind (the varlen-causal blocks, the dense rectangles), every row included.
 
-def step_forward(kernel: str, q, k, v, step: list, scale: float):
-    """Yields (rows, block, out, lse) for each block of the step; out: (rows, H, lq, D), lse fp32."""
+def step_forward(kernel: str, q, k, v, plan: RingPlan, t: int, scale: float):
+    """Yields (rows, block, out, lse) for each block of the plan's step t; out: (rows, H, lq, D), lse fp32."""
     if kernel not in VARLEN:
-        for rows, blocks in step:
+        for rows, blocks in plan.steps[t]:
             for b in blocks:
                 o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], k[rows, :, b.k0:b.k1], v[rows, :, b.k0:b.k1],
                                      scale, b.segments)
                 yield rows, b, o, l
         return
-    for call, items in _step_calls(step, q.shape[2], k.shape[2]):
+    for call, items in _step_calls(plan, t, q.shape[2], k.shape[2]):
         out, lse = call.forward(VARLEN[kernel], q, k, v, scale)
         for row, b, sq, _ in items:
             yield slice(row, row + 1), b, as_block(out, sq), lse[:, sq].unsqueeze(0)
 
 
-def step_backward(kernel: str, dout, q, k, v, out, lse, step: list, scale: float):
-    """Yields (rows, block, dq, dk, dv) for each block of the step, given the merged out and lse."""
+def step_backward(kernel: str, dout, q, k, v, out, lse, plan: RingPlan, t: int, scale: float):
+    """Yields (rows, block, dq, dk, dv) for each block of the plan's step t, given the merged out and lse."""
     if kernel not in VARLEN:
-        for rows, blocks in step:
+        for rows, blocks in plan.steps[t]:
             for b in blocks:
                 r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
                 yield (rows, b, *block_backward(kernel, dout[r], q[r], k[c], v[c], out[r], lse[r], scale,
                                                 b.segments))
         return
-    for call, items in _step_calls(step, q.shape[2], k.shape[2]):
+    for call, items in _step_calls(plan, t, q.shape[2], k.shape[2]):
         dq, dk, dv = call.backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
         for row, b, sq, sk in items:
             yield slice(row, row + 1), b, as_block(dq, sq), as_block(dk, sk), as_block(dv, sk)
 
 
-def _step_calls(step: list, lq: int, lk: int):
-    """[(VarlenCall, [(row, block, its packed query slice, its packed key slice)])], one per mask kind."""
+def _step_calls(plan: RingPlan, t: int, lq: int, lk: int) -> list:
+    """[(VarlenCall, [(row, block, its packed query slice, its packed key slice)])] of step t, one per mask
+    kind; built once per batch (kept in plan.derived) and reused by every layer, forward and backward."""
     if lq != lk:
         raise ValueError(f"ring blocks need equal local query and key lengths, got {lq} and {lk}")
+    key = ("varlen", t)
+    if key not in plan.derived:
+        plan.derived[key] = list(_build_step_calls(plan.steps[t], lq))
+    return plan.derived[key]
+
+
+def _build_step_calls(step: list, length: int):
     groups = {True: ([], []), False: ([], [])}  # causal?: (pieces, items)
     for rows, blocks in step:
         for row in range(rows.start or 0, rows.stop):
@@ -298,6 +316,6 @@ def _step_calls(step: list, lq: int, lk: int):
                 items.append((row, b, first, len(pieces)))
     for causal, (pieces, items) in groups.items():
         if pieces:
-            call = VarlenCall(pieces, lq, causal)
+            call = VarlenCall(pieces, length, causal)
             yield call, [(row, b, slice(call.cu_q[i], call.cu_q[j]), slice(call.cu_k[i], call.cu_k[j]))
                          for row, b, i, j in items]

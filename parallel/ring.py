@@ -121,7 +121,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     for t in range(n):
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
-        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan.steps[t], scale):
+        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan, t, scale):
             _merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
         if t + 1 < n:
             _wait(reqs)
@@ -138,7 +138,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
         dk = dv = None  # this step's dK/dV of the block held, fp32
-        for rows, b, gq, gk, gv in step_backward(kernel, dout, q, kv[0], kv[1], out, lse, plan.steps[t], scale):
+        for rows, b, gq, gk, gv in step_backward(kernel, dout, q, kv[0], kv[1], out, lse, plan, t, scale):
             r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
             dq = _add(dq, r, gq, q)
             dk, dv = _add(dk, c, gk, k), _add(dv, c, gv, v)

@@ -94,10 +94,13 @@ def test_a_ring_step_is_one_call_per_mask_kind_over_all_rows(emulated):
         loc = [seq_major(shard(x, n, rank, dim=2)) for x in (q, k, v)]
         for t, step in enumerate(plan.steps):
             calls.clear()
-            got = list(step_forward("torch_flash", *loc, step, D ** -0.5))
-            want = list(step_forward("sdpa", *loc, step, D ** -0.5))
+            got = list(step_forward("torch_flash", *loc, plan, t, D ** -0.5))
+            want = list(step_forward("sdpa", *loc, plan, t, D ** -0.5))
             kinds = {b.segments is not None for _, blocks in step for b in blocks}
             assert sorted(calls) == sorted(kinds), f"rank {rank} step {t}: {len(calls)} calls for kinds {kinds}"
+            built = plan.derived[("varlen", t)]
+            list(step_forward("torch_flash", *loc, plan, t, D ** -0.5))  # a second layer: the same packed calls
+            assert plan.derived[("varlen", t)] is built
             # the same blocks (one per row here), the same outputs and LSE
             per_row = {(r.start, b): (o, l) for r, b, o, l in got}
             for rows, b, o, l in want:
