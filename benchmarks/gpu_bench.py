@@ -126,16 +126,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Step, warmup: int, reps: int) -> float:
-    """Median seconds per optimizer step."""
+def time_steps(fn, device: torch.device, warmup: int, reps: int) -> float:
+    """Median seconds of fn() (one optimizer step, or one attention forward + backward)."""
     for _ in range(warmup):
-        step.run()
+        fn()
     times = []
     for _ in range(reps):
-        sync(step.device)
+        sync(device)
         t0 = time.perf_counter()
-        step.run()
-        sync(step.device)
+        fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -173,7 +173,7 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
                 try:
                     free(device)
                     step = build_step(system, shape, doc, device)
-                    sec = time_steps(step, warmup, reps)
+                    sec = time_steps(step.run, device, warmup, reps)
                     pairs = length * (length + 1) // 2 if system == "hf_sdpa_causal" else doc_pairs(doc)
                     flops = train_flops(shape, length, pairs)
                     row.update(step_s=sec, tokens_per_s=length / sec, peak_gib=peak_gib(device),
@@ -197,7 +197,7 @@ def fits(system: str, shape: dict, length: int, device: torch.device, lean: bool
     try:
         free(device)
         step = build_step(system, shape, packed_doc_ids(length, 1)[0], device, lean=lean)
-        return True, time_steps(step, 1, 1), ""
+        return True, time_steps(step.run, device, 1, 1), ""
     except Exception as e:
         return False, None, "" if out_of_memory(e) else f"{type(e).__name__}: {e}"[:300]
     finally:
@@ -250,8 +250,8 @@ def doc_attention_timing(length: int, device: torch.device, reps: int = 10) -> l
         def run(ids):
             doc_attention(*x, ids, 64 ** -0.5, kernel).backward(dout)
 
-        masked = time_steps(SimpleRun(lambda: run(doc), device), 2, reps)
-        causal = time_steps(SimpleRun(lambda: run(None), device), 2, reps)
+        masked = time_steps(lambda: run(doc), device, 2, reps)
+        causal = time_steps(lambda: run(None), device, 2, reps)
         ideal = doc_pairs(doc.cpu()) / (length * (length + 1) / 2)
         rows.append({"seq_len": length, "sequence": i, "docs": int(doc.max()) + 1, "kernel": kernel,
                      "masked_ms": masked * 1e3, "causal_ms": causal * 1e3, "time_ratio": masked / causal,
@@ -259,11 +259,3 @@ def doc_attention_timing(length: int, device: torch.device, reps: int = 10) -> l
         print(rows[-1], flush=True)
     return rows
 
-
-@dataclass
-class SimpleRun:
-    fn: object
-    device: torch.device
-
-    def run(self) -> None:
-        self.fn()

@@ -34,10 +34,11 @@ def write(name: str, rows, extra: dict, out: str) -> str:
 
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{name}.json")
-    kernel = "torch_flash" if torch.cuda.is_available() else "sdpa"
-    flash = "FA2 (built into torch)"
+    from longstride.parallel.kernels import resolve_kernel
+
+    kernel = resolve_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu", ring=False, half=True)
     with open(path, "w") as f:
-        json.dump({"machine": machine(), "cuda": torch.version.cuda, "kernel": kernel, "flash_impl": flash,
+        json.dump({"machine": machine(), "cuda": torch.version.cuda, "kernel": kernel, "flash_impl": "FA2",
                    **extra, "rows": rows}, f, indent=2)
     print(f"wrote {path}", flush=True)
     return path
