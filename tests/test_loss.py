@@ -28,3 +28,15 @@ def test_chunked_loss_matches_plain(tile):
 def test_bad_tile():
     with pytest.raises(ValueError, match="model.loss_tile_tokens"):
         chunked_cross_entropy_sum(torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long), 0)
+
+
+def test_a_batch_without_targets_still_backpropagates_zero():
+    """A micro-batch whose tokens are all context only (synthetic loss_on=qa) has no target: its loss is 0
+    and backward must still run (a data-parallel rank that skipped it would leave the others waiting)."""
+    h = torch.randn(2, 30, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)
+    loss = chunked_cross_entropy_sum(h, w, torch.full((2, 30), IGNORE_INDEX), 8)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert h.grad is not None and w.grad is not None
+    assert not h.grad.any() and not w.grad.any()
