@@ -3,7 +3,8 @@
 A PackedBatch is a dict of (B, L) int64 tensors:
   input_ids     token ids (padding: the pad id, in its own trailing "document")
   labels        the next token *within the same document*, IGNORE_INDEX at each document's last
-                token and on padding (labels are aligned: no shift happens later, so CP can shard them)
+                token, on padding and where the next token is context only (stored negative by
+                data/tokenizer.context_only); labels are aligned: no shift happens later, so CP can shard them
   position_ids  RoPE positions, restarting at 0 in every document
   doc_ids       0, 1, 2, ... per document in the row (decides masking)
 Causality follows the order of the tokens: context parallelism cuts the sequence into chunks and
@@ -41,6 +42,8 @@ def packed_item(pieces: list[np.ndarray], L: int, pad_id: int) -> dict:
     used = int(lens.sum())
     ids = np.full(L, pad_id, dtype=np.int64)
     ids[:used] = np.concatenate(pieces) if pieces else []
+    context = ids < 0
+    ids[context] = -ids[context] - 1
     seg_begin = np.cumsum(lens) - lens
     if used < L:  # padding is one more document so that no real token ever sees it
         lens = np.append(lens, L - used)
@@ -49,6 +52,7 @@ def packed_item(pieces: list[np.ndarray], L: int, pad_id: int) -> dict:
     pos = np.arange(L) - np.repeat(seg_begin, lens)
     labels = np.empty(L, dtype=np.int64)
     labels[:-1] = ids[1:]
+    labels[:-1][context[1:]] = IGNORE_INDEX
     labels[seg_begin + lens - 1] = IGNORE_INDEX
     labels[used:] = IGNORE_INDEX
     return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc}

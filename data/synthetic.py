@@ -6,6 +6,8 @@ again on its own (exact resume, streaming, tests). Three kinds of fact:
   kv        one key with a value, one question about it
   multikey  several keys with values (distractors), questions about some of them
   chain     a value assigned to a name, then names copying names; asks for every name holding it
+  copy      a list of words to remember, asked back in full (dense in-context copying, the signal that
+            makes induction heads form; the words are standard-library identifiers)
 The wording, the keys (made-up words and this file's own word lists) and the filler (this file's
 own sentences and lines of the Python standard library) are not RULER's (eval/ruler/tasks.py),
 so a RULER score after training on these measures transfer, not a memorised prompt.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -55,7 +58,9 @@ QUESTION_FORMS = (("Question: what is the {attr} of {key}?", "Answer: {value}"),
 CHAIN_FIRST = ("{key} starts with the value {value}.", "Set {key} to {value}.")
 CHAIN_COPY = ("{key} takes whatever {prev} holds.", "Let {key} equal {prev}.")
 CHAIN_QUESTION = ("Question: which names end up holding {value}?", "Answer: {names}")
-KINDS = ("kv", "multikey", "chain")
+KINDS = ("kv", "multikey", "chain", "copy")
+COPY_FACT = "Remember this list: {words}."
+COPY_QUESTION = ("Repeat the list you were asked to remember.", "The list:")
 
 
 def made_up_word(rng: random.Random) -> str:
@@ -121,6 +126,12 @@ def _chain(rng: random.Random, hops: int) -> Spec:
                 [(q.format(value=value), a.split("{names}")[0].rstrip(), " ".join(names))])
 
 
+def _copy(rng: random.Random, length: int) -> Spec:
+    words = " ".join(rng.choice(identifiers()) for _ in range(length))
+    q, prefix = COPY_QUESTION
+    return Spec("copy", [COPY_FACT.format(words=words)], [rng.uniform(0, 100)], [(q, prefix, words + ".")])
+
+
 def draw(rng: random.Random, kind: str) -> Spec:
     if kind == "kv":
         return _kv(rng, 1, 1)
@@ -129,6 +140,8 @@ def draw(rng: random.Random, kind: str) -> Spec:
         return _kv(rng, keys, rng.randint(1, keys))
     if kind == "chain":
         return _chain(rng, rng.randint(1, 4))
+    if kind == "copy":
+        return _copy(rng, rng.randint(8, 24))
     raise ValueError(f"synthetic kind {kind!r} is unknown; use one of {KINDS}")
 
 
@@ -142,6 +155,12 @@ def corpus_lines() -> tuple[str, ...]:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines += [line.strip() for line in f if line.strip()]
     return tuple(lines)
+
+
+@lru_cache(maxsize=1)
+def identifiers() -> tuple[str, ...]:
+    """The distinct words (3+ letters) of the corpus lines, sorted: many, mostly one token each."""
+    return tuple(sorted({w for line in corpus_lines() for w in re.findall(r"[A-Za-z]{3,}", line)}))
 
 
 def filler_runs(rng: random.Random, corpus_share: float):
@@ -183,13 +202,18 @@ def render(spec: Spec, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
     return body, [(f"{q}\n{prefix}", answer) for q, prefix, answer in spec.questions]
 
 
-def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float) -> str:
-    """Document `index` of a synthetic source: filler of a log-uniform length in [min_words, max_words]
-    with one drawn spec's facts planted, then its questions and answers."""
+def document_parts(seed: int, index: int, min_words: int, max_words: int, kinds: dict,
+                   corpus_share: float) -> tuple[str, str]:
+    """Document `index` of a synthetic source as (body, questions): filler of a log-uniform length in
+    [min_words, max_words] with one drawn spec's facts planted, then its questions and answers."""
     rng = random.Random(f"longstride-synthetic/{seed}/{index}")
     names = sorted(kinds)
     kind = rng.choices(names, weights=[kinds[k] for k in names])[0]
     spec = draw(rng, kind)
     words = int(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
     body, qa = render(spec, filler(rng, words, corpus_share))
-    return body + "".join(f"\n{prompt} {answer}" for prompt, answer in qa)
+    return body, "".join(f"\n{prompt} {answer}" for prompt, answer in qa)
+
+
+def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float) -> str:
+    return "".join(document_parts(seed, index, min_words, max_words, kinds, corpus_share))

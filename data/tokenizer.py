@@ -46,13 +46,26 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
     return AutoTokenizer.from_pretrained(final)
 
 
+def context_only(token_id: int) -> int:
+    """How a token that is input but no loss target is stored: -(id + 1). data/batch.py decodes it."""
+    return -token_id - 1
+
+
 def tokenize_fn(tokenizer):
-    """A batched `datasets.map` function: each document's token ids with EOS appended."""
+    """A batched `datasets.map` function: each document's token ids with EOS appended. Rows with a
+    `loss_from` column (synthetic sources) store the tokens that end at or before that character as
+    context only (`context_only`), so they are seen but never trained on."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
+        if "loss_from" not in batch:
+            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+            return {"input_ids": [x + [eos] for x in ids]}
+        enc = tokenizer(batch["text"], add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for x, offsets, start in zip(enc["input_ids"], enc["offset_mapping"], batch["loss_from"]):
+            out.append([t if end > start else context_only(t) for t, (_, end) in zip(x, offsets)] + [eos])
+        return {"input_ids": out}
 
     return tokenize
 

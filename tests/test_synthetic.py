@@ -149,10 +149,50 @@ def test_resume_through_the_loader_is_exact(cache_dir, tok):
 @pytest.mark.parametrize("bad, field", [(dict(kinds={"kv": 1.0, "lookup": 1.0}), "kinds"),
                                         (dict(kinds={"kv": 0.0}), "kinds"),
                                         (dict(min_words=50, max_words=10), "min_words"),
-                                        (dict(corpus_share=1.5), "corpus_share")])
+                                        (dict(corpus_share=1.5), "corpus_share"),
+                                        (dict(loss_on="answers"), "loss_on")])
 def test_bad_synthetic_settings_name_the_field(cache_dir, bad, field):
     with pytest.raises(ValueError, match=rf"data.sources.r.synthetic.*{field}|{field}.*data.sources.r"):
         load_source(synth(**bad), str(cache_dir), field="data.sources.r")
+
+
+def test_loss_on_qa_trains_only_on_questions_and_answers(cache_dir, tok):
+    """loss_on=qa: the packed labels are exactly the question-and-answer tokens (and the EOS), the
+    inputs are the same tokens as with loss_on=all, and the filler and facts are context only."""
+    from longstride.data.pipeline import stage_sequences
+    from longstride.model.loss import IGNORE_INDEX
+
+    kinds = {"kv": 1.0, "multikey": 1.0, "chain": 1.0, "copy": 1.0}
+    got = {}
+    for loss_on in ("all", "qa"):
+        cfg = DataConfig(sources={"r": synth(num_docs=40, kinds=kinds, loss_on=loss_on)}, packing="best_fit")
+        seqs, _ = stage_sequences(cfg, build_corpus(cfg, tok, str(cache_dir)), 2048, tok.pad_token_id)
+        got[loss_on] = [seqs[i] for i in range(len(seqs))]
+    checked = 0
+    for every, qa in zip(got["all"], got["qa"]):
+        assert np.array_equal(every["input_ids"], qa["input_ids"]) and np.array_equal(every["doc_ids"], qa["doc_ids"])
+        for d in np.unique(qa["doc_ids"]):
+            rows = np.flatnonzero(qa["doc_ids"] == d)
+            ids, labels = qa["input_ids"][rows], qa["labels"][rows]
+            text = tok.decode(ids)
+            if ids[-1] != tok.eos_token_id:
+                continue  # padding (no document is cut at this length)
+            trained = tok.decode(labels[labels != IGNORE_INDEX][:-1])  # without the final EOS
+            body = text[:text.index(trained)]
+            assert trained and text == body + trained + tok.eos_token, text
+            assert trained.startswith("\n") and not any(trained.lstrip("\n").startswith(f[:8]) for f in
+                                                      ("Remember", "The ", "Record"))
+            assert (every["labels"][rows][:-1] != IGNORE_INDEX).all()  # loss_on=all: every token a target
+            checked += 1
+    assert checked >= 30
+
+
+def test_copy_documents_ask_back_the_list_they_plant():
+    for i in range(50):
+        body, qa = synthetic.document_parts(4, i, 10, 40, {"copy": 1.0}, 0.0)
+        words = re.search(r"Remember this list: ([A-Za-z ]+)\.", body).group(1).split()
+        assert 8 <= len(words) <= 24 and all(w in synthetic.identifiers() for w in words)
+        assert qa == f"\n{synthetic.COPY_QUESTION[0]}\n{synthetic.COPY_QUESTION[1]} {' '.join(words)}."
 
 
 @pytest.mark.parametrize("task", ["synth_kv", "synth_multikey", "synth_chain"])
@@ -187,3 +227,13 @@ def test_validation_checks_synthetic_sources_before_compute():
     cfg = compose_cfg(["data=retrieval", "data.sources.retrieval_long.synthetic.min_words=0"])
     with pytest.raises(ValueError, match=r"data.sources.retrieval_long.synthetic: need num_docs >= 1"):
         validate(cfg, 2)
+
+
+@pytest.mark.parametrize("task", ["copy", "kv"])
+def test_bare_copy_loop_runs(tmp_path, tok, capsys, task):
+    """benchmarks/retrieval_bare_loop (the induction experiment in benchmarks/README) runs end to end."""
+    from benchmarks.retrieval_bare_loop import main
+
+    tok.save_pretrained(tmp_path / "tok")
+    main(["--task", task, "--tokenizer", str(tmp_path / "tok"), "--steps", "2", "--rows", "2", "--probe-every", "2"])
+    assert re.search(r"step 2  copy/answer-token accuracy [01]\.\d{3}", capsys.readouterr().out)
