@@ -26,16 +26,18 @@ import torch
 SPAN, GAP, ROW = 24, 16, 80
 
 
-def copy_rows(g: torch.Generator, pool: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, target mask): each row has a span and, after a random gap, the span again."""
+def copy_rows(g: torch.Generator, pool: torch.Tensor, rows: int,
+              targets_only: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, loss mask): each row has a span and, after a random gap, the span again; the mask is the repeat
+    after its first token, or (targets_only False) every token."""
     draw = lambda k: pool[torch.randint(0, len(pool), (k,), generator=g)]  # noqa: E731
-    ids, mask = torch.empty(rows, ROW, dtype=torch.long), torch.zeros(rows, ROW, dtype=torch.bool)
+    ids, mask = torch.empty(rows, ROW, dtype=torch.long), torch.full((rows, ROW), not targets_only)
     for r in range(rows):
         p, q = (int(torch.randint(0, GAP + 1, (1,), generator=g)) for _ in range(2))
         span = draw(SPAN)
         row = torch.cat([draw(p), span, draw(q), span])
         ids[r] = torch.cat([row, draw(ROW - len(row))])
-        mask[r, p + SPAN + q + 1:p + 2 * SPAN + q] = True  # the repeat after its first token
+        mask[r, p + SPAN + q + 1:p + 2 * SPAN + q] = True
     return ids, mask
 
 
@@ -65,19 +67,21 @@ def kv_accuracy(model, tok, words: tuple[int, int], n: int = 60) -> float:
 
 
 def kv_rows(tok, pad: int, start: int, rows: int, words: tuple[int, int], targets_only: bool):
+    """(ids, loss mask) of one padded kv document per row; the mask is the question and answer (the recipe's
+    synthetic.loss_on=qa, through its own tokenize function), or (targets_only False) every token."""
+    from longstride.data.batch import context_only
     from longstride.data.synthetic import document_parts
+    from longstride.data.tokenizer import tokenize_fn
 
-    docs = []
-    for j in range(rows):
-        body, qa = document_parts(1, start + j, *words, {"kv": 1.0}, 0.0)
-        ids = tok(body + qa, add_special_tokens=False)["input_ids"]
-        docs.append((ids, len(tok(body, add_special_tokens=False)["input_ids"]) if targets_only else 0))
-    width = max(len(d) for d, _ in docs)
+    parts = [document_parts(1, start + j, *words, {"kv": 1.0}, 0.0) for j in range(rows)]
+    batch = {"text": [b + q for b, q in parts], "loss_from": [len(b) if targets_only else 0 for b, _ in parts]}
+    docs = [torch.tensor(d[:-1]) for d in tokenize_fn(tok)(batch)["input_ids"]]  # without the EOS
+    width = max(map(len, docs))
     ids = torch.full((rows, width), pad)
     mask = torch.zeros(rows, width, dtype=torch.bool)
-    for j, (d, first) in enumerate(docs):
-        ids[j, :len(d)] = torch.tensor(d)
-        mask[j, first:len(d)] = True
+    for j, d in enumerate(docs):
+        ids[j, :len(d)] = torch.where(d < 0, context_only(d), d)
+        mask[j, :len(d)] = d >= 0
     return ids, mask
 
 
@@ -119,12 +123,11 @@ def main(argv=None) -> None:
         pool = torch.tensor(sorted({ids[0] for ids in one if len(ids) == 1}))
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
+        targets_only = args.loss == "targets"
         if args.task == "copy":
-            ids, mask = copy_rows(g, pool, args.rows)
+            ids, mask = copy_rows(g, pool, args.rows, targets_only)
         else:
-            ids, mask = kv_rows(tok, pad, step * args.rows, args.rows, tuple(args.filler), args.loss == "targets")
-        if args.loss == "all":
-            mask = torch.ones_like(mask) if args.task == "copy" else mask
+            ids, mask = kv_rows(tok, pad, step * args.rows, args.rows, tuple(args.filler), targets_only)
         labels = ids.masked_fill(~mask, -100)
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()

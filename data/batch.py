@@ -4,7 +4,7 @@ A PackedBatch is a dict of (B, L) int64 tensors:
   input_ids     token ids (padding: the pad id, in its own trailing "document")
   labels        the next token *within the same document*, IGNORE_INDEX at each document's last
                 token, on padding and where the next token is context only (stored negative by
-                data/tokenizer.context_only); labels are aligned: no shift happens later, so CP can shard them
+                context_only below); labels are aligned: no shift happens later, so CP can shard them
   position_ids  RoPE positions, restarting at 0 in every document
   doc_ids       0, 1, 2, ... per document in the row (decides masking)
 Causality follows the order of the tokens: context parallelism cuts the sequence into chunks and
@@ -20,6 +20,12 @@ from longstride.data.packing import PackPlan
 from longstride.model.loss import IGNORE_INDEX
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
+
+
+def context_only(token_id):
+    """How a token that is input but no loss target is stored in the corpus: -(id + 1), never a valid id.
+    Its own inverse, so the same call decodes it (ints or arrays)."""
+    return -token_id - 1
 
 
 class PackedSequences(torch.utils.data.Dataset):
@@ -43,7 +49,7 @@ def packed_item(pieces: list[np.ndarray], L: int, pad_id: int) -> dict:
     ids = np.full(L, pad_id, dtype=np.int64)
     ids[:used] = np.concatenate(pieces) if pieces else []
     context = ids < 0
-    ids[context] = -ids[context] - 1
+    ids[context] = context_only(ids[context])
     seg_begin = np.cumsum(lens) - lens
     if used < L:  # padding is one more document so that no real token ever sees it
         lens = np.append(lens, L - used)

@@ -12,6 +12,14 @@ class Packing(Choice):
     concat = "concat"
 
 
+class LossOn(Choice):
+    """A synthetic source's loss targets: every token, or only the questions and answers after the filler
+    (the filler and the facts' first mention are context only, as completion-only SFT does)."""
+
+    all = "all"
+    qa = "qa"
+
+
 @dataclass
 class SyntheticConfig:
     """A `synthetic` source (data/synthetic.py): retrieval documents made from (seed, index)."""
@@ -22,9 +30,7 @@ class SyntheticConfig:
     max_words: int = 1000
     kinds: Dict[str, float] = field(default_factory=lambda: {"kv": 0.4, "multikey": 0.4, "chain": 0.2})
     corpus_share: float = 0.5  # share of filler pieces taken from standard-library lines (rest: sentences)
-    # all: every token is a loss target (plain language modelling); qa: only the questions and answers after
-    # the filler are (the filler and the facts' first mention are context only, as completion-only SFT does)
-    loss_on: str = "all"
+    loss_on: LossOn = LossOn.all
 
 
 @dataclass

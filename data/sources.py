@@ -19,7 +19,7 @@ from typing import Callable
 
 import datasets
 
-from longstride.data.config import SourceConfig
+from longstride.data.config import LossOn, SourceConfig
 
 SKIP_EXCLUDED_DIRS = {"site-packages", "__pycache__", "dist-packages"}
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -77,12 +77,12 @@ def _read_files(paths: list[str]):
 
 def _synthetic_rows(seed: int, start: int, stop: int, min_words: int, max_words: int, kinds: dict,
                     corpus_share: float, loss_on: str):
-    """Rows with `loss_from`: the character where loss targets start (0 = all; data/tokenizer.py)."""
+    """loss_on=qa rows also carry `loss_from`, the character where loss targets start (data/tokenizer.py)."""
     from longstride.data.synthetic import document_parts
 
     for i in range(start, stop):
         body, qa = document_parts(seed, i, min_words, max_words, kinds, corpus_share)
-        yield {"text": body + qa, "skip": "", "loss_from": len(body) if loss_on == "qa" else 0}
+        yield {"text": body + qa, "skip": "", **({"loss_from": len(body)} if loss_on == LossOn.qa else {})}
 
 
 def check_synthetic(src: SourceConfig, field: str) -> None:
@@ -97,16 +97,16 @@ def check_synthetic(src: SourceConfig, field: str) -> None:
                          f"(got {s.num_docs}, {s.min_words}, {s.max_words})")
     if not 0 <= s.corpus_share <= 1:
         raise ValueError(f"{field}.synthetic.corpus_share={s.corpus_share} must be in [0, 1]")
-    if s.loss_on not in ("all", "qa"):
-        raise ValueError(f"{field}.synthetic.loss_on={s.loss_on!r}: use 'all' (every token a loss target) "
-                         "or 'qa' (only the questions and answers)")
+    if s.loss_on not in LossOn.names():  # composed configs are checked by OmegaConf already
+        raise ValueError(f"{field}.synthetic.loss_on={s.loss_on!r}: use one of {LossOn.names()} (all: every token "
+                         "a loss target; qa: only the questions and answers)")
 
 
 def _synthetic_kwargs(src: SourceConfig, field: str) -> dict:
     s = src.synthetic
     stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
     return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
-                kinds=dict(s.kinds), corpus_share=s.corpus_share, loss_on=s.loss_on)
+                kinds=dict(s.kinds), corpus_share=s.corpus_share, loss_on=str(s.loss_on))
 
 
 def _synthetic_dataset(src: SourceConfig, cache_dir: str, num_proc: int, field: str) -> datasets.Dataset:

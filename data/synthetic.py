@@ -216,4 +216,5 @@ def document_parts(seed: int, index: int, min_words: int, max_words: int, kinds:
 
 
 def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float) -> str:
+    """Document `index` as one text: body then questions (document_parts)."""
     return "".join(document_parts(seed, index, min_words, max_words, kinds, corpus_share))

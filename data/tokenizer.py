@@ -12,6 +12,8 @@ from typing import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from longstride.data.batch import context_only
+
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
@@ -44,11 +46,6 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
         except OSError:  # another process finished first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
     return AutoTokenizer.from_pretrained(final)
-
-
-def context_only(token_id: int) -> int:
-    """How a token that is input but no loss target is stored: -(id + 1). data/batch.py decodes it."""
-    return -token_id - 1
 
 
 def tokenize_fn(tokenizer):

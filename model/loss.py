@@ -29,17 +29,16 @@ def chunked_cross_entropy_sum(
         raise ValueError(f"model.loss_tile_tokens={tile} must be positive")
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    total, targets = hidden.new_zeros((), dtype=torch.float32), False
+    total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], tile):
         h, y = hidden[start:start + tile], labels[start:start + tile]
         if not bool((y != IGNORE_INDEX).any()):
             continue
-        targets = True
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             total = total + checkpoint(_tile_loss_sum, h, weight, y, use_reentrant=False)
         else:
             total = total + _tile_loss_sum(h, weight, y)
-    if not targets and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+    if not total.requires_grad and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         # no target here (e.g. a sequence of context-only tokens): a zero still tied to every parameter, so
         # backward runs and data-parallel ranks still meet in the gradient all-reduce
         total = total + 0.0 * F.linear(hidden[:1], weight).float().sum()
