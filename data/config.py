@@ -28,7 +28,10 @@ class SyntheticConfig:
     num_docs: int = 2000
     min_words: int = 50  # filler words per document, drawn log-uniform in [min_words, max_words]
     max_words: int = 1000
-    kinds: Dict[str, float] = field(default_factory=lambda: {"kv": 0.4, "multikey": 0.4, "chain": 0.2})
+    # kind -> weight (data/synthetic.py KINDS); empty = synthetic.DEFAULT_KINDS. Empty by default so that a
+    # config's own dict replaces it: OmegaConf merges dicts key by key, so a default here would add its kinds
+    # to every config's {copy: 1.0}
+    kinds: Dict[str, float] = field(default_factory=dict)
     corpus_share: float = 0.5  # share of filler pieces taken from standard-library lines (rest: sentences)
     loss_on: LossOn = LossOn.all
 

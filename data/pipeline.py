@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from longstride.data.batch import PackedSequences
-from longstride.data.config import DataConfig
+from longstride.data.config import DataConfig, LossOn
 from longstride.data.corpus import Corpus, mixture_documents, upsample_long
 from longstride.data.loader import EpochLoader
 from longstride.data.packing import pack
@@ -19,11 +19,25 @@ def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
     docs = mixture_documents(corpus, weights, cfg.seed)
     docs = upsample_long(docs, corpus.doc_len, long_docs or cfg.long_docs, cfg.seed)
     plan, stats = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
+    stats.update(qa_docs_cut(cfg, corpus, docs, seq_len))
     long_min = (long_docs or cfg.long_docs).min_tokens
     if long_min:
         lens = corpus.doc_len[docs]
         stats["long_doc_token_share"] = float(lens[lens >= long_min].sum() / lens.sum())
     return PackedSequences(corpus.tokens, plan, pad_id), stats
+
+
+def qa_docs_cut(cfg: DataConfig, corpus: Corpus, docs: np.ndarray, seq_len: int) -> dict:
+    """{"qa_docs_cut": {source: share}} for the synthetic sources with loss_on=qa in this epoch: the share of
+    their documents longer than seq_len. Packing splits those, and the piece holding the questions can no
+    longer see the facts they ask about, so its answers are noise to train on. Empty if there is none."""
+    cut = {}
+    for i, name in enumerate(corpus.sources):
+        src = cfg.sources[name]
+        mine = corpus.doc_len[docs[corpus.doc_source[docs] == i]]
+        if src.kind == "synthetic" and src.synthetic.loss_on == LossOn.qa and len(mine):
+            cut[name] = round(float((mine > seq_len).mean()), 4)
+    return {"qa_docs_cut": cut} if cut else {}
 
 
 def split_holdout(dataset: PackedSequences, n_eval: int, seed: int):

@@ -88,10 +88,10 @@ def _synthetic_rows(seed: int, start: int, stop: int, min_words: int, max_words:
 def check_synthetic(src: SourceConfig, field: str) -> None:
     from longstride.data.synthetic import KINDS
 
-    s = src.synthetic
-    bad = sorted(set(s.kinds) - set(KINDS))
-    if bad or not s.kinds or any(w < 0 for w in s.kinds.values()) or sum(s.kinds.values()) <= 0:
-        raise ValueError(f"{field}.synthetic.kinds={dict(s.kinds)}: give positive weights for some of {KINDS}")
+    s, kinds = src.synthetic, synthetic_kinds(src)
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad or any(w < 0 for w in kinds.values()) or sum(kinds.values()) <= 0:
+        raise ValueError(f"{field}.synthetic.kinds={kinds}: give positive weights for some of {KINDS}")
     if s.num_docs < 1 or not 1 <= s.min_words <= s.max_words:
         raise ValueError(f"{field}.synthetic: need num_docs >= 1 and 1 <= min_words <= max_words "
                          f"(got {s.num_docs}, {s.min_words}, {s.max_words})")
@@ -102,11 +102,18 @@ def check_synthetic(src: SourceConfig, field: str) -> None:
                          "a loss target; qa: only the questions and answers)")
 
 
+def synthetic_kinds(src: SourceConfig) -> dict:
+    """The source's kind weights: its own, or synthetic.DEFAULT_KINDS where it names none."""
+    from longstride.data.synthetic import DEFAULT_KINDS
+
+    return dict(src.synthetic.kinds) or dict(DEFAULT_KINDS)
+
+
 def _synthetic_kwargs(src: SourceConfig, field: str) -> dict:
     s = src.synthetic
     stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
     return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
-                kinds=dict(s.kinds), corpus_share=s.corpus_share, loss_on=str(s.loss_on))
+                kinds=synthetic_kinds(src), corpus_share=s.corpus_share, loss_on=str(s.loss_on))
 
 
 def _synthetic_dataset(src: SourceConfig, cache_dir: str, num_proc: int, field: str) -> datasets.Dataset:

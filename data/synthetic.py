@@ -59,6 +59,7 @@ CHAIN_FIRST = ("{key} starts with the value {value}.", "Set {key} to {value}.")
 CHAIN_COPY = ("{key} takes whatever {prev} holds.", "Let {key} equal {prev}.")
 CHAIN_QUESTION = ("Question: which names end up holding {value}?", "Answer: {names}")
 KINDS = ("kv", "multikey", "chain", "copy")
+DEFAULT_KINDS = {"kv": 0.4, "multikey": 0.4, "chain": 0.2}  # synthetic.kinds left empty
 COPY_FACT = "Remember this list: {words}."
 COPY_QUESTION = ("Repeat the list you were asked to remember.", "The list:")
 
@@ -176,13 +177,15 @@ def filler_runs(rng: random.Random, corpus_share: float):
 
 
 def filler(rng: random.Random, words: int, corpus_share: float) -> list[str]:
-    """Filler pieces totalling at least `words` words."""
+    """Filler pieces (sentences or lines) up to the first that brings the total to `words` words: a
+    short document stays short, even though runs hold 3-12 pieces."""
     pieces, count = [], 0
     for run in filler_runs(rng, corpus_share):
-        if count >= words:
-            return pieces
-        pieces += run
-        count += sum(len(p.split()) for p in run)
+        for piece in run:
+            if count >= words:
+                return pieces
+            pieces.append(piece)
+            count += len(piece.split())
 
 
 def plant(pieces: list[str], facts: list[str], depths: list[float]) -> list[str]:

@@ -193,6 +193,12 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
                      "packing %s", plan.name, s.seq_len, s.rope_theta, s.total_steps, s.batch_tokens, plan.accum,
                      plan.dims.dp, plan.dims.cp, cp,
                      {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()})
+    for name, share in run.pack_stats.get("qa_docs_cut", {}).items():
+        if share > 0.05:
+            ctx.tracker.warning("stage %s: %.0f%% of source %s's documents are longer than seq_len %d, so packing "
+                                "splits them and their answers lose the facts they ask about; lower "
+                                "data.sources.%s.synthetic.max_words or give this stage a source of shorter documents",
+                                plan.name, 100 * share, name, s.seq_len, name)
 
 
 def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good: Optional[str]) -> dict:

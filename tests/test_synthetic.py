@@ -187,6 +187,31 @@ def test_loss_on_qa_trains_only_on_questions_and_answers(cache_dir, tok):
     assert checked >= 30
 
 
+def test_packing_reports_qa_documents_it_splits(cache_dir, tok):
+    """A loss_on=qa source's documents longer than the sequence lose their facts when split: the stage's
+    packing stats give their share (the recipe warns above 5%); loss_on=all sources are not reported."""
+    from longstride.data.pipeline import stage_sequences
+
+    cfg = DataConfig(sources={"qa": synth(num_docs=60, loss_on="qa"), "lm": synth(num_docs=60, seed=1)})
+    corpus = build_corpus(cfg, tok, str(cache_dir))
+    lens = corpus.doc_len[corpus.doc_source == 0]
+    for seq_len in (128, 512, int(lens.max())):
+        _, stats = stage_sequences(cfg, corpus, seq_len, tok.pad_token_id, {"qa": 1.0, "lm": 1.0})
+        assert set(stats["qa_docs_cut"]) == {"qa"}
+        assert stats["qa_docs_cut"]["qa"] == pytest.approx((lens > seq_len).mean(), abs=0.1)
+    assert stats["qa_docs_cut"]["qa"] == 0 and (lens > 128).mean() > 0.5
+    assert "qa_docs_cut" not in stage_sequences(cfg, corpus, 128, tok.pad_token_id, {"lm": 1.0})[1]
+
+
+def test_filler_stops_at_the_piece_that_reaches_its_length():
+    for i in range(100):
+        rng = random.Random(i)
+        words = rng.randint(1, 300)
+        pieces = synthetic.filler(rng, words, 0.5)
+        counts = [len(p.split()) for p in pieces]
+        assert sum(counts) >= words > sum(counts[:-1])
+
+
 def test_copy_documents_ask_back_the_list_they_plant():
     for i in range(50):
         body, qa = synthetic.document_parts(4, i, 10, 40, {"copy": 1.0}, 0.0)
@@ -227,6 +252,21 @@ def test_validation_checks_synthetic_sources_before_compute():
     cfg = compose_cfg(["data=retrieval", "data.sources.retrieval_long.synthetic.min_words=0"])
     with pytest.raises(ValueError, match=r"data.sources.retrieval_long.synthetic: need num_docs >= 1"):
         validate(cfg, 2)
+
+
+def test_a_configs_kinds_replace_the_default_ones(cache_dir):
+    """kinds: {copy: 1.0} in a config means copy documents only (OmegaConf merges dicts key by key, so a
+    non-empty schema default would have added its kinds); a source that names none gets DEFAULT_KINDS."""
+    from longstride.data.sources import synthetic_kinds
+    from tests.conftest import compose_cfg
+
+    sources = compose_cfg(["recipe=tiny_retrieval"]).data.sources
+    assert dict(sources["copy_short"].synthetic.kinds) == {"copy": 1.0}
+    assert synthetic_kinds(sources["retrieval_mid"]) == synthetic.DEFAULT_KINDS
+    src = SourceConfig(kind="synthetic", synthetic=SyntheticConfig(**{**vars(sources["copy_short"].synthetic),
+                                                                       "num_docs": 30}))
+    texts = drop_skipped(load_source(src, str(cache_dir)))[0]["text"]
+    assert all(synthetic.COPY_QUESTION[0] in t for t in texts)
 
 
 @pytest.mark.parametrize("task", ["copy", "kv"])
