@@ -154,9 +154,9 @@ def _check_data(cfg: Config) -> None:
 
 def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:
     """Length order, step budget, and the sequence cut that the stage's CP layout needs."""
-    if s.seq_len <= prev_len:
-        raise ValueError(f"{f}.seq_len={s.seq_len} must be larger than the previous stage's {prev_len}: "
-                         "stages must increase in length")
+    if s.seq_len < prev_len:  # an equal length is a data or schedule change at that length (a warm-up, an anneal)
+        raise ValueError(f"{f}.seq_len={s.seq_len} is shorter than the previous stage's {prev_len}: stages keep "
+                         "or increase their length; reorder the stages or raise seq_len")
     if (s.steps is None) == (s.tokens is None):
         raise ValueError(f"{f}: give exactly one of steps or tokens (got steps={s.steps}, tokens={s.tokens})")
     if s.total_steps <= 0:
