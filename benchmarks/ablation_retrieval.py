@@ -35,17 +35,18 @@ VARIANTS = {
     "all_rope": ["model.nope_interval=0"],
     "no_doc_mask": ["data.doc_masking=false"],
 }
-# fixed_base differs from baseline only after stage 1, so it starts from the baseline's stage-1 checkpoint
-SHARES_STAGE_1 = {"fixed_base": "baseline"}
+# fixed_base differs from baseline only from stage 2 on, so it takes the baseline's finished earlier stages
+SHARES_EARLY_STAGES = {"fixed_base": "baseline"}
+EARLY_STAGES = ("s0_copy", "s1_256")
 TRAINED, LENGTHS, PPL_LENGTHS = 4096, [4096, 8192, 16384], [1024, 4096, 16384]
 TASKS = ["niah_single_1", "synth_kv"]
 YARN = [0, 2, 4]  # 0 = none
 ROOT = os.path.join("outputs", "ablation")
 # --smoke: every step of the pipeline on a few training steps (checks the plumbing, measures nothing)
-SMOKE = ["recipe.stages.s1_256.steps=4", "recipe.stages.s1_256.warmup_steps=1", "recipe.stages.s2_2k.steps=2",
-         "recipe.stages.s2_2k.warmup_steps=1", "recipe.stages.s3_4k.steps=2", "recipe.stages.s3_4k.warmup_steps=1",
-         *(f"recipe.stages.{s}.save_every=0" for s in ("s1_256", "s2_2k", "s3_4k")),
-         "data.sources.retrieval_short.synthetic.num_docs=300", "data.sources.retrieval_long.synthetic.num_docs=60"]
+STAGES = ("s0_copy", "s1_256", "s2_2k", "s3_4k")
+SMOKE = [*(f"recipe.stages.{s}.{k}={v}" for s in STAGES for k, v in (("steps", 2), ("warmup_steps", 1), ("save_every", 0))),
+         *(f"data.sources.{name}.synthetic.num_docs={n}" for name, n in
+           (("copy_short", 300), ("retrieval_short", 300), ("retrieval_mid", 60), ("retrieval_long", 60)))]
 
 
 def train(variant: str, seed: int, extra: list) -> tuple[str, float]:
@@ -55,12 +56,13 @@ def train(variant: str, seed: int, extra: list) -> tuple[str, float]:
     final = os.path.join(out, "tiny_retrieval", "s3_4k", "final")
     timing = os.path.join(out, "train_seconds.json")
     if not os.path.isfile(timing):
-        if variant in SHARES_STAGE_1:
-            src = os.path.join(ROOT, SHARES_STAGE_1[variant], f"seed{seed}", "tiny_retrieval", "s1_256", "final")
-            train(SHARES_STAGE_1[variant], seed, extra)
-            dst = os.path.join(out, "tiny_retrieval", "s1_256", "final")
-            if not os.path.isdir(dst):
-                shutil.copytree(src, dst)
+        if variant in SHARES_EARLY_STAGES:
+            train(SHARES_EARLY_STAGES[variant], seed, extra)
+            for stage in EARLY_STAGES:
+                src = os.path.join(ROOT, SHARES_EARLY_STAGES[variant], f"seed{seed}", "tiny_retrieval", stage, "final")
+                dst = os.path.join(out, "tiny_retrieval", stage, "final")
+                if not os.path.isdir(dst):
+                    shutil.copytree(src, dst)
         cmd = ["accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "-m", "longstride.recipes.train",
                "recipe=tiny_retrieval", f"train.seed={seed}", f"paths.output_root={out}", "logger.wandb_mode=disabled",
                "logger.progress_bar=false", *VARIANTS[variant], *extra]
