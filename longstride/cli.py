@@ -3,6 +3,7 @@
     longstride train recipe=tiny [hydra overrides]           # one process; several: accelerate launch (below)
     longstride eval ruler checkpoint=DIR lengths=[4096,8192] [key=value ...]
     longstride eval ppl checkpoint=DIR lengths=[1024,2048,4096] [key=value ...]
+    longstride eval compare run=outputs/tiny_extend [key=value ...]  # base + every stage, same samples
     longstride convert-gguf out=checkpoints/smollm2-135m-instruct [gguf=FILE]
     longstride <command> --help                              # every option of that command
 
@@ -27,7 +28,8 @@ def _train(argv: list[str]) -> None:
 def _eval(argv: list[str]) -> None:
     from longstride.overrides import run
 
-    commands = {"ruler": "longstride.eval.ruler.run", "ppl": "longstride.eval.ppl"}
+    commands = {"ruler": "longstride.eval.ruler.run", "ppl": "longstride.eval.ppl",
+                "compare": "longstride.eval.ruler.compare"}
     if not argv or argv[0] not in commands:
         _usage(f"longstride eval: name one of {sorted(commands)}, e.g. longstride eval ruler checkpoint=DIR")
     import importlib

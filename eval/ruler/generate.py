@@ -30,16 +30,30 @@ def _decode(tokenizer, new: list[int], eos: list[int]) -> str:
     return tokenizer.decode(new[:cut], skip_special_tokens=True)
 
 
+def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Indices of `widths` (prompt lengths), sorted by length, cut into batches: `batch_size` rows each, or
+    with batch_size 0 as many rows as keep rows x the longest prompt within `batch_tokens` (at least one)."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    if batch_size:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * widths[i] <= batch_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
-                    prefill_chunk: int = 2048) -> list[str]:
-    """Decoded continuations of `prompts` (token id lists), in the given order."""
+                    prefill_chunk: int = 2048, batch_tokens: int = 32768) -> list[str]:
+    """Decoded continuations of `prompts` (token id lists), in the given order. batch_size 0: batches
+    of up to `batch_tokens` prompt tokens (see `batches`)."""
     eos, pad = stop_and_pad(model, tokenizer)
     device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[str] = [""] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+    for rows in batches([len(p) for p in prompts], batch_size, batch_tokens):
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -65,7 +65,8 @@ class RulerConfig:
     extrapolate: bool = False  # run lengths past the model's max positions anyway (to measure the drop)
     haystack: Optional[str] = None  # prose for essay haystacks: a dir or file of .txt/.md/.rst; None = Python manual
     qa: QAFiles = field(default_factory=QAFiles)
-    batch_size: int = 1
+    batch_size: int = 0  # prompts per generate call; 0 = as many as fit batch_tokens (one at least)
+    batch_tokens: int = 32768  # with batch_size=0: rows x the longest prompt of a batch stay within this
     prefill_chunk: int = 2048  # prompt tokens per prefill forward
     prefill: Prefill = Prefill.local  # cp: with several processes, ring-attention prefill over all of them
     dtype: Dtype = Dtype.float32
@@ -85,8 +86,8 @@ def parse(argv: list[str]) -> RulerConfig:
                          f"tokenizer into it with tokenizer.save_pretrained(dir)")
     if not cfg.lengths or any(L < 16 for L in cfg.lengths):
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
-    if cfg.num_samples < 1 or cfg.batch_size < 1 or cfg.prefill_chunk < 1:
-        raise ValueError("num_samples, batch_size and prefill_chunk must be >= 1")
+    if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.prefill_chunk < 1 or cfg.batch_tokens < 1:
+        raise ValueError("num_samples, prefill_chunk and batch_tokens must be >= 1, batch_size >= 0 (0: by batch_tokens)")
     if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise ValueError("prefill=cp splits each prompt over several processes: launch with "
                          "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")
@@ -140,6 +141,38 @@ def _dist():
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
+def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, share, qa: dict,
+                skipped: list[str]) -> list[tuple]:
+    """(task, length, samples) for every task and length that fits; the indices in `share` only. A task
+    too long for a length is noted in `skipped`."""
+    groups = []
+    for name in tasks:
+        for L in lengths:
+            try:
+                mine = [make_sample(ALL_TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
+                                    qa=qa.get(name)) for i in share]
+            except DoesNotFit as e:
+                skipped.append(str(e))
+                note(str(e))
+                continue
+            groups.append((name, L, mine))
+    return groups
+
+
+def score_group(model, tok, samples: list, cfg: RulerConfig, cp: bool = False) -> list[dict]:
+    """One record per sample of one task and length: the greedy answer and its score."""
+    budget = samples[0].max_new_tokens
+    if cp:
+        preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, world_cp()), budget)
+                 for s in samples]
+    else:
+        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], budget, cfg.batch_size,
+                                cfg.prefill_chunk, cfg.batch_tokens)
+    return [{"task": s.task, "length": s.length, "index": s.index, "depth": s.depth, "units": s.units,
+             "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred,
+             "score": sample_score(pred, s.answers, s.metric)} for s, pred in zip(samples, preds)]
+
+
 def main(argv: list[str]) -> Optional[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,35 +194,17 @@ def main(argv: list[str]) -> Optional[dict]:
     cp = cfg.prefill == "cp"
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
     tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
-    groups = []  # (task, length, samples of this rank)
-    for name in tasks:
-        for L in lengths:
-            try:
-                mine = [make_sample(ALL_TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
-                                    qa=qa.get(name)) for i in share]
-            except DoesNotFit as e:
-                skipped.append(str(e))
-                note(str(e))
-                continue
-            groups.append((name, L, mine))
+    groups = make_groups(cfg, tasks, lengths, tok, share, qa, skipped)
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).to(device)
     model.eval()
     records = []
     for name, L, samples in groups:
-        if cp:
-            preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, world_cp()),
-                                            ALL_TASKS[name].max_new_tokens) for s in samples]
-        else:
-            preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], ALL_TASKS[name].max_new_tokens,
-                                    cfg.batch_size, cfg.prefill_chunk)
-        scores = [sample_score(pred, s.answers, s.metric) for s, pred in zip(samples, preds)]
-        records += [{"task": name, "length": L, "index": s.index, "depth": s.depth, "units": s.units,
-                     "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred, "score": score}
-                    for s, pred, score in zip(samples, preds, scores)]
+        part = score_group(model, tok, samples, cfg, cp)
+        records += part
         if rank == 0:
-            print(f"{name:<16} {L:>7}  {100 * sum(scores) / max(len(scores), 1):6.1f}  ({len(scores)} samples on "
-                  f"rank 0)", flush=True)
+            print(f"{name:<16} {L:>7}  {100 * sum(r['score'] for r in part) / max(len(part), 1):6.1f}  "
+                  f"({len(part)} samples on rank 0)", flush=True)
     if world > 1 and not cp:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)

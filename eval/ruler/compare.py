@@ -1,0 +1,239 @@
+"""`longstride eval compare`: RULER on a base model and on each stage of its extension, on the same
+samples, with YaRN at eval time on the last stage: one table (checkpoint x length, per task) and one plot.
+
+    longstride eval compare run=outputs/tiny_extend          # the run's base model and every stage's final/
+    longstride eval compare checkpoints=[BASE,STAGE1,STAGE2] lengths=[1024,2048,4096,8192] yarn=[2]
+
+Every checkpoint is scored on the same samples (they are made once per tokenizer), lengths past a
+checkpoint's trained length included (that is the point: the drop beyond it). Rows: each checkpoint
+without YaRN at `lengths`, then the last one with each YaRN factor at `yarn_lengths`. Writes
+<out>/compare.json (scores, sample counts, every prediction) and <out>/compare.png.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import torch
+
+from longstride.eval.ruler.run import (DTYPES, TOKENIZER_FILES, Dtype, QAFiles, make_groups, note, runnable_tasks,
+                                       score_group)
+from longstride.model.build import check_checkpoint_dir, load_config_with_yarn
+from longstride.model.config import YarnConfig
+from longstride.overrides import parse
+
+
+@dataclass
+class CompareConfig:
+    run: Optional[str] = None  # a training run's folder (outputs/<recipe>): its base model, then each stage's final/
+    checkpoints: List[str] = field(default_factory=list)  # or these HF model dirs, in order (the first is the base)
+    tasks: List[str] = field(default_factory=lambda: ["niah_single_1", "synth_kv"])
+    lengths: List[int] = field(default_factory=list)  # empty: 256 and powers of 2 up to 2x the last trained length
+    yarn: List[float] = field(default_factory=lambda: [2.0, 4.0])  # YaRN factors at eval time, on the last checkpoint
+    yarn_lengths: List[int] = field(default_factory=list)  # empty: 2x and 4x the last checkpoint's trained length
+    num_samples: int = 20  # per task and length, the same for every checkpoint
+    seed: int = 42
+    chat: bool = True
+    haystack: Optional[str] = None  # prose for essay haystacks (see eval ruler); None = Python manual
+    qa: QAFiles = field(default_factory=QAFiles)  # local SQuAD / HotpotQA files for qa_1 / qa_2
+    batch_size: int = 0  # 0 = as many prompts per generate call as fit batch_tokens
+    batch_tokens: int = 32768
+    prefill_chunk: int = 2048
+    dtype: Dtype = Dtype.float32
+    threads: Optional[int] = None
+    out: Optional[str] = None  # None = outputs/eval/compare-<run folder name or last checkpoint's stage>
+
+
+@dataclass
+class Row:
+    label: str
+    checkpoint: str
+    yarn: Optional[float]
+    trained: int  # the checkpoint's max positions: the length its last stage trained at
+    rope_theta: Optional[float]
+    lengths: list
+
+
+def run_checkpoints(run: str) -> list[tuple[str, str]]:
+    """(label, dir) of a training run: the model it started from (model.checkpoint), then each stage's
+    final checkpoint in recipe order. A missing stage is an error naming it."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(run, "config.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"run={run!r} has no config.yaml: give the folder a training run wrote (outputs/<recipe>)")
+    cfg = OmegaConf.load(path)
+    out = []
+    if cfg.model.get("arch") == "checkpoint" and cfg.model.get("checkpoint"):
+        out.append((f"base ({os.path.basename(os.path.normpath(cfg.model.checkpoint))})", cfg.model.checkpoint))
+    for stage in cfg.recipe.stages:
+        final = os.path.join(run, stage, "final")
+        if not os.path.isfile(os.path.join(final, "config.json")):
+            raise ValueError(f"run={run!r}: stage {stage} has no final checkpoint ({final}); finish the run first "
+                             f"(the same training command resumes it)")
+        out.append((stage, final))
+    return out
+
+
+def tokenizer_digest(checkpoint: str) -> str:
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = os.path.join(checkpoint, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
+    rows = []
+    for label, ckpt in named:
+        config, trained = load_config_with_yarn(ckpt, YarnConfig())
+        rows.append(Row(label, ckpt, None, trained, (config.rope_parameters or {}).get("rope_theta"), []))
+    last = rows[-1].trained
+    lengths = sorted(cfg.lengths) or [256] + [2 ** k for k in range(9, 40) if 2 ** k <= 2 * last and 2 ** k > 256]
+    for r in rows:
+        r.lengths = lengths
+    yarn_lengths = sorted(cfg.yarn_lengths) or [2 * last, 4 * last]
+    base = rows[-1]
+    rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)
+             for f in cfg.yarn]
+    return rows
+
+
+def check(cfg: CompareConfig) -> list[tuple[str, str]]:
+    if bool(cfg.run) == bool(cfg.checkpoints):
+        raise ValueError("give run=DIR (a training run's folder, e.g. outputs/tiny_extend) or checkpoints=[A,B,...], "
+                         "not both")
+    named = run_checkpoints(cfg.run) if cfg.run else \
+        [(os.path.basename(os.path.normpath(c)), c) for c in cfg.checkpoints]
+    for i, (_, ckpt) in enumerate(named):
+        check_checkpoint_dir(ckpt, f"checkpoints[{i}]" if cfg.checkpoints else "run's checkpoint")
+        if not any(os.path.isfile(os.path.join(ckpt, f)) for f in TOKENIZER_FILES):
+            raise ValueError(f"{ckpt!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save it there with "
+                             f"tokenizer.save_pretrained(dir)")
+    if any(L < 16 for L in cfg.lengths + cfg.yarn_lengths) or any(f <= 1 for f in cfg.yarn):
+        raise ValueError("lengths and yarn_lengths are token counts >= 16; yarn factors are > 1, e.g. yarn=[2,4]")
+    if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.batch_tokens < 1 or cfg.prefill_chunk < 1:
+        raise ValueError("num_samples, batch_tokens and prefill_chunk must be >= 1, batch_size >= 0")
+    return named
+
+
+def format_tables(rows: list[Row], scores: dict, counts: dict, tasks: list[str]) -> str:
+    lengths = sorted({L for r in rows for L in r.lengths})
+    names = [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths]
+    width = max(len(r.label) for r in rows) + 2
+    lines = []
+    for task in tasks:
+        n = sorted({counts[i].get(task, {}).get(L, 0) for i in range(len(rows)) for L in rows[i].lengths} - {0})
+        lines.append(f"\n{task}: score (%), {'/'.join(map(str, n)) or 0} samples per cell; * = trained length")
+        lines.append(f"{'checkpoint':<{width}} {'base':>7} " + " ".join(f"{x:>6}" for x in names))
+        for i, r in enumerate(rows):
+            cells = []
+            for L in lengths:
+                s = scores[i].get(task, {}).get(L)
+                cells.append(f"{'-':>5} " if s is None else f"{s:5.0f}{'*' if L == r.trained else ' '}")
+            theta = f"{r.rope_theta:.0e}".replace("e+0", "e") if r.rope_theta else "-"
+            lines.append(f"{r.label:<{width}} {theta:>7} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: list[Row], scores: dict, tasks: list[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), sharey=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, task in zip(axes[0], tasks):
+        for i, r in enumerate(rows):
+            color = colors[(i if r.yarn is None else len([x for x in rows if x.yarn is None]) - 1) % len(colors)]
+            xs = [L for L in r.lengths if L in scores[i].get(task, {})]
+            style = "o-" if r.yarn is None else ("s--" if r.yarn == min(x.yarn or 99 for x in rows) else "^:")
+            ax.plot(xs, [scores[i][task][L] for L in xs], style, color=color, label=r.label)
+            if r.yarn is None:
+                ax.axvline(r.trained, color=color, ls=":", alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({L for r in rows for L in r.lengths})
+        ax.set_xticks(ticks, [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in ticks])
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("context length (tokens); dotted: each checkpoint's trained length")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("score (%)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    cfg = parse(CompareConfig, argv, "longstride eval compare", __doc__)
+    named = check(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tasks, qa, skipped = runnable_tasks(cfg)
+    for msg in skipped:
+        note(msg)
+    if not tasks:
+        raise ValueError("nothing to run: no runnable task (see the messages above)")
+    rows = plan_rows(cfg, named)
+    hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
+    hf_logging.disable_progress_bar()
+    all_lengths = sorted({L for r in rows for L in r.lengths})
+    t0 = time.perf_counter()
+    groups_by_tok: dict[str, dict] = {}  # tokenizer digest -> {(task, length): samples}
+    scores: dict[int, dict] = {}
+    counts: dict[int, dict] = {}
+    records = []
+    for i, r in enumerate(rows):
+        digest = tokenizer_digest(r.checkpoint)
+        if digest not in groups_by_tok:
+            tok = AutoTokenizer.from_pretrained(r.checkpoint)
+            made = make_groups(cfg, tasks, all_lengths, tok, range(cfg.num_samples), qa, skipped)
+            groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
+        tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
+        config, _ = load_config_with_yarn(r.checkpoint, YarnConfig(factor=r.yarn))
+        model = AutoModelForCausalLM.from_pretrained(r.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).eval()
+        scores[i], counts[i] = {}, {}
+        for task in tasks:
+            for L in r.lengths:
+                if (task, L) not in groups:
+                    continue
+                part = score_group(model, tok, groups[task, L], cfg)
+                for rec in part:
+                    rec.update(checkpoint=r.label, yarn=r.yarn)
+                records += part
+                scores[i].setdefault(task, {})[L] = 100 * sum(x["score"] for x in part) / len(part)
+                counts[i].setdefault(task, {})[L] = len(part)
+        print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        del model
+    table = format_tables(rows, scores, counts, tasks)
+    print(table)
+    name = os.path.basename(os.path.normpath(cfg.run)) if cfg.run else \
+        "-".join(os.path.normpath(named[-1][1]).split(os.sep)[-2:])
+    out = cfg.out or os.path.join("outputs", "eval", f"compare-{name}")
+    os.makedirs(out, exist_ok=True)
+    result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
+              "rows": [{**asdict(r), "scores": scores[i], "samples": counts[i]} for i, r in enumerate(rows)],
+              "records": records}
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        plot(os.path.join(out, "compare.png"), rows, scores, tasks,
+             f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell")
+    except ImportError:
+        note("matplotlib not installed; no plot (pip install 'longstride[eval]')")
+    print(f"eval.compare: {len(records)} samples in {result['seconds']:.0f} s; results in {out}/compare.json "
+          f"and compare.png")
+    return result

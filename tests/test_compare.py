@@ -1,0 +1,88 @@
+"""eval compare: the base and each stage of a run on the same samples, YaRN rows on the last, the table,
+files and plot; auto batching by tokens gives the one-by-one answers; bad input named before any model loads."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from longstride.eval.ruler.compare import main, run_checkpoints
+from longstride.eval.ruler.fit import make_sample
+from longstride.eval.ruler.generate import batches, greedy_generate
+from longstride.eval.ruler.tasks import ALL_TASKS, NOISE
+from tests.conftest import micro_checkpoint
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """Two checkpoints sharing a tokenizer: trained lengths 512 and 1024 (as a base and its next stage)."""
+    root = tmp_path_factory.mktemp("compare")
+    micro_checkpoint(root / "base", 1000, 512, extra_texts=(NOISE,) * 20)
+    micro_checkpoint(root / "stage", 1000, 1024, extra_texts=(NOISE,) * 20)
+    return root / "base", root / "stage"
+
+
+def test_batches_by_tokens_keep_every_prompt_once():
+    widths = [300, 100, 200, 900, 100]
+    assert batches(widths, 2, 0) == [[1, 4], [2, 0], [3]]
+    got = batches(widths, 0, 400)
+    assert sorted(i for b in got for i in b) == list(range(5))
+    assert all(len(b) * max(widths[i] for i in b) <= 400 or len(b) == 1 for b in got)
+    assert got == [[1, 4], [2], [0], [3]]
+    assert batches(widths, 0, 600) == [[1, 4, 2], [0], [3]]
+
+
+def test_auto_batches_answer_like_one_by_one(two):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(two[0])
+    model = AutoModelForCausalLM.from_pretrained(two[0]).eval()
+    prompts = [make_sample(ALL_TASKS["synth_kv"], L, i, tok).prompt_ids for i, L in enumerate((200, 300, 400, 500))]
+    one = greedy_generate(model, tok, prompts, 10, batch_size=1)
+    auto = greedy_generate(model, tok, prompts, 10, batch_size=0, batch_tokens=1200)
+    assert auto == one and all(one)
+
+
+def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, capsys):
+    base, stage = two
+    res = main([f"checkpoints=[{base},{stage}]", "tasks=[synth_kv]", "lengths=[256,512]", "yarn=[2]",
+                "yarn_lengths=[2048]", "num_samples=2", f"out={tmp_path}", "threads=1"])
+    out = capsys.readouterr().out
+    assert "synth_kv: score (%), 2 samples per cell; * = trained length" in out
+    assert [r["label"] for r in res["rows"]] == ["base", "stage", "stage + YaRN x2"]
+    assert [r["trained"] for r in res["rows"]] == [512, 1024, 1024]
+    assert res["rows"][2]["lengths"] == [2048] and res["rows"][0]["samples"] == {"synth_kv": {256: 2, 512: 2}}
+    by_key = {}
+    for r in res["records"]:
+        by_key.setdefault((r["task"], r["length"], r["index"]), []).append((r["answers"], r["prompt_tokens"]))
+    same = [v for (t, L, i), v in by_key.items() if L in (256, 512)]
+    assert len(same) == 4 and all(len(v) == 2 and v[0] == v[1] for v in same), "one sample set for every checkpoint"
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert len(saved["records"]) == 2 * 2 * 2 + 2 and (tmp_path / "compare.png").stat().st_size > 0
+    assert saved["rows"][2]["yarn"] == 2.0
+
+
+def test_run_folder_gives_base_then_stages_and_names_a_missing_stage(two, tmp_path):
+    base, stage = two
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"model:\n  arch: checkpoint\n  checkpoint: {base}\n"
+                                     "recipe:\n  name: r\n  stages:\n    s2_2k: {}\n    s3_4k: {}\n")
+    shutil.copytree(stage, run / "s2_2k" / "final")
+    with pytest.raises(ValueError, match="stage s3_4k has no final checkpoint"):
+        run_checkpoints(str(run))
+    shutil.copytree(stage, run / "s3_4k" / "final")
+    assert run_checkpoints(str(run)) == [("base (base)", str(base)), ("s2_2k", str(run / "s2_2k" / "final")),
+                                         ("s3_4k", str(run / "s3_4k" / "final"))]
+
+
+def test_bad_input_is_named(two, tmp_path):
+    with pytest.raises(ValueError, match="give run=DIR"):
+        main([])
+    with pytest.raises(ValueError, match="has no config.yaml"):
+        main([f"run={tmp_path}"])
+    with pytest.raises(ValueError, match="yarn factors are > 1"):
+        main([f"checkpoints=[{two[0]}]", "yarn=[1]"])
+    with pytest.raises(ValueError, match="Key 'sample' not in 'CompareConfig'"):
+        main([f"checkpoints=[{two[0]}]", "sample=3"])
