@@ -1,27 +1,37 @@
-"""The tiny retrieval recipe's ablation on CPU: NoPE layers, RoPE base bumps, document masking, YaRN.
+"""The extension ablation on CPU, in pieces: what each choice of recipe=tiny_extend is worth.
 
-Each variant is recipe=tiny_retrieval plus a few overrides, trained per seed (train.seed: the
-model's initialisation) on 2 local processes, then evaluated on its last checkpoint:
-  retrieval  RULER's niah_single_1 (transfer: its template was never trained on) and the in-format
-             synth_kv task, at the trained length (4K) and 2x / 4x beyond it, YaRN x2 and x4 at eval
-             time beside none (past 4K positions without YaRN is plain extrapolation)
-  ppl        perplexity of the first 1K / 4K / 16K tokens of long standard-library files (eval.ppl)
+Every variant starts from the shipped base model (model/shipped/tiny_base_256: trained at 256 tokens,
+RoPE base 1e4) and runs the main job's two extension stages (256 -> 2K -> 4K, cp=2 ring on 2 local
+processes) with a few overrides, per seed (train.seed and data.seed: the data order; the base is shared):
 
-    python -m benchmarks.ablation_retrieval [--seeds 0 1 2] [--variants baseline all_rope ...] [--samples 10]
-        # trains into outputs/ablation/<variant>/seed<S>/ (a finished run is reused, so an interrupted
-        # ablation picks up where it stopped; fixed_base reuses the baseline's stage 1, identical for it),
-        # writes benchmarks/results/ablation_retrieval.{json,png}
-    python -m benchmarks.ablation_retrieval --report   # the table and plot again from the saved evals
-    python -m benchmarks.ablation_retrieval --smoke --seeds 0 --samples 1   # the plumbing, in minutes
+  baseline     RoPE base bumped per stage (4e5 at 2K, 1e6 at 4K), NoPE on layer 4 of 4, document masking
+  fixed_base   RoPE base kept at the base model's 1e4 in both stages
+  yarn_train   RoPE base kept at 1e4, YaRN x16 (from 256 positions) during both stages instead of a bump
+  no_doc_mask  attention across the packed documents of a sequence (data.doc_masking=false)
+  yarn_eval    no training: the baseline's checkpoint with YaRN x2 and x4 applied at eval time
+
+Measured per piece on the 4K checkpoint: RULER niah_single_1 (a template never trained on) and the in-format
+synth_kv at 4K (the trained length), 8K and 16K (2x and 4x beyond), and perplexity on the first 1K / 4K / 16K tokens
+of 8 long standard-library files (eval ppl's default: the training corpus's own domain, not held out).
+
+Each finished (variant, seed) writes benchmarks/results/ablation/<variant>-seed<S>.json at once (commit it);
+a piece already there is skipped, so the command resumes where it stopped. The report is built from whatever
+pieces exist, with n (seeds) per cell.
+
+    python -m benchmarks.ablation_retrieval --variants baseline fixed_base --seeds 0 1 2
+    python -m benchmarks.ablation_retrieval --report        # table and plot from the pieces
+    python -m benchmarks.ablation_retrieval --smoke         # the plumbing in a few minutes, measures nothing
+
+Time on this 2-core machine (2026-11-25): a training piece takes about 5 minutes (3.5 training the two
+stages, 1.5 evaluating), a yarn_eval piece about 2; one 180-minute session fits the whole grid
+(4 trained variants x 3 seeds + 3 yarn_eval pieces, about 65 minutes) with room to spare.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import datetime
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,123 +39,153 @@ import time
 
 from benchmarks.common import RESULTS, print_table, write_results
 
+BASE = "model/shipped/tiny_base_256"
 VARIANTS = {
-    "baseline": [],  # NoPE every 4th layer, base 1e4 -> 4e5 -> 1e6, document masking on
+    "baseline": [],
     "fixed_base": ["recipe.stages.s2_2k.rope_theta=1e4", "recipe.stages.s3_4k.rope_theta=1e4"],
-    "all_rope": ["model.nope_interval=0"],
+    "yarn_train": ["recipe.stages.s2_2k.rope_theta=1e4", "recipe.stages.s3_4k.rope_theta=1e4",
+                   "model.yarn.factor=16", "model.yarn.original_max_position_embeddings=256"],
     "no_doc_mask": ["data.doc_masking=false"],
 }
-# fixed_base differs from baseline only from stage 2 on, so it takes the baseline's finished earlier stages
-SHARES_EARLY_STAGES = {"fixed_base": "baseline"}
-EARLY_STAGES = ("s0_copy", "s1_256")
+EVAL_ONLY = {"yarn_eval": ("baseline", [2.0, 4.0])}  # variant -> (trained variant it reads, YaRN factors)
 TRAINED, LENGTHS, PPL_LENGTHS = 4096, [4096, 8192, 16384], [1024, 4096, 16384]
 TASKS = ["niah_single_1", "synth_kv"]
-YARN = [0, 2, 4]  # 0 = none
+SAMPLES = 20
+PIECES = os.path.join(RESULTS, "ablation")
 ROOT = os.path.join("outputs", "ablation")
-# --smoke: every step of the pipeline on a few training steps (checks the plumbing, measures nothing)
-STAGES = ("s0_copy", "s1_256", "s2_2k", "s3_4k")
-SMOKE = [*(f"recipe.stages.{s}.{k}={v}" for s in STAGES for k, v in (("steps", 2), ("warmup_steps", 1), ("save_every", 0))),
+SMOKE = [*(f"recipe.stages.{s}.{k}={v}" for s in ("s2_2k", "s3_4k") for k, v in
+           (("steps", 2), ("warmup_steps", 1), ("save_every", 0))),
          *(f"data.sources.{name}.synthetic.num_docs={n}" for name, n in
-           (("copy_short", 300), ("retrieval_short", 300), ("retrieval_mid", 60), ("retrieval_long", 60)))]
+           (("retrieval_short", 300), ("retrieval_mid", 60), ("retrieval_long", 60)))]
 
 
-def train(variant: str, seed: int, extra: list) -> tuple[str, float]:
-    """The variant's last checkpoint for this seed (trained now unless a finished run is there) and the
-    training wall time in seconds (that of the run that made it)."""
-    out = os.path.join(ROOT, variant, f"seed{seed}")
-    final = os.path.join(out, "tiny_retrieval", "s3_4k", "final")
-    timing = os.path.join(out, "train_seconds.json")
-    if not os.path.isfile(timing):
-        if variant in SHARES_EARLY_STAGES:
-            train(SHARES_EARLY_STAGES[variant], seed, extra)
-            for stage in EARLY_STAGES:
-                src = os.path.join(ROOT, SHARES_EARLY_STAGES[variant], f"seed{seed}", "tiny_retrieval", stage, "final")
-                dst = os.path.join(out, "tiny_retrieval", stage, "final")
-                if not os.path.isdir(dst):
-                    shutil.copytree(src, dst)
+def piece_path(variant: str, seed: int, smoke: bool) -> str:
+    return os.path.join(PIECES + ("-smoke" if smoke else ""), f"{variant}-seed{seed}.json")
+
+
+def seed_overrides(seed: int) -> list[str]:
+    return [f"train.seed={seed}", f"data.seed={1234 + seed}"]
+
+
+def train(variant: str, seed: int, smoke: bool) -> tuple[str, float, list[str]]:
+    """The variant's 4K checkpoint for this seed (trained now unless finished), seconds, and its overrides."""
+    out = os.path.join(ROOT + ("-smoke" if smoke else ""), variant, f"seed{seed}")
+    final = os.path.join(out, "tiny_extend", "s3_4k", "final")
+    overrides = [*VARIANTS[variant], *seed_overrides(seed), *(SMOKE if smoke else [])]
+    t0 = time.perf_counter()
+    if not os.path.isfile(os.path.join(final, "manifest.json")):
         cmd = ["accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "-m", "longstride.recipes.train",
-               "recipe=tiny_retrieval", f"train.seed={seed}", f"paths.output_root={out}", "logger.wandb_mode=disabled",
-               "logger.progress_bar=false", *VARIANTS[variant], *extra]
+               "recipe=tiny_extend", f"paths.output_root={out}", "logger.wandb_mode=disabled",
+               "logger.progress_bar=false", *overrides]
         print(f"[ablation] training {variant} seed {seed}: {' '.join(cmd)}", flush=True)
-        t0 = time.perf_counter()
-        with open(os.path.join(ROOT, f"{variant}-seed{seed}.log"), "w") as log:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "train.log"), "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-        with open(timing, "w") as f:
-            json.dump({"seconds": time.perf_counter() - t0}, f)
-    with open(timing) as f:
-        return final, json.load(f)["seconds"]
+    return final, time.perf_counter() - t0, overrides
 
 
-def quiet(fn, argv):
-    """Runs an eval entry point with its progress output captured (the summary is what we keep)."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        return fn(argv)
-
-
-def evaluate(ckpt: str, out: str, samples: int) -> dict:
-    """{"ruler": {yarn: {task: {length: score}}}, "ppl": {length: ppl}}; cached in out/ablation_eval.json."""
-    path = os.path.join(out, "ablation_eval.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
+def evaluate(ckpt: str, yarn: list[float], samples: int, out: str) -> dict:
+    """{"ruler": {yarn factor ("0" = none): {task: {length: score}}}, "ppl": {length: ppl}} of one checkpoint."""
     from longstride.eval import ppl
-    from longstride.eval.ruler import run
+    from longstride.eval.ruler.compare import main as compare
 
-    res = {"ruler": {}, "ppl": {}}
-    for factor in YARN:
-        argv = [f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, LENGTHS))}]", f"tasks=[{','.join(TASKS)}]",
-                f"num_samples={samples}", "extrapolate=true", "batch_size=5", f"out={out}/ruler", "threads=2"]
-        argv += [f"yarn.factor={factor}"] if factor else []
-        summary = quiet(run.main, argv)["summary"]
-        res["ruler"][str(factor)] = summary["table"]
-    rows = quiet(ppl.main, [f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, PPL_LENGTHS))}]", f"out={out}/ppl",
-                            "threads=2"])
-    res["ppl"] = {str(r["length"]): r["ppl"] for r in rows}
-    with open(path, "w") as f:
-        json.dump(res, f, indent=2)
-    return json.loads(json.dumps(res))  # lengths as string keys, as when read back from the file
+    res = compare([f"checkpoints=[{ckpt}]", f"tasks=[{','.join(TASKS)}]", f"lengths=[{','.join(map(str, LENGTHS))}]",
+                   f"yarn=[{','.join(map(str, yarn))}]", f"yarn_lengths=[{','.join(map(str, LENGTHS))}]",
+                   f"num_samples={samples}", f"out={out}", "threads=2"])
+    rows = res["rows"][1:] if yarn else res["rows"][:1]  # a YaRN piece keeps its YaRN rows (the plain one is baseline's)
+    ruler = {f"{r['yarn'] or 0:g}": {t: {str(L): s for L, s in cells.items()} for t, cells in r["scores"].items()}
+             for r in rows}
+    result = {"ruler": ruler}
+    if not yarn:
+        lines = ppl.main([f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, PPL_LENGTHS))}]", f"out={out}/ppl",
+                          "threads=2"])
+        result["ppl"] = {str(r["length"]): r["ppl"] for r in lines}
+    return result
 
 
-def spread(values: list[float]) -> str:
+def run_piece(variant: str, seed: int, samples: int, smoke: bool) -> dict:
+    t0 = time.perf_counter()
+    if variant in EVAL_ONLY:
+        source, factors = EVAL_ONLY[variant]
+        ckpt, train_s, overrides = train(source, seed, smoke)
+        train_s = 0.0 if os.path.isfile(piece_path(source, seed, smoke)) else train_s
+    else:
+        ckpt, train_s, overrides = train(variant, seed, smoke)
+        factors = []
+    t1 = time.perf_counter()
+    result = evaluate(ckpt, factors, samples, os.path.join(os.path.dirname(ckpt), "eval"))
+    piece = {"variant": variant, "seed": seed, "overrides": overrides, "yarn_at_eval": factors,
+             "samples": samples, "tasks": TASKS, "lengths": LENGTHS, "trained_length": TRAINED,
+             "train_seconds": round(train_s, 1), "eval_seconds": round(time.perf_counter() - t1, 1),
+             "seconds": round(time.perf_counter() - t0, 1), "base": BASE,
+             "date": datetime.date.today().isoformat(), **result}
+    path = piece_path(variant, seed, smoke)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(piece, f, indent=1)
+    os.replace(path + ".tmp", path)
+    print(f"[ablation] {variant} seed {seed}: {json.dumps(result['ruler'])} -> {path}", flush=True)
+    return piece
+
+
+def load_pieces(smoke: bool) -> list[dict]:
+    folder = PIECES + ("-smoke" if smoke else "")
+    if not os.path.isdir(folder):
+        return []
+    return [json.load(open(os.path.join(folder, n))) for n in sorted(os.listdir(folder)) if n.endswith(".json")]
+
+
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    if not values:
+        return "-"
     if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+        return f"{values[0]:{fmt}} (n=1)"
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}} (n={len(values)})"
 
 
-def table(evals: dict) -> list[dict]:
-    """One row per variant (and YaRN factor): mean ± sample std over seeds of every cell."""
+def rows_of(pieces: list[dict]) -> list[dict]:
+    """One row per variant and YaRN factor: mean ± sample std over seeds (n = seeds) of every cell."""
+    order = [*VARIANTS, *EVAL_ONLY]
+    grouped: dict[tuple, list[dict]] = {}
+    for p in pieces:
+        for factor, cells in p["ruler"].items():
+            grouped.setdefault((p["variant"], factor), []).append({"ruler": cells, "ppl": p.get("ppl")})
     rows = []
-    for variant, per_seed in evals.items():
-        for factor in YARN:
-            row = {"variant": variant + (f" + YaRN x{factor}" if factor else ""), "seeds": len(per_seed)}
-            for task in TASKS:
-                for L in LENGTHS:
-                    row[f"{task} {L // 1024}K"] = spread([e["ruler"][str(factor)][task][str(L)]
-                                                          for e in per_seed.values()])
-            if not factor:
-                for L in PPL_LENGTHS:
-                    row[f"ppl {L // 1024}K"] = spread([e["ppl"][str(L)] for e in per_seed.values()])
-            rows.append(row)
+    for (variant, factor), runs in sorted(grouped.items(), key=lambda kv: (order.index(kv[0][0]), float(kv[0][1]))):
+        row = {"variant": variant + (f" (YaRN x{factor})" if factor != "0" else "")}
+        for task in TASKS:
+            for L in LENGTHS:
+                row[f"{task} {L // 1024}K"] = spread([r["ruler"][task][str(L)] for r in runs
+                                                      if str(L) in r["ruler"].get(task, {})])
+        for L in PPL_LENGTHS:
+            row[f"ppl {L // 1024}K"] = spread([r["ppl"][str(L)] for r in runs if r["ppl"]], ".1f")
+        rows.append(row)
     return rows
 
 
-def plot(evals: dict, path: str) -> None:
+def plot(pieces: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(5 * len(TASKS), 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(5.5 * len(TASKS), 4), sharey=True)
+    series: dict[str, list[dict]] = {}
+    for p in pieces:
+        for factor, cells in p["ruler"].items():
+            series.setdefault(p["variant"] + (f" (YaRN x{factor})" if factor != "0" else ""), []).append(cells)
     for ax, task in zip(axes, TASKS):
-        for variant, per_seed in evals.items():
-            for factor, style in zip(YARN, ("o-", "s--", "^:")):
-                if factor and variant != "baseline":
-                    continue
-                cells = [[e["ruler"][str(factor)][task][str(L)] for e in per_seed.values()] for L in LENGTHS]
-                ax.errorbar(LENGTHS, [statistics.mean(c) for c in cells],
-                            yerr=[statistics.stdev(c) if len(c) > 1 else 0 for c in cells], fmt=style, capsize=3,
-                            label=variant + (f" + YaRN x{factor}" if factor else ""))
+        for name, runs in series.items():
+            vals = [[r[task][str(L)] for r in runs] for L in LENGTHS]
+            ax.errorbar(LENGTHS, [statistics.mean(v) for v in vals],
+                        yerr=[statistics.stdev(v) if len(v) > 1 else 0 for v in vals], fmt="o-", capsize=3,
+                        label=f"{name} (n={len(runs)})")
         ax.axvline(TRAINED, color="grey", ls=":")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(LENGTHS, [f"{L // 1024}K" for L in LENGTHS])
         ax.set_xlabel("context length (tokens); dotted: trained length")
         ax.set_title(task)
+        ax.grid(alpha=0.3)
     axes[0].set_ylabel("score (%), mean ± std over seeds")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
@@ -153,41 +193,45 @@ def plot(evals: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    ap.add_argument("--samples", type=int, default=10, help="samples per task, length and YaRN factor")
-    ap.add_argument("--report", action="store_true", help="only rebuild the table from saved evals")
-    ap.add_argument("--smoke", action="store_true", help="a few steps per stage into outputs/ablation-smoke: checks "
-                    "the pipeline end to end, measures nothing")
-    args = ap.parse_args()
-    global ROOT
-    ROOT = ROOT + "-smoke" if args.smoke else ROOT
-    extra, name = (SMOKE, "ablation_retrieval_smoke") if args.smoke else ([], "ablation_retrieval")
-    os.makedirs(ROOT, exist_ok=True)
-    evals, seconds = {}, {}
-    for variant in args.variants:
-        for seed in args.seeds:
-            out = os.path.join(ROOT, variant, f"seed{seed}")
-            if args.report and not os.path.isfile(os.path.join(out, "ablation_eval.json")):
-                continue
-            ckpt, seconds[f"{variant}/seed{seed}"] = train(variant, seed, extra)
-            evals.setdefault(variant, {})[seed] = evaluate(ckpt, out, args.samples)
-            print(f"[ablation] {variant} seed {seed}: {json.dumps(evals[variant][seed]['ruler']['0'])}", flush=True)
-    if not evals:
-        sys.exit(f"no finished run under {ROOT}/; run without --report first")
-    rows = table(evals)
-    print(f"tiny_retrieval ablation: score (%) and perplexity, mean ± std over seeds {args.seeds}, "
-          f"{args.samples} samples per cell and seed; trained length {TRAINED}")
+def report(smoke: bool) -> None:
+    pieces = load_pieces(smoke)
+    if not pieces:
+        sys.exit(f"no pieces under {PIECES}/; run some first (see --help)")
+    rows = rows_of(pieces)
+    name = "ablation_retrieval_smoke" if smoke else "ablation_retrieval"
+    samples = sorted({p["samples"] for p in pieces})
+    print(f"tiny_extend ablation from {len(pieces)} pieces: score (%) mean ± std over seeds (n seeds per cell), "
+          f"{'/'.join(map(str, samples))} samples per cell and seed; trained length {TRAINED}")
     print_table(rows, list(rows[0]))
     try:
-        plot(evals, os.path.join(RESULTS, f"{name}.png"))
+        plot(pieces, os.path.join(RESULTS, f"{name}.png"))
     except ImportError:
         print("matplotlib not installed: no plot (pip install 'longstride[eval]')")
-    print("results:", write_results(name, rows, {
-        "variants": {v: VARIANTS[v] for v in evals}, "seeds": args.seeds, "samples": args.samples,
-        "lengths": LENGTHS, "tasks": TASKS, "yarn": YARN, "train_seconds": seconds, "evals": evals}))
+    print("results:", write_results(name, rows, {"pieces": [f"{p['variant']}-seed{p['seed']}" for p in pieces],
+                                                  "samples": samples, "lengths": LENGTHS, "tasks": TASKS,
+                                                  "ppl_lengths": PPL_LENGTHS}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--variants", nargs="+", choices=[*VARIANTS, *EVAL_ONLY], default=[*VARIANTS, *EVAL_ONLY])
+    ap.add_argument("--samples", type=int, default=SAMPLES, help="RULER samples per task, length and piece")
+    ap.add_argument("--report", action="store_true", help="only build the table and plot from the pieces")
+    ap.add_argument("--smoke", action="store_true", help="2 steps per stage, 1 sample, into *-smoke folders: "
+                    "checks the pipeline end to end, measures nothing")
+    args = ap.parse_args()
+    if not os.path.isfile(os.path.join(BASE, "manifest.json")):
+        sys.exit(f"{BASE} is missing: the ablation starts from the shipped base model")
+    if not args.report:
+        samples = 1 if args.smoke else args.samples
+        for seed in args.seeds:
+            for variant in args.variants:
+                if os.path.isfile(piece_path(variant, seed, args.smoke)):
+                    print(f"[ablation] {variant} seed {seed}: piece exists, skipped", flush=True)
+                    continue
+                run_piece(variant, seed, samples, args.smoke)
+    report(args.smoke)
 
 
 if __name__ == "__main__":
