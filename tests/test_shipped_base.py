@@ -1,0 +1,82 @@
+"""The shipped base model (model/shipped/tiny_base_256): it loads like any HF checkpoint, its files match
+its manifest, the command that made it still composes, and the main job's recipe starts from it."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from longstride.recipes.checkpoint import MANIFEST, verify
+from tests.conftest import REPO, compose_cfg
+
+SHIPPED = REPO / "model" / "shipped" / "tiny_base_256"
+
+
+def manifest() -> dict:
+    return json.loads((SHIPPED / MANIFEST).read_text())
+
+
+def test_loads_as_an_hf_checkpoint_trained_at_256():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED).eval()
+    assert model.config.max_position_embeddings == 256
+    assert model.config.rope_parameters["rope_theta"] == 1e4
+    assert model.config.no_rope_layers == [1, 1, 1, 0], "NoPE on layer 4 of 4"
+    ids = tok("def add(a, b):\n    return a + b\n", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+
+
+def test_files_match_the_manifest_and_a_changed_byte_is_caught(tmp_path):
+    assert verify(str(SHIPPED)) is None
+    files = manifest()["files"]
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(files)
+    copy = tmp_path / "base"
+    shutil.copytree(SHIPPED, copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    assert verify(str(copy)) == "model.safetensors does not match its checksum"
+
+
+def test_manifest_records_how_it_was_made_and_its_own_scores():
+    m = manifest()
+    made = m["made_by"]
+    assert made["recipe"] == "tiny_base" and made["stage"] == "s1_256"
+    assert made["command"].endswith(" ".join(made["overrides"]))
+    assert len(m["commit"]) >= 40
+    scores = m["ruler"]["scores"]
+    assert m["ruler"]["samples"] >= 20 and set(scores) == {"niah_single_1", "synth_kv"}
+    assert set(scores["synth_kv"]) == {"256", "512"}
+
+
+def test_the_command_that_made_it_still_composes():
+    made = manifest()["made_by"]
+    cfg = compose_cfg(made["overrides"])
+    assert cfg.recipe.name == "tiny_base" and list(cfg.recipe.stages) == ["s0_copy", made["stage"]]
+    assert cfg.recipe.stages[made["stage"]].seq_len == 256 and cfg.recipe.stages[made["stage"]].rope_theta == 1e4
+    assert cfg.train.seed == made["train_seed"] and cfg.data.seed == made["data_seed"]
+
+
+def test_main_job_extends_the_shipped_base():
+    cfg = compose_cfg(["recipe=tiny_extend"])
+    assert cfg.model.arch == "checkpoint" and cfg.model.checkpoint == "model/shipped/tiny_base_256"
+    assert cfg.data.tokenizer == "model/shipped/tiny_base_256"
+    stages = cfg.recipe.stages
+    assert [s.seq_len for s in stages.values()] == [2048, 4096] and all(s.cp == 2 for s in stages.values())
+    assert [s.rope_theta for s in stages.values()] == [4e5, 1e6]
+
+
+@pytest.mark.parametrize("field", ["model.checkpoint", "data.tokenizer"])
+def test_a_missing_base_is_named_before_training(field, tmp_path):
+    from tests.conftest import run_cli
+
+    res = run_cli(["recipe=tiny_extend", f"{field}={tmp_path}/nowhere", f"paths.output_root={tmp_path}/out",
+                   "recipe.stages.s2_2k.cp=1", "recipe.stages.s3_4k.cp=1",
+                   "logger.wandb_mode=disabled"], timeout=300)
+    assert res.returncode != 0 and f"{tmp_path}/nowhere" in res.stderr
