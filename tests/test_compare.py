@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from longstride.eval.ruler.compare import main, run_checkpoints
 from longstride.eval.ruler.fit import make_sample
@@ -86,3 +87,30 @@ def test_bad_input_is_named(two, tmp_path):
         main([f"checkpoints=[{two[0]}]", "yarn=[1]"])
     with pytest.raises(ValueError, match="Key 'sample' not in 'CompareConfig'"):
         main([f"checkpoints=[{two[0]}]", "sample=3"])
+
+
+def test_answers_end_once_scored_with_the_same_scores(two):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from longstride.eval.ruler.generate import ScoreDecided, _decode, stop_and_pad
+    from longstride.eval.ruler.score import sample_score
+
+    tok = AutoTokenizer.from_pretrained(two[0])
+    model = AutoModelForCausalLM.from_pretrained(two[0]).eval()
+    eos, _ = stop_and_pad(model, tok)
+    samples = [make_sample(ALL_TASKS["synth_kv"], 300, i, tok) for i in range(4)]
+    prompts = [s.prompt_ids for s in samples]
+    full = greedy_generate(model, tok, prompts, 16)
+    # references taken from each full answer's own text: every row's score is decided early on
+    refs = [[a.strip()[:3] or "zz-never"] for a in full]
+    early = greedy_generate(model, tok, prompts, 16, references=refs)
+    assert [sample_score(a, r, "all") for a, r in zip(full, refs)] == [sample_score(a, r, "all")
+                                                                        for a, r in zip(early, refs)]
+    assert all(f.startswith(e) for f, e in zip(full, early)) and sum(map(len, early)) < sum(map(len, full))
+    # the criterion itself: a row is done only when every reference is in its decoded answer
+    ids = tok(" alpha beta", add_special_tokens=False)["input_ids"]
+    row = torch.tensor([[1] + ids])
+    assert _decode(tok, ids, eos).lower().strip() == "alpha beta"
+    assert ScoreDecided(tok, 1, [["ALPHA", "beta"]], "all", eos)(row, None).tolist() == [True]
+    assert ScoreDecided(tok, 1, [["alpha", "gamma"]], "all", eos)(row, None).tolist() == [False]
+    assert ScoreDecided(tok, 1, [["alpha", "gamma"]], "part", eos)(row, None).tolist() == [True]

@@ -41,9 +41,10 @@ class CompareConfig:
     chat: bool = True
     haystack: Optional[str] = None  # prose for essay haystacks (see eval ruler); None = Python manual
     qa: QAFiles = field(default_factory=QAFiles)  # local SQuAD / HotpotQA files for qa_1 / qa_2
-    batch_size: int = 0  # 0 = as many prompts per generate call as fit batch_tokens
+    batch_size: int = 0  # 0 = by batch_tokens on a GPU, one prompt per generate call on CPU
+    stop_when_scored: bool = True  # end an answer once its score is decided (same score, shorter answer)
     batch_tokens: int = 32768
-    prefill_chunk: int = 2048
+    prefill_chunk: int = 8192  # prompt tokens per prefill forward
     dtype: Dtype = Dtype.float32
     threads: Optional[int] = None
     out: Optional[str] = None  # None = outputs/eval/compare-<run folder name or last checkpoint's stage>

@@ -7,8 +7,12 @@ decoded, never the prompt stripped from a decoded output.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from longstride.eval.ruler.score import sample_score
 
 
 def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
@@ -45,11 +49,27 @@ def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[
     return out
 
 
+class ScoreDecided(StoppingCriteria):
+    """Ends a row once its score is decided: RULER's metrics are case-insensitive substring matches of the
+    references in the answer, so once every reference ("all") or one ("part") is in the text generated so
+    far, nothing generated after it can change the score. Rows still undecided run on to EOS or the budget."""
+
+    def __init__(self, tokenizer, width: int, references: list[list[str]], metric: str, eos: list[int]):
+        self.tokenizer, self.width, self.references, self.metric, self.eos = tokenizer, width, references, metric, eos
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        done = [sample_score(_decode(self.tokenizer, row[self.width:].tolist(), self.eos), refs, self.metric) == 1.0
+                for row, refs in zip(input_ids, self.references)]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
-                    prefill_chunk: int = 2048, batch_tokens: int = 32768) -> list[str]:
+                    prefill_chunk: int = 2048, batch_tokens: int = 32768,
+                    references: Optional[list[list[str]]] = None, metric: str = "all") -> list[str]:
     """Decoded continuations of `prompts` (token id lists), in the given order. batch_size 0: batches
-    of up to `batch_tokens` prompt tokens (see `batches`)."""
+    of up to `batch_tokens` prompt tokens (see `batches`). With `references` (one list per prompt) a row
+    stops as soon as its score under `metric` is decided (`ScoreDecided`): same score, shorter answer."""
     eos, pad = stop_and_pad(model, tokenizer)
     device = next(model.parameters()).device
     answers: list[str] = [""] * len(prompts)
@@ -61,7 +81,10 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, width - len(prompts[i]):] = 1
         config = _config(max_new_tokens, eos, pad, prefill_chunk if width > prefill_chunk else None)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        stop = StoppingCriteriaList([ScoreDecided(tokenizer, width, [references[i] for i in rows], metric, eos)]) \
+            if references is not None else None
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                             stopping_criteria=stop)
         for r, i in enumerate(rows):
             answers[i] = _decode(tokenizer, out[r, width:].tolist(), eos)
     return answers
