@@ -22,9 +22,10 @@ pieces exist, with n (seeds) per cell.
     python -m benchmarks.ablation_retrieval --report        # table and plot from the pieces
     python -m benchmarks.ablation_retrieval --smoke         # the plumbing in a few minutes, measures nothing
 
-Time on this 2-core machine (2026-11-25): a training piece takes about 5 minutes (3.5 training the two
-stages, 1.5 evaluating), a yarn_eval piece about 2; one 180-minute session fits the whole grid
-(4 trained variants x 3 seeds + 3 yarn_eval pieces, about 65 minutes) with room to spare.
+Time on this 2-core machine (2026-11-25): a training piece takes about 10 minutes (6.7 training the two stages,
+about 3 evaluating on an idle machine, mostly the 16K prompts' prefill), a yarn_eval piece about 5; the grid
+(4 trained variants x 3 seeds + 3 yarn_eval pieces) is about 2.3 hours, so one 180-minute session, with its other
+work, lands a few pieces and the next sessions go on from them.
 """
 from __future__ import annotations
 
