@@ -92,9 +92,9 @@ def evaluate(ckpt: str, yarn: list[float], samples: int, out: str) -> dict:
 
     res = compare([f"checkpoints=[{ckpt}]", f"tasks=[{','.join(TASKS)}]", f"lengths=[{','.join(map(str, LENGTHS))}]",
                    f"yarn=[{','.join(map(str, yarn))}]", f"yarn_lengths=[{','.join(map(str, LENGTHS))}]",
-                   f"num_samples={samples}", f"out={out}", "threads=2",
+                   f"num_samples={samples}", f"out={out}", "threads=2", f"plain_rows={not yarn}",
                    "prefill_chunk=16384"])  # the tiny model prefills 16K at once; chunks only add passes
-    rows = res["rows"][1:] if yarn else res["rows"][:1]  # a YaRN piece keeps its YaRN rows (the plain one is baseline's)
+    rows = res["rows"]  # a YaRN piece has only its YaRN rows (the plain one is its baseline's piece)
     ruler = {f"{r['yarn'] or 0:g}": {t: {str(L): s for L, s in cells.items()} for t, cells in r["scores"].items()}
              for r in rows}
     result = {"ruler": ruler}

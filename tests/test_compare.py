@@ -62,6 +62,9 @@ def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, caps
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert len(saved["records"]) == 2 * 2 * 2 + 2 and (tmp_path / "compare.png").stat().st_size > 0
     assert saved["rows"][2]["yarn"] == 2.0
+    only_yarn = main([f"checkpoints=[{base},{stage}]", "tasks=[synth_kv]", "yarn=[2]", "yarn_lengths=[2048]",
+                      "plain_rows=false", "num_samples=1", f"out={tmp_path}/yarn", "threads=1"])
+    assert [r["label"] for r in only_yarn["rows"]] == ["stage + YaRN x2"] and len(only_yarn["records"]) == 1
 
 
 def test_run_folder_gives_base_then_stages_and_names_a_missing_stage(two, tmp_path):
@@ -85,6 +88,10 @@ def test_bad_input_is_named(two, tmp_path):
         main([f"run={tmp_path}"])
     with pytest.raises(ValueError, match="yarn factors are > 1"):
         main([f"checkpoints=[{two[0]}]", "yarn=[1]"])
+    with pytest.raises(ValueError, match="plain_rows=false leaves only the YaRN rows"):
+        main([f"checkpoints=[{two[0]}]", "plain_rows=false", "yarn=[]"])
+    with pytest.raises(ValueError, match="qa.squad="):
+        main([f"checkpoints=[{two[0]}]", f"qa.squad={tmp_path}/missing.json"])
     with pytest.raises(ValueError, match="Key 'sample' not in 'CompareConfig'"):
         main([f"checkpoints=[{two[0]}]", "sample=3"])
 

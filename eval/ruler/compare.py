@@ -21,8 +21,8 @@ from typing import List, Optional
 
 import torch
 
-from longstride.eval.ruler.run import (DTYPES, TOKENIZER_FILES, Dtype, QAFiles, make_groups, note, runnable_tasks,
-                                       score_group)
+from longstride.eval.ruler.run import (DTYPES, TOKENIZER_FILES, Dtype, QAFiles, check_generation, make_groups, note,
+                                       require_tokenizer, runnable_tasks, score_group)
 from longstride.model.build import check_checkpoint_dir, load_config_with_yarn
 from longstride.model.config import YarnConfig
 from longstride.overrides import parse
@@ -36,6 +36,7 @@ class CompareConfig:
     lengths: List[int] = field(default_factory=list)  # empty: 256 and powers of 2 up to 2x the last trained length
     yarn: List[float] = field(default_factory=lambda: [2.0, 4.0])  # YaRN factors at eval time, on the last checkpoint
     yarn_lengths: List[int] = field(default_factory=list)  # empty: 2x and 4x the last checkpoint's trained length
+    plain_rows: bool = True  # false: only the YaRN rows (the checkpoints without YaRN are measured elsewhere)
     num_samples: int = 20  # per task and length, the same for every checkpoint
     seed: int = 42
     chat: bool = True
@@ -102,6 +103,7 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
         r.lengths = lengths
     yarn_lengths = sorted(cfg.yarn_lengths) or [2 * last, 4 * last]
     base = rows[-1]
+    rows = rows if cfg.plain_rows else []
     rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)
              for f in cfg.yarn]
     return rows
@@ -114,14 +116,14 @@ def check(cfg: CompareConfig) -> list[tuple[str, str]]:
     named = run_checkpoints(cfg.run) if cfg.run else \
         [(os.path.basename(os.path.normpath(c)), c) for c in cfg.checkpoints]
     for i, (_, ckpt) in enumerate(named):
-        check_checkpoint_dir(ckpt, f"checkpoints[{i}]" if cfg.checkpoints else "run's checkpoint")
-        if not any(os.path.isfile(os.path.join(ckpt, f)) for f in TOKENIZER_FILES):
-            raise ValueError(f"{ckpt!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save it there with "
-                             f"tokenizer.save_pretrained(dir)")
+        field_name = f"checkpoints[{i}]" if cfg.checkpoints else "run's checkpoint"
+        check_checkpoint_dir(ckpt, field_name)
+        require_tokenizer(ckpt, field_name)
+    if not cfg.plain_rows and not cfg.yarn:
+        raise ValueError("plain_rows=false leaves only the YaRN rows: give yarn=[2,...] too")
     if any(L < 16 for L in cfg.lengths + cfg.yarn_lengths) or any(f <= 1 for f in cfg.yarn):
         raise ValueError("lengths and yarn_lengths are token counts >= 16; yarn factors are > 1, e.g. yarn=[2,4]")
-    if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.batch_tokens < 1 or cfg.prefill_chunk < 1:
-        raise ValueError("num_samples, batch_tokens and prefill_chunk must be >= 1, batch_size >= 0")
+    check_generation(cfg)
     return named
 
 
@@ -152,11 +154,13 @@ def plot(path: str, rows: list[Row], scores: dict, tasks: list[str], title: str)
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), sharey=True, squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    last_plain = max([i for i, r in enumerate(rows) if r.yarn is None], default=0)  # YaRN rows take its colour
+    smallest_yarn = min([r.yarn for r in rows if r.yarn is not None], default=None)
     for ax, task in zip(axes[0], tasks):
         for i, r in enumerate(rows):
-            color = colors[(i if r.yarn is None else len([x for x in rows if x.yarn is None]) - 1) % len(colors)]
+            color = colors[(i if r.yarn is None else last_plain) % len(colors)]
             xs = [L for L in r.lengths if L in scores[i].get(task, {})]
-            style = "o-" if r.yarn is None else ("s--" if r.yarn == min(x.yarn or 99 for x in rows) else "^:")
+            style = "o-" if r.yarn is None else ("s--" if r.yarn == smallest_yarn else "^:")
             ax.plot(xs, [scores[i][task][L] for L in xs], style, color=color, label=r.label)
             if r.yarn is None:
                 ax.axvline(r.trained, color=color, ls=":", alpha=0.6)
@@ -197,8 +201,9 @@ def main(argv: list[str]) -> dict:
     scores: dict[int, dict] = {}
     counts: dict[int, dict] = {}
     records = []
+    digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
     for i, r in enumerate(rows):
-        digest = tokenizer_digest(r.checkpoint)
+        digest = digests[r.checkpoint]
         if digest not in groups_by_tok:
             tok = AutoTokenizer.from_pretrained(r.checkpoint)
             made = make_groups(cfg, tasks, all_lengths, tok, range(cfg.num_samples), qa, skipped)

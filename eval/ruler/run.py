@@ -78,24 +78,33 @@ class RulerConfig:
     threads: Optional[int] = None
 
 
-def parse(argv: list[str]) -> RulerConfig:
-    cfg = parse_overrides(RulerConfig, argv, "longstride eval ruler", __doc__,
-                          "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file convert it once with "
-                          "longstride convert-gguf")
-    if not any(os.path.isfile(os.path.join(cfg.checkpoint, f)) for f in TOKENIZER_FILES):
-        raise ValueError(f"checkpoint={cfg.checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
+def require_tokenizer(checkpoint: str, name: str = "checkpoint") -> None:
+    if not any(os.path.isfile(os.path.join(checkpoint, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{name}={checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
                          f"tokenizer into it with tokenizer.save_pretrained(dir)")
-    if not cfg.lengths or any(L < 16 for L in cfg.lengths):
-        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
+
+
+def check_generation(cfg) -> None:
+    """The sampling and generation fields `eval ruler` and `eval compare` share, and their QA files."""
     if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.prefill_chunk < 1 or cfg.batch_tokens < 1:
         raise ValueError("num_samples, prefill_chunk and batch_tokens must be >= 1, batch_size >= 0 (0: by batch_tokens)")
-    if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        raise ValueError("prefill=cp splits each prompt over several processes: launch with "
-                         "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")
     for kind in ("squad", "hotpotqa"):
         path = getattr(cfg.qa, kind)
         if path and not os.path.isfile(path):
             raise ValueError(f"qa.{kind}={path!r} does not exist; give the local {kind} dev json or leave it unset")
+
+
+def parse(argv: list[str]) -> RulerConfig:
+    cfg = parse_overrides(RulerConfig, argv, "longstride eval ruler", __doc__,
+                          "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file convert it once with "
+                          "longstride convert-gguf")
+    require_tokenizer(cfg.checkpoint)
+    if not cfg.lengths or any(L < 16 for L in cfg.lengths):
+        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
+    check_generation(cfg)
+    if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("prefill=cp splits each prompt over several processes: launch with "
+                         "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")
     return cfg
 
 
