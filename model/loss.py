@@ -30,18 +30,14 @@ def chunked_cross_entropy_sum(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
+    # every tile runs, also one without a target (its sum is 0): skipping it would read the labels on the host,
+    # a device sync per tile on a GPU, and a traced step (recipes/trace.py) has no values to read
     for start in range(0, hidden.shape[0], tile):
         h, y = hidden[start:start + tile], labels[start:start + tile]
-        if not bool((y != IGNORE_INDEX).any()):
-            continue
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             total = total + checkpoint(_tile_loss_sum, h, weight, y, use_reentrant=False)
         else:
             total = total + _tile_loss_sum(h, weight, y)
-    if not total.requires_grad and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        # no target here (e.g. a sequence of context-only tokens): a zero still tied to every parameter, so
-        # backward runs and data-parallel ranks still meet in the gradient all-reduce
-        total = total + 0.0 * F.linear(hidden[:1], weight).float().sum()
     return total
 
 

@@ -46,14 +46,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def computes_rms_norm(module: torch.nn.Module) -> bool:
     """Whether `module` is an RMSNorm of exactly the formula above: a 1-D `weight`, a float
     `variance_epsilon`, and on a probe input the same output as rms_norm (Gemma's (1 + w) form, or any other
-    module, fails). A local generator draws the probe, so the global RNG is untouched."""
+    module, fails). The probe runs on the CPU with a real random weight swapped in for the module's own, so it
+    also decides for a model built without memory (meta or fake weights: recipes/trace.py); a local generator
+    draws it, so the global RNG is untouched."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     w, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if not isinstance(w, torch.Tensor) or w.ndim != 1 or not isinstance(eps, float) or w.device.type == "meta":
+    if not isinstance(w, torch.nn.Parameter) or w.ndim != 1 or not isinstance(eps, float):
         return False
-    g = torch.Generator(device=w.device).manual_seed(0)
-    x = torch.randn(3, w.shape[0], generator=g, device=w.device, dtype=w.dtype)
-    tol = 1e-5 if w.dtype == torch.float32 else 1e-2
-    return torch.allclose(untiled(module)(x), rms_norm(x, w, eps), rtol=tol, atol=tol)
+    with unset_fake_temporarily():
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn(w.shape[0], generator=g).to(w.dtype)
+        x = torch.randn(3, w.shape[0], generator=g).to(w.dtype)
+        module.weight = torch.nn.Parameter(probe, requires_grad=False)
+        try:
+            got = untiled(module)(x)
+        finally:
+            module.weight = w
+        tol = 1e-5 if w.dtype == torch.float32 else 1e-2
+        return torch.allclose(got, rms_norm(x, probe, eps), rtol=tol, atol=tol)
 
 
 def _lean_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

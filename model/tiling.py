@@ -19,6 +19,7 @@ their names and the saved checkpoints stay plain transformers.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
 
@@ -35,6 +36,11 @@ PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLaye
 UNTILED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for this device type; the meta device (a traced step, recipes/trace.py) has none."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
 def _tile_bounds(n: int, tile: int):
     return [(s, min(s + tile, n)) for s in range(0, n, tile)]
 
@@ -45,7 +51,7 @@ class _Tiled(torch.autograd.Function):
         # x: (..., L, H) -> fn's output (..., L, H'), computed tile by tile without a graph
         ctx.fn, ctx.tile, ctx.params = fn, tile, params  # params by reference: FSDP2 refills their storage
         device = x.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if autocast_on(device) else None
         ctx.save_for_backward(x)
         out = None
         for s, e in _tile_bounds(x.shape[-2], tile):
@@ -58,13 +64,12 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        device, enabled, dtype = ctx.autocast
         want = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[3 + i]]
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         dparams = [None] * len(ctx.params)
         for s, e in _tile_bounds(x.shape[-2], ctx.tile):
             xt = x[..., s:e, :].detach().requires_grad_(dx is not None)
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            with torch.enable_grad(), (torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()):
                 yt = ctx.fn(xt)
             inputs = ([xt] if dx is not None else []) + [ctx.params[i] for i in want]
             grads = torch.autograd.grad(yt, inputs, dy[..., s:e, :], allow_unused=True)

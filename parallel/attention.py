@@ -18,6 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from longstride.model.tiling import autocast_on
 from longstride.parallel.cp import DocLayout, method
 from longstride.parallel.kernels import doc_attention
 
@@ -44,7 +45,7 @@ def _same_dtype(q, k, v):
     the autocast dtype; the kernels and the ring's messages need one dtype: autocast's (as SDPA would cast
     to), else the widest of the three. A cast keeps the tensor's (B, L, H, D) memory layout."""
     device = q.device.type
-    if torch.is_autocast_enabled(device):
+    if autocast_on(device):
         dtype = torch.get_autocast_dtype(device)
     elif q.dtype == k.dtype == v.dtype:
         return q, k, v

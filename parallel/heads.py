@@ -60,8 +60,18 @@ class HeadSchedule:
 
 
 @lru_cache(maxsize=64)
-def head_schedule(heads: int, kv_heads: int, n: int, stage_heads: int = 0) -> HeadSchedule:
-    """The stages of one attention call; stage_heads = U, 0 for all heads at once (plain Ulysses)."""
+def head_schedule(heads: int, kv_heads: int, n: int, stage_heads: int = 0, device=None) -> HeadSchedule:
+    """The stages of one attention call; stage_heads = U, 0 for all heads at once (plain Ulysses). Its index
+    tensors live on `device` (the attention's: index_copy_ and index_select take no index from another
+    device), made once per device; always real tensors, even when first asked for inside a fake-tensor trace
+    (recipes/trace.py), since the cache outlives it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _schedule(heads, kv_heads, n, stage_heads, torch.device(device or "cpu"))
+
+
+def _schedule(heads: int, kv_heads: int, n: int, stage_heads: int, device: torch.device) -> HeadSchedule:
     U = stage_heads or heads
     if heads % kv_heads:
         raise ValueError(f"query heads {heads} are not a multiple of key/value heads {kv_heads}")
@@ -73,12 +83,12 @@ def head_schedule(heads: int, kv_heads: int, n: int, stage_heads: int = 0) -> He
     stages = []
     for s in range(heads // U):
         take = [sorted(own[i][s * per:(s + 1) * per]) for i in range(n)]
-        send = torch.tensor([j * g + m for part in take for j, m in part])
+        send = torch.tensor([j * g + m for part in take for j, m in part], device=device)
         local = [j for j, _ in take[0]]  # kept K/V heads read, in rank 0's numbering (the same on every rank)
         first, count = local[0], len(set(local))
         reps = per // count
         if local == [first + t // reps for t in range(per)] and per == count * reps:
             stages.append(Stage(send, slice(first, first + count), reps))
         else:
-            stages.append(Stage(send, torch.tensor(local), 1))
+            stages.append(Stage(send, torch.tensor(local, device=device), 1))
     return HeadSchedule(heads, kv_heads, n, travel // kv_heads, tuple(stages))

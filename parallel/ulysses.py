@@ -93,7 +93,7 @@ def _kv_to_heads(k, v, sched: HeadSchedule, heads: HeadComm) -> torch.Tensor:
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, kernel, scale, ring, heads, stage_heads):
-        sched = head_schedule(q.shape[1], k.shape[1], heads.size, stage_heads)
+        sched = head_schedule(q.shape[1], k.shape[1], heads.size, stage_heads, q.device)
         kv = _kv_to_heads(k, v, sched, heads)
         if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
             o, lse = ring_forward(heads.to_heads(q), kv[0], kv[1], plan, kernel, scale, ring)

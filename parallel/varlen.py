@@ -27,6 +27,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from longstride.parallel.flash_contract import check_layout
+
 
 class Varlen(NamedTuple):
     forward: Callable
@@ -53,7 +55,11 @@ class VarlenCall:
 
     def _args(self, device) -> tuple:
         if device not in self._cu:  # a host-to-device copy waits for the device: once per batch, not per layer
-            self._cu[device] = tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in (self.cu_q, self.cu_k))
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # real even inside a traced step: the call is cached (kernels.py)
+                self._cu[device] = tuple(torch.tensor(c, dtype=torch.int32, device=device)
+                                         for c in (self.cu_q, self.cu_k))
         return (*self._cu[device], self.max_q, self.max_k)
 
     def forward(self, kernel: Varlen, q, k, v, scale: float):
@@ -210,12 +216,7 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
 
 
 def _check_contract(q, k, cu_q, cu_k, max_q, max_k, *same_dtype) -> None:
-    assert q.dim() == 3 and k.dim() == 3 and q.shape[2] == k.shape[2], (q.shape, k.shape)
-    assert all(x.dtype == q.dtype for x in (k, *same_dtype)), "q, k, v, out and dout share one dtype"
-    assert q.stride(-1) == 1 and k.stride(-1) == 1, "varlen kernels need a dense last dimension"
-    assert q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
+    check_layout(q, k, cu_q, cu_k, *same_dtype)
     for cu, x, m in ((cu_q, q, max_q), (cu_k, k, max_k)):
-        assert cu.dtype == torch.int32 and cu.device == x.device and cu.dim() == 1, cu
         lens = cu.diff()
         assert cu[0] == 0 and cu[-1] == x.shape[0] and (lens > 0).all() and int(lens.max()) == m, (cu, m)
-    assert len(cu_q) == len(cu_k)
