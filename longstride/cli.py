@@ -5,6 +5,7 @@
     longstride eval ppl checkpoint=DIR lengths=[1024,2048,4096] [key=value ...]
     longstride eval compare run=outputs/tiny_extend [key=value ...]  # base + every stage, same samples
     longstride convert-gguf out=checkpoints/smollm2-135m-instruct [gguf=FILE]
+    longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1  # memory per stage (estimate)
     longstride <command> --help                              # every option of that command
 
 Several processes run the module behind a command, e.g.
@@ -44,7 +45,14 @@ def _convert(argv: list[str]) -> None:
     run("longstride convert-gguf", main, argv)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert}
+def _plan(argv: list[str]) -> None:
+    from longstride.overrides import run
+    from longstride.recipes.memplan import main
+
+    run("longstride plan", main, argv)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert, "plan": _plan}
 
 
 def _usage(error: str = "") -> None:

@@ -10,7 +10,6 @@ the attention function read them from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Optional
 
 import torch
@@ -92,11 +91,14 @@ class DocLayout:
     doc_ids: Optional[torch.Tensor]
     plan: Optional[RingPlan] = None
     cp: CPContext = CPContext()
+    # per row, (start, end) of each document: read from doc_ids once, when the layout is made, not in every
+    # layer; a field, so that the copies FSDP2 makes of a forward's keyword arguments (its input casts)
+    # carry it instead of reading the ids again from wherever they were moved
+    bounds: Optional[list] = None
 
-    @cached_property
-    def bounds(self) -> Optional[list]:
-        """Per row, (start, end) of each document: read from doc_ids once per batch, not in every layer."""
-        return None if self.doc_ids is None else doc_bounds(self.doc_ids)
+    def __post_init__(self):
+        if self.bounds is None and self.doc_ids is not None:
+            self.bounds = doc_bounds(self.doc_ids)
 
 
 def shard_for_cp(batch: dict, doc_masking: bool, cp: CPContext) -> tuple[dict, DocLayout]:

@@ -173,21 +173,23 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
                          f"needs a multiple of {degrees.ring * math.lcm(2, degrees.ulysses)}")
 
 
-def resolve_precision(precision: str) -> str:
-    """train.precision -> accelerate's mixed_precision ("bf16" | "no")."""
+def resolve_precision(precision: str, assume_gpu: bool = False) -> str:
+    """train.precision -> accelerate's mixed_precision ("bf16" | "no"); assume_gpu: for a bf16 GPU that this
+    machine need not have (longstride plan)."""
     import torch
 
     if precision == "fp32":
         return "no"
-    bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    bf16_ok = assume_gpu or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if precision == "bf16" and not bf16_ok:
         raise ValueError("train.precision=bf16 needs a GPU with bf16; use train.precision=auto or fp32")
     return "bf16" if bf16_ok else "no"
 
 
 def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str, heads: int,
-               prev_len: int = 0) -> StagePlan:
-    """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu)."""
+               prev_len: int = 0, assume_gpu: bool = False) -> StagePlan:
+    """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu); assume_gpu: for
+    CUDA GPUs with bf16 and torch's flash attention that this machine need not have (longstride plan)."""
     s, m, par, f = cfg.recipe.stages[name], cfg.model, cfg.parallel, f"recipe.stages.{name}"
     dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
     degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
@@ -197,8 +199,8 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
         raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
                          f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
     ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
-    half = device_type == "cuda" and resolve_precision(str(cfg.train.precision)) == "bf16"
-    kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half)
+    half = device_type == "cuda" and resolve_precision(str(cfg.train.precision), assume_gpu) == "bf16"
+    kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half, assume_available=assume_gpu)
     if str(par.flash_impl) != "FA2" and kernel != "torch_flash":
         raise ValueError(f"parallel.flash_impl={par.flash_impl} applies to parallel.kernel=torch_flash, and this "
                          f"stage runs {kernel}; use parallel.flash_impl=FA2")
@@ -210,17 +212,20 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
         balance=str(par.balance if s.balance is None else s.balance), accum=s.batch_tokens // per_step)
 
 
-def validate(cfg: Config, world: int, device_type: str = "cpu") -> dict[str, StagePlan]:
+def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool = False,
+             check_data: bool = True) -> dict[str, StagePlan]:
     """Every user-facing check, with the field and the fix; returns each stage's plan. Nothing is built
-    before it passes."""
+    before it passes. assume_gpu / check_data=False: plan for GPUs this machine lacks, without the data
+    (longstride plan)."""
     _check_run(cfg)
     heads = _model_heads(cfg)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
-        plans[name] = plan_stage(cfg, index, name, world, device_type, heads, prev_len)
+        plans[name] = plan_stage(cfg, index, name, world, device_type, heads, prev_len, assume_gpu)
         prev_len = plans[name].stage.seq_len
     selected_stages(cfg)
-    _check_data(cfg)
+    if check_data:
+        _check_data(cfg)
     return plans

@@ -42,7 +42,7 @@ from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.flash_contract import FlashOpCheck
-from longstride.parallel.fsdp import apply_fsdp
+from longstride.parallel.fsdp import apply_fsdp, fsdp_mesh
 
 GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -227,15 +227,14 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
     round_to = GPU_ROUND if prog.gpu else 1
     with fake_process_group(prog.world, rank):
         cp = _cp(prog)
+        mesh = fsdp_mesh("cpu", prog.world) if prog.fsdp else None  # a mesh reads its ranks: not in fake mode
         local, layout = shard_for_cp(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs), True, cp)
-        if layout.doc_ids is not None:
-            _ = layout.bounds  # read from the real ids now: inside the fake mode they are fake
         # non-fake inputs: the batch, and the small index tensors made once and cached (cumulative lengths,
         # head schedules), which stay real so that a later real run never meets a fake one
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, FlashOpCheck() as flash:
             model, lm, offloader = _build(prog, device)
             if prog.fsdp:
-                apply_fsdp(model, lm.model.layers, "cpu", prog.world, torch.bfloat16 if prog.bf16 else None)
+                apply_fsdp(model, lm.model.layers, "cpu", prog.world, torch.bfloat16 if prog.bf16 else None, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             mb = {k: mode.from_tensor(v).to(device) for k, v in local.items()}
             count = LiveBytes(round_to)

@@ -1,0 +1,252 @@
+"""`longstride plan`: each stage's memory per rank on a named GPU, from one traced training step, the longest
+sequence that fits, and for a stage that does not fit the smallest change that makes it fit.
+
+    longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1
+    longstride plan recipe=tiny_extend hardware=a100_40g gpus_per_node=1 [any training override]
+
+Each stage's step is traced (recipes/trace.py: fake tensors, one rank of gpus_per_node x nodes under a fake
+process group, bf16, torch's flash attention, the stage's CP, checkpointing, tiling, offload and FSDP2 as
+planned for that many GPUs) and counted as the CUDA caching allocator's allocated bytes. What a GPU also
+holds (the CUDA context, cuBLAS workspace, NCCL buffers) is the hardware's reserve, and the allocator's
+fragmentation a stated share of the rest: both are assumptions, not traced. The longest sequence comes from
+the trace itself: with flash attention every per-rank term is constant or linear in the sequence length, so
+two traces give the line, and a third at the answer checks it. Every figure is an estimate: nothing here ran
+on a GPU. Hardware files: configs/hardware/<name>.yaml.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+from omegaconf import OmegaConf
+
+GIB = 2 ** 30
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@dataclass
+class Hardware:
+    name: str = "???"
+    memory_gib: float = 0.0  # the GPU's memory as nvidia-smi reports it
+    reserve_gib: float = 3.0  # CUDA context (~0.5), cuBLAS workspace, NCCL communicators and buffers
+    fragmentation: float = 0.05  # share of the rest the caching allocator's blocks leave unusable
+
+    @property
+    def usable_gib(self) -> float:
+        return (self.memory_gib - self.reserve_gib) * (1 - self.fragmentation)
+
+
+@dataclass
+class PlanConfig:
+    hardware: str = "h100_80g"  # a file of configs/hardware/ without .yaml
+    gpus_per_node: int = 8
+    nodes: int = 1
+    search: bool = True  # the longest seq_len that fits each stage, with its settings
+    docs: int = 4  # documents per traced sequence (the ring plan's blocks follow them)
+    out: str = ""  # also write the plan as JSON here
+    overrides: list = field(default_factory=list)  # training overrides (recipe=..., model.*, ...), as given
+
+
+def hardware(name: str) -> Hardware:
+    folder = os.path.join(CONFIGS, "hardware")
+    known = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+    if name not in known:
+        raise ValueError(f"hardware={name!r} is unknown; known: {', '.join(known)} (configs/hardware/)")
+    merged = OmegaConf.merge(OmegaConf.structured(Hardware), OmegaConf.load(os.path.join(folder, f"{name}.yaml")))
+    return OmegaConf.to_object(merged)
+
+
+def compose_training(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from longstride.recipes.schema import to_schema
+
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return to_schema(compose("config", overrides=list(overrides)))
+
+
+def model_config(cfg, stage):
+    """The transformers config a stage trains (RoPE base and length set, YaRN when configured), without
+    weights: a checkpoint's config.json, or the model group's sizes."""
+    from transformers import AutoConfig
+
+    from longstride.model.build import apply_yarn, check_checkpoint_dir, set_rope_base, smollm3_config
+
+    m = cfg.model
+    if m.arch == "checkpoint":
+        check_checkpoint_dir(m.checkpoint or "", "model.checkpoint")
+        config = set_rope_base(AutoConfig.from_pretrained(m.checkpoint), stage.rope_theta, stage.seq_len)
+        if m.yarn.factor:
+            apply_yarn(config, m.yarn.factor, m.yarn.original_max_position_embeddings)
+        config.use_cache = False
+        return config
+    vocab = m.vocab_size or _tokenizer_size(cfg.data)
+    return smollm3_config(m, vocab, 0, 0, stage.seq_len, stage.rope_theta)
+
+
+def _tokenizer_size(data) -> int:
+    if data.tokenizer:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(data.tokenizer))
+    return data.vocab_size  # the BPE tokenizer training builds on the corpus
+
+
+def stage_program(cfg, plan, world: int, docs: int):
+    from longstride.recipes.trace import StepProgram
+
+    s = plan.stage
+    return StepProgram(model_config(cfg, s), s.seq_len, s.micro_batch_size, world, plan.dims.cp, cfg.parallel.cp_impl,
+                       plan.degrees, plan.kernel, plan.checkpointing, plan.offload, plan.mlp_tile,
+                       cfg.model.lean_rms_norm, cfg.model.loss_tile_tokens, plan.fsdp, bf16=True, gpu=True,
+                       docs=docs, balance=plan.balance)
+
+
+def length_unit(prog) -> int:
+    """seq_len must be a multiple of this for the stage's CP layout (recipes/plan._check_stage_shape)."""
+    import math
+
+    d = prog.degrees
+    return 1 if prog.cp == 1 else d.ring * math.lcm(2, d.ulysses)
+
+
+CHECK_WITHIN = 8  # the line's answer is checked by a trace when it is at most this many times the stage's length
+
+
+def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
+    """The longest seq_len whose traced peak fits `usable` bytes, from the line through traces at the stage's
+    length and twice it. When the answer is within CHECK_WITHIN x the stage's length a trace there checks it
+    (stepping down 5% while it does not fit); further out a trace would take minutes (its loss and MLP tiles
+    grow with the length), and the line stands. Returns (length or 0, checked, the traces made)."""
+    from longstride.recipes.trace import trace_step
+
+    unit = length_unit(prog)
+    L1 = prog.seq_len
+    second = trace_step(prog.at(2 * L1))
+    slope = (second["peak"] - first["peak"]) / L1
+    points = [(L1, first["peak"]), (2 * L1, second["peak"])]
+    if slope <= 0:
+        return 0, False, points
+    guess = int((usable - (first["peak"] - slope * L1)) / slope) // unit * unit
+    if guess > CHECK_WITHIN * L1:
+        return guess, False, points
+    for _ in range(4):
+        if guess < unit:
+            return 0, True, points
+        peak = trace_step(prog.at(guess))["peak"]
+        points.append((guess, peak))
+        if peak <= usable:
+            return guess, True, points
+        guess = int(guess * 0.95) // unit * unit
+    return 0, True, points
+
+
+def fixes(prog):
+    """Single changes in order of cost: tiling, checkpointing, offload, then each larger cp within the world.
+    Yields (what to set, the changed program)."""
+    from longstride.parallel.config import ParallelConfig
+    from longstride.parallel.cp import cp_degrees
+
+    if not prog.mlp_tile:
+        tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
+        yield f"mlp_tile_tokens={tile}", replace(prog, mlp_tile=tile)
+    if prog.checkpointing == "none":
+        yield "model.activation_checkpointing=true", replace(prog, checkpointing="full")
+    if prog.checkpointing != "none" and not prog.offload:
+        yield "model.offload_activations=true", replace(prog, offload=True)
+    cp = prog.cp * 2
+    while cp <= prog.world and prog.world % cp == 0:
+        try:
+            degrees = cp_degrees(ParallelConfig(cp_impl=prog.cp_impl), cp, prog.config.num_attention_heads)
+        except ValueError:
+            break
+        yield f"cp={cp}", replace(prog, cp=cp, degrees=degrees)
+        cp *= 2
+
+
+def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
+    from longstride.model.memory import estimate
+    from longstride.recipes.trace import trace_step
+
+    t0 = time.perf_counter()
+    prog = stage_program(cfg, plan, world, pc.docs)
+    r = trace_step(prog)
+    usable = int(hw.usable_gib * GIB)
+    n = sum(p.numel() for p in _param_shapes(prog.config))
+    est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, prog.checkpointing, prog.mlp_tile,
+                   prog.loss_tile, world if prog.fsdp else 1, act_bytes=2, offload=prog.offload)
+    row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
+           "checkpointing": prog.checkpointing, "mlp_tile": prog.mlp_tile, "offload": prog.offload,
+           "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",
+                                                                "activations", "peak", "host")},
+           "analytic": est["total"] * GIB, "usable": usable, "fits": r["peak"] <= usable}
+    if pc.search:
+        row["longest"], row["longest_checked"], row["search"] = longest(prog, usable, r)
+    if not row["fits"]:
+        row["fix"] = next((what for what, p in fixes(prog) if trace_step(p)["peak"] <= usable), "none found")
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def _param_shapes(config):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    with FakeTensorMode():
+        return list(AutoModelForCausalLM.from_config(config).parameters())
+
+
+def _longest(r: dict) -> str:
+    if "longest" not in r:
+        return "-"
+    if not r["longest"]:
+        return "none"
+    return f"{r['longest']}" + ("" if r["longest_checked"] else " (line)")
+
+
+def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str) -> None:
+    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    print(f"longstride plan: recipe {recipe} on {world} x {hw.name} ({hw.memory_gib:g} GiB; usable "
+          f"{hw.usable_gib:.1f} GiB after a {hw.reserve_gib:g} GiB reserve and {hw.fragmentation:.0%} "
+          "fragmentation). ESTIMATES by tracing one step per rank, not measured on a GPU; GiB per rank")
+    head = ["stage", "seq_len", "cp", "params", "grads", "optim", "activ", "peak", "analytic", "diff", "fits",
+            "longest seq_len", "to fit"]
+    table = [[r["stage"], str(r["seq_len"]), f"{r['cp']} {r['cp_impl']}".strip(), g(r["parameters"]),
+              g(r["gradients"]), g(r["optimizer"]), g(r["activations"]), g(r["peak"]), g(r["analytic"]),
+              f"{(r['analytic'] - r['peak']) / r['peak']:+.0%}", "yes" if r["fits"] else "NO",
+              _longest(r), r.get("fix", "")] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    for line in [head, *table]:
+        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
+
+
+def main(argv: list[str]) -> list[dict]:
+    from longstride.overrides import parse
+    from longstride.recipes.plan import validate
+
+    names = {f.name for f in dataclasses.fields(PlanConfig)} - {"overrides"}
+    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
+    pc = parse(PlanConfig, mine, "longstride plan", __doc__)
+    pc.overrides = [a for a in argv if a not in mine]
+    hw = hardware(pc.hardware)
+    if pc.gpus_per_node < 1 or pc.nodes < 1:
+        raise ValueError(f"gpus_per_node={pc.gpus_per_node} and nodes={pc.nodes} must be >= 1")
+    world = pc.gpus_per_node * pc.nodes
+    cfg = compose_training(pc.overrides)
+    plans = validate(cfg, world, "cuda", assume_gpu=True, check_data=False)
+    rows = [plan_stage(cfg, p, hw, world, pc) for p in plans.values()]
+    print_plan(rows, hw, world, cfg.recipe.name)
+    if pc.out:
+        with open(pc.out, "w") as fh:
+            json.dump({"recipe": cfg.recipe.name, "hardware": dataclasses.asdict(hw), "world": world,
+                       "estimate": "traced, not measured on a GPU", "stages": rows}, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    from longstride.overrides import run
+
+    run("longstride plan", main)

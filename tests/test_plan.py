@@ -1,0 +1,59 @@
+"""`longstride plan` (recipes/memplan.py): per-stage memory on named GPUs from a traced step, the longest
+sequence that fits, the smallest change for a stage that does not."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import SmolLM3Config
+
+from longstride.recipes import memplan
+from longstride.recipes.trace import StepProgram, trace_step
+from tests.conftest import REPO
+
+TINY = SmolLM3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, no_rope_layers=[1, 1],
+                     use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+
+
+def test_plan_prints_every_stage_of_a_recipe(tmp_path):
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "longstride.cli", "plan", "recipe=tiny_extend", "hardware=a100_40g",
+                        "gpus_per_node=2", "search=false", f"out={out}"], capture_output=True, text=True, cwd=REPO,
+                       timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ESTIMATES" in r.stdout and "A100 40GB" in r.stdout
+    plan = json.loads(out.read_text())
+    assert [s["stage"] for s in plan["stages"]] == ["s2_2k", "s3_4k"]
+    for s in plan["stages"]:
+        assert s["fits"] and s["cp"] == 2 and s["fsdp"], s
+        assert s["peak"] >= s["parameters"] + s["gradients"] + s["optimizer"] + s["activations"] * 0.5
+
+
+def test_unknown_hardware_lists_the_known_ones():
+    with pytest.raises(ValueError, match="h100_80g.*h200_141g") as e:
+        memplan.hardware("h100")
+    for name in ("a100_40g", "a100_80g", "b200"):
+        assert name in str(e.value)
+
+
+def test_the_longest_length_is_found_on_the_trace():
+    prog = StepProgram(TINY, 1024, mlp_tile=256, loss_tile=256, docs=1)
+    first = trace_step(prog)
+    usable = trace_step(prog.at(3 * 1024))["peak"]  # room for three times the stage's length, not more
+    length, checked, points = memplan.longest(prog, usable, first)
+    assert checked and 0.95 * 3 * 1024 <= length <= 3 * 1024
+    assert trace_step(prog.at(length))["peak"] <= usable
+
+
+def test_a_stage_that_does_not_fit_gets_the_smallest_change():
+    prog = StepProgram(TINY, 4096, world=4, checkpointing="none", mlp_tile=0, loss_tile=256, docs=1)
+    changes = dict(memplan.fixes(prog))
+    assert list(changes)[:2] == ["mlp_tile_tokens=1024", "model.activation_checkpointing=true"]
+    assert "cp=2" in changes and "cp=4" in changes
+    before = trace_step(prog)["peak"]
+    assert trace_step(changes["mlp_tile_tokens=1024"])["peak"] < before
+    assert trace_step(changes["cp=2"])["peak"] < before
