@@ -111,10 +111,11 @@ def published_program(model, gpus: int, settings: dict, length: int) -> StepProg
 
 
 def line(prog: StepProgram, lengths: tuple[int, int]) -> tuple[float, float, dict]:
-    """(fixed bytes, bytes per token, the shorter trace) of the peak, from traces at two lengths."""
+    """(fixed bytes, bytes per token, the shorter trace) of forward + backward's peak from traces at two lengths
+    (the update's own peak, peak_optimizer, does not grow with the length)."""
     a, b = (trace_step(prog.at(L)) for L in lengths)
-    slope = (b["peak"] - a["peak"]) / (lengths[1] - lengths[0])
-    return a["peak"] - slope * lengths[0], slope, a
+    slope = (b["peak_backward"] - a["peak_backward"]) / (lengths[1] - lengths[0])
+    return a["peak_backward"] - slope * lengths[0], slope, a
 
 
 def published(hw: Hardware) -> list[dict]:
@@ -128,11 +129,13 @@ def published(hw: Hardware) -> list[dict]:
         row = {"configuration": name, "GPUs": f"{gpus} x {hw.name}",
                "fixed_gib": round(fixed / GIB, 2), "kib_per_token": round(per_token / 1024, 2),
                "states_gib": round((first["parameters"] + first["gradients"] + first["optimizer"]) / GIB, 2)}
+        row["update_gib"] = round(first["peak_optimizer"] / GIB, 2)
         if at:
-            row["peak_gib_at"] = f"{(fixed + per_token * at) / GIB:.1f} GiB at {at // 1024}K"
-        longest = int((usable - fixed) / per_token) if fixed < usable else 0
+            row["peak_gib_at"] = f"{max(fixed + per_token * at, first['peak_optimizer']) / GIB:.1f} GiB at {at // 1024}K"
+        fits = fixed < usable and first["peak_optimizer"] <= usable
+        longest = int((usable - fixed) / per_token) if fits else 0
         row["longest"] = f"{longest / 1e6:.2f}M" if longest >= 1e6 else (f"{longest // 1024}K" if longest else
-                                                                           "none: the fixed part alone exceeds")
+                                                                           "none: the states alone exceed")
         row["peers_measured"] = peer
         row["trace_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)

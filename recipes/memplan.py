@@ -95,14 +95,15 @@ def _tokenizer_size(data) -> int:
     return data.vocab_size  # the BPE tokenizer training builds on the corpus
 
 
-def stage_program(cfg, plan, world: int, docs: int):
+def stage_program(cfg, plan, world: int, docs: int, config=None, gpu: bool = True, bf16: bool = True):
+    """The StepProgram of a planned stage; config: the model's (a training stage has it loaded), else read."""
     from longstride.recipes.trace import StepProgram
 
     s = plan.stage
-    return StepProgram(model_config(cfg, s), s.seq_len, s.micro_batch_size, world, plan.dims.cp, cfg.parallel.cp_impl,
-                       plan.degrees, plan.kernel, plan.checkpointing, plan.offload, plan.mlp_tile,
-                       cfg.model.lean_rms_norm, cfg.model.loss_tile_tokens, plan.fsdp, bf16=True, gpu=True,
-                       docs=docs, balance=plan.balance)
+    return StepProgram(config or model_config(cfg, s), s.seq_len, s.micro_batch_size, world, plan.dims.cp,
+                       cfg.parallel.cp_impl, plan.degrees, plan.kernel, plan.checkpointing, plan.offload,
+                       plan.mlp_tile, cfg.model.lean_rms_norm, cfg.model.loss_tile_tokens, plan.fsdp, bf16=bf16,
+                       gpu=gpu, docs=docs, balance=plan.balance)
 
 
 def length_unit(prog) -> int:
@@ -126,11 +127,14 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     unit = length_unit(prog)
     L1 = prog.seq_len
     second = trace_step(prog.at(2 * L1))
-    slope = (second["peak"] - first["peak"]) / L1
     points = [(L1, first["peak"]), (2 * L1, second["peak"])]
+    if max(first["peak_optimizer"], second["peak_optimizer"]) > usable:  # the update alone does not fit
+        return 0, False, points
+    # the line of forward + backward's peak: the update's own peak does not grow with the length
+    slope = (second["peak_backward"] - first["peak_backward"]) / L1
     if slope <= 0:
         return 0, False, points
-    guess = int((usable - (first["peak"] - slope * L1)) / slope) // unit * unit
+    guess = int((usable - (first["peak_backward"] - slope * L1)) / slope) // unit * unit
     if guess > CHECK_WITHIN * L1:
         return guess, False, points
     for _ in range(4):

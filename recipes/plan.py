@@ -74,7 +74,9 @@ def _range_rules(cfg: Config) -> list[tuple]:
              ("train.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0 = keep every one)"),
              ("train.max_nonfinite_steps", t.max_nonfinite_steps, t.max_nonfinite_steps >= 1, ">= 1 (3 is the default)"),
              ("train.collective_timeout_s", t.collective_timeout_s, t.collective_timeout_s >= 1,
-              ">= 1 second (1800 is the default)")]
+              ">= 1 second (1800 is the default)"),
+             ("train.trace_memory", t.trace_memory, str(t.trace_memory).lower() in ("auto", "true", "false"),
+              "auto, true or false")]
     if m.arch != "checkpoint":
         rules += [(f"model.{k}", getattr(m, k), getattr(m, k) >= 1, ">= 1")
                   for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",

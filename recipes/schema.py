@@ -90,6 +90,9 @@ class TrainConfig:
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
     resume_from: Optional[str] = None  # a step_NNNNNN or final dir of this run: continue from it (config changes allowed)
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
+    # each stage's step traced at its start (recipes/trace.py, seconds, in a child process of rank 0) and its
+    # per-rank memory logged beside the analytic estimate: auto = on GPUs, true, false
+    trace_memory: str = "auto"
 
 
 @dataclass

@@ -133,10 +133,38 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     if plan.offload:
         tracker.info("stage %s: %.2f GiB of checkpointed layer inputs per rank offloaded to pinned host memory",
                      plan.name, est["host_activations"])
+    if acc.is_main_process and _trace_on(ctx.cfg.train.trace_memory, acc.device.type):
+        log_traced_memory(ctx, plan, lm, est["total"])
     if est["total"] > 0.9 * avail:
         tracker.warning("stage %s will likely not fit: about %.1f GiB per rank against %.1f GiB; raise its cp, set "
                         "model.activation_checkpointing=true and mlp_tile_tokens, or lower micro_batch_size",
                         plan.name, est["total"], avail)
+
+
+def _trace_on(choice: str, device_type: str) -> bool:
+    choice = str(choice).lower()
+    return choice == "true" or (choice == "auto" and device_type == "cuda")
+
+
+def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float) -> None:
+    """The stage's step traced for this device (recipes/trace.py, in a child process) beside the analytic
+    estimate; a trace that fails is a warning, never a stopped run."""
+    from longstride.recipes.memplan import stage_program
+    from longstride.recipes.trace import trace_in_child
+
+    acc, gib = ctx.accelerator, 2 ** 30
+    prog = stage_program(ctx.cfg, plan, acc.num_processes, docs=4, config=lm.config,
+                         gpu=acc.device.type == "cuda", bf16=acc.mixed_precision == "bf16")
+    try:
+        r = trace_in_child(prog)
+    except Exception as e:  # noqa: BLE001 - a planning aid: the stage runs without it
+        ctx.tracker.warning("stage %s: the memory trace failed (%s: %s); training goes on", plan.name,
+                            type(e).__name__, e)
+        return
+    ctx.tracker.info("stage %s: traced step per rank %.2f GiB (parameters %.2f, gradients %.2f, optimizer %.2f, "
+                     "activations %.2f; recipes/trace.py) against the analytic %.2f GiB (%+.0f%%)", plan.name,
+                     r["peak"] / gib, r["parameters"] / gib, r["gradients"] / gib, r["optimizer"] / gib,
+                     r["activations"] / gib, analytic_gib, 100 * (analytic_gib * gib - r["peak"]) / r["peak"])
 
 
 def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):

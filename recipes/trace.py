@@ -38,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import prepare_model
-from longstride.parallel.attention import use_longstride_attention
+from longstride.parallel.attention import register, use_longstride_attention
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.flash_contract import FlashOpCheck
@@ -191,6 +191,7 @@ def _build(prog: StepProgram, device: str):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device == "meta" and prog.bf16 else torch.float32
+    register()  # a live model's config names longstride's attention, which this process may not know yet
     with torch.device(device):
         lm = AutoModelForCausalLM.from_config(prog.config, dtype=dtype)
     if prog.plain:
@@ -265,6 +266,16 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             "peak_backward": fb_peak + state, "peak_optimizer": opt_peak,
             "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls,
             "seconds": time.perf_counter() - t0}
+
+
+def trace_in_child(prog: StepProgram, timeout_s: float = 600) -> dict:
+    """trace_step(prog) in a fresh process: a training process has its real process group, and the trace needs
+    a fake one of its own."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trace_step, prog).result(timeout=timeout_s)
 
 
 @contextlib.contextmanager

@@ -57,3 +57,4 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     before = trace_step(prog)["peak"]
     assert trace_step(changes["mlp_tile_tokens=1024"])["peak"] < before
     assert trace_step(changes["cp=2"])["peak"] < before
+
