@@ -6,7 +6,8 @@ estimate published configurations on GPUs nobody here has.
                shape at 1K-8K and the tiny shape at 2K-32K; plain transformers, longstride, longstride cp=2) and
                the error of the trace against the measured peak (resident memory above the process's
                zero), per point. Writes benchmarks/results/plan_validation.json.
-  --published  Llama-3.1-8B's shape on 1 x H100 80GB (plain transformers; longstride with tiling, full
+  --published  (host_gib_per_rank: the offloaded layer inputs each rank keeps in host memory at that length)
+               Llama-3.1-8B's shape on 1 x H100 80GB (plain transformers; longstride with tiling, full
                checkpointing and offload) and on 8 x H100 with cp=8 (ring, Ulysses, UPipe), and Qwen3-8B's
                shape at 1M tokens on 8 x H100: the longest context that fits, or the peak at the peers'
                length, beside the peers' measured figures (ALST, UPipe, TRL). ESTIMATES: traced on CPU, never
@@ -130,12 +131,14 @@ def published(hw: Hardware) -> list[dict]:
                "fixed_gib": round(fixed / GIB, 2), "kib_per_token": round(per_token / 1024, 2),
                "states_gib": round((first["parameters"] + first["gradients"] + first["optimizer"]) / GIB, 2)}
         row["update_gib"] = round(first["peak_optimizer"] / GIB, 2)
+        host_per_token = first["host"] / base  # offloaded layer inputs, host memory per rank
         if at:
             row["peak_gib_at"] = f"{max(fixed + per_token * at, first['peak_optimizer']) / GIB:.1f} GiB at {at // 1024}K"
         fits = fixed < usable and first["peak_optimizer"] <= usable
         longest = int((usable - fixed) / per_token) if fits else 0
         row["longest"] = f"{longest / 1e6:.2f}M" if longest >= 1e6 else (f"{longest // 1024}K" if longest else
                                                                            "none: the states alone exceed")
+        row["host_gib_per_rank"] = round(host_per_token * (at or longest) / GIB, 1)
         row["peers_measured"] = peer
         row["trace_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)

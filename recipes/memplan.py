@@ -215,12 +215,13 @@ def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str) -> None:
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     print(f"longstride plan: recipe {recipe} on {world} x {hw.name} ({hw.memory_gib:g} GiB; usable "
           f"{hw.usable_gib:.1f} GiB after a {hw.reserve_gib:g} GiB reserve and {hw.fragmentation:.0%} "
-          "fragmentation). ESTIMATES by tracing one step per rank, not measured on a GPU; GiB per rank")
-    head = ["stage", "seq_len", "cp", "params", "grads", "optim", "activ", "peak", "analytic", "diff", "fits",
-            "longest seq_len", "to fit"]
+          "fragmentation). ESTIMATES by tracing one step per rank, not measured on a GPU; GiB per rank "
+          "(host: offloaded to host memory)")
+    head = ["stage", "seq_len", "cp", "params", "grads", "optim", "activ", "peak", "analytic", "diff", "host",
+            "fits", "longest seq_len", "to fit"]
     table = [[r["stage"], str(r["seq_len"]), f"{r['cp']} {r['cp_impl']}".strip(), g(r["parameters"]),
               g(r["gradients"]), g(r["optimizer"]), g(r["activations"]), g(r["peak"]), g(r["analytic"]),
-              f"{(r['analytic'] - r['peak']) / r['peak']:+.0%}", "yes" if r["fits"] else "NO",
+              f"{(r['analytic'] - r['peak']) / r['peak']:+.0%}", g(r["host"]), "yes" if r["fits"] else "NO",
               _longest(r), r.get("fix", "")] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
     for line in [head, *table]:
