@@ -27,7 +27,7 @@ def recipe(ckpt, out, cache) -> list[str]:
             "logger.progress_bar=false"]
 
 
-def test_recipe_composes_and_validates(stand_in, tmp_path):
+def test_recipe_composes_and_validates(stand_in, tmp_path, monkeypatch):
     cfg = compose_cfg(recipe(stand_in, tmp_path / "out", tmp_path / "cache"))
     plans = validate(cfg, 1, "cpu")
     assert list(plans) == ["s1_16k", "s2_32k"]
@@ -39,8 +39,10 @@ def test_recipe_composes_and_validates(stand_in, tmp_path):
     kinds = {name: src.kind for name, src in cfg.data.sources.items()}
     assert kinds == {"stdlib": "stdlib", "pymanual": "pymanual", "retrieval": "synthetic"}
     assert cfg.data.sources["retrieval"].weight <= 0.2, "a small synthetic share"
+    overrides = recipe(stand_in, tmp_path, tmp_path)[:1] + recipe(stand_in, tmp_path, tmp_path)[2:]
+    monkeypatch.chdir(tmp_path)  # the default path is relative: here it is not converted, whatever the clone holds
     with pytest.raises(ValueError, match="model.checkpoint"):  # the default path, before conversion
-        validate(compose_cfg(recipe(stand_in, tmp_path, tmp_path)[:1] + recipe(stand_in, tmp_path, tmp_path)[2:]), 1)
+        validate(compose_cfg(overrides), 1)
 
 
 def test_dry_run_on_a_stand_in_then_before_after_eval(stand_in, tmp_path, cache_dir):
