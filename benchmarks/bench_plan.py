@@ -26,7 +26,7 @@ import time
 from benchmarks.common import RESULTS, print_table, write_results
 from longstride.parallel.config import CPDegrees, ParallelConfig
 from longstride.parallel.cp import cp_degrees
-from longstride.recipes.memplan import GIB, Hardware, hardware
+from longstride.recipes.memplan import GIB, Hardware, hardware, peak_line
 from longstride.recipes.trace import StepProgram, trace_step
 
 
@@ -111,14 +111,6 @@ def published_program(model, gpus: int, settings: dict, length: int) -> StepProg
                        docs=1, **s)
 
 
-def line(prog: StepProgram, lengths: tuple[int, int]) -> tuple[float, float, dict]:
-    """(fixed bytes, bytes per token, the shorter trace) of forward + backward's peak from traces at two lengths
-    (the update's own peak, peak_optimizer, does not grow with the length)."""
-    a, b = (trace_step(prog.at(L)) for L in lengths)
-    slope = (b["peak_backward"] - a["peak_backward"]) / (lengths[1] - lengths[0])
-    return a["peak_backward"] - slope * lengths[0], slope, a
-
-
 def published(hw: Hardware) -> list[dict]:
     usable = hw.usable_gib * GIB
     rows = []
@@ -126,7 +118,8 @@ def published(hw: Hardware) -> list[dict]:
         t0 = time.perf_counter()
         base = 16384 * gpus  # 16K and 32K tokens per rank
         prog = published_program(model, gpus, settings, base)
-        fixed, per_token, first = line(prog, (base, 2 * base))
+        first = trace_step(prog)
+        fixed, per_token, _ = peak_line(prog, first, 2 * base)
         row = {"configuration": name, "GPUs": f"{gpus} x {hw.name}",
                "fixed_gib": round(fixed / GIB, 2), "kib_per_token": round(per_token / 1024, 2),
                "states_gib": round((first["parameters"] + first["gradients"] + first["optimizer"]) / GIB, 2)}

@@ -97,6 +97,26 @@ def check_checkpoint_dir(path: str, field_name: str) -> None:
         raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
 
 
+def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,
+                 init_from: Optional[str] = None) -> PretrainedConfig:
+    """The config a stage's model has (build_model's, and a traced step's: recipes/trace.py): from `init_from`
+    or `cfg.checkpoint`, else the model group's sizes; the stage's RoPE base and length set, YaRN applied when
+    configured, no KV cache."""
+    source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
+    if source is not None:
+        check_checkpoint_dir(source, "model.checkpoint" if init_from is None else "previous stage checkpoint")
+        config = set_rope_base(AutoConfig.from_pretrained(source), rope_theta, seq_len)
+    elif cfg.arch != "smollm3":
+        raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
+    else:
+        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta,
+                               seq_len)
+    if cfg.yarn.factor:
+        apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
+    config.use_cache = False
+    return config
+
+
 def build_model(
     cfg: ModelConfig,
     rope_theta: float,
@@ -111,19 +131,10 @@ def build_model(
     `cfg.checkpoint`, else freshly initialised from `seed`. The stage's RoPE base is written into
     the config before the rotary embedding is built, so its inverse frequencies are right."""
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
+    config = stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from)
     if source is not None:
-        check_checkpoint_dir(source, "model.checkpoint" if init_from is None else "previous stage checkpoint")
-        config = set_rope_base(AutoConfig.from_pretrained(source), rope_theta, seq_len)
-        if cfg.yarn.factor:
-            apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
-        config.use_cache = False
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
     else:
-        if cfg.arch != "smollm3":
-            raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
-        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta, seq_len)
-        if cfg.yarn.factor:
-            apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = SmolLM3ForCausalLM(config)

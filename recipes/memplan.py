@@ -69,22 +69,11 @@ def compose_training(overrides: list[str]):
 
 
 def model_config(cfg, stage):
-    """The transformers config a stage trains (RoPE base and length set, YaRN when configured), without
-    weights: a checkpoint's config.json, or the model group's sizes."""
-    from transformers import AutoConfig
+    """The transformers config a stage trains (model/build.stage_config), without weights."""
+    from longstride.model.build import stage_config
 
-    from longstride.model.build import apply_yarn, check_checkpoint_dir, set_rope_base, smollm3_config
-
-    m = cfg.model
-    if m.arch == "checkpoint":
-        check_checkpoint_dir(m.checkpoint or "", "model.checkpoint")
-        config = set_rope_base(AutoConfig.from_pretrained(m.checkpoint), stage.rope_theta, stage.seq_len)
-        if m.yarn.factor:
-            apply_yarn(config, m.yarn.factor, m.yarn.original_max_position_embeddings)
-        config.use_cache = False
-        return config
-    vocab = m.vocab_size or _tokenizer_size(cfg.data)
-    return smollm3_config(m, vocab, 0, 0, stage.seq_len, stage.rope_theta)
+    vocab = 0 if cfg.model.arch == "checkpoint" else cfg.model.vocab_size or _tokenizer_size(cfg.data)
+    return stage_config(cfg.model, stage.rope_theta, stage.seq_len, vocab, 0, 0)
 
 
 def _tokenizer_size(data) -> int:
@@ -106,12 +95,15 @@ def stage_program(cfg, plan, world: int, docs: int, config=None, gpu: bool = Tru
                        gpu=gpu, docs=docs, balance=plan.balance)
 
 
-def length_unit(prog) -> int:
-    """seq_len must be a multiple of this for the stage's CP layout (recipes/plan._check_stage_shape)."""
-    import math
+def peak_line(prog, first: dict, length: int) -> tuple[float, float, dict]:
+    """(fixed bytes, bytes per token, the trace at `length`) of forward + backward's peak, through `first`
+    (the trace at prog.seq_len) and a trace at `length`: with flash attention it is a straight line in the
+    length. The update's own peak (peak_optimizer) does not grow with it and is checked apart."""
+    from longstride.recipes.trace import trace_step
 
-    d = prog.degrees
-    return 1 if prog.cp == 1 else d.ring * math.lcm(2, d.ulysses)
+    second = trace_step(prog.at(length))
+    slope = (second["peak_backward"] - first["peak_backward"]) / (length - prog.seq_len)
+    return first["peak_backward"] - slope * prog.seq_len, slope, second
 
 
 CHECK_WITHIN = 8  # the line's answer is checked by a trace when it is at most this many times the stage's length
@@ -122,19 +114,16 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     length and twice it. When the answer is within CHECK_WITHIN x the stage's length a trace there checks it
     (stepping down 5% while it does not fit); further out a trace would take minutes (its loss and MLP tiles
     grow with the length), and the line stands. Returns (length or 0, checked, the traces made)."""
+    from longstride.recipes.plan import seq_len_unit
     from longstride.recipes.trace import trace_step
 
-    unit = length_unit(prog)
+    unit = 1 if prog.cp == 1 else seq_len_unit(prog.degrees)
     L1 = prog.seq_len
-    second = trace_step(prog.at(2 * L1))
+    fixed, slope, second = peak_line(prog, first, 2 * L1)
     points = [(L1, first["peak"]), (2 * L1, second["peak"])]
-    if max(first["peak_optimizer"], second["peak_optimizer"]) > usable:  # the update alone does not fit
+    if max(first["peak_optimizer"], second["peak_optimizer"]) > usable or slope <= 0:  # the update alone fails
         return 0, False, points
-    # the line of forward + backward's peak: the update's own peak does not grow with the length
-    slope = (second["peak_backward"] - first["peak_backward"]) / L1
-    if slope <= 0:
-        return 0, False, points
-    guess = int((usable - (first["peak_backward"] - slope * L1)) / slope) // unit * unit
+    guess = int((usable - fixed) / slope) // unit * unit
     if guess > CHECK_WITHIN * L1:
         return guess, False, points
     for _ in range(4):
@@ -179,7 +168,7 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     prog = stage_program(cfg, plan, world, pc.docs)
     r = trace_step(prog)
     usable = int(hw.usable_gib * GIB)
-    n = sum(p.numel() for p in _param_shapes(prog.config))
+    n = r["num_params"]
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, prog.checkpointing, prog.mlp_tile,
                    prog.loss_tile, world if prog.fsdp else 1, act_bytes=2, offload=prog.offload)
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
@@ -193,14 +182,6 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
         row["fix"] = next((what for what, p in fixes(prog) if trace_step(p)["peak"] <= usable), "none found")
     row["seconds"] = time.perf_counter() - t0
     return row
-
-
-def _param_shapes(config):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
-
-    with FakeTensorMode():
-        return list(AutoModelForCausalLM.from_config(config).parameters())
 
 
 def _longest(r: dict) -> str:

@@ -154,6 +154,12 @@ def _check_data(cfg: Config) -> None:
                          "process; set data.num_workers=0 with data.streaming=true")
 
 
+def seq_len_unit(degrees: CPDegrees) -> int:
+    """seq_len must be a multiple of this for a CP layout of these degrees: the ring's 2 x ring chunks, each
+    split over the Ulysses group (ring x lcm(2, ulysses) covers both)."""
+    return degrees.ring * math.lcm(2, degrees.ulysses)
+
+
 def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:
     """Length order, step budget, and the sequence cut that the stage's CP layout needs."""
     if s.seq_len < prev_len:  # an equal length is a data or schedule change at that length (a warm-up, an anneal)
@@ -170,9 +176,9 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
     if degrees.ulysses == 1 and s.seq_len % (2 * s.cp):
         raise ValueError(f"{f}.seq_len={s.seq_len} is not divisible by 2 x cp = {2 * s.cp} "
                          f"(the zig-zag layout cuts it into 2 x cp chunks); use a multiple of {2 * s.cp}")
-    if s.seq_len % (2 * degrees.ring) or (s.seq_len // degrees.ring) % degrees.ulysses:
+    if s.seq_len % seq_len_unit(degrees):
         raise ValueError(f"{f}.seq_len={s.seq_len}: {impl} with ring {degrees.ring} x ulysses {degrees.ulysses} "
-                         f"needs a multiple of {degrees.ring * math.lcm(2, degrees.ulysses)}")
+                         f"needs a multiple of {seq_len_unit(degrees)}")
 
 
 def resolve_precision(precision: str, assume_gpu: bool = False) -> str:

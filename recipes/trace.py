@@ -215,7 +215,8 @@ def _storage_bytes(tensors, round_to: int) -> int:
 
 
 def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
-    """Bytes one rank holds in a steady-state training step (the optimizer state exists already):
+    """Bytes one rank holds in a steady-state training step (the optimizer state exists already), and the
+    model's num_params:
     parameters, gradients and optimizer state, activations (what the forward keeps for the backward),
     peak_backward (the peak of forward + backward, with the optimizer state), peak_optimizer (the update's
     own peak), peak (the larger), host (offloaded to host memory); plus the trace's seconds.
@@ -262,7 +263,8 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
                                         if isinstance(t, torch.Tensor) and t.dim() > 0], round_to)
                 opt_peak = count.peak
             params = _storage_bytes(list(model.parameters()), round_to)
-    return {"parameters": params, "gradients": grads, "optimizer": state, "activations": activations,
+            numel = sum(p.numel() for p in model.parameters())  # the full count: a DTensor's numel is global
+    return {"num_params": numel, "parameters": params, "gradients": grads, "optimizer": state, "activations": activations,
             "peak_backward": fb_peak + state, "peak_optimizer": opt_peak,
             "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls,
             "seconds": time.perf_counter() - t0}

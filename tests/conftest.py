@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -37,10 +36,9 @@ def micro_overrides(root: Path, cache: Path) -> list[str]:
 
 
 def compose_cfg(overrides: list[str]):
-    from longstride.recipes.schema import to_schema
+    from longstride.recipes.memplan import compose_training
 
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_schema(compose("config", overrides=overrides))
+    return compose_training(overrides)
 
 
 @pytest.fixture(scope="session")
