@@ -42,9 +42,9 @@ class CompareConfig:
     chat: bool = True
     haystack: Optional[str] = None  # prose for essay haystacks (see eval ruler); None = Python manual
     qa: QAFiles = field(default_factory=QAFiles)  # local SQuAD / HotpotQA files for qa_1 / qa_2
-    batch_size: int = 0  # 0 = by batch_tokens on a GPU, one prompt per generate call on CPU
+    batch_size: int = 0  # answers decoded together; 0 = as many as batch_tokens allows
     stop_when_scored: bool = True  # end an answer once its score is decided (same score, shorter answer)
-    batch_tokens: int = 32768
+    batch_tokens: int = 131072  # rows x (longest prompt + answer budget) decoded together (the KV cache)
     prefill_chunk: int = 8192  # prompt tokens per prefill forward
     dtype: Dtype = Dtype.float32
     threads: Optional[int] = None

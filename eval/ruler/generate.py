@@ -1,16 +1,21 @@
-"""Greedy batched generation with a KV cache and chunked prefill (transformers' `generate`).
+"""Greedy generation for RULER: each prompt prefilled alone, answers decoded together, a KV cache that never copies.
 
-Prompts are sorted by length and left-padded into batches; prompts longer than `prefill_chunk`
-tokens are prefilled `prefill_chunk` tokens at a time (transformers' `prefill_chunk_size`), so the
-prefill's activations are bounded by the chunk, not the prompt. Answers are the generated token ids
-decoded, never the prompt stripped from a decoded output.
+Each prompt is prefilled on its own (no padding, so the attention runs its unmasked kernel), `prefill_chunk`
+tokens per forward. Its KV cache is then copied into a batch buffer with room for the whole answer, the rows
+left-padded to the longest prompt, and the rows are decoded one token per forward for all of them together
+(transformers' DynamicCache concatenates: a copy of the whole cache per token and layer, most of a decode
+step's time on CPU). A row leaves the batch at EOS, at its token budget, or, given references, once its
+score is decided (`decided`). Answers are the generated token ids decoded, never the prompt stripped from
+a decoded output.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 from longstride.eval.ruler.score import sample_score
 
@@ -34,6 +39,12 @@ def _decode(tokenizer, new: list[int], eos: list[int]) -> str:
     return tokenizer.decode(new[:cut], skip_special_tokens=True)
 
 
+def decided(text: str, references: list[str], metric: str) -> bool:
+    """RULER's metrics are case-insensitive substring matches of the references in the answer: once every
+    reference ("all") or one ("part") is in the text so far, nothing generated after it changes the score."""
+    return sample_score(text, references, metric) == 1.0
+
+
 def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Indices of `widths` (prompt lengths), sorted by length, cut into batches: `batch_size` rows each, or
     with batch_size 0 as many rows as keep rows x the longest prompt within `batch_tokens` (at least one)."""
@@ -49,45 +60,130 @@ def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[
     return out
 
 
-class ScoreDecided(StoppingCriteria):
-    """Ends a row once its score is decided: RULER's metrics are case-insensitive substring matches of the
-    references in the answer, so once every reference ("all") or one ("part") is in the text generated so
-    far, nothing generated after it can change the score. Rows still undecided run on to EOS or the budget."""
+class BufferLayer(DynamicLayer):
+    """A layer's KV cache in buffers sized once for prompt and answer: a new token is written in place and
+    the layer hands attention a view of the columns filled so far."""
 
-    def __init__(self, tokenizer, width: int, references: list[list[str]], metric: str, eos: list[int]):
-        self.tokenizer, self.width, self.references, self.metric, self.eos = tokenizer, width, references, metric, eos
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
+        super().__init__()
+        self.buf_k, self.buf_v, self.filled = keys, values, filled
+        self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
+        self.device, self.is_initialized = keys.device, True
 
-    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-        done = [sample_score(_decode(self.tokenizer, row[self.width:].tolist(), self.eos), refs, self.metric) == 1.0
-                for row, refs in zip(input_ids, self.references)]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, s = self.filled, key_states.shape[-2]
+        if n + s > self.buf_k.shape[-2]:
+            raise RuntimeError(f"KV buffer full: {n} + {s} tokens > {self.buf_k.shape[-2]} columns")
+        self.buf_k[:, :, n:n + s] = key_states
+        self.buf_v[:, :, n:n + s] = value_states
+        self.filled = n + s
+        self.keys, self.values = self.buf_k[:, :, :n + s], self.buf_v[:, :, :n + s]
+        return self.keys, self.values
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows (batch indices) from now on."""
+        self.buf_k, self.buf_v = self.buf_k[rows], self.buf_v[rows]
+        self.keys, self.values = self.buf_k[:, :, :self.filled], self.buf_v[:, :, :self.filled]
+
+
+def _cache_kw(model) -> str:
+    """The forward's name for the KV cache: `cache` in recent transformers, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _prefill(model, ids: list[int], chunk: int, device, kw: str) -> tuple[DynamicCache, int]:
+    """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones through a
+    mask): its KV cache and its first new token."""
+    cache, x = DynamicCache(config=model.config), torch.tensor([ids], device=device)
+    for s in range(0, len(ids), chunk):
+        logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+    return cache, int(logits[0, -1].argmax())
+
+
+def _stack(caches: list[DynamicCache], widths: list[int], room: int) -> DynamicCache:
+    """The rows' caches in one, left-padded to the longest prompt, with `room` free columns for the answers."""
+    out, width = caches[0], max(widths)
+    layers = []
+    for i, first in enumerate(out.layers):
+        k0 = first.keys
+        keys = k0.new_zeros(len(caches), k0.shape[1], width + room, k0.shape[-1])
+        values = keys.clone()
+        for r, (cache, w) in enumerate(zip(caches, widths)):
+            keys[r, :, width - w:width] = cache.layers[i].keys[0]
+            values[r, :, width - w:width] = cache.layers[i].values[0]
+        layers.append(BufferLayer(keys, values, width))
+    out.layers = layers
+    return out
 
 
 @torch.no_grad()
-def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
-                    prefill_chunk: int = 2048, batch_tokens: int = 32768,
+def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 0,
+                    prefill_chunk: int = 8192, batch_tokens: int = 131072,
                     references: Optional[list[list[str]]] = None, metric: str = "all") -> list[str]:
-    """Decoded continuations of `prompts` (token id lists), in the given order. batch_size 0: batches
-    of up to `batch_tokens` prompt tokens (see `batches`). With `references` (one list per prompt) a row
-    stops as soon as its score under `metric` is decided (`ScoreDecided`): same score, shorter answer."""
-    eos, pad = stop_and_pad(model, tokenizer)
-    device = next(model.parameters()).device
+    """Decoded greedy continuations of `prompts` (token id lists), in the given order. Rows decoded together:
+    `batch_size`, or with 0 as many as keep rows x (longest prompt + max_new_tokens) within `batch_tokens`
+    (the KV cache's tokens). With `references` (one list per prompt) a row stops as soon as its score under
+    `metric` is decided: the same score, a shorter answer."""
+    eos, _ = stop_and_pad(model, tokenizer)
+    device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
-    for rows in batches([len(p) for p in prompts], batch_size, batch_tokens):
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):  # left padding: every row's last prompt token is at the same column
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        config = _config(max_new_tokens, eos, pad, prefill_chunk if width > prefill_chunk else None)
-        stop = StoppingCriteriaList([ScoreDecided(tokenizer, width, [references[i] for i in rows], metric, eos)]) \
-            if references is not None else None
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                             stopping_criteria=stop)
-        for r, i in enumerate(rows):
-            answers[i] = _decode(tokenizer, out[r, width:].tolist(), eos)
+    for rows in batches([len(p) + max_new_tokens for p in prompts], batch_size, batch_tokens):
+        widths = [len(prompts[i]) for i in rows]
+        caches, first = zip(*(_prefill(model, prompts[i], prefill_chunk, device, kw) for i in rows))
+        if any(type(layer) is not DynamicLayer for c in caches for layer in c.layers):
+            # sliding-window or other special layers keep their own cache: those rows decode one at a time
+            for i, w, c, t in zip(rows, widths, caches, first):
+                answers[i] = _decode_rows(model, tokenizer, [i], [w], [t], c, None, max_new_tokens, eos,
+                                          references, metric, kw)[i]
+            continue
+        mask = None
+        if min(widths) < max(widths):  # left padding, masked out
+            mask = torch.zeros(len(rows), max(widths) + max_new_tokens, dtype=torch.long, device=device)
+            for r, w in enumerate(widths):
+                mask[r, max(widths) - w:max(widths)] = 1
+        cache = _stack(list(caches), widths, max_new_tokens)
+        del caches
+        for i, text in _decode_rows(model, tokenizer, rows, widths, list(first), cache, mask, max_new_tokens, eos,
+                                    references, metric, kw).items():
+            answers[i] = text
     return answers
+
+
+def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tokens, eos, references, metric,
+                 kw) -> dict[int, str]:
+    """Greedy decoding of prefilled rows (prompt index, prompt length, first new token) sharing `cache`; a row
+    leaves the batch at EOS, at `max_new_tokens`, or once `references` decide its score."""
+    device = next(model.parameters()).device
+    new = {i: [t] for i, t in zip(rows, first)}
+    live, pos = list(rows), torch.tensor(widths, device=device)
+    token, filled = torch.tensor(first, device=device), max(widths)
+    out: dict[int, str] = {}
+    while True:
+        done = []
+        for r, i in enumerate(live):
+            text = _decode(tokenizer, new[i], eos)
+            if new[i][-1] in eos or len(new[i]) >= max_new_tokens or \
+                    (references is not None and decided(text, references[i], metric)):
+                out[i] = text
+                done.append(r)
+        if len(done) == len(live):
+            return out
+        if done:
+            keep = torch.tensor([r for r in range(len(live)) if r not in done], device=device)
+            live = [live[r] for r in keep.tolist()]
+            pos, token = pos[keep], token[keep]
+            mask = mask[keep] if mask is not None else None
+            for layer in cache.layers:
+                layer.keep(keep)
+        step = {}
+        if mask is not None:
+            mask[:, filled] = 1
+            step["attention_mask"] = mask[:, :filled + 1]
+        logits = model(input_ids=token[:, None], position_ids=pos[:, None], use_cache=True, **step,
+                       **{kw: cache}).logits
+        token, pos, filled = logits[:, -1].argmax(-1), pos + 1, filled + 1
+        for i, t in zip(live, token.tolist()):
+            new[i].append(t)
 
 
 @torch.no_grad()

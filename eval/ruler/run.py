@@ -65,9 +65,9 @@ class RulerConfig:
     extrapolate: bool = False  # run lengths past the model's max positions anyway (to measure the drop)
     haystack: Optional[str] = None  # prose for essay haystacks: a dir or file of .txt/.md/.rst; None = Python manual
     qa: QAFiles = field(default_factory=QAFiles)
-    batch_size: int = 0  # prompts per generate call; 0 = by batch_tokens on a GPU, 1 on CPU
+    batch_size: int = 0  # answers decoded together (each prompt prefilled alone); 0 = as many as batch_tokens allows
     stop_when_scored: bool = True  # end an answer once its score is decided (same score; false: run to EOS/budget)
-    batch_tokens: int = 32768  # with batch_size=0: rows x the longest prompt of a batch stay within this
+    batch_tokens: int = 131072  # with batch_size=0: rows x (longest prompt + answer budget) within this (the KV cache)
     prefill_chunk: int = 8192  # prompt tokens per prefill forward (a later chunk attends with a mask: slower on CPU)
     prefill: Prefill = Prefill.local  # cp: with several processes, ring-attention prefill over all of them
     dtype: Dtype = Dtype.float32
@@ -176,10 +176,7 @@ def score_group(model, tok, samples: list, cfg: RulerConfig, cp: bool = False) -
         preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, world_cp()), budget)
                  for s in samples]
     else:
-        # batch_size 0: batches by tokens on a GPU; one prompt per call on CPU, where batching measured no faster
-        # (padding masks take the CPU attention off its fastest kernels; benchmarks/README.md, eval speed)
-        batch = cfg.batch_size or (0 if torch.cuda.is_available() else 1)
-        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], budget, batch, cfg.prefill_chunk,
+        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], budget, cfg.batch_size, cfg.prefill_chunk,
                                 cfg.batch_tokens, [s.answers for s in samples] if cfg.stop_when_scored else None,
                                 samples[0].metric)
     return [{"task": s.task, "length": s.length, "index": s.index, "depth": s.depth, "units": s.units,
