@@ -28,7 +28,7 @@ def held_out_files() -> list[str]:
     """The long stdlib files the extension mixture leaves out of training, as they exist on this machine."""
     from omegaconf import OmegaConf
 
-    from longstride.data.sources import list_files, stdlib_root
+    from longstride.data.files import list_files, stdlib_root
 
     data = OmegaConf.load(os.path.join(REPO, "configs", "data", "extend_mix.yaml"))
     patterns = ",".join(p for p in data.sources.stdlib.exclude.split(",") if "pydoc_data" not in p)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from longstride.data.config import DataConfig, LongDocConfig
-from longstride.data.sources import digest, drop_skipped, load_source, stream_source
+from longstride.data.files import digest
+from longstride.data.sources import drop_skipped, load_source, stream_source
 from longstride.data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer, tokenize_fn
 
 

@@ -7,61 +7,27 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import importlib.util
 import json
 import os
-import stat
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import datasets
 
-from longstride.data.config import LossOn, SourceConfig
+from longstride.data import synthetic
+from longstride.data.config import SourceConfig
+from longstride.data.files import digest, list_files, stdlib_root, unreadable
 
-SKIP_EXCLUDED_DIRS = {"site-packages", "__pycache__", "dist-packages"}
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_files(root: Path, patterns: str, unreadable: bool = False) -> list[str]:
-    """Sorted files under `root` matching comma-separated glob patterns, without installed packages.
-    unreadable: also the matches that are not regular files (dangling or looping links, FIFOs, sockets),
-    so that the reader can count them as skipped instead of dropping them unseen."""
-    found = set()
-    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
-        for path in root.glob(pattern):
-            if SKIP_EXCLUDED_DIRS.intersection(path.relative_to(root).parts):
-                continue
-            if path.is_file() or (unreadable and not path.is_dir()):
-                found.add(str(path))
-    return sorted(found)
-
-
-def _unreadable(path: str) -> str:
-    """Why `path` cannot be read as a text file, or "" (never opens it: opening a FIFO would block)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:  # dangling link, link loop, vanished
-        return "broken_link"
-    return "" if stat.S_ISREG(mode) else "not_a_file"
-
-
-def digest(obj) -> str:
-    """A short stable hash of a JSON-able object (Python's hash() changes per process)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _read_files(paths: list[str]):
     """Yields one row per file; undecodable or empty files are kept as rows with a `skip` reason so
     the count survives the generator cache."""
     for path in paths:
-        reason = _unreadable(path)
+        reason = unreadable(path)
         if reason:
             yield {"text": "", "skip": reason}
             continue
@@ -75,60 +41,9 @@ def _read_files(paths: list[str]):
         yield {"text": text, "skip": "" if text.strip() else ("empty" if not text else "whitespace")}
 
 
-def _synthetic_rows(seed: int, start: int, stop: int, min_words: int, max_words: int, kinds: dict,
-                    corpus_share: float, loss_on: str):
-    """loss_on=qa rows also carry `loss_from`, the character where loss targets start (data/tokenizer.py)."""
-    from longstride.data.synthetic import document_parts
-
-    for i in range(start, stop):
-        body, qa = document_parts(seed, i, min_words, max_words, kinds, corpus_share)
-        yield {"text": body + qa, "skip": "", **({"loss_from": len(body)} if loss_on == LossOn.qa else {})}
-
-
-def check_synthetic(src: SourceConfig, field: str) -> None:
-    from longstride.data.synthetic import KINDS
-
-    s, kinds = src.synthetic, synthetic_kinds(src)
-    bad = sorted(set(kinds) - set(KINDS))
-    if bad or any(w < 0 for w in kinds.values()) or sum(kinds.values()) <= 0:
-        raise ValueError(f"{field}.synthetic.kinds={kinds}: give positive weights for some of {KINDS}")
-    if s.num_docs < 1 or not 1 <= s.min_words <= s.max_words:
-        raise ValueError(f"{field}.synthetic: need num_docs >= 1 and 1 <= min_words <= max_words "
-                         f"(got {s.num_docs}, {s.min_words}, {s.max_words})")
-    if not 0 <= s.corpus_share <= 1:
-        raise ValueError(f"{field}.synthetic.corpus_share={s.corpus_share} must be in [0, 1]")
-    if s.loss_on not in LossOn.names():  # composed configs are checked by OmegaConf already
-        raise ValueError(f"{field}.synthetic.loss_on={s.loss_on!r}: use one of {LossOn.names()} (all: every token "
-                         "a loss target; qa: only the questions and answers)")
-
-
-def synthetic_kinds(src: SourceConfig) -> dict:
-    """The source's kind weights: its own, or synthetic.DEFAULT_KINDS where it names none."""
-    from longstride.data.synthetic import DEFAULT_KINDS
-
-    return dict(src.synthetic.kinds) or dict(DEFAULT_KINDS)
-
-
-def _synthetic_kwargs(src: SourceConfig, field: str) -> dict:
-    s = src.synthetic
-    stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
-    return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
-                kinds=synthetic_kinds(src), corpus_share=s.corpus_share, loss_on=str(s.loss_on))
-
-
-def _synthetic_dataset(src: SourceConfig, cache_dir: str, num_proc: int, field: str) -> datasets.Dataset:
-    from longstride.data import synthetic
-
-    kw = _synthetic_kwargs(src, field)
-    # the generator's source is part of the key, so an edited generator makes new documents
-    version = digest(Path(synthetic.__file__).read_text(encoding="utf-8"))
-    return datasets.Dataset.from_generator(_synthetic_rows, gen_kwargs=kw, cache_dir=cache_dir,
-                                           config_name=f"synthetic-{digest([kw, version])}")
-
-
 def _files_dataset(paths: list[str], cache_dir: str) -> datasets.Dataset:
     # gen_kwargs are part of the cache fingerprint, so mtimes make an edited file re-read.
-    stamps = [os.stat(p).st_mtime_ns if not _unreadable(p) else 0 for p in paths]
+    stamps = [os.stat(p).st_mtime_ns if not unreadable(p) else 0 for p in paths]
     return datasets.Dataset.from_generator(
         _read_files, gen_kwargs={"paths": paths}, cache_dir=cache_dir,
         config_name=f"files-{len(paths)}-{digest([paths, stamps])}",
@@ -303,10 +218,6 @@ def _stream_hub(src, cache_dir, field, world):
     return _stream_table(_hub_dataset(src, streaming=True), src, field)
 
 
-def _stream_synthetic(src, cache_dir, field, world):
-    return datasets.IterableDataset.from_generator(_synthetic_rows, gen_kwargs=_synthetic_kwargs(src, field))
-
-
 def manual_topics() -> list[str]:
     """The Python reference manual's topic texts (pydoc_data.topics, shipped with CPython), by topic name."""
     from pydoc_data.topics import topics
@@ -353,7 +264,7 @@ KINDS = {  # data.sources.<name>.kind -> its Kind; a new kind is one entry here 
     "files": Kind(_needs_path, _load_files, _stream_files),
     "disk": Kind(_needs_path, _load_disk, _stream_disk),
     "hub": Kind(_check_hub, _load_hub, _stream_hub),
-    "synthetic": Kind(check_synthetic, _synthetic_dataset, _stream_synthetic),
+    "synthetic": Kind(synthetic.check_source, synthetic.load_synthetic, synthetic.stream_synthetic),
     "pymanual": Kind(_check_pymanual, _load_pymanual, _stream_pymanual),
 }
 

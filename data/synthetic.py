@@ -22,6 +22,12 @@ import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+
+import datasets
+
+from longstride.data.config import LossOn, SourceConfig
+from longstride.data.files import digest, list_files, stdlib_root
 
 SENTENCES = (
     "A narrow road climbs past the quarry toward the ridge.", "The ferry waits at the pier until the bell rings.",
@@ -149,8 +155,6 @@ def draw(rng: random.Random, kind: str) -> Spec:
 @lru_cache(maxsize=1)
 def corpus_lines() -> tuple[str, ...]:
     """Non-blank lines of the standard library's .py files (sorted paths): the corpus' own text."""
-    from longstride.data.sources import list_files, stdlib_root
-
     lines = []
     for path in list_files(stdlib_root(), "**/*.py")[:400]:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -221,3 +225,53 @@ def document_parts(seed: int, index: int, min_words: int, max_words: int, kinds:
 def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float) -> str:
     """Document `index` as one text: body then questions (document_parts)."""
     return "".join(document_parts(seed, index, min_words, max_words, kinds, corpus_share))
+
+
+# The synthetic source kind (data.sources.<name>.kind=synthetic): its checks and its rows as a dataset
+
+
+def rows(seed: int, start: int, stop: int, min_words: int, max_words: int, kinds: dict, corpus_share: float,
+         loss_on: str):
+    """loss_on=qa rows also carry `loss_from`, the character where loss targets start (data/tokenizer.py)."""
+    for i in range(start, stop):
+        body, qa = document_parts(seed, i, min_words, max_words, kinds, corpus_share)
+        yield {"text": body + qa, "skip": "", **({"loss_from": len(body)} if loss_on == LossOn.qa else {})}
+
+
+def check_source(src: SourceConfig, field: str) -> None:
+    s, kinds = src.synthetic, kinds_of(src)
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad or any(w < 0 for w in kinds.values()) or sum(kinds.values()) <= 0:
+        raise ValueError(f"{field}.synthetic.kinds={kinds}: give positive weights for some of {KINDS}")
+    if s.num_docs < 1 or not 1 <= s.min_words <= s.max_words:
+        raise ValueError(f"{field}.synthetic: need num_docs >= 1 and 1 <= min_words <= max_words "
+                         f"(got {s.num_docs}, {s.min_words}, {s.max_words})")
+    if not 0 <= s.corpus_share <= 1:
+        raise ValueError(f"{field}.synthetic.corpus_share={s.corpus_share} must be in [0, 1]")
+    if s.loss_on not in LossOn.names():  # composed configs are checked by OmegaConf already
+        raise ValueError(f"{field}.synthetic.loss_on={s.loss_on!r}: use one of {LossOn.names()} (all: every token "
+                         "a loss target; qa: only the questions and answers)")
+
+
+def kinds_of(src: SourceConfig) -> dict:
+    """The source's kind weights: its own, or DEFAULT_KINDS where it names none."""
+    return dict(src.synthetic.kinds) or dict(DEFAULT_KINDS)
+
+
+def _row_kwargs(src: SourceConfig, field: str) -> dict:
+    s = src.synthetic
+    stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
+    return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
+                kinds=kinds_of(src), corpus_share=s.corpus_share, loss_on=str(s.loss_on))
+
+
+def load_synthetic(src: SourceConfig, cache_dir: str, num_proc: int, field: str) -> datasets.Dataset:
+    kw = _row_kwargs(src, field)
+    # the generator's source is part of the key, so an edited generator makes new documents
+    version = digest(Path(__file__).read_text(encoding="utf-8"))
+    return datasets.Dataset.from_generator(rows, gen_kwargs=kw, cache_dir=cache_dir,
+                                           config_name=f"synthetic-{digest([kw, version])}")
+
+
+def stream_synthetic(src, cache_dir, field, world):
+    return datasets.IterableDataset.from_generator(rows, gen_kwargs=_row_kwargs(src, field))

@@ -23,7 +23,7 @@ from typing import List, Optional
 
 import torch
 
-from longstride.data.sources import list_files, stdlib_root
+from longstride.data.files import list_files, stdlib_root
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig

@@ -16,20 +16,21 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
-import signal
 import time
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from longstride.recipes.faults import test_kill
+
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
-KILL_IN_SAVE = "LONGSTRIDE_TEST_KILL_IN_SAVE"  # tests: SIGKILL inside the save of the checkpoint of this name
 
 
 class CheckpointError(ValueError):
@@ -146,7 +147,11 @@ def remove_partial(stage_dir: str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state as tensors and plain data (numpy's key array as a tensor), so a checkpoint
+    loads with torch.load(weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -154,7 +159,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -203,8 +209,7 @@ def save_checkpoint(
             with open(os.path.join(tmp, "stage.json"), "w") as f:
                 json.dump(meta, f, indent=2)
     barrier()
-    if os.environ.get(KILL_IN_SAVE) == name:  # test hook: a crash after the files, before the manifest
-        os.kill(os.getpid(), signal.SIGKILL)
+    test_kill("save", name)  # a crash after the files, before the manifest
     if is_main:
         with disk_errors(path):
             write_manifest(tmp, world_size, manifest)  # last: its presence means every rank's files are complete
@@ -236,9 +241,23 @@ def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tupl
                               f"with streaming data (each process's stream position) it resumes only on {written} "
                               "processes: relaunch with that many")
     # memory-mapped: every rank reads the whole optimizer state, and only the pages it needs are loaded
-    trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=False, mmap=True)
+    trainer = load_state_file(os.path.join(path, "trainer.pt"), mmap=True)
     mine = os.path.join(path, f"rank{rank}.pt")
-    return trainer, torch.load(mine if rank < written else os.path.join(path, "rank0.pt"), weights_only=False)
+    return trainer, load_state_file(mine if rank < written else os.path.join(path, "rank0.pt"))
+
+
+def load_state_file(path: str, mmap: bool = False):
+    """torch.load with weights_only=True: tensors and plain data only, so a checkpoint from a shared
+    filesystem or a colleague cannot run code when it is read (a manifest cannot vouch for that: whoever
+    writes the directory writes the manifest). A file holding anything else is refused, naming the type."""
+    try:
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)", str(e))
+        what = f"a {found.group(1)!r} object" if found else "an object"
+        raise CheckpointError(f"checkpoint file {path} holds {what}, not tensors and plain data; it was not loaded "
+                              "(loading it could run code). Resume from a checkpoint longstride wrote, or start the "
+                              "stage over") from None
 
 
 def resume_from_stage(path: str, recipe_dir: str, stages: list[str]) -> str:

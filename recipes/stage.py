@@ -7,8 +7,8 @@ accumulation and data parallelism give the same update as one big batch. Policie
 modules: faults (recipes/faults.py), checkpoints (recipes/stage_state.py, recipes/checkpoint.py),
 metrics (recipes/tracking.py).
 
-Test hook: LONGSTRIDE_TEST_CRASH_AT_STEP=N SIGKILLs the process after optimizer step N of every stage
-it runs (a hard crash, as an OOM killer or preemption would), for the resume tests.
+Test hook (recipes/faults.test_kill): LONGSTRIDE_TEST_CRASH_AT_STEP=N SIGKILLs the process after optimizer
+step N of every stage it runs (a hard crash, as an OOM killer or preemption would), for the resume tests.
 """
 from __future__ import annotations
 
@@ -35,13 +35,11 @@ from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
 from longstride.recipes.checkpoint import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
-from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input
+from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.plan import StagePlan
 from longstride.recipes.schedule import build_scheduler
 from longstride.recipes.stage_state import restore_stage, save_stage
 from longstride.recipes.tracking import peak_memory_gib
-
-CRASH_HOOK = "LONGSTRIDE_TEST_CRASH_AT_STEP"
 
 
 @dataclass
@@ -269,7 +267,6 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
     """The first validation loss (unless resumed), then steps to the budget: step checkpoints every save_every
     (never inside a run of skipped steps); a stop signal on any rank saves and raises Stopped on every rank."""
     guard, stage = NonFiniteGuard(ctx.cfg.train.max_nonfinite_steps), run.plan.stage
-    crash_at = int(os.environ.get(CRASH_HOOK, "0"))
     if run.val_start is None:
         run.val_start = validation_loss(ctx, run)
         ctx.tracker.log_values(0, {"val_loss": run.val_start})
@@ -288,9 +285,7 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
             raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
                                   f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
                                   "to resume (without train.resume=false or train.resume_from, which would start over)")
-        if run.step == crash_at:
-            ctx.tracker.finish_stage()
-            os.kill(os.getpid(), signal.SIGKILL)
+        test_kill("step", run.step, before=ctx.tracker.finish_stage)
 
 
 def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> str:

@@ -65,7 +65,7 @@ def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 
 
 def micro_checkpoint(directory: Path, vocab_size: int, seq_len: int, extra_texts: tuple = ()):
     """A 2-layer SmolLM3 with a BPE trained on 40 stdlib files (plus extra_texts), saved as an HF dir."""
-    from longstride.data.sources import list_files, stdlib_root
+    from longstride.data.files import list_files, stdlib_root
     from longstride.data.tokenizer import train_bpe
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig

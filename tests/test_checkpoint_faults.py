@@ -200,3 +200,54 @@ def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path):
         assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+class _Payload:
+    """Unpickled, it would create the file `marker`: the shape of a malicious training state."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+@pytest.mark.parametrize("victim", ["trainer.pt", "rank0.pt"])
+def test_checkpoint_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, victim):
+    from longstride.recipes.checkpoint import CheckpointError, load_training_state, rng_state, save_checkpoint, verify
+
+    marker = tmp_path / "payload-ran"
+    trainer = {"step": 3, "optimizer": {"state": {}}}
+    rank = {"data": {"epoch": 0}, "rng": rng_state()}
+    (trainer if victim == "trainer.pt" else rank)["extra"] = _Payload(str(marker))
+    path = str(tmp_path / "s1" / "step_000003")
+    os.makedirs(os.path.dirname(path))
+    save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
+                    trainer_state=trainer, rank_state=rank, meta={"step": 3})
+    assert verify(path) is None, "the manifest vouches for the files: whoever wrote them wrote it"
+    with pytest.raises(CheckpointError, match=rf"{victim} holds a '.*' object, not tensors and plain data"):
+        load_training_state(path, rank=0, world=1, resplit=True)
+    assert not marker.exists(), "the payload ran"
+
+
+def test_training_state_round_trips_with_weights_only(tmp_path):
+    import random
+
+    import numpy as np
+
+    from longstride.recipes.checkpoint import load_training_state, rng_state, save_checkpoint, set_rng_state
+
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    np.random.standard_normal()  # a cached Gaussian in numpy's state
+    state = rng_state()
+    expect = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
+    path = str(tmp_path / "s1" / "step_000001")
+    os.makedirs(os.path.dirname(path))
+    save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
+                    trainer_state={"step": 1}, rank_state={"rng": state}, meta={})
+    _, mine = load_training_state(path, rank=0, world=1, resplit=True)
+    set_rng_state(mine["rng"])
+    got = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
+    assert torch.equal(got[0], expect[0]) and np.array_equal(got[1], expect[1]) and got[2:] == expect[2:]

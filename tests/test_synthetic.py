@@ -257,7 +257,7 @@ def test_validation_checks_synthetic_sources_before_compute():
 def test_a_configs_kinds_replace_the_default_ones(cache_dir):
     """kinds: {copy: 1.0} in a config means copy documents only (OmegaConf merges dicts key by key, so a
     non-empty schema default would have added its kinds); a source that names none gets DEFAULT_KINDS."""
-    from longstride.data.sources import synthetic_kinds
+    from longstride.data.synthetic import kinds_of as synthetic_kinds
     from tests.conftest import compose_cfg
 
     sources = compose_cfg(["recipe=tiny_retrieval"]).data.sources
