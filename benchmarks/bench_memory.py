@@ -56,7 +56,7 @@ MLP_TILE, LOSS_TILE = 1024, 1024
 def _worker(rank, n, model_name, method, length, path):
     from longstride.model.build import build_model
     from longstride.model.loss import ChunkedLossLM
-    from longstride.model.prepare import prepare_model
+    from longstride.model.prepare import patch_model
     from longstride.parallel.attention import use_longstride_attention
     from longstride.parallel.config import CPDegrees, ParallelDims
     from longstride.parallel.cp import cp_context, shard_for_cp
@@ -71,7 +71,7 @@ def _worker(rank, n, model_name, method, length, path):
         def loss_fn():
             return lm(input_ids=ids, labels=ids).loss
     else:
-        prepare_model(lm, "full", offload=False, mlp_tile=MLP_TILE, lean_norms=True)  # as a training stage does
+        patch_model(lm, "full", offload=False, mlp_tile=MLP_TILE, lean_norms=True)  # as a training stage does
         use_longstride_attention(lm)
         model = ChunkedLossLM(lm, LOSS_TILE)
         labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)

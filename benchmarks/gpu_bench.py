@@ -90,7 +90,7 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
-    from longstride.model.prepare import prepare_model
+    from longstride.model.prepare import patch_model
     from longstride.parallel.attention import use_longstride_attention
     from longstride.parallel.cp import CPContext, DocLayout
 
@@ -110,8 +110,8 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     model = lm
     if system == "longstride":
         use_longstride_attention(lm)
-        prepare_model(lm, "full" if lean else "none", offload=lean and device.type == "cuda",
-                      mlp_tile=4096 if lean else 0, lean_norms=True)
+        patch_model(lm, "full" if lean else "none", offload=lean and device.type == "cuda",
+                    mlp_tile=4096 if lean else 0, lean_norms=True)
         model = ChunkedLossLM(lm, 8192)
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[0, :-1] = ids[0, 1:]

@@ -31,6 +31,7 @@ class ActivationOffload:
         self.live: dict[int, int] = {}  # a tensor saved by several layers (RoPE cos/sin) is copied once
         self.next_id = 0
         self.armed = True  # attach(module, until=...) limits offload to part of a forward
+        self.handles: list = []  # attach's hooks, removed by detach
         # ("pack"|"fetch"|"unpack", id) in simulate mode, for tests; never kept in a real run
         self.trace: Optional[list[tuple[str, int]]] = [] if simulate else None
 
@@ -101,6 +102,12 @@ class ActivationOffload:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    def detach(self) -> None:
+        """Removes the hooks `attach` installed."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
     def attach(self, module: torch.nn.Module, until: Optional[torch.nn.Module] = None) -> list:
         """The hooks around every forward of `module`, through its forward pre-hook and forward hook (both
         public torch module hooks); with `until` (a submodule), only what is saved before that submodule's
@@ -121,4 +128,5 @@ class ActivationOffload:
         handles = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
         if until is not None:
             handles.append(until.register_forward_hook(disarm))
+        self.handles += handles
         return handles

@@ -8,13 +8,14 @@ backward rebuilds the normalised tensor from them (the fused-RMSNorm idea of Lig
 plain torch so it runs on any device):
     y = w * xh,  xh = x r,  r = (mean(x^2) + eps)^-1/2
     dw = sum_tokens dy * xh,  dx = r (g - xh mean(g xh)),  g = dy * w
-The norm's `forward` is replaced on the instance only; parameters and checkpoints stay plain.
+The norm's `forward` is replaced on the instance only (model/prepare.patch_model); parameters and
+checkpoints stay plain.
 """
 from __future__ import annotations
 
-import torch
+import types
 
-from longstride.model.tiling import set_forward, untiled
+import torch
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -60,7 +61,7 @@ def computes_rms_norm(module: torch.nn.Module) -> bool:
         x = torch.randn(3, w.shape[0], generator=g).to(w.dtype)
         module.weight = torch.nn.Parameter(probe, requires_grad=False)
         try:
-            got = untiled(module)(x)
+            got = module.forward(x)  # its own forward: patch_model probes before it patches
         finally:
             module.weight = w
         tol = 1e-5 if w.dtype == torch.float32 else 1e-2
@@ -71,12 +72,7 @@ def _lean_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def lean_rms_norms(model: torch.nn.Module) -> int:
-    """Gives every Llama-style RMSNorm of a transformers model (computes_rms_norm) the lean backward;
-    returns how many."""
-    count = 0
-    for module in model.modules():
-        if computes_rms_norm(module):
-            set_forward(module, _lean_forward)
-            count += 1
-    return count
+def lean_forwards(model: torch.nn.Module) -> dict:
+    """norm -> the lean forward, for every Llama-style RMSNorm of a transformers model (computes_rms_norm).
+    Changes nothing: model/prepare.patch_model sets them."""
+    return {m: types.MethodType(_lean_forward, m) for m in model.modules() if computes_rms_norm(m)}

@@ -8,20 +8,19 @@ input gradient into one buffer and sums the parameters' gradients, which it retu
 like any op (so DDP and FSDP2 see ordinary gradients). Tiling is exact: each token's output depends
 on that token only.
 
-`tile_mlps(model, tile)` applies it to every decoder layer. In the pre-norm layers of the Llama family
+`tiled_forwards(model, tile, forward_of)` makes the tiled forwards of every decoder layer (model/prepare.py
+sets them). In the pre-norm layers of the Llama family
 (`h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))`) the norms are
 position-wise too and feed only the projections after them, so they move inside the tiles:
   mlp(post_attention_layernorm(h))    one tiled op that keeps h, which the layer holds anyway;
   q/k/v_proj(input_layernorm(x))      three tiled ops that keep x, the checkpointed layer input;
 and neither normed tensor ever exists for the whole sequence in the autograd graph. Other layer
-classes get the MLP alone tiled. Forwards are replaced on the module instances only: parameters,
-their names and the saved checkpoints stay plain transformers.
+classes get the MLP alone tiled. Forwards are replaced on the module instances only (by patch_model, which
+can undo them): parameters, their names and the saved checkpoints stay plain transformers.
 """
 from __future__ import annotations
 
 import contextlib
-import types
-import weakref
 
 import torch
 
@@ -29,12 +28,6 @@ import torch
 # calls inside a forward is not visible from the module's structure; other layers get the MLP alone tiled.
 PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                    "SmolLM3DecoderLayer"}
-
-# module -> the forward its tiles call, as a function of (module, x) that holds no reference to the module
-# (a value that did would keep its weak key, and the model, alive): the class's forward, or one set later
-# through set_forward
-UNTILED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
-
 
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is on for this device type; the meta device (a traced step, recipes/trace.py) has none."""
@@ -93,50 +86,16 @@ def tiled_apply(fn, x: torch.Tensor, params, tile: int) -> torch.Tensor:
 
 
 def folded_into_tiles(x: torch.Tensor) -> torch.Tensor:
-    """The forward of a norm that runs inside the tiles of the projections after it (tile_mlps): the layer's
-    own call of the norm passes its input through, and each tile normalises its tokens."""
+    """The forward of a norm that runs inside the tiles of the projections after it: the layer's own call of
+    the norm passes its input through, and each tile normalises its tokens."""
     return x
 
 
-def untiled(module: torch.nn.Module):
-    """The forward that `module`'s tiles call: what it was before tiling (or set since by set_forward)."""
-    fn = UNTILED.get(module)
-    return module.forward if fn is None else types.MethodType(fn, module)
-
-
-def _keep_untiled(module: torch.nn.Module) -> None:
-    if module in UNTILED:
-        return
-    own = vars(module).get("forward")  # an instance forward set before tiling (set_forward's), else the class's
-    assert own is None or (isinstance(own, types.MethodType) and own.__self__ is module), own
-    UNTILED[module] = own.__func__ if own is not None else type(module).forward
-
-
-def set_forward(module: torch.nn.Module, forward) -> None:
-    """Gives `module` the forward `forward(module, x)`; on a module that tiling wrapped or folded into tiles,
-    replaces what the tiles call instead, so the tiling stays in place."""
-    if module in UNTILED:
-        UNTILED[module] = forward
-    else:
-        module.forward = types.MethodType(forward, module)
-
-
-def _restore(module: torch.nn.Module) -> None:
-    fn = UNTILED.pop(module, None)
-    if fn is None:
-        return
-    if fn is type(module).forward:
-        del module.forward  # back to the class's own
-    else:
-        module.forward = types.MethodType(fn, module)
-
-
-def _tiled_forward(module: torch.nn.Module, norm: torch.nn.Module | None, tile: int):
-    """module(norm(x)) tiled. Forwards and parameters are read at call time: FSDP2 swaps parameters in
-    and out around each forward, and model/rmsnorm.py may set the norm's forward after tiling
-    (set_forward)."""
+def _tiled(module: torch.nn.Module, call, norm: torch.nn.Module | None, norm_call, tile: int):
+    """The forward module(norm(x)) tiled, from the two modules' forwards before tiling (`call`, `norm_call`:
+    callables of x). Parameters are read at call time: FSDP2 swaps them in and out around each forward."""
     def fn(x):
-        return untiled(module)(untiled(norm)(x) if norm is not None else x)
+        return call(norm_call(x) if norm is not None else x)
 
     def forward(x):
         params = [*(norm.parameters() if norm is not None else ()), *module.parameters()]
@@ -145,26 +104,20 @@ def _tiled_forward(module: torch.nn.Module, norm: torch.nn.Module | None, tile: 
     return forward
 
 
-def tile_mlps(model: torch.nn.Module, tile: int) -> int:
-    """Tiles the position-wise parts of every decoder layer of a transformers causal LM (see the module
-    docstring); returns how many layers. tile <= 0: off. Calling it again re-tiles from the original
-    forwards, never nesting."""
-    layers = model.model.layers
-    for layer in layers:
-        for module in layer.modules():
-            _restore(module)
+def tiled_forwards(model: torch.nn.Module, tile: int, forward_of) -> dict:
+    """module -> its tiled forward, for the position-wise parts of every decoder layer of a transformers
+    causal LM (see the module docstring); `forward_of(module)` is the forward each tile calls (the module's
+    own, or the lean norm's). Changes nothing: model/prepare.patch_model sets them. tile <= 0: none."""
     if tile <= 0:
-        return 0
-    for layer in layers:
+        return {}
+    out = {}
+    for layer in model.model.layers:
         if type(layer).__name__ not in PRE_NORM_LAYERS:
-            _keep_untiled(layer.mlp)
-            layer.mlp.forward = _tiled_forward(layer.mlp, None, tile)
+            out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), None, None, tile)
             continue
         attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-        for module in (layer.mlp, norm1, norm2, attn.q_proj, attn.k_proj, attn.v_proj):
-            _keep_untiled(module)
-        layer.mlp.forward = _tiled_forward(layer.mlp, norm2, tile)
+        out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), norm2, forward_of(norm2), tile)
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            proj.forward = _tiled_forward(proj, norm1, tile)
-        norm1.forward = norm2.forward = folded_into_tiles
-    return len(layers)
+            out[proj] = _tiled(proj, forward_of(proj), norm1, forward_of(norm1), tile)
+        out[norm1] = out[norm2] = folded_into_tiles
+    return out

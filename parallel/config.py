@@ -54,6 +54,11 @@ class CPDegrees:
     ulysses: int = 1
     stage_heads: int = 0
 
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree: ring x ulysses."""
+        return self.ring * self.ulysses
+
 
 def describe_cp(impl: str, d: CPDegrees, kv_heads: int = 0) -> str:
     """' upipe: ring 2 x ulysses 2, 2 heads per stage' for the stage log; states the K/V heads that travel
@@ -116,11 +121,27 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         return rank // self.cp
 
-    def mesh(self, device_type: str, ulysses: int = 1):
-        """The (dp, ring, ulysses) DeviceMesh over the world, ring x ulysses = cp. Ulysses groups are
-        contiguous ranks (inside a node), rings stride across them. Collective: every rank calls it, in
-        the same order."""
-        from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp, self.cp // ulysses, ulysses),
-                                mesh_dim_names=("dp", "ring", "ulysses"))
+class WorldMesh:
+    """The run's one DeviceMesh: every rank along a single "world" dimension, built once (collective: every
+    rank makes it, in the same order). FSDP2 shards over it as it is (each rank holds 1/world of the model
+    whatever the dp x cp split), and each stage's (dp, ring, ulysses) layout is a view of it
+    (DeviceMesh._unflatten, made once per layout and kept): stages with the same split share their process
+    groups and no stage builds a mesh of its own. Ulysses groups are contiguous ranks (inside a node), rings
+    stride across them."""
+
+    def __init__(self, device_type: str, world: int):
+        from torch.distributed import device_mesh
+
+        self.device_type, self.world = device_type, world
+        self.mesh = device_mesh.init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
+        self._layouts: dict = {}
+
+    def layout(self, dims: ParallelDims, ulysses: int = 1):
+        """The (dp, ring, ulysses) view for a stage's dims; ring x ulysses = cp. Collective the first time."""
+        if dims.world != self.world:
+            raise ValueError(f"a stage of {dims.world} ranks on a mesh of {self.world}")
+        key = (dims.dp, dims.cp // ulysses, ulysses)
+        if key not in self._layouts:
+            self._layouts[key] = self.mesh._unflatten(0, key, ("dp", "ring", "ulysses"))
+        return self._layouts[key]

@@ -16,7 +16,7 @@ import torch
 
 from longstride.parallel import hybrid, ring, ulysses, upipe
 from longstride.parallel.blocks import RingPlan, check_doc_runs
-from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.kernels import doc_bounds
 from longstride.parallel.ring import RingComm
 from longstride.parallel.ulysses import HeadComm
@@ -53,30 +53,16 @@ class CPContext:
     balance: str = "zigzag"
     balance_chunks: int = 8
 
-    @property
-    def n(self) -> int:  # the ring degree
-        return self.degrees.ring
-
-    @property
-    def ulysses(self) -> int:
-        return self.degrees.ulysses
-
-    @property
-    def stage_heads(self) -> int:
-        return self.degrees.stage_heads
-
-    @property
-    def size(self) -> int:
-        return self.n * self.ulysses
-
 
 def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: str, kernel: str,
-               balance: str = "zigzag", balance_chunks: int = 8) -> CPContext:
-    """This rank's CPContext for a stage (dims: its ParallelDims, degrees: cp_degrees(...)). Collective
-    (builds the device mesh) when cp > 1."""
+               balance: str = "zigzag", balance_chunks: int = 8, mesh: Optional[WorldMesh] = None) -> CPContext:
+    """This rank's CPContext (dims: the stage's ParallelDims, degrees: cp_degrees(...)): the one factory, for
+    training, the HF Trainer path (recipes/hf_trainer.setup_cp) and CP prefill (eval/ruler/cp_prefill). Its
+    process groups are a layout of `mesh` (the run's WorldMesh; one is built when none is given). Collective
+    when cp > 1."""
     if dims.cp == 1:
         return CPContext(kernel=kernel)
-    mesh = dims.mesh(device_type, degrees.ulysses)
+    mesh = (mesh or WorldMesh(device_type, dims.world)).layout(dims, degrees.ulysses)
     comm = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
     heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
     return CPContext(impl, degrees, mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses"), comm, heads, kernel,

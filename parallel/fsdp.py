@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from longstride.parallel.config import WorldMesh
 
 FSDP_CHOICES = ("auto", "true", "false")
 
@@ -28,16 +29,11 @@ def use_fsdp(choice: str, device_type: str, world: int) -> bool:
     return choice == "true" and world > 1
 
 
-def fsdp_mesh(device_type: str, world: int):
-    """The 1-D mesh of the world FSDP2 shards over. Collective."""
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_cp",))
-
-
 def apply_fsdp(model: torch.nn.Module, layers, device_type: str, world: int,
-               param_dtype: Optional[torch.dtype] = None, mesh=None) -> torch.nn.Module:
-    """Shards `model` in place (each module of `layers`, then the root) over a 1-D mesh of the world (`mesh`,
-    or fsdp_mesh's)."""
-    mesh = mesh if mesh is not None else fsdp_mesh(device_type, world)
+               param_dtype: Optional[torch.dtype] = None, mesh: Optional[WorldMesh] = None) -> torch.nn.Module:
+    """Shards `model` in place (each module of `layers`, then the root) over the world: `mesh` (the run's
+    WorldMesh; one is built when none is given), whose single dimension is every dp x cp rank."""
+    mesh = (mesh or WorldMesh(device_type, world)).mesh
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
     for layer in layers:

@@ -73,12 +73,12 @@ class Parallelized:
                                  options=StateDictOptions(full_state_dict=True))
 
 
-def parallelize(model: torch.nn.Module, layers, fsdp: bool, accelerator) -> Parallelized:
-    """FSDP2 over all ranks (each of `layers` one unit, then the root; bf16 compute under accelerate's bf16
-    mixed precision), or DDP through accelerate.prepare."""
+def parallelize(model: torch.nn.Module, layers, fsdp: bool, accelerator, mesh=None) -> Parallelized:
+    """FSDP2 over all ranks of `mesh` (the run's WorldMesh; each of `layers` one unit, then the root; bf16
+    compute under accelerate's bf16 mixed precision), or DDP through accelerate.prepare."""
     if not fsdp:
         return Parallelized(accelerator.prepare(model), False, accelerator)
     model.to(accelerator.device)
     bf16 = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
-    return Parallelized(apply_fsdp(model, layers, accelerator.device.type, accelerator.num_processes, bf16), True,
+    return Parallelized(apply_fsdp(model, layers, accelerator.device.type, accelerator.num_processes, bf16, mesh), True,
                         accelerator)

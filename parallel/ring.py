@@ -192,10 +192,11 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
     zig-zag, or with cp.balance=docs the batch's own (parallel/balance.py)."""
     B, L = batch["input_ids"].shape
     docs = None if docs is None else docs.cpu().numpy()  # once, for the balancer and the plan
-    assignment = zigzag(cp.n)
+    n = cp.degrees.ring
+    assignment = zigzag(n)
     if cp.balance == "docs" and docs is not None:
-        assignment = balanced_assignment(docs, cp.n, cp.balance_chunks)
-    return shard_batch(batch, cp.n, cp.ring_rank, assignment), ring_plan(docs, B, L, cp.n, cp.ring_rank, assignment)
+        assignment = balanced_assignment(docs, n, cp.balance_chunks)
+    return shard_batch(batch, n, cp.ring_rank, assignment), ring_plan(docs, B, L, n, cp.ring_rank, assignment)
 
 
 def attention(q, k, v, layout, scale: float) -> torch.Tensor:

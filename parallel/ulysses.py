@@ -155,9 +155,9 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
     """The ring rank's share (the whole sequence without a ring), then this Ulysses rank's contiguous piece of
     it; the plan covers the ring-local sequence, which attention sees whole after the all-to-all."""
     local, plan = ring_method.shard(batch, docs, cp)
-    return split_batch(local, cp.ulysses, cp.ulysses_rank), plan
+    return split_batch(local, cp.degrees.ulysses, cp.ulysses_rank), plan
 
 
 def attention(q, k, v, layout, scale: float) -> torch.Tensor:
     cp = layout.cp
-    return ulysses_attention(q, k, v, layout.plan, cp.kernel, scale, cp.comm, cp.heads, cp.stage_heads)
+    return ulysses_attention(q, k, v, layout.plan, cp.kernel, scale, cp.comm, cp.heads, cp.degrees.stage_heads)

@@ -102,7 +102,7 @@ class LongstrideCollator:
             batch = collate(rows)
         else:
             docs = [_documents(r) for r in rows]
-            step = 2 * self.cp.size
+            step = 2 * self.cp.degrees.cp
             L = -(-max(sum(len(d) for d in row) for row in docs) // step) * step
             batch = collate([packed_item(row, L, self.pad_id) for row in docs])
         local, layout = shard_for_cp(batch, self.doc_masking, self.cp)
@@ -121,7 +121,7 @@ class LongstrideTrainerMixin:
             raise ValueError("LongstrideTrainerMixin needs data_collator=LongstrideCollator(cp, pad_id=...)")
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        dims = ParallelDims.from_world(world, collator.cp.size, where="LongstrideCollator")
+        dims = ParallelDims.from_world(world, collator.cp.degrees.cp, where="LongstrideCollator")
         sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
         return torch.utils.data.DataLoader(self.train_dataset, batch_size=self._train_batch_size, sampler=sampler,
                                            collate_fn=collator, drop_last=True,

@@ -27,10 +27,10 @@ from longstride.data.stream import streaming_stage
 from longstride.model.build import build_model
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.memory import device_memory_gib, estimate
-from longstride.model.prepare import prepare_model
+from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.collectives import all_reduce, from_main
-from longstride.parallel.config import describe_cp
+from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
@@ -53,6 +53,15 @@ class RunContext:
     cfg_dict: dict  # the resolved config, logged with every stage's run
     plans: dict  # stage name -> recipes.plan.StagePlan, resolved once by validate
     lock: object = None  # recipes.runlock.RunLock held by the main process for the run
+    mesh: Optional[WorldMesh] = None  # the run's one device mesh, built by the first stage that needs it
+
+    def world_mesh(self) -> WorldMesh:
+        """The run's WorldMesh (collective the first time: every rank runs the same stages in order)."""
+        if self.mesh is None:
+            self.mesh = WorldMesh(self.accelerator.device.type, self.accelerator.num_processes)
+            self.tracker.info("device mesh: %d ranks, built once for the run (each stage's dp x ring x ulysses is "
+                              "a view of it)", self.mesh.world)
+        return self.mesh
 
 
 @dataclass
@@ -187,14 +196,15 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> S
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=init_from, seed=cfg.train.seed)
-    prepare_model(lm, plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm)
+    patch_model(lm, plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm)
     use_longstride_attention(lm)
     if plan.kernel == "torch_flash":
         activate_flash_impl(str(cfg.parallel.flash_impl))
+    mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, acc.device.type, plan.kernel, plan.balance,
-                    cfg.parallel.balance_chunks)
+                    cfg.parallel.balance_chunks, mesh)
     log_memory_estimate(ctx, plan, lm)
-    model = parallelize(ChunkedLossLM(lm, cfg.model.loss_tile_tokens), lm.model.layers, plan.fsdp, acc)
+    model = parallelize(ChunkedLossLM(lm, cfg.model.loss_tile_tokens), lm.model.layers, plan.fsdp, acc, mesh)
     optimizer = torch.optim.AdamW(param_groups(lm, cfg.optim.weight_decay), lr=stage.lr,
                                   betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,

@@ -37,12 +37,12 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
-from longstride.model.prepare import prepare_model
+from longstride.model.prepare import patch_model
 from longstride.parallel.attention import register, use_longstride_attention
-from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.flash_contract import FlashOpCheck
-from longstride.parallel.fsdp import apply_fsdp, fsdp_mesh
+from longstride.parallel.fsdp import apply_fsdp
 
 GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -178,11 +178,9 @@ def synthetic_batch(micro_batch: int, seq_len: int, docs: int) -> dict:
             "position_ids": rows(pos), "doc_ids": rows(doc_ids), "seq_index": rows(torch.arange(seq_len))}
 
 
-def _cp(prog: StepProgram) -> CPContext:
-    if prog.cp == 1:
-        return CPContext(kernel=prog.kernel)
+def _cp(prog: StepProgram, mesh) -> CPContext:
     return cp_context(prog.cp_impl, ParallelDims.from_world(prog.world, prog.cp), prog.degrees, "cpu", prog.kernel,
-                      prog.balance)
+                      prog.balance, mesh=mesh)
 
 
 def _build(prog: StepProgram, device: str):
@@ -197,8 +195,8 @@ def _build(prog: StepProgram, device: str):
     if prog.plain:
         lm.set_attn_implementation("sdpa")
         return lm, lm, None
-    offloader = prepare_model(lm, prog.checkpointing, prog.offload, prog.mlp_tile, prog.lean_norms,
-                              simulate_offload=True)
+    offloader = patch_model(lm, prog.checkpointing, prog.offload, prog.mlp_tile, prog.lean_norms,
+                            simulate_offload=True).offloader
     use_longstride_attention(lm)
     return ChunkedLossLM(lm, prog.loss_tile), lm, offloader
 
@@ -228,8 +226,9 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
     t0 = time.perf_counter()
     round_to = GPU_ROUND if prog.gpu else 1
     with fake_process_group(prog.world, rank):
-        cp = _cp(prog)
-        mesh = fsdp_mesh("cpu", prog.world) if prog.fsdp else None  # a mesh reads its ranks: not in fake mode
+        # one mesh for the traced rank, as a run has; made before the fake mode (a mesh reads its ranks)
+        mesh = WorldMesh("cpu", prog.world) if prog.fsdp or prog.cp > 1 else None
+        cp = _cp(prog, mesh)
         local, layout = shard_for_cp(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs), True, cp)
         # non-fake inputs: the batch, and the small index tensors made once and cached (cumulative lengths,
         # head schedules), which stay real so that a later real run never meets a fake one

@@ -9,9 +9,7 @@ import torch
 from longstride.model.build import build_model
 from longstride.model.config import ModelConfig
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
-from longstride.model.checkpointing import enable_checkpointing
-from longstride.model.rmsnorm import lean_rms_norms
-from longstride.model.tiling import tile_mlps
+from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
@@ -45,9 +43,7 @@ def tiny_model(ac: str = "none") -> ChunkedLossLM:
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
     if ac != "none":
-        lean_rms_norms(lm)
-        tile_mlps(lm, 16)
-        enable_checkpointing(lm, ac)
+        patch_model(lm, ac, offload=False, mlp_tile=16, lean_norms=True)
     use_longstride_attention(lm)
     return ChunkedLossLM(lm, tile=20)
 

@@ -8,7 +8,7 @@ import torch
 from transformers import SmolLM3Config
 
 from longstride.model.memory import device_memory_gib, estimate
-from longstride.model.prepare import prepare_model
+from longstride.model.prepare import patch_model
 from tests.test_cp_model import L, tiny_model
 from tests.test_tiling import saved_per_layer
 
@@ -20,7 +20,7 @@ P = 135_000_000
 def layer_bytes_per_token(ac: str, tile: int) -> tuple[list[float], object]:
     """Bytes per token each decoder layer's forward hands autograd (parameters excluded), and the config."""
     model = tiny_model()
-    prepare_model(model.lm, ac, offload=False, mlp_tile=tile, lean_norms=True)
+    patch_model(model.lm, ac, offload=False, mlp_tile=tile, lean_norms=True)
     assert not model.lm.model.layers[-1].self_attn.use_rope, "the last tiny layer is NoPE: no cos/sin in its figure"
     return [b / L for b in saved_per_layer(model)], model.lm.config
 

@@ -218,9 +218,10 @@ def _cp_prefill_worker(rank, world, checkpoint):
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    cp = world_cp("cpu")  # once: it builds the processes' mesh
     for i, L in enumerate((700, 1000)):
         prompt = make_sample(TASKS["niah_single_2"], L, i, tok).prompt_ids
-        cache = cp_prefill(model, prompt, world_cp())
+        cache = cp_prefill(model, prompt, cp)
         done = cache.get_seq_length()
         assert done % (2 * world) == 0 and len(prompt) - 2 * world <= done < len(prompt)
         with torch.no_grad():

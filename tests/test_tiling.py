@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from longstride.model.checkpointing import _selective_policy, enable_checkpointing
-from longstride.model.rmsnorm import lean_rms_norms, rms_norm
-from longstride.model.tiling import tile_mlps, tiled_apply
+from longstride.model.prepare import patch_model
+from longstride.model.rmsnorm import rms_norm
+from longstride.model.tiling import tiled_apply
 from tests.test_cp_model import L, packed_batch, tiny_model
 
 
@@ -59,8 +60,10 @@ def assert_same(a, b, what):
 def test_tiled_mlp_equals_plain_and_holds_one_tile_at_a_time():
     plain = loss_and_grads(tiny_model())
     model = tiny_model()
-    assert tile_mlps(model.lm, 16) == 2
-    assert tile_mlps(model.lm, 16) == 2, "tiling twice re-tiles the original forward, never nests"
+    patched = patch_model(model.lm, "none", offload=False, mlp_tile=16, lean_norms=False)
+    assert patched.tiled_layers == 2 and patched.lean_norms == 0
+    with pytest.raises(ValueError, match="already patched"):
+        patch_model(model.lm, "none", offload=False, mlp_tile=16, lean_norms=False)
     rows = []
     for layer in model.lm.model.layers:
         layer.mlp.gate_proj.register_forward_hook(lambda m, i, o: rows.append(o.shape[-2]))
@@ -71,18 +74,22 @@ def test_tiled_mlp_equals_plain_and_holds_one_tile_at_a_time():
     assert L % 16 == 0
     x = torch.randn(1, 5, 32)
     assert model.lm.model.layers[0].input_layernorm(x) is x, "the input norm runs inside the q/k/v tiles"
-    # the lean norm's forward swapped in after tiling reaches the folded norms too
-    lean_rms_norms(model.lm)
-    assert_same(loss_and_grads(model), plain, "tiled, then lean RMSNorm")
-    assert tile_mlps(model.lm, 0) == 0
-    assert model.lm.model.layers[0].input_layernorm(x) is not x, "untiling restores the norms"
-    assert_same(loss_and_grads(model), plain, "untiled again, lean RMSNorm")
-    assert "forward" not in vars(model.lm.model.layers[0].mlp), "untiling gives the MLP back its class's forward"
-    tile_mlps(model.lm, 16)
+    patched.undo()
+    assert model.lm.model.layers[0].input_layernorm(x) is not x, "undo restores the norms"
+    assert "forward" not in vars(model.lm.model.layers[0].mlp), "undo gives the MLP back its class's forward"
+    assert_same(loss_and_grads(model), plain, "undone")
+    # in one step: the folded norms' tiles call the lean forward
+    patched = patch_model(model.lm, "full", offload=False, mlp_tile=16, lean_norms=True)
+    assert patched.lean_norms == 2 * 2 + 1 and patched.tiled_layers == 2
+    assert model.lm.model.layers[0].input_layernorm(x) is x and model.lm.is_gradient_checkpointing
+    assert_same(loss_and_grads(model), plain, "tiled, lean RMSNorm, full checkpointing")
+    patched.undo()
+    assert not model.lm.is_gradient_checkpointing and not any("forward" in vars(m) for m in model.lm.modules())
+    patch_model(model.lm, "none", offload=False, mlp_tile=16, lean_norms=True)
     layer = weakref.ref(model.lm.model.layers[0])
-    del model
+    del model, patched
     gc.collect()
-    assert layer() is None, "a tiled model is freed once dropped (the registry of untiled forwards holds it weakly)"
+    assert layer() is None, "a patched model is freed once dropped (nothing outside it holds its modules)"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
@@ -112,8 +119,7 @@ def test_tiled_layers_keep_only_what_attention_needs():
     v, the attention output and its log-sum-exp, and cos/sin in RoPE layers. Nothing else as wide as the
     sequence: no normed tensor, no MLP intermediate, no norm statistics."""
     model = tiny_model()
-    tile_mlps(model.lm, 16)
-    lean_rms_norms(model.lm)
+    patch_model(model.lm, "none", offload=False, mlp_tile=16, lean_norms=True)
     cfg = model.lm.config
     H, d, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     saved = saved_per_layer(model)
@@ -176,7 +182,7 @@ def test_no_grad_forward_tiles_without_checkpoint():
     losses = []
     for tile in (0, 16):
         model = tiny_model()
-        tile_mlps(model.lm, tile)
+        patch_model(model.lm, "none", offload=False, mlp_tile=tile, lean_norms=False)
         with torch.no_grad():
             losses.append(model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"])))
     assert abs(losses[0].item() - losses[1].item()) <= 1e-6 * abs(losses[0].item()), losses

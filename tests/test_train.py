@@ -177,7 +177,8 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
                                                             f"parallel.fsdp={'true' if two else 'false'}",
                                                             *(lean if two else [])],
                           ["model FSDPChunkedLossLM", "activation checkpointing full; MLP tile 16",
-                           "stage s1_256: traced step per rank"], crash_at=4)
+                           "stage s1_256: traced step per rank", "device mesh: 2 ranks, built once for the run"],
+                          crash_at=4)
 
 
 def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):

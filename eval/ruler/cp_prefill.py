@@ -17,10 +17,9 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from longstride.parallel.attention import longstride_attention, no_mask
-from longstride.parallel.config import CPDegrees
-from longstride.parallel.cp import CPContext, shard_for_cp
+from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
-from longstride.parallel.ring import RingComm
 from longstride.parallel.zigzag import unshard
 
 NAME = "longstride_kv"
@@ -32,12 +31,11 @@ def _attention_keeping_kv(module, query, key, value, attention_mask, kv_out=None
     return longstride_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def world_cp() -> CPContext:
-    """A ring over every process of the default group (cp_prefill picks the kernel for the model's device)."""
+def world_cp(device_type: str) -> CPContext:
+    """A ring over every process (cp_context; cp_prefill picks the kernel for the model's device). Collective:
+    build it once per run, not per prompt."""
     n = dist.get_world_size()
-    if n == 1:
-        return CPContext()
-    return CPContext("ring", CPDegrees(ring=n), dist.get_rank(), comm=RingComm(dist.group.WORLD))
+    return cp_context("ring", ParallelDims.from_world(n, n), CPDegrees(ring=n), device_type, "sdpa")
 
 
 @torch.no_grad()
@@ -46,7 +44,7 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     AttentionInterface.register(NAME, _attention_keeping_kv)
     AttentionMaskInterface.register(NAME, no_mask)
     device = next(model.parameters()).device
-    step = 2 * cp.n
+    step = 2 * cp.degrees.ring
     length = (len(ids) - 1) // step * step  # at least one prompt token is left for generate
     cache = DynamicCache(config=model.config)
     if length == 0:
@@ -68,7 +66,7 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
         parts = []
         for x in kv[layer]:
             x = x.contiguous()  # every rank sends and receives (B, Hkv, l, D)-contiguous bytes, whatever its layout
-            shards = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(cp.n)]
+            shards = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(cp.degrees.ring)]
             dist.all_gather(shards, x)
             parts.append(unshard(shards, dim=2, assignment=layout.plan.assignment))  # (B, Hkv, P', D) in order
         cache.update(parts[0], parts[1], layer)

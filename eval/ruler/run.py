@@ -31,6 +31,7 @@ from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
+from longstride.parallel.cp import CPContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -169,11 +170,12 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     return groups
 
 
-def score_group(model, tok, samples: list, cfg: RulerConfig, cp: bool = False) -> list[dict]:
-    """One record per sample of one task and length: the greedy answer and its score."""
+def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPContext] = None) -> list[dict]:
+    """One record per sample of one task and length: the greedy answer and its score. cp: every prompt's
+    prefill split over the processes (prefill=cp)."""
     budget = samples[0].max_new_tokens
-    if cp:
-        preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, world_cp()), budget)
+    if cp is not None:
+        preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, cp), budget)
                  for s in samples]
     else:
         preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], budget, cfg.batch_size, cfg.prefill_chunk,
@@ -209,9 +211,9 @@ def main(argv: list[str]) -> Optional[dict]:
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).to(device)
     model.eval()
-    records = []
+    records, cp_ctx = [], world_cp(torch.device(device).type) if cp else None
     for name, L, samples in groups:
-        part = score_group(model, tok, samples, cfg, cp)
+        part = score_group(model, tok, samples, cfg, cp_ctx)
         records += part
         if rank == 0:
             print(f"{name:<16} {L:>7}  {100 * sum(r['score'] for r in part) / max(len(part), 1):6.1f}  "

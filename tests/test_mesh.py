@@ -1,0 +1,45 @@
+"""One device mesh per run: every stage's context-parallel groups and FSDP2's shards come from the run's
+WorldMesh (parallel/config.py); a stage with a split seen before reuses its process groups."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from longstride.parallel.spawn import run_gloo
+
+
+def _worker(rank, world):
+    from torch.distributed import device_mesh
+
+    from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
+    from longstride.parallel.cp import cp_context
+    from longstride.parallel.fsdp import apply_fsdp
+
+    built = []
+    real = device_mesh.init_device_mesh
+    device_mesh.init_device_mesh = lambda *a, **k: built.append(a) or real(*a, **k)
+    try:
+        mesh = WorldMesh("cpu", world)
+        dims = ParallelDims.from_world(world, world)
+        ring = cp_context("ring", dims, CPDegrees(ring=world), "cpu", "sdpa", mesh=mesh)
+        uly = cp_context("ulysses", dims, CPDegrees(ulysses=world), "cpu", "sdpa", mesh=mesh)
+        again = cp_context("ring", dims, CPDegrees(ring=world), "cpu", "sdpa", mesh=mesh)  # a later stage, same split
+        dp_only = cp_context("ring", ParallelDims.from_world(world, 1), CPDegrees(), "cpu", "sdpa", mesh=mesh)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        apply_fsdp(model, list(model), "cpu", world, mesh=mesh)
+        assert len(built) == 1, f"{len(built)} meshes built in one run"
+        assert again.comm.group is ring.comm.group, "a stage with a split seen before made new process groups"
+        assert dp_only.method is None and dp_only.comm is None
+        assert (ring.ring_rank, uly.ulysses_rank) == (rank, rank)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=ring.comm.group)
+        u = torch.tensor([float(rank + 1)])
+        dist.all_reduce(u, group=uly.heads.group)
+        assert t.item() == u.item() == world * (world + 1) / 2
+        assert model[0].weight.to_local().shape == (4 // world, 4), "FSDP2 shards over the world mesh"
+    finally:
+        device_mesh.init_device_mesh = real
+
+
+def test_one_mesh_per_run_serves_every_stage_and_fsdp():
+    run_gloo(_worker, 2)
