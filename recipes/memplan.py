@@ -23,6 +23,15 @@ from dataclasses import dataclass, field, replace
 
 from omegaconf import OmegaConf
 
+from longstride.model.build import stage_config
+from longstride.model.memory import estimate
+from longstride.overrides import parse, run
+from longstride.parallel.config import ParallelConfig
+from longstride.parallel.cp import cp_degrees
+from longstride.recipes.plan import seq_len_unit, validate
+from longstride.recipes.schema import to_schema
+from longstride.recipes.trace import StepProgram, trace_step
+
 GIB = 2 ** 30
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -62,16 +71,12 @@ def hardware(name: str) -> Hardware:
 def compose_training(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from longstride.recipes.schema import to_schema
-
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         return to_schema(compose("config", overrides=list(overrides)))
 
 
 def model_config(cfg, stage):
     """The transformers config a stage trains (model/build.stage_config), without weights."""
-    from longstride.model.build import stage_config
-
     vocab = 0 if cfg.model.arch == "checkpoint" else cfg.model.vocab_size or _tokenizer_size(cfg.data)
     return stage_config(cfg.model, stage.rope_theta, stage.seq_len, vocab, 0, 0)
 
@@ -86,8 +91,6 @@ def _tokenizer_size(data) -> int:
 
 def stage_program(cfg, plan, world: int, docs: int, config=None, gpu: bool = True, bf16: bool = True):
     """The StepProgram of a planned stage; config: the model's (a training stage has it loaded), else read."""
-    from longstride.recipes.trace import StepProgram
-
     s = plan.stage
     return StepProgram(config or model_config(cfg, s), s.seq_len, s.micro_batch_size, world, plan.dims.cp,
                        cfg.parallel.cp_impl, plan.degrees, plan.kernel, plan.checkpointing, plan.offload,
@@ -99,8 +102,6 @@ def peak_line(prog, first: dict, length: int) -> tuple[float, float, dict]:
     """(fixed bytes, bytes per token, the trace at `length`) of forward + backward's peak, through `first`
     (the trace at prog.seq_len) and a trace at `length`: with flash attention it is a straight line in the
     length. The update's own peak (peak_optimizer) does not grow with it and is checked apart."""
-    from longstride.recipes.trace import trace_step
-
     second = trace_step(prog.at(length))
     slope = (second["peak_backward"] - first["peak_backward"]) / (length - prog.seq_len)
     return first["peak_backward"] - slope * prog.seq_len, slope, second
@@ -114,9 +115,6 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     length and twice it. When the answer is within CHECK_WITHIN x the stage's length a trace there checks it
     (stepping down 5% while it does not fit); further out a trace would take minutes (its loss and MLP tiles
     grow with the length), and the line stands. Returns (length or 0, checked, the traces made)."""
-    from longstride.recipes.plan import seq_len_unit
-    from longstride.recipes.trace import trace_step
-
     unit = 1 if prog.cp == 1 else seq_len_unit(prog.degrees)
     L1 = prog.seq_len
     fixed, slope, second = peak_line(prog, first, 2 * L1)
@@ -140,9 +138,6 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
 def fixes(prog):
     """Single changes in order of cost: tiling, checkpointing, offload, then each larger cp within the world.
     Yields (what to set, the changed program)."""
-    from longstride.parallel.config import ParallelConfig
-    from longstride.parallel.cp import cp_degrees
-
     if not prog.mlp_tile:
         tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
         yield f"mlp_tile_tokens={tile}", replace(prog, mlp_tile=tile)
@@ -161,9 +156,6 @@ def fixes(prog):
 
 
 def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
-    from longstride.model.memory import estimate
-    from longstride.recipes.trace import trace_step
-
     t0 = time.perf_counter()
     prog = stage_program(cfg, plan, world, pc.docs)
     r = trace_step(prog)
@@ -210,9 +202,6 @@ def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str) -> None:
 
 
 def main(argv: list[str]) -> list[dict]:
-    from longstride.overrides import parse
-    from longstride.recipes.plan import validate
-
     names = {f.name for f in dataclasses.fields(PlanConfig)} - {"overrides"}
     mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
     pc = parse(PlanConfig, mine, "longstride plan", __doc__)
@@ -233,6 +222,4 @@ def main(argv: list[str]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from longstride.overrides import run
-
     run("longstride plan", main)

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from longstride.recipes.checkpoint import CheckpointError, final_dir, resume_from_stage, supersede_after, verified_final
+from longstride.recipes.faults import NonFiniteError, StageInputError, Stopped, die_with_parent
+from longstride.recipes.runlock import RunLock, check_identity
 from longstride.recipes.schema import Config, selected_stages, to_schema
+from longstride.recipes.tracking import Tracker
 
 
 def write_hydra_files(recipe_dir: str) -> None:
@@ -36,8 +41,6 @@ def write_hydra_files(recipe_dir: str) -> None:
 def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | None]:
     """(stages to run, the first one's init checkpoint): with stage=NAME, the previous stage's final one,
     which must exist."""
-    from longstride.recipes.checkpoint import final_dir, verified_final
-
     stages, names = selected_stages(cfg), list(cfg.recipe.stages)
     first = names.index(stages[0])
     init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
@@ -50,12 +53,9 @@ def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | No
 def make_accelerator(cfg: Config, world: int):
     """accelerate's Accelerator: cpu=True where there is no GPU (under a multi-process launch accelerate then
     uses gloo); a collective waiting longer than train.collective_timeout_s (a stuck rank) fails the run."""
-    from datetime import timedelta
-
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from longstride.recipes.faults import die_with_parent
     from longstride.recipes.plan import resolve_precision
 
     if world > 1:
@@ -68,9 +68,6 @@ def make_accelerator(cfg: Config, world: int):
 def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: dict, tracker) -> None:
     """Main process: the restart decisions (train.resume_from, train.resume=false, a changed config; see
     recipes/runlock.py), then the run's config files. What a restart supersedes is moved aside, never deleted."""
-    from longstride.recipes.checkpoint import resume_from_stage, supersede_after
-    from longstride.recipes.runlock import check_identity
-
     names, resume_from = list(cfg.recipe.stages), cfg.train.resume_from
     if resume_from:
         resume_from_stage(resume_from, recipe_dir, names)
@@ -87,9 +84,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     before any model is built. Returns (context, stage names to run, first stage's init dir)."""
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.recipes.plan import validate
-    from longstride.recipes.runlock import RunLock
     from longstride.recipes.stage import RunContext
-    from longstride.recipes.tracking import Tracker
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
     plans = validate(cfg, world, "cuda" if torch.cuda.is_available() else "cpu")
@@ -150,8 +145,6 @@ def main(raw: DictConfig) -> None:
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
-    from longstride.recipes.checkpoint import CheckpointError
-    from longstride.recipes.faults import NonFiniteError, StageInputError, Stopped
 
     try:
         train_stages(*prepared)
