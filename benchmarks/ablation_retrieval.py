@@ -8,6 +8,9 @@ processes) with a few overrides, per seed (train.seed and data.seed: the data or
   fixed_base   RoPE base kept at the base model's 1e4 in both stages
   yarn_train   RoPE base kept at 1e4, YaRN x16 (from 256 positions) during both stages instead of a bump
   no_doc_mask  attention across the packed documents of a sequence (data.doc_masking=false)
+  all_rope     RoPE on every layer (no NoPE layer): its own base, trained once by recipe=tiny_base with
+               model.nope_interval=0 (about 18 minutes) and shipped as model/shipped/tiny_base_256_allrope
+               (made by the first all_rope piece when missing), then the same two stages from it
   yarn_eval    no training: the baseline's checkpoint with YaRN x2 and x4 applied at eval time
 
 Measured per piece on the 4K checkpoint: RULER niah_single_1 (a template never trained on) and the in-format
@@ -23,9 +26,10 @@ pieces exist, with n (seeds) per cell.
     python -m benchmarks.ablation_retrieval --smoke         # the plumbing in a few minutes, measures nothing
 
 Time on this 2-core machine (2026-11-25): a training piece takes about 10 minutes (6.7 training the two stages,
-about 3 evaluating on an idle machine, mostly the 16K prompts' prefill), a yarn_eval piece about 5; the grid
-(4 trained variants x 3 seeds + 3 yarn_eval pieces) is about 2.3 hours, so one 180-minute session, with its other
-work, lands a few pieces and the next sessions go on from them.
+about 3 evaluating on an idle machine, mostly the 16K prompts' prefill), 15-20 beside other work; a yarn_eval
+piece about 5; all_rope's base once about 18. The grid (5 trained variants x 3 seeds + 3 yarn_eval pieces + that
+base) is about 3 hours, so one 180-minute session, with its other work, lands several pieces and the next
+sessions go on from them.
 """
 from __future__ import annotations
 
@@ -48,6 +52,11 @@ VARIANTS = {
                    "model.yarn.factor=16", "model.yarn.original_max_position_embeddings=256"],
     "no_doc_mask": ["data.doc_masking=false"],
 }
+ALL_ROPE_BASE = "model/shipped/tiny_base_256_allrope"
+VARIANTS["all_rope"] = [f"model.checkpoint={ALL_ROPE_BASE}", f"data.tokenizer={ALL_ROPE_BASE}"]
+OWN_BASE = {"all_rope": (ALL_ROPE_BASE, ["model.nope_interval=0"])}  # variant -> (its base, recipe=tiny_base overrides)
+BASE_SMOKE = [f"recipe.stages.{s}.{k}={v}" for s in ("s0_copy", "s1_256") for k, v in
+              (("steps", 2), ("warmup_steps", 1), ("save_every", 0))]
 EVAL_ONLY = {"yarn_eval": ("baseline", [2.0, 4.0])}  # variant -> (trained variant it reads, YaRN factors)
 TRAINED, LENGTHS, PPL_LENGTHS = 4096, [4096, 8192, 16384], [1024, 4096, 16384]
 TASKS = ["niah_single_1", "synth_kv"]
@@ -68,11 +77,35 @@ def seed_overrides(seed: int) -> list[str]:
     return [f"train.seed={seed}", f"data.seed={1234 + seed}"]
 
 
+def own_base(variant: str, smoke: bool) -> list[str]:
+    """A variant with its own base model (OWN_BASE): trained by recipe=tiny_base and shipped when missing
+    (smoke: trained for 2 steps a stage and used from outputs/, never shipped); the overrides that point
+    the extension at it."""
+    if variant not in OWN_BASE:
+        return []
+    shipped, base_overrides = OWN_BASE[variant]
+    out = os.path.join(ROOT + ("-smoke" if smoke else ""), f"{variant}_base")
+    final = os.path.join(out, "tiny_base", "s1_256", "final")
+    path = final if smoke else shipped
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        cmd = ["accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "-m", "longstride.recipes.train",
+               "recipe=tiny_base", f"paths.output_root={out}", "logger.wandb_mode=disabled", "logger.progress_bar=false",
+               *base_overrides, *(BASE_SMOKE if smoke else [])]
+        print(f"[ablation] training {variant}'s base: {' '.join(cmd)}", flush=True)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "train.log"), "w") as log:
+            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+        if not smoke:
+            subprocess.run([sys.executable, "-m", "longstride.recipes.ship", final, shipped], check=True)
+    return [f"model.checkpoint={path}", f"data.tokenizer={path}"]
+
+
 def train(variant: str, seed: int, smoke: bool) -> tuple[str, float, list[str]]:
     """The variant's 4K checkpoint for this seed (trained now unless finished), seconds, and its overrides."""
     out = os.path.join(ROOT + ("-smoke" if smoke else ""), variant, f"seed{seed}")
     final = os.path.join(out, "tiny_extend", "s3_4k", "final")
-    overrides = [*VARIANTS[variant], *seed_overrides(seed), *(SMOKE if smoke else [])]
+    base = own_base(variant, smoke)
+    overrides = [*(base or VARIANTS[variant]), *seed_overrides(seed), *(SMOKE if smoke else [])]
     t0 = time.perf_counter()
     if not os.path.isfile(os.path.join(final, "manifest.json")):
         cmd = ["accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "-m", "longstride.recipes.train",
