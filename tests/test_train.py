@@ -179,6 +179,12 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
                           ["model FSDPChunkedLossLM", "activation checkpointing full; MLP tile 16",
                            "stage s1_256: traced step per rank", "device mesh: 2 ranks, built once for the run"],
                           crash_at=4)
+    from safetensors import safe_open
+
+    def weights(run):
+        with safe_open(str(tmp_path / run / "tiny" / "s1_256" / "final" / "model.safetensors"), "pt") as f:
+            return set(f.keys())
+    assert weights("two") == weights("one"), "FSDP2's final holds the same tensors as one process's (a tie once)"
 
 
 def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):
