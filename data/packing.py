@@ -13,6 +13,7 @@ import bisect
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -129,7 +130,8 @@ class OnlinePacker:
     """Packs documents as they arrive. best_fit: each piece (documents longer than seq_len are cut
     into seq_len pieces) goes into the open sequence with the least room that still fits it, or a new
     one; a full sequence is ready at once, and when more than `open_seqs` are open the fullest is
-    made ready. concat: one open sequence, documents cut at its end. Its state is plain data."""
+    made ready. concat: one open sequence, documents cut at its end. Its state is tensors and plain data
+    (the pending pieces as tensors), so a checkpoint holding it loads with torch.load(weights_only=True)."""
 
     def __init__(self, seq_len: int, method: str = "best_fit", open_seqs: int = 64):
         check_method(method)
@@ -138,12 +140,15 @@ class OnlinePacker:
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:
-        return {"open": [list(seq) for seq in self.open], "ready": list(self.ready), "counts": dict(self.counts)}
+        pieces = lambda seq: [torch.from_numpy(np.ascontiguousarray(p)) for p in seq]  # noqa: E731
+        return {"open": [pieces(seq) for seq in self.open], "ready": [pieces(seq) for seq in self.ready],
+                "counts": dict(self.counts)}
 
     def load_state_dict(self, state) -> None:
-        self.open = [list(seq) for seq in state["open"]] if state else []  # lists of token arrays
+        arrays = lambda seq: [p.numpy() if isinstance(p, torch.Tensor) else np.asarray(p) for p in seq]  # noqa: E731
+        self.open = [arrays(seq) for seq in state["open"]] if state else []  # lists of token arrays
         self.used = [sum(len(p) for p in seq) for seq in self.open]
-        self.ready = list(state["ready"]) if state else []
+        self.ready = [arrays(seq) for seq in state["ready"]] if state else []
         self.counts = dict(state["counts"]) if state else {"sequences": 0, "used": 0, "pieces": 0, "docs": 0,
                                                            "docs_cut": 0}
 

@@ -70,7 +70,12 @@ def patch_model(lm: torch.nn.Module, checkpointing: str, offload: bool, mlp_tile
     for module, forward in forwards.items():
         done.before[module] = vars(module).get("forward")
         module.forward = forward
-    done.offloader = enable_checkpointing(lm, checkpointing, offload=offload and not simulate_offload,
-                                          simulate_offload=offload and simulate_offload)
+    try:
+        done.offloader = enable_checkpointing(lm, checkpointing, offload=offload and not simulate_offload,
+                                              simulate_offload=offload and simulate_offload)
+    except Exception:
+        done.checkpointing = "none"
+        done.undo()  # a refused mode or offload leaves the model as it was built, never half patched
+        raise
     vars(lm)[_PATCHED] = True
     return done

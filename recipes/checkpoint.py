@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -199,6 +200,8 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
     barrier()
+    if rank_state is not None:
+        loadable(rank_state, f"rank{rank}.pt")
     with disk_errors(path):
         if rank_state is not None:
             torch.save(rank_state, os.path.join(tmp, f"rank{rank}.pt"))
@@ -246,6 +249,25 @@ def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tupl
     return trainer, load_state_file(mine if rank < written else os.path.join(path, "rank0.pt"))
 
 
+def loadable(state, name: str) -> None:
+    """Refuses, before it is written, a rank's state that a resume could not load with weights_only=True (a
+    data loader or packer keeping numpy arrays or objects): found at the save, not at the resume."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{name} would hold {_refused(e)}, not tensors and plain data, so no resume could "
+                              "load it: a bug in whatever state_dict made it (store arrays as tensors)") from None
+
+
+def _refused(e: pickle.UnpicklingError) -> str:
+    """The type a weights_only load refused, from torch's message."""
+    found = re.search(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)", str(e))
+    return f"a {found.group(1)!r} object" if found else "an object"
+
+
 def load_state_file(path: str, mmap: bool = False):
     """torch.load with weights_only=True: tensors and plain data only, so a checkpoint from a shared
     filesystem or a colleague cannot run code when it is read (a manifest cannot vouch for that: whoever
@@ -253,11 +275,12 @@ def load_state_file(path: str, mmap: bool = False):
     try:
         return torch.load(path, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        found = re.search(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)", str(e))
-        what = f"a {found.group(1)!r} object" if found else "an object"
+        what = _refused(e)
+        old = " (a checkpoint from before 2026-11-25 keeps numpy's RNG state as an array: resume it with the " \
+              "longstride that wrote it)" if "numpy" in what else ""
         raise CheckpointError(f"checkpoint file {path} holds {what}, not tensors and plain data; it was not loaded "
-                              "(loading it could run code). Resume from a checkpoint longstride wrote, or start the "
-                              "stage over") from None
+                              f"(loading it could run code){old}. Resume from a checkpoint longstride wrote, or start "
+                              "the stage over") from None
 
 
 def resume_from_stage(path: str, recipe_dir: str, stages: list[str]) -> str:

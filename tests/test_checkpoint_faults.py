@@ -216,16 +216,20 @@ class _Payload:
 
 @pytest.mark.parametrize("victim", ["trainer.pt", "rank0.pt"])
 def test_checkpoint_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, victim):
-    from longstride.recipes.checkpoint import CheckpointError, load_training_state, rng_state, save_checkpoint, verify
+    from longstride.recipes.checkpoint import (CheckpointError, load_training_state, rng_state, save_checkpoint, verify,
+                                               write_manifest)
 
     marker = tmp_path / "payload-ran"
     trainer = {"step": 3, "optimizer": {"state": {}}}
     rank = {"data": {"epoch": 0}, "rng": rng_state()}
-    (trainer if victim == "trainer.pt" else rank)["extra"] = _Payload(str(marker))
     path = str(tmp_path / "s1" / "step_000003")
     os.makedirs(os.path.dirname(path))
     save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
                     trainer_state=trainer, rank_state=rank, meta={"step": 3})
+    # someone with write access to the directory swaps a file for one carrying a payload and rewrites the manifest
+    (trainer if victim == "trainer.pt" else rank)["extra"] = _Payload(str(marker))
+    torch.save(trainer if victim == "trainer.pt" else rank, os.path.join(path, victim))
+    write_manifest(path, 1)
     assert verify(path) is None, "the manifest vouches for the files: whoever wrote them wrote it"
     with pytest.raises(CheckpointError, match=rf"{victim} holds a '.*' object, not tensors and plain data"):
         load_training_state(path, rank=0, world=1, resplit=True)
@@ -251,3 +255,37 @@ def test_training_state_round_trips_with_weights_only(tmp_path):
     set_rng_state(mine["rng"])
     got = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
     assert torch.equal(got[0], expect[0]) and np.array_equal(got[1], expect[1]) and got[2:] == expect[2:]
+
+
+def test_a_rank_state_a_resume_could_not_load_is_refused_at_the_save(tmp_path):
+    import numpy as np
+
+    from longstride.recipes.checkpoint import CheckpointError, save_checkpoint
+
+    path = str(tmp_path / "s1" / "step_000002")
+    os.makedirs(os.path.dirname(path))
+    with pytest.raises(CheckpointError, match=r"rank0.pt would hold a '.*numpy.*' object"):
+        save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
+                        trainer_state={"step": 2}, rank_state={"data": {"pending": np.arange(3)}}, meta={})
+    assert not os.path.exists(path), "nothing that looks like a checkpoint is left"
+
+
+def test_streaming_packer_state_loads_with_weights_only():
+    import io
+
+    import numpy as np
+
+    from longstride.data.packing import OnlinePacker
+
+    packer = OnlinePacker(8)
+    for n in (5, 3, 6, 7):  # one sequence made ready (5 + 3), two still open
+        packer.add(np.arange(n, dtype=np.int32))
+    assert packer.ready and len(packer.open) == 2
+    buf = io.BytesIO()
+    torch.save(packer.state_dict(), buf)
+    buf.seek(0)
+    again = OnlinePacker(8)
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    for a, b in ((again.open, packer.open), (again.ready, packer.ready)):
+        assert [[p.tolist() for p in seq] for seq in a] == [[p.tolist() for p in seq] for seq in b]
+    assert all(p.dtype == np.int32 for seq in again.open for p in seq) and again.used == packer.used

@@ -85,6 +85,9 @@ def test_tiled_mlp_equals_plain_and_holds_one_tile_at_a_time():
     assert_same(loss_and_grads(model), plain, "tiled, lean RMSNorm, full checkpointing")
     patched.undo()
     assert not model.lm.is_gradient_checkpointing and not any("forward" in vars(m) for m in model.lm.modules())
+    with pytest.raises(ValueError, match="checkpointing mode 'some'"):
+        patch_model(model.lm, "some", offload=False, mlp_tile=16, lean_norms=True)
+    assert not any("forward" in vars(m) for m in model.lm.modules()), "a refused patch leaves nothing behind"
     patch_model(model.lm, "none", offload=False, mlp_tile=16, lean_norms=True)
     layer = weakref.ref(model.lm.model.layers[0])
     del model, patched

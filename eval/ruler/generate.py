@@ -29,9 +29,9 @@ def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
     return ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[0]
 
 
-def _config(max_new_tokens: int, eos: list[int], pad: int, prefill_chunk=None) -> GenerationConfig:
+def _config(max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
-                            eos_token_id=eos, pad_token_id=pad, prefill_chunk_size=prefill_chunk)
+                            eos_token_id=eos, pad_token_id=pad)
 
 
 def _decode(tokenizer, new: list[int], eos: list[int]) -> str:
@@ -46,8 +46,8 @@ def decided(text: str, references: list[str], metric: str) -> bool:
 
 
 def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
-    """Indices of `widths` (prompt lengths), sorted by length, cut into batches: `batch_size` rows each, or
-    with batch_size 0 as many rows as keep rows x the longest prompt within `batch_tokens` (at least one)."""
+    """Indices of `widths` (each row's tokens: prompt + answer budget), sorted, cut into batches: `batch_size`
+    rows each, or with batch_size 0 as many rows as keep rows x the widest within `batch_tokens` (at least one)."""
     order = sorted(range(len(widths)), key=lambda i: widths[i])
     if batch_size:
         return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
@@ -94,26 +94,30 @@ def _cache_kw(model) -> str:
 def _prefill(model, ids: list[int], chunk: int, device, kw: str) -> tuple[DynamicCache, int]:
     """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones through a
     mask): its KV cache and its first new token."""
+    if not ids:
+        raise ValueError("an empty prompt: nothing to generate from")
     cache, x = DynamicCache(config=model.config), torch.tensor([ids], device=device)
     for s in range(0, len(ids), chunk):
         logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     return cache, int(logits[0, -1].argmax())
 
 
-def _stack(caches: list[DynamicCache], widths: list[int], room: int) -> DynamicCache:
-    """The rows' caches in one, left-padded to the longest prompt, with `room` free columns for the answers."""
-    out, width = caches[0], max(widths)
-    layers = []
-    for i, first in enumerate(out.layers):
-        k0 = first.keys
-        keys = k0.new_zeros(len(caches), k0.shape[1], width + room, k0.shape[-1])
-        values = keys.clone()
-        for r, (cache, w) in enumerate(zip(caches, widths)):
-            keys[r, :, width - w:width] = cache.layers[i].keys[0]
-            values[r, :, width - w:width] = cache.layers[i].values[0]
-        layers.append(BufferLayer(keys, values, width))
-    out.layers = layers
-    return out
+def _batch_cache(model, like: DynamicCache, rows: int, columns: int, filled: int) -> DynamicCache:
+    """An empty batch cache shaped like `like` (one prefilled row): `rows` rows of `columns` columns, the first
+    `filled` of them the (left-padded) prompts."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [BufferLayer(layer.keys.new_zeros(rows, layer.keys.shape[1], columns, layer.keys.shape[-1]),
+                                layer.values.new_zeros(rows, layer.values.shape[1], columns, layer.values.shape[-1]),
+                                filled) for layer in like.layers]
+    return cache
+
+
+def _put_row(cache: DynamicCache, row: int, prefilled: DynamicCache, width: int) -> None:
+    """One prompt's cache into row `row`, right-aligned at column `width` (left padding before it)."""
+    for dst, src in zip(cache.layers, prefilled.layers):
+        w = src.keys.shape[-2]
+        dst.buf_k[row, :, width - w:width] = src.keys[0]
+        dst.buf_v[row, :, width - w:width] = src.values[0]
 
 
 @torch.no_grad()
@@ -127,23 +131,30 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     eos, _ = stop_and_pad(model, tokenizer)
     device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
+    prefill = lambda i: _prefill(model, prompts[i], prefill_chunk, device, kw)  # noqa: E731
     for rows in batches([len(p) + max_new_tokens for p in prompts], batch_size, batch_tokens):
-        widths = [len(prompts[i]) for i in rows]
-        caches, first = zip(*(_prefill(model, prompts[i], prefill_chunk, device, kw) for i in rows))
-        if any(type(layer) is not DynamicLayer for c in caches for layer in c.layers):
+        widths, width = [len(prompts[i]) for i in rows], max(len(prompts[i]) for i in rows)
+        one, token = prefill(rows[0])
+        if any(type(layer) is not DynamicLayer for layer in one.layers):
             # sliding-window or other special layers keep their own cache: those rows decode one at a time
-            for i, w, c, t in zip(rows, widths, caches, first):
-                answers[i] = _decode_rows(model, tokenizer, [i], [w], [t], c, None, max_new_tokens, eos,
+            for r, i in enumerate(rows):
+                c, t = (one, token) if r == 0 else prefill(i)
+                answers[i] = _decode_rows(model, tokenizer, [i], [widths[r]], [t], c, None, max_new_tokens, eos,
                                           references, metric, kw)[i]
             continue
+        # the batch's cache is made once; each prompt is copied in as soon as it is prefilled and dropped
+        cache, first = _batch_cache(model, one, len(rows), width + max_new_tokens, width), []
+        for r, i in enumerate(rows):
+            c, t = (one, token) if r == 0 else prefill(i)
+            _put_row(cache, r, c, width)
+            first.append(t)
+        del one, c
         mask = None
-        if min(widths) < max(widths):  # left padding, masked out
-            mask = torch.zeros(len(rows), max(widths) + max_new_tokens, dtype=torch.long, device=device)
+        if min(widths) < width:  # left padding, masked out
+            mask = torch.zeros(len(rows), width + max_new_tokens, dtype=torch.long, device=device)
             for r, w in enumerate(widths):
-                mask[r, max(widths) - w:max(widths)] = 1
-        cache = _stack(list(caches), widths, max_new_tokens)
-        del caches
-        for i, text in _decode_rows(model, tokenizer, rows, widths, list(first), cache, mask, max_new_tokens, eos,
+                mask[r, width - w:width] = 1
+        for i, text in _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tokens, eos,
                                     references, metric, kw).items():
             answers[i] = text
     return answers
@@ -160,11 +171,10 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
     out: dict[int, str] = {}
     while True:
         done = []
-        for r, i in enumerate(live):
-            text = _decode(tokenizer, new[i], eos)
+        for r, i in enumerate(live):  # the text is decoded every step only when references can end a row early
             if new[i][-1] in eos or len(new[i]) >= max_new_tokens or \
-                    (references is not None and decided(text, references[i], metric)):
-                out[i] = text
+                    (references is not None and decided(_decode(tokenizer, new[i], eos), references[i], metric)):
+                out[i] = _decode(tokenizer, new[i], eos)
                 done.append(r)
         if len(done) == len(live):
             return out
