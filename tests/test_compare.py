@@ -115,12 +115,12 @@ def test_bad_input_is_named(two, tmp_path):
 def test_answers_end_once_scored_with_the_same_scores(two):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from longstride.eval.ruler.generate import _decode, decided, stop_and_pad
+    from longstride.eval.ruler.generate import _decode, decided, stop_ids
     from longstride.eval.ruler.score import sample_score
 
     tok = AutoTokenizer.from_pretrained(two[0])
     model = AutoModelForCausalLM.from_pretrained(two[0]).eval()
-    eos, _ = stop_and_pad(model, tok)
+    eos = stop_ids(model, tok)
     samples = [make_sample(ALL_TASKS["synth_kv"], 300, i, tok) for i in range(4)]
     prompts = [s.prompt_ids for s in samples]
     full = greedy_generate(model, tok, prompts, 16)

@@ -14,24 +14,19 @@ import inspect
 from typing import Optional
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from longstride.eval.ruler.score import sample_score
 
 
-def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
-    """The token ids that end an answer (the model's and the tokenizer's EOS), and the padding id."""
+def stop_ids(model, tokenizer) -> list[int]:
+    """The token ids that end an answer: the model's and the tokenizer's EOS."""
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
-    return ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[0]
-
-
-def _config(max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
-                            eos_token_id=eos, pad_token_id=pad)
+    return ids
 
 
 def _decode(tokenizer, new: list[int], eos: list[int]) -> str:
@@ -91,13 +86,17 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _prefill(model, ids: list[int], chunk: int, device, kw: str) -> tuple[DynamicCache, int]:
+def _prefill(model, ids: list[int], chunk: int, device, kw: str,
+             cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
     """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones through a
-    mask): its KV cache and its first new token."""
-    if not ids:
-        raise ValueError("an empty prompt: nothing to generate from")
-    cache, x = DynamicCache(config=model.config), torch.tensor([ids], device=device)
-    for s in range(0, len(ids), chunk):
+    mask): its KV cache and its first new token. With `cache` holding the prompt's first tokens already (a
+    context-parallel prefill), only the rest is run."""
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    start = cache.get_seq_length()
+    if start >= len(ids):
+        raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
+    x = torch.tensor([ids], device=device)
+    for s in range(start, len(ids), chunk):
         logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     return cache, int(logits[0, -1].argmax())
 
@@ -128,7 +127,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     `batch_size`, or with 0 as many as keep rows x (longest prompt + max_new_tokens) within `batch_tokens`
     (the KV cache's tokens). With `references` (one list per prompt) a row stops as soon as its score under
     `metric` is decided: the same score, a shorter answer."""
-    eos, _ = stop_and_pad(model, tokenizer)
+    eos = stop_ids(model, tokenizer)
     device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
     prefill = lambda i: _prefill(model, prompts[i], prefill_chunk, device, kw)  # noqa: E731
@@ -172,9 +171,10 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
     while True:
         done = []
         for r, i in enumerate(live):  # the text is decoded every step only when references can end a row early
-            if new[i][-1] in eos or len(new[i]) >= max_new_tokens or \
-                    (references is not None and decided(_decode(tokenizer, new[i], eos), references[i], metric)):
-                out[i] = _decode(tokenizer, new[i], eos)
+            ended = new[i][-1] in eos or len(new[i]) >= max_new_tokens
+            text = _decode(tokenizer, new[i], eos) if ended or references is not None else None
+            if ended or (references is not None and decided(text, references[i], metric)):
+                out[i] = text
                 done.append(r)
         if len(done) == len(live):
             return out
@@ -197,11 +197,11 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
 
 
 @torch.no_grad()
-def greedy_generate_cached(model, tokenizer, prompt: list[int], cache, max_new_tokens: int) -> str:
-    """One prompt whose first tokens are already in `cache` (a context-parallel prefill): generate runs
-    the rest of the prompt and the decoding from it."""
-    eos, pad = stop_and_pad(model, tokenizer)
-    ids = torch.tensor(prompt, device=next(model.parameters()).device)[None]
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                         generation_config=_config(max_new_tokens, eos, pad))
-    return _decode(tokenizer, out[0, len(prompt):].tolist(), eos)
+def greedy_generate_cached(model, tokenizer, prompt: list[int], cache: DynamicCache, max_new_tokens: int,
+                           prefill_chunk: int = 8192) -> str:
+    """One prompt whose first tokens are already in `cache` (a context-parallel prefill): the rest of the
+    prompt is prefilled into it and the answer decoded from it, as greedy_generate does one row."""
+    device, kw = next(model.parameters()).device, _cache_kw(model)
+    cache, token = _prefill(model, prompt, prefill_chunk, device, kw, cache)
+    return _decode_rows(model, tokenizer, [0], [len(prompt)], [token], cache, None, max_new_tokens,
+                        stop_ids(model, tokenizer), None, "all", kw)[0]
