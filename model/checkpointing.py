@@ -39,6 +39,14 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def disable_checkpointing(lm: torch.nn.Module) -> None:
+    """enable_checkpointing undone (the offloader's hooks are its own: ActivationOffload.detach)."""
+    if hasattr(lm, "activation_checkpointing_disable"):  # transformers >= 5.2x
+        lm.activation_checkpointing_disable()
+    else:
+        lm.gradient_checkpointing_disable()
+
+
 def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,
                          simulate_offload: bool = False) -> Optional[ActivationOffload]:
     """mode: none | full | selective (see the module docstring); offload: hold the checkpointed inputs in

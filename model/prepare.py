@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from longstride.model.checkpointing import enable_checkpointing
+from longstride.model.checkpointing import disable_checkpointing, enable_checkpointing
 from longstride.model.offload import ActivationOffload
 from longstride.model.rmsnorm import lean_forwards
 from longstride.model.tiling import tiled_forwards
@@ -46,10 +46,7 @@ class Patched:
                 module.forward = forward
         self.before = {}
         if self.checkpointing != "none":
-            if hasattr(self.model, "activation_checkpointing_disable"):  # transformers >= 5.2x
-                self.model.activation_checkpointing_disable()
-            else:
-                self.model.gradient_checkpointing_disable()
+            disable_checkpointing(self.model)
         if self.offloader is not None:
             self.offloader.detach()
         vars(self.model).pop(_PATCHED, None)

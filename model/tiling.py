@@ -29,6 +29,7 @@ import torch
 PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                    "SmolLM3DecoderLayer"}
 
+
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is on for this device type; the meta device (a traced step, recipes/trace.py) has none."""
     return device_type != "meta" and torch.is_autocast_enabled(device_type)

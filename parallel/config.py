@@ -133,7 +133,7 @@ class WorldMesh:
     def __init__(self, device_type: str, world: int):
         from torch.distributed import device_mesh
 
-        self.device_type, self.world = device_type, world
+        self.world = world
         self.mesh = device_mesh.init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
         self._layouts: dict = {}
 

@@ -60,11 +60,12 @@ class Parallelized:
         if not self.fsdp:
             return lambda d: self.acc.unwrap_model(self.module).lm.save_pretrained(d)
         full = {k.removeprefix("lm."): v for k, v in full_state_dict(self.module).items()}
-        seen, tied = set(), []  # a tied parameter (the LM head sharing the embedding) is written once, as DDP's
-        for name, p in lm.named_parameters(remove_duplicate=False):  # save does; the gathered copies lost the tie
-            (tied.append(name) if id(p) in seen else seen.add(id(p)))
-        for name in tied:
-            full.pop(name, None)
+        # a tied parameter (the LM head sharing the embedding) is written once, as DDP's save does: the gathered
+        # copies no longer share storage, so the names beyond a parameter's first are dropped
+        first = dict(lm.named_parameters())
+        for name, _ in lm.named_parameters(remove_duplicate=False):
+            if name not in first:
+                full.pop(name, None)
         return lambda d: lm.save_pretrained(d, state_dict=full)
 
     def optimizer_state(self, optimizer) -> dict:

@@ -200,11 +200,11 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
     barrier()
-    if rank_state is not None:
-        loadable(rank_state, f"rank{rank}.pt")
+    rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
     with disk_errors(path):
-        if rank_state is not None:
-            torch.save(rank_state, os.path.join(tmp, f"rank{rank}.pt"))
+        if rank_bytes is not None:
+            with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
+                f.write(rank_bytes)
         if is_main:
             save_model(tmp)
             if trainer_state is not None:
@@ -249,9 +249,10 @@ def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tupl
     return trainer, load_state_file(mine if rank < written else os.path.join(path, "rank0.pt"))
 
 
-def loadable(state, name: str) -> None:
-    """Refuses, before it is written, a rank's state that a resume could not load with weights_only=True (a
-    data loader or packer keeping numpy arrays or objects): found at the save, not at the resume."""
+def loadable_bytes(state, name: str) -> bytes:
+    """`state` serialised once, as the file `name` will hold it, after checking that a resume can load those
+    bytes with weights_only=True (a data loader or packer keeping numpy arrays or objects is refused here, at
+    the save, not at the resume)."""
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
@@ -260,6 +261,7 @@ def loadable(state, name: str) -> None:
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{name} would hold {_refused(e)}, not tensors and plain data, so no resume could "
                               "load it: a bug in whatever state_dict made it (store arrays as tensors)") from None
+    return buf.getvalue()
 
 
 def _refused(e: pickle.UnpicklingError) -> str:

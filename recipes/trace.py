@@ -40,7 +40,7 @@ from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
 from longstride.parallel.attention import register, use_longstride_attention
 from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
-from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
+from longstride.parallel.cp import cp_context, shard_for_cp
 from longstride.parallel.flash_contract import FlashOpCheck
 from longstride.parallel.fsdp import apply_fsdp
 
@@ -178,11 +178,6 @@ def synthetic_batch(micro_batch: int, seq_len: int, docs: int) -> dict:
             "position_ids": rows(pos), "doc_ids": rows(doc_ids), "seq_index": rows(torch.arange(seq_len))}
 
 
-def _cp(prog: StepProgram, mesh) -> CPContext:
-    return cp_context(prog.cp_impl, ParallelDims.from_world(prog.world, prog.cp), prog.degrees, "cpu", prog.kernel,
-                      prog.balance, mesh=mesh)
-
-
 def _build(prog: StepProgram, device: str):
     """(the module whose forward returns the loss sum, the LM, the offloader or None). On meta the parameters
     are bf16 when the program is (no autocast there), else fp32 (autocast or FSDP2 casts them)."""
@@ -228,7 +223,8 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
     with fake_process_group(prog.world, rank):
         # one mesh for the traced rank, as a run has; made before the fake mode (a mesh reads its ranks)
         mesh = WorldMesh("cpu", prog.world) if prog.fsdp or prog.cp > 1 else None
-        cp = _cp(prog, mesh)
+        cp = cp_context(prog.cp_impl, ParallelDims.from_world(prog.world, prog.cp), prog.degrees, "cpu", prog.kernel,
+                        prog.balance, mesh=mesh)
         local, layout = shard_for_cp(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs), True, cp)
         # non-fake inputs: the batch, and the small index tensors made once and cached (cumulative lengths,
         # head schedules), which stay real so that a later real run never meets a fake one

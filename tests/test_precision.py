@@ -17,7 +17,7 @@ from longstride.parallel.spawn import run_gloo
 STEPS = 5
 
 
-def _batch(step: int, rank: int) -> dict:
+def _batch(rank: int) -> dict:
     from tests.test_cp_model import L, packed_batch
 
     b = packed_batch()
@@ -45,9 +45,8 @@ def _worker(rank, world, out):
         inner = tiny_model()
         model = parallelize(inner, inner.lm.model.layers, fsdp, acc, mesh)
         opt = torch.optim.AdamW(model.module.parameters(), lr=3e-3)
-        losses = []
-        for step in range(STEPS):
-            b = _batch(step, rank)
+        losses, b = [], _batch(rank)
+        for _ in range(STEPS):
             loss = model.module(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
             model.backward(loss / 100)
             opt.step()
