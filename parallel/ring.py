@@ -78,7 +78,7 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+def merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
     """In place: (out, lse) <- softmax-weighted combination of the two partial results, in fp32."""
     new = torch.logaddexp(lse, l)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - new).unsqueeze(-1))
@@ -122,7 +122,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
         for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan, t, scale):
-            _merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
+            merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
         if t + 1 < n:
             _wait(reqs)
             kv = nxt

@@ -154,6 +154,46 @@ def test_chunked_batched_generation_equals_one_by_one(checkpoint, tok):
     assert whole[0].startswith(tok.decode([int(first)]))
 
 
+def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits():
+    """A prompt prefilled in chunks from the cached prefix it shares with another prompt gives the KV cache and
+    last-token logits of one forward of the whole prompt through transformers' own attention: hybrid RoPE/NoPE
+    layers, YaRN, grouped K/V heads; the first prompt's too."""
+    from transformers import DynamicCache
+
+    from longstride.eval.ruler.generate import (_batch_cache, _cache_kw, _prefill, _put_row, _row_prefix,
+                                                   shared_prefix)
+    from longstride.model.build import build_model
+    from longstride.model.config import ModelConfig, YarnConfig
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, nope_interval=2, initializer_range=0.3, yarn=YarnConfig(factor=2.0))
+    model = build_model(cfg, rope_theta=1e4, seq_len=128, vocab_size=300, eos_id=0, pad_id=1).eval()
+    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.no_rope_layers == [1, 0, 1]
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(2, 300, (230,), generator=g).tolist()
+    b = a[:150] + torch.randint(2, 300, (80,), generator=g).tolist()  # past the 128 positions YaRN stretches
+    b[150] = a[150] + 1
+    kw, cpu = _cache_kw(model), torch.device("cpu")
+
+    def reference(ids):
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), use_cache=True, **{kw: DynamicCache(config=model.config)})
+        return out.past_key_values, out.logits[0, -1]
+
+    cache_a, logits_a = _prefill(model, a, 100, cpu, kw)
+    assert shared_prefix(a, b) == 150 and shared_prefix(a, a) == len(a) - 1
+    batch = _batch_cache(model, cache_a, 1, 3 + len(a), 3 + len(a))  # a's prompt in row 0 from column 3
+    _put_row(batch, 0, cache_a, 3 + len(a))
+    cache_b, logits_b = _prefill(model, b, 48, cpu, kw, _row_prefix(model, batch, 0, 3, 150))
+    for ids, cache, logits in ((a, cache_a, logits_a), (b, cache_b, logits_b)):
+        ref_cache, ref_logits = reference(ids)
+        assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-4), (logits - ref_logits).abs().max()
+        for mine, theirs in zip(cache.layers, ref_cache.layers, strict=True):
+            assert mine.keys.shape == theirs.keys.shape == (1, 2, len(ids), 8)
+            assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values,
+                                                                                         atol=1e-5)
+
+
 def test_command_line_runs_reports_and_skips(checkpoint, squad, tmp_path, capsys):
     res = main([f"checkpoint={checkpoint}", "lengths=[1536,2048,4096]", "num_samples=2",
                 "tasks=[niah_single_1,niah_multikey_2,vt,cwe,fwe,qa_1,qa_2,nope]", f"qa.squad={squad}",

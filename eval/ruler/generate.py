@@ -1,8 +1,18 @@
-"""Greedy generation for RULER: each prompt prefilled alone, answers decoded together, a KV cache that never copies.
+"""Greedy generation for RULER: each prompt prefilled alone from the cache of the prefix it shares with the
+prompt before it, answers decoded together, a KV cache that never copies.
 
-Each prompt is prefilled on its own (no padding, so the attention runs its unmasked kernel), `prefill_chunk`
-tokens per forward. Its KV cache is then copied into a batch buffer with room for the whole answer, the rows
-left-padded to the longest prompt, and the rows are decoded one token per forward for all of them together
+Prefix caching, always on. A batch's prompts are prefilled in lexicographic order of their token ids, each
+starting from the KV cache of its longest common token prefix with the prompt before it (the most it shares
+with any earlier one: the total prefilled is the token trie's size), so only the rest of it is run. RULER's
+prompts share much: every niah_single_1 prompt of a length is the same noise haystack up to its needle.
+Each prompt is run alone (no padding), `prefill_chunk` tokens per forward; on CPU its tokens attend to the
+cached ones and causally to each other with no mask (`prefill_attention`: the dense block over the cache and
+the causal block, each one CPU flash call, merged by their log-sum-exp as ring attention merges its blocks),
+and the last layer computes only the last token's row, the one whose logits are kept. The cache and logits
+are the full forward's to fp32 rounding (tests/test_ruler.py).
+
+The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
+to the longest prompt, and the rows are decoded one token per forward for all of them together
 (transformers' DynamicCache concatenates: a copy of the whole cache per token and layer, most of a decode
 step's time on CPU). A row leaves the batch at EOS, at its token budget, or, given references, once its
 score is decided (`decided`). Answers are the generated token ids decoded, never the prompt stripped from
@@ -14,10 +24,16 @@ import inspect
 from typing import Optional
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface
 
 from longstride.eval.ruler.score import sample_score
+from longstride.parallel.attention import no_mask
+from longstride.parallel.kernels import block_forward
+from longstride.parallel.ring import merge
+
+PREFILL_ATTENTION = "longstride_prefill"
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -86,19 +102,63 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def prefill_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One unpadded prompt's new tokens attending to its cached ones and causally to each other, with no mask:
+    query: (1, H, s, D), key/value: (1, Hkv, c + s, D), the first c cached -> ((1, s, H, D), None). The last
+    layer computes the last token's row only (the others are zero): a prefill keeps the logits of its last
+    token alone, and decoding reads the layer's keys and values, which are in the cache already."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    s, c = query.shape[2], key.shape[2] - query.shape[2]
+    if module.layer_idx == module.config.num_hidden_layers - 1:
+        out = query.new_zeros(query.shape[0], s, query.shape[1], query.shape[-1])
+        out[:, -1:] = block_forward("sdpa", query[:, :, -1:], key, value, scale)[0].transpose(1, 2)
+        return out, None
+    out, lse = block_forward("sdpa", query, key[:, :, c:], value[:, :, c:], scale, [(0, s)])
+    if c:
+        out = out.float()
+        merge(out, lse, *block_forward("sdpa", query, key[:, :, :c], value[:, :, :c], scale))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
 def _prefill(model, ids: list[int], chunk: int, device, kw: str,
-             cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
-    """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones through a
-    mask): its KV cache and its first new token. With `cache` holding the prompt's first tokens already (a
-    context-parallel prefill), only the rest is run."""
+             cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, torch.Tensor]:
+    """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones): its KV cache
+    and the logits of its last token. With `cache` holding the prompt's first tokens already (a shared prefix,
+    or a context-parallel prefill), only the rest is run. On CPU, with full attention in every layer, the
+    forward runs `prefill_attention` (no mask); elsewhere the model's own attention with its mask."""
     cache = cache if cache is not None else DynamicCache(config=model.config)
     start = cache.get_seq_length()
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    for s in range(start, len(ids), chunk):
-        logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
-    return cache, int(logits[0, -1].argmax())
+    previous = model.config._attn_implementation
+    if device.type == "cpu" and all(type(layer) is DynamicLayer for layer in cache.layers):
+        AttentionInterface.register(PREFILL_ATTENTION, prefill_attention)
+        AttentionMaskInterface.register(PREFILL_ATTENTION, no_mask)
+        model.set_attn_implementation(PREFILL_ATTENTION)
+    try:
+        for s in range(start, len(ids), chunk):
+            logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+    finally:
+        model.set_attn_implementation(previous)
+    return cache, logits[0, -1]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens b shares with a, at most len(b) - 1 (b's last token is run for its logits)."""
+    n = min(len(a), len(b) - 1)
+    return next((j for j in range(n) if a[j] != b[j]), n)
+
+
+def _row_prefix(model, batch: DynamicCache, row: int, start: int, n: int) -> Optional[DynamicCache]:
+    """The first `n` cached tokens of the batch cache's row `row` (its prompt starts at column `start`) as one
+    prompt's own cache; None when n is 0."""
+    if not n:
+        return None
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(batch.layers):
+        cache.update(layer.buf_k[row:row + 1, :, start:start + n], layer.buf_v[row:row + 1, :, start:start + n], i)
+    return cache
 
 
 def _batch_cache(model, like: DynamicCache, rows: int, columns: int, filled: int) -> DynamicCache:
@@ -130,8 +190,12 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     eos = stop_ids(model, tokenizer)
     device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
-    prefill = lambda i: _prefill(model, prompts[i], prefill_chunk, device, kw)  # noqa: E731
+    def prefill(i: int, cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
+        cache, logits = _prefill(model, prompts[i], prefill_chunk, device, kw, cache)
+        return cache, int(logits.argmax())
+
     for rows in batches([len(p) + max_new_tokens for p in prompts], batch_size, batch_tokens):
+        rows = sorted(rows, key=lambda i: prompts[i])  # lexicographic: the row before shares the longest prefix
         widths, width = [len(prompts[i]) for i in rows], max(len(prompts[i]) for i in rows)
         one, token = prefill(rows[0])
         if any(type(layer) is not DynamicLayer for layer in one.layers):
@@ -141,10 +205,15 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
                 answers[i] = _decode_rows(model, tokenizer, [i], [widths[r]], [t], c, None, max_new_tokens, eos,
                                           references, metric, kw)[i]
             continue
-        # the batch's cache is made once; each prompt is copied in as soon as it is prefilled and dropped
+        # the batch's cache is made once; each prompt is copied in as soon as it is prefilled and dropped, and
+        # the next prompt starts from the prefix it shares with it
         cache, first = _batch_cache(model, one, len(rows), width + max_new_tokens, width), []
         for r, i in enumerate(rows):
-            c, t = (one, token) if r == 0 else prefill(i)
+            if r:
+                shared = shared_prefix(prompts[rows[r - 1]], prompts[i])
+                c, t = prefill(i, _row_prefix(model, cache, r - 1, width - widths[r - 1], shared))
+            else:
+                c, t = one, token
             _put_row(cache, r, c, width)
             first.append(t)
         del one, c
@@ -202,6 +271,6 @@ def greedy_generate_cached(model, tokenizer, prompt: list[int], cache: DynamicCa
     """One prompt whose first tokens are already in `cache` (a context-parallel prefill): the rest of the
     prompt is prefilled into it and the answer decoded from it, as greedy_generate does one row."""
     device, kw = next(model.parameters()).device, _cache_kw(model)
-    cache, token = _prefill(model, prompt, prefill_chunk, device, kw, cache)
-    return _decode_rows(model, tokenizer, [0], [len(prompt)], [token], cache, None, max_new_tokens,
+    cache, logits = _prefill(model, prompt, prefill_chunk, device, kw, cache)
+    return _decode_rows(model, tokenizer, [0], [len(prompt)], [int(logits.argmax())], cache, None, max_new_tokens,
                         stop_ids(model, tokenizer), None, "all", kw)[0]
