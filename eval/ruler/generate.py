@@ -107,6 +107,8 @@ def prefill_attention(module, query, key, value, attention_mask, scaling=None, d
     query: (1, H, s, D), key/value: (1, Hkv, c + s, D), the first c cached -> ((1, s, H, D), None). The last
     layer computes the last token's row only (the others are zero): a prefill keeps the logits of its last
     token alone, and decoding reads the layer's keys and values, which are in the cache already."""
+    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("prefill_attention is full causal attention: no dropout, window, softcap or sinks")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     s, c = query.shape[2], key.shape[2] - query.shape[2]
     if module.layer_idx == module.config.num_hidden_layers - 1:
