@@ -134,7 +134,8 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
     previous = model.config._attn_implementation
-    if device.type == "cpu" and all(type(layer) is DynamicLayer for layer in cache.layers):
+    unmasked = device.type == "cpu" and all(type(layer) is DynamicLayer for layer in cache.layers)
+    if unmasked:
         AttentionInterface.register(PREFILL_ATTENTION, prefill_attention)
         AttentionMaskInterface.register(PREFILL_ATTENTION, no_mask)
         model.set_attn_implementation(PREFILL_ATTENTION)
@@ -142,7 +143,8 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     finally:
-        model.set_attn_implementation(previous)
+        if unmasked:
+            model.set_attn_implementation(previous)
     return cache, logits[0, -1]
 
 
@@ -192,6 +194,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     eos = stop_ids(model, tokenizer)
     device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
+
     def prefill(i: int, cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
         cache, logits = _prefill(model, prompts[i], prefill_chunk, device, kw, cache)
         return cache, int(logits.argmax())
