@@ -311,7 +311,7 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
         remove_partial(stage_dir)
     acc.wait_for_everyone()
     resume = from_main(lambda: latest_checkpoint(stage_dir, warn=tracker.warning))
-    run = build_stage(ctx, plan, resume or init_from)
+    run = build_stage(ctx, plan, init_from)  # a resume's weights come from its shards (restore_stage)
     if resume:
         restore_stage(ctx, run, resume)
     log_stage_start(ctx, run, init_from, resumed=bool(resume))
