@@ -95,6 +95,9 @@ def check_checkpoint_dir(path: str, field_name: str) -> None:
         raise ValueError(f"{field_name}={path!r} does not exist; point it at a local HF model directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
+    if os.path.isfile(os.path.join(path, ".metadata")):  # parallel/shards.py's step checkpoint: no HF weights
+        raise ValueError(f"{field_name}={path!r} is a sharded step checkpoint (training state, not an HF model); "
+                         f"convert it first: longstride export-hf checkpoint={path} out=DIR, then use DIR")
 
 
 def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,
