@@ -66,20 +66,28 @@ def stream_weights(lm: torch.nn.Module, directory: str, is_main: bool, shard_byt
     values = dict(items)
     names = ["model.safetensors"] if len(files) == 1 else \
         [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    weight_map, total = {}, 0
+    weight_map, total, failed = {}, 0, None
     for name, keys in zip(names, files):
         shard = {}
         for k in keys:
             v = values[k]
-            full = (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu").contiguous()
+            full = v.full_tensor() if isinstance(v, DTensor) else v  # every rank: the all-gather is collective
             if is_main:
-                shard[k] = full
+                shard[k] = full.detach().to("cpu").contiguous()
                 weight_map[k], total = name, total + full.numel() * full.element_size()
-        if is_main:
-            save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
-    if is_main and len(files) > 1:
+        if is_main and failed is None:
+            try:
+                save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+            except Exception as e:  # a full disk: keep gathering with the others (they are in the same collectives)
+                failed = e
+    if is_main and failed is None and len(files) > 1:
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    flag = torch.tensor([float(failed is not None)], device=items[0][1].device)
+    torch.distributed.all_reduce(flag)  # every rank raises, or none
+    if flag.item():
+        raise OSError(f"the main rank could not write the weights: {failed}" if failed else
+                      "the main rank could not write the weights")
 
 
 def grad_norm_clip(params, max_norm: float) -> torch.Tensor:

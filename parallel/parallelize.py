@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from longstride.model.build import save_config
 from longstride.parallel.fsdp import HF_SHARD_BYTES, apply_fsdp, grad_norm_clip, stream_weights
 from longstride.parallel.shards import load_shards, save_shards
 
@@ -60,13 +61,12 @@ class Parallelized:
         written in files of at most `shard_bytes`, so the main rank never holds the whole model
         (parallel/fsdp.stream_weights); under DDP the main rank's replica is saved as it is."""
         if not self.fsdp:
-            if is_main:
-                self.acc.unwrap_model(self.module).lm.save_pretrained(directory)
+            if is_main:  # files of the same size as FSDP2's, so a final's layout does not depend on the wrapper
+                self.acc.unwrap_model(self.module).lm.save_pretrained(directory, max_shard_size=shard_bytes)
             return
         stream_weights(lm, directory, is_main, shard_bytes)
         if is_main:
-            lm.config.save_pretrained(directory)
-            lm.generation_config.save_pretrained(directory)
+            save_config(lm, directory)
 
     def save_state(self, directory: str, optimizer) -> None:
         """Collective: the model and optimizer state written as per-rank shards (parallel/shards.py): FSDP2's

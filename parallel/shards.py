@@ -30,11 +30,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 METADATA = ".metadata"
 # one process has no process group to use, and is meant to have none
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-_DCP_RECORDS = "torch.distributed.checkpoint.metadata"  # dataclasses and enums only
-_NAMED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-          ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-          ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-          ("collections", "OrderedDict")}
+_RECORDS = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {(_RECORDS, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
@@ -47,13 +48,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str):
-        found = super().find_class(module, name) if (
-            (module == _DCP_RECORDS and not name.startswith("__")) or (module, name) in _NAMED
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))) else None
-        if found is None or (module == _DCP_RECORDS and not isinstance(found, type)):
+        """Exact (module, name) pairs only: no dotted names (pickle would walk them to any attribute of any
+        module the allowed one imports), and torch's dtypes by their own names."""
+        allowed = "." not in name and ((module, name) in _ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
             raise UnsafeCheckpoint(f"checkpoint file {self.path} holds a '{module}.{name}' object, not DCP's "
                                    "records and plain data; it was not loaded (loading it could run code)")
-        return found
+        return super().find_class(module, name)
 
 
 class SafeReader(FileSystemReader):
@@ -81,9 +83,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise UnsafeCheckpoint(f"checkpoint {self.directory} holds an item {read_item.dest_index.fqn!r} that "
-                                   f"is not tensors and plain data ({str(e).splitlines()[0]}); it was not loaded") \
-                from None
+            where = self.metadata.storage_data[read_item.storage_index].relative_path
+            raise UnsafeCheckpoint(f"checkpoint file {os.path.join(self.directory, where)} holds an item "
+                                   f"{read_item.dest_index.fqn!r} that is not tensors and plain data "
+                                   f"({str(e).splitlines()[0]}); it was not loaded") from None
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
@@ -122,13 +125,11 @@ def load_shards(directory: str, module: torch.nn.Module, optimizer) -> None:
     state = _state(module, optimizer)
     try:
         dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(directory))
-    except CheckpointException as e:
-        raise UnsafeCheckpoint(first_failure(e)) if "UnsafeCheckpoint" in str(e) else OSError(first_failure(e)) \
-            from None
-    missing = set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False)).missing_keys
-    missing = {n.removeprefix("module.") for n in missing} - {n.removeprefix("module.") for n in _tied(module)}
-    if missing:  # only the tied repeats may be absent
-        raise RuntimeError(f"{directory}: the model's {sorted(missing)[:3]} were not in the loaded state")
+    except CheckpointException as e:  # a key or shape the checkpoint lacks, a refused item: raised on every rank
+        unsafe = any(isinstance(exc, UnsafeCheckpoint) for exc, _ in e.failures.values())
+        raise (UnsafeCheckpoint if unsafe else OSError)(first_failure(e)) from None
+    # not strict: the tied repeats are not in `state` (DCP has already refused any other key it lacks)
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(module, optimizer, state["optim"])
 
 

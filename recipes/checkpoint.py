@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from longstride.parallel.shards import UnsafeCheckpoint
+from longstride.parallel.shards import METADATA as SHARD_METADATA, UnsafeCheckpoint
 from longstride.recipes.faults import test_kill
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -295,11 +295,20 @@ def load_state_file(path: str):
 
 def load_shards_checked(path: str, model, optimizer) -> None:
     """Collective: `model` (Parallelized) and `optimizer` filled from the shards of step checkpoint `path`; a
-    shard file holding anything but DCP's records and tensors is refused (CheckpointError naming it)."""
+    shard file holding anything but DCP's records and tensors is refused (CheckpointError naming it), and so
+    is a checkpoint whose shards do not fit this run's model, or one in the format before shards."""
+    if not os.path.isfile(os.path.join(path, SHARD_METADATA)):
+        raise CheckpointError(f"checkpoint {path} has no {SHARD_METADATA}: it was written by a longstride from before "
+                              "sharded checkpoints (whole weights in model.safetensors, the optimizer in trainer.pt). "
+                              "Resume it with the longstride that wrote it, or start the stage over from its weights "
+                              f"(model=checkpoint model.checkpoint={path})")
     try:
         model.load_state(path, optimizer)
     except UnsafeCheckpoint as e:
         raise CheckpointError(f"{e}. Resume from a checkpoint longstride wrote, or start the stage over") from None
+    except OSError as e:
+        raise CheckpointError(f"could not load the shards of {path} into this run's model ({e}); was it written for "
+                              "another model shape? Resume from a checkpoint of this configuration") from None
 
 
 def resume_from_stage(path: str, recipe_dir: str, stages: list[str]) -> str:

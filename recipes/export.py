@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
 from longstride.overrides import parse, run
-from longstride.parallel.shards import METADATA, load_model_shards
+from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
 from longstride.recipes.checkpoint import verify, write_manifest
 
 
@@ -26,7 +30,6 @@ class ExportConfig:
 
 
 def export_hf(checkpoint: str, out: str) -> str:
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(os.path.join(checkpoint, METADATA)):
@@ -38,13 +41,20 @@ def export_hf(checkpoint: str, out: str) -> str:
     if os.path.exists(out):
         raise ValueError(f"out={out!r} exists; choose a new directory")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
-    load_model_shards(checkpoint, model)
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(tmp)
-    write_manifest(tmp, 1, {"exported_from": os.path.abspath(checkpoint)})
-    os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
+    try:
+        load_model_shards(checkpoint, model)
+    except (UnsafeCheckpoint, CheckpointException) as e:
+        raise ValueError(f"checkpoint={checkpoint!r}: {e}") from None
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)  # beside `out`, so the rename stays on one disk
+    try:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(tmp)
+        write_manifest(tmp, 1, {"exported_from": os.path.abspath(checkpoint)})
+        os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

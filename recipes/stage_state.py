@@ -5,6 +5,7 @@ recipes/checkpoint.py's, the shards parallel/shards.py's.
 """
 from __future__ import annotations
 
+from longstride.model.build import save_config
 from longstride.recipes.checkpoint import (load_shards_checked, load_training_state, rng_state, save_checkpoint,
                                           set_rng_state)
 from longstride.recipes.faults import check_finite_parameters
@@ -24,7 +25,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
         # a final: the HF directory, its weights streamed from the shards under FSDP2
         save_all=(lambda d: model.save_state(d, run.optimizer)) if with_state else
         (lambda d: model.save_weights(run.lm, d, acc.is_main_process)),
-        save_model=(lambda d: (run.lm.config.save_pretrained(d), ctx.tokenizer.save_pretrained(d))) if with_state
+        save_model=(lambda d: (save_config(run.lm, d), ctx.tokenizer.save_pretrained(d))) if with_state
         else ctx.tokenizer.save_pretrained,
         trainer_state=trainer,
         rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else None,

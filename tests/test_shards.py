@@ -187,3 +187,36 @@ def test_fsdp2_final_weights_stream_into_the_files_save_pretrained_writes(tmp_pa
     for name, w in want.items():
         assert torch.equal(got.get_parameter(name), w), name
     assert got.lm_head.weight is got.model.embed_tokens.weight
+
+
+def test_shard_metadata_naming_a_dotted_path_through_an_allowed_module_is_refused(tmp_path):
+    """Pickle resolves a dotted name attribute by attribute from the module it names, so an allowed module
+    that imports torch would hand out any of torch's attributes (here a file opener); a name with a dot is
+    refused whatever its module."""
+    from longstride.parallel.shards import SafeReader, UnsafeCheckpoint
+
+    marker = str(tmp_path / "payload-ran")
+
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s)]) + s.encode()
+
+    # protocol 4: STACK_GLOBAL(DCP's metadata module, "torch.storage.io.FileIO")(marker, "w")
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + text("torch.distributed.checkpoint.metadata")
+                                         + text("torch.storage.io.FileIO") + b"\x93" + text(marker) + text("w")
+                                         + b"\x86R.")
+    with pytest.raises(UnsafeCheckpoint, match=r"\.metadata holds a '.*torch\.storage\.io\.FileIO' object"):
+        SafeReader(str(tmp_path)).read_metadata()
+    assert not os.path.exists(marker), "the payload ran"
+    with open(tmp_path / ".metadata", "rb") as f:  # the check is not vacuous: plain pickle runs it
+        pickle.load(f).close()
+    assert os.path.exists(marker)
+
+
+def test_a_step_checkpoint_from_before_shards_is_refused_naming_what_to_do(tmp_path):
+    from longstride.parallel.parallelize import Parallelized
+    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked
+
+    model, opt = tiny(0)
+    model.lm.save_pretrained(tmp_path)  # the old layout: whole weights, no shards
+    with pytest.raises(CheckpointError, match=r"from before sharded checkpoints .* model\.checkpoint="):
+        load_shards_checked(str(tmp_path), Parallelized(model, False, None), opt)

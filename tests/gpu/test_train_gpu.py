@@ -109,10 +109,10 @@ def test_fsdp2_bf16_step_and_resume_on_one_rank(tmp_path):
         straight = [step(par, opt) for _ in range(3)]
         par, opt = build()
         step(par, opt)
-        shards = tempfile.mkdtemp()
-        par.save_state(shards, opt)  # per-rank shards (DCP), read back into a freshly built model
-        par, opt = build()
-        par.load_state(shards, opt)
+        with tempfile.TemporaryDirectory() as shards:
+            par.save_state(shards, opt)  # per-rank shards (DCP), read back into a freshly built model
+            par, opt = build()
+            par.load_state(shards, opt)
         resumed = [step(par, opt) for _ in range(2)]
         assert all(np.isfinite(straight)) and straight[2] < straight[0]
         assert resumed == pytest.approx(straight[1:], rel=1e-2), (straight, resumed)
