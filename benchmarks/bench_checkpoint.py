@@ -1,21 +1,26 @@
-"""What a step checkpoint's save costs, per rank: bytes written and the process's peak host memory during
-the save, for SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152; 135M parameters) with
+"""What a checkpoint's save costs, per rank: bytes written and the process's peak host memory during
+the save (a step checkpoint; a stage's final HF directory, whose FSDP2 weights stream in files of at most
+1 GiB, and 128 MiB to show the bound), for SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152; 135M parameters) with
 AdamW state, on 2 gloo processes, through the training loop's own save (recipes/stage_state.py's pieces:
-Parallelized.weights_saver, Parallelized.optimizer_state, recipes/checkpoint.save_checkpoint).
+Parallelized.save_state, the config and tokenizer's writer, recipes/checkpoint.save_checkpoint).
 
-The save today gathers the whole model and the whole AdamW state on every rank's CPU under FSDP2 (and holds
-them whole under DDP), and the main rank writes them: the "before" of issue 35's sharded checkpoints, whose
-figures this benchmark is for. Peak = the largest resident set during the save minus the resident set just
-before it (ru_maxrss is a high-water mark, so each rank measures in a fresh process, after one step).
+Each rank writes its own shard of the model and AdamW state (parallel/shards.py: FSDP2's shards; DCP splits
+DDP's replicas between the ranks), nothing is gathered. The figures of the save before it (the whole model
+and AdamW state gathered and written by the main rank, at commit 5f46692) are kept in
+results/bench_checkpoint_gathered.json (measured then as the high-water mark of the resident set above the
+set before the save, which the training step's own high-water mark floors at about 200 MiB). Peak now = the
+largest resident set sampled every millisecond during the save minus the set just before it (after one step,
+the gradients freed and the freed heap returned to the OS), each rank in a fresh process.
 
     python -m benchmarks.bench_checkpoint [--fsdp both|true|false]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
-import resource
 import tempfile
+import threading
 
 import torch
 
@@ -31,7 +36,25 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
-def _worker(rank, world, fsdp, root, out):
+class Sampler(threading.Thread):
+    """The largest resident set seen while it runs, sampled every millisecond."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.done = rss_mib(), threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, rss_mib())
+
+    def stop(self) -> float:
+        self.done.set()
+        self.join()
+        return max(self.peak, rss_mib())
+
+
+def _worker(rank, world, fsdp, kind, root, out):
     from accelerate import Accelerator
 
     from longstride.model.build import build_model
@@ -50,19 +73,27 @@ def _worker(rank, world, fsdp, root, out):
     ids = torch.randint(2, SHAPE["vocab_size"], (1, 64))
     model.backward(model(ids, ids, torch.arange(64)[None]))
     opt.step()  # AdamW state exists, as in any step checkpoint
+    opt.zero_grad(set_to_none=True)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages back to the OS, so the RSS before is what is held
     torch.distributed.barrier()
     before = rss_mib()
-    path = os.path.join(root, "s1", "step_000001")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_lm = model.weights_saver(lm)
-    state = model.optimizer_state(opt)
-    save_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier, save_model=save_lm,
-                    trainer_state={"optimizer": state, "step": 1}, rank_state={"rng": rng_state()},
-                    meta={"step": 1}, world_size=world)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    mine = [f"rank{rank}.pt"] + (["model.safetensors", "trainer.pt", "config.json", "stage.json",
-                                  "manifest.json"] if rank == 0 else [])
-    written = sum(os.path.getsize(os.path.join(path, f)) for f in mine if os.path.exists(os.path.join(path, f)))
+    sampler = Sampler()
+    if kind == "step":
+        path = os.path.join(root, "s1", "step_000001")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+                        save_model=lm.config.save_pretrained, save_all=lambda d: model.save_state(d, opt),
+                        trainer_state={"step": 1}, rank_state={"rng": rng_state()}, meta={"step": 1}, world_size=world)
+    else:  # a stage's final: the HF directory, written by the main rank (FSDP2: streamed, files of `kind` MiB)
+        path = os.path.join(root, "s1", "final")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+                        save_model=lambda d: None, save_all=lambda d: model.save_weights(lm, d, rank == 0, kind * MIB),
+                        trainer_state=None, rank_state=None, meta={"step": 1}, world_size=world)
+    peak = sampler.stop()
+    mine = [f for f in os.listdir(path) if f == f"rank{rank}.pt" or f == f"__{rank}_0.distcp" or
+            (rank == 0 and not f.startswith("__") and not f.startswith("rank"))]
+    written = sum(os.path.getsize(os.path.join(path, f)) for f in mine)
     torch.save({"rank": rank, "written_mib": written / MIB, "rss_before_mib": before, "peak_mib": peak,
                 "save_peak_mib": peak - before, "params": sum(p.numel() for p in lm.parameters())},
                os.path.join(out, f"rank{rank}.pt"))
@@ -76,14 +107,19 @@ def main() -> None:
 
     rows = []
     for fsdp in ([False, True] if args.fsdp == "both" else [args.fsdp == "true"]):
-        with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
-            run_gloo(_worker, 2, fsdp, root, out)
-            for rank in range(2):
-                r = torch.load(os.path.join(out, f"rank{rank}.pt"))
-                rows.append({"wrap": "FSDP2" if fsdp else "DDP", "rank": rank, "written MiB": round(r["written_mib"], 1),
-                             "RSS before MiB": round(r["rss_before_mib"]), "save peak above it MiB":
-                             round(r["save_peak_mib"]), "params": r["params"]})
-    print("Step-checkpoint save of SmolLM2-135M's shape with AdamW state, 2 gloo processes (measured)")
+        for kind in ["step", 1024, 128]:
+            if kind == 128 and not fsdp:
+                continue  # DDP's final is save_pretrained of the main rank's replica: no files to budget
+            with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
+                run_gloo(_worker, 2, fsdp, kind, root, out)
+                for rank in range(2):
+                    r = torch.load(os.path.join(out, f"rank{rank}.pt"))
+                    rows.append({"save": "step (shards)" if kind == "step" else f"final (files <= {kind} MiB)",
+                                 "wrap": "FSDP2" if fsdp else "DDP", "rank": rank,
+                                 "written MiB": round(r["written_mib"], 1),
+                                 "RSS before MiB": round(r["rss_before_mib"]),
+                                 "save peak above it MiB": round(r["save_peak_mib"]), "params": r["params"]})
+    print("Checkpoint saves of SmolLM2-135M's shape with AdamW state, 2 gloo processes (measured)")
     print_table(rows, list(rows[0]))
     print("results:", write_results("bench_checkpoint", rows, {"shape": SHAPE}))
 

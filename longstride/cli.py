@@ -5,6 +5,7 @@
     longstride eval ppl checkpoint=DIR lengths=[1024,2048,4096] [key=value ...]
     longstride eval compare run=outputs/tiny_extend [key=value ...]  # base + every stage, same samples
     longstride convert-gguf out=checkpoints/smollm2-135m-instruct [gguf=FILE]
+    longstride export-hf checkpoint=outputs/tiny/s1_256/step_000003 out=DIR  # a sharded step checkpoint as HF
     longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1  # memory per stage (estimate)
     longstride <command> --help                              # every option of that command
 
@@ -45,6 +46,13 @@ def _convert(argv: list[str]) -> None:
     run("longstride convert-gguf", main, argv)
 
 
+def _export(argv: list[str]) -> None:
+    from longstride.overrides import run
+    from longstride.recipes.export import main
+
+    run("longstride export-hf", main, argv)
+
+
 def _plan(argv: list[str]) -> None:
     from longstride.overrides import run
     from longstride.recipes.memplan import main
@@ -52,7 +60,7 @@ def _plan(argv: list[str]) -> None:
     run("longstride plan", main, argv)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert, "plan": _plan}
+COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert, "export-hf": _export, "plan": _plan}
 
 
 def _usage(error: str = "") -> None:

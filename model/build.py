@@ -95,6 +95,9 @@ def check_checkpoint_dir(path: str, field_name: str) -> None:
         raise ValueError(f"{field_name}={path!r} does not exist; point it at a local HF model directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
+    if os.path.isfile(os.path.join(path, ".metadata")):  # parallel/shards.py's step checkpoint: no HF weights
+        raise ValueError(f"{field_name}={path!r} is a sharded step checkpoint (training state, not an HF model); "
+                         f"convert it first: longstride export-hf checkpoint={path} out=DIR, then use DIR")
 
 
 def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,
@@ -126,10 +129,16 @@ def build_model(
     pad_id: int,
     init_from: Optional[str] = None,
     seed: int = 0,
+    resume: Optional[str] = None,
 ) -> torch.nn.Module:
     """The model for one stage, in fp32: from `init_from` (a previous stage's checkpoint), else from
     `cfg.checkpoint`, else freshly initialised from `seed`. The stage's RoPE base is written into
-    the config before the rotary embedding is built, so its inverse frequencies are right."""
+    the config before the rotary embedding is built, so its inverse frequencies are right. `resume`: a step
+    checkpoint to resume, whose model is built from its saved config (no weights read: the shards fill them)."""
+    if resume is not None:  # a step checkpoint: its config is the stage's; its weights come from its shards
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resume), dtype=torch.float32)
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
     config = stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from)
     if source is not None:
@@ -140,3 +149,11 @@ def build_model(
             model = SmolLM3ForCausalLM(config)
     return model
 
+
+def save_config(lm: torch.nn.Module, directory: str) -> None:
+    """`lm`'s config and generation config as save_pretrained writes them (its class as `architectures`, its
+    parameters' dtype), for a directory whose weights are written another way (shards, a streamed gather)."""
+    lm.config.architectures = [type(lm).__name__]
+    lm.config.dtype = next(iter(lm.parameters())).dtype
+    lm.config.save_pretrained(directory)
+    lm.generation_config.save_pretrained(directory)

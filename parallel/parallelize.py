@@ -12,12 +12,12 @@ the same for both.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from longstride.parallel.fsdp import apply_fsdp, full_state_dict, grad_norm_clip
+from longstride.model.build import save_config
+from longstride.parallel.fsdp import HF_SHARD_BYTES, apply_fsdp, grad_norm_clip, stream_weights
+from longstride.parallel.shards import load_shards, save_shards
 
 
 class Parallelized:
@@ -54,29 +54,29 @@ class Parallelized:
         clip = grad_norm_clip if self.fsdp else self.acc.clip_grad_norm_
         return float(clip(self.module.parameters(), max_norm))
 
-    def weights_saver(self, lm: torch.nn.Module) -> Callable[[str], None]:
-        """A function that writes `lm` (the single-device model inside) with save_pretrained. Collective under
-        FSDP2, where the full weights are gathered here: every rank calls it, the main rank then saves."""
+    def save_weights(self, lm: torch.nn.Module, directory: str, is_main: bool,
+                     shard_bytes: int = HF_SHARD_BYTES) -> None:
+        """Collective: `lm` (the single-device model inside) written as an HF model directory by the main rank
+        (weights, config, generation config). Under FSDP2 the weights are gathered one tensor at a time and
+        written in files of at most `shard_bytes`, so the main rank never holds the whole model
+        (parallel/fsdp.stream_weights); under DDP the main rank's replica is saved as it is."""
         if not self.fsdp:
-            return lambda d: self.acc.unwrap_model(self.module).lm.save_pretrained(d)
-        full = {k.removeprefix("lm."): v for k, v in full_state_dict(self.module).items()}
-        # a tied parameter (the LM head sharing the embedding) is written once, as DDP's save does: the gathered
-        # copies no longer share storage, so the names beyond a parameter's first are dropped
-        first = dict(lm.named_parameters())
-        for name, _ in lm.named_parameters(remove_duplicate=False):
-            if name not in first:
-                full.pop(name, None)
-        return lambda d: lm.save_pretrained(d, state_dict=full)
+            if is_main:  # files of the same size as FSDP2's, so a final's layout does not depend on the wrapper
+                self.acc.unwrap_model(self.module).lm.save_pretrained(directory, max_shard_size=shard_bytes)
+            return
+        stream_weights(lm, directory, is_main, shard_bytes)
+        if is_main:
+            save_config(lm, directory)
 
-    def optimizer_state(self, optimizer) -> dict:
-        """Collective: the whole optimizer state by parameter name, on the CPU (gathered from the shards under
-        FSDP2), so that a run resumes on any number of processes, with or without FSDP."""
-        return get_optimizer_state_dict(self.module, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def save_state(self, directory: str, optimizer) -> None:
+        """Collective: the model and optimizer state written as per-rank shards (parallel/shards.py): FSDP2's
+        shards as they are, DDP's replicas split between the ranks; nothing gathered."""
+        save_shards(directory, self.module, optimizer)
 
-    def load_optimizer_state(self, optimizer, state: dict) -> None:
-        set_optimizer_state_dict(self.module, optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True))
+    def load_state(self, directory: str, optimizer) -> None:
+        """Collective: the model and optimizer state read back from shards written by any number of processes,
+        with or without FSDP2, re-sharded to this run."""
+        load_shards(directory, self.module, optimizer)
 
 
 def parallelize(model: torch.nn.Module, layers, fsdp: bool, accelerator, mesh=None) -> Parallelized:

@@ -1,8 +1,12 @@
-"""Checkpoints: an HF model dir (save_pretrained + tokenizer) plus the training state, verified.
+"""Checkpoints: the training state as per-rank shards (a step checkpoint) or an HF model dir (a stage's
+final), verified.
 
 Layout of a stage dir (every rank computes the same paths):
-  outputs/<recipe>/<stage>/step_000020/   model + tokenizer + trainer.pt + rank<r>.pt + manifest.json
+  outputs/<recipe>/<stage>/step_000020/   __<r>_0.distcp per rank + .metadata (model and optimizer, DCP:
+                                          parallel/shards.py) + trainer.pt + rank<r>.pt + config and tokenizer
+                                          + stage.json + manifest.json
   outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json + manifest.json
+A step checkpoint becomes an HF dir with `longstride export-hf` (recipes/export.py).
 A checkpoint is written under `.tmp-<name>`: every rank writes and fsyncs its files, then the main
 rank writes manifest.json last (each file's size and SHA-256, the world size), fsyncs the directory
 and renames it into place, so a crash at any point never leaves a directory that looks complete.
@@ -27,6 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from longstride.parallel.shards import METADATA as SHARD_METADATA, UnsafeCheckpoint
 from longstride.recipes.faults import test_kill
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -184,6 +189,7 @@ def save_checkpoint(
     is_main: bool,
     barrier: Callable[[], None],
     save_model: Callable[[str], None],
+    save_all: Optional[Callable[[str], None]] = None,
     trainer_state: Optional[dict],
     rank_state: Optional[dict],
     meta: dict,
@@ -191,8 +197,9 @@ def save_checkpoint(
     manifest: Optional[dict] = None,
     keep_last: int = 0,
 ) -> None:
-    """Collective: every rank calls it. `save_model(dir)` runs on the main rank only. A failed write (a
-    full disk) raises CheckpointError; the previous checkpoints are untouched."""
+    """Collective: every rank calls it. `save_all(dir)` runs on every rank (each writes its shard of the model and
+    optimizer, or takes its part in gathering the weights), then `save_model(dir)` on the main rank only. A
+    failed write (a full disk) raises CheckpointError; the previous checkpoints are untouched."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, TMP_PREFIX + name)
     if is_main:
@@ -202,6 +209,8 @@ def save_checkpoint(
     barrier()
     rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
     with disk_errors(path):
+        if save_all is not None:
+            save_all(tmp)
         if rank_bytes is not None:
             with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
                 f.write(rank_bytes)
@@ -234,17 +243,16 @@ def save_checkpoint(
 
 
 def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tuple[dict, dict]:
-    """(trainer state, this rank's state) of a verified step checkpoint. Written by another number of
-    processes: with `resplit` (the optimizer state is whole in trainer.pt, keyed by parameter name, and
-    the loader re-splits its position), a rank the old run did not have takes rank 0's state; otherwise
-    (streaming data) refused."""
+    """(trainer state, this rank's state) of a verified step checkpoint (the model and optimizer shards are
+    read by parallel/shards.py, re-sharded to any layout). Written by another number of processes: with
+    `resplit` (the loader re-splits its position), a rank the old run did not have takes rank 0's state;
+    otherwise (streaming data) refused."""
     written = manifest_world(path)
     if written != world and not resplit:
         raise CheckpointError(f"checkpoint {path} was written by {written} processes but this launch has {world}; "
                               f"with streaming data (each process's stream position) it resumes only on {written} "
                               "processes: relaunch with that many")
-    # memory-mapped: every rank reads the whole optimizer state, and only the pages it needs are loaded
-    trainer = load_state_file(os.path.join(path, "trainer.pt"), mmap=True)
+    trainer = load_state_file(os.path.join(path, "trainer.pt"))
     mine = os.path.join(path, f"rank{rank}.pt")
     return trainer, load_state_file(mine if rank < written else os.path.join(path, "rank0.pt"))
 
@@ -270,12 +278,12 @@ def _refused(e: pickle.UnpicklingError) -> str:
     return f"a {found.group(1)!r} object" if found else "an object"
 
 
-def load_state_file(path: str, mmap: bool = False):
+def load_state_file(path: str):
     """torch.load with weights_only=True: tensors and plain data only, so a checkpoint from a shared
     filesystem or a colleague cannot run code when it is read (a manifest cannot vouch for that: whoever
     writes the directory writes the manifest). A file holding anything else is refused, naming the type."""
     try:
-        return torch.load(path, weights_only=True, mmap=mmap)
+        return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         what = _refused(e)
         old = " (a checkpoint from before 2026-11-25 keeps numpy's RNG state as an array: resume it with the " \
@@ -283,6 +291,24 @@ def load_state_file(path: str, mmap: bool = False):
         raise CheckpointError(f"checkpoint file {path} holds {what}, not tensors and plain data; it was not loaded "
                               f"(loading it could run code){old}. Resume from a checkpoint longstride wrote, or start "
                               "the stage over") from None
+
+
+def load_shards_checked(path: str, model, optimizer) -> None:
+    """Collective: `model` (Parallelized) and `optimizer` filled from the shards of step checkpoint `path`; a
+    shard file holding anything but DCP's records and tensors is refused (CheckpointError naming it), and so
+    is a checkpoint whose shards do not fit this run's model, or one in the format before shards."""
+    if not os.path.isfile(os.path.join(path, SHARD_METADATA)):
+        raise CheckpointError(f"checkpoint {path} has no {SHARD_METADATA}: it was written by a longstride from before "
+                              "sharded checkpoints (whole weights in model.safetensors, the optimizer in trainer.pt). "
+                              "Resume it with the longstride that wrote it, or start the stage over from its weights "
+                              f"(model=checkpoint model.checkpoint={path})")
+    try:
+        model.load_state(path, optimizer)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(f"{e}. Resume from a checkpoint longstride wrote, or start the stage over") from None
+    except OSError as e:
+        raise CheckpointError(f"could not load the shards of {path} into this run's model ({e}); was it written for "
+                              "another model shape? Resume from a checkpoint of this configuration") from None
 
 
 def resume_from_stage(path: str, recipe_dir: str, stages: list[str]) -> str:

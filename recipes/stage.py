@@ -189,13 +189,14 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
             pack_stats
 
 
-def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> StageRun:
-    """The stage's model (from `init_from`, the config's checkpoint, or scratch) patched and parallelized,
-    its optimizer, LR schedule and data."""
+def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resume: Optional[str] = None) -> StageRun:
+    """The stage's model (from `init_from`, the config's checkpoint, or scratch; resuming, from the step
+    checkpoint's config, its weights then restored from the shards) patched and parallelized, its optimizer,
+    LR schedule and data."""
     cfg, acc, tok, stage = ctx.cfg, ctx.accelerator, ctx.tokenizer, plan.stage
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
-                     init_from=init_from, seed=cfg.train.seed)
+                     init_from=init_from, seed=cfg.train.seed, resume=resume)
     patch_model(lm, plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm)
     use_longstride_attention(lm)
     if plan.kernel == "torch_flash":
@@ -311,7 +312,7 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
         remove_partial(stage_dir)
     acc.wait_for_everyone()
     resume = from_main(lambda: latest_checkpoint(stage_dir, warn=tracker.warning))
-    run = build_stage(ctx, plan, resume or init_from)
+    run = build_stage(ctx, plan, init_from, resume)
     if resume:
         restore_stage(ctx, run, resume)
     log_stage_start(ctx, run, init_from, resumed=bool(resume))

@@ -1,10 +1,13 @@
-"""A stage's checkpoints: what a save writes (the HF model, the optimizer, scheduler and loop counters,
-each rank's data position and RNG) and how a resume puts it back. The file format, the manifest and
-verification are recipes/checkpoint.py's.
+"""A stage's checkpoints: what a save writes (a step checkpoint: the model and optimizer as per-rank
+shards, the scheduler and loop counters, each rank's data position and RNG, the config and tokenizer; a
+final: the HF model) and how a resume puts it back. The file format, the manifest and verification are
+recipes/checkpoint.py's, the shards parallel/shards.py's.
 """
 from __future__ import annotations
 
-from longstride.recipes.checkpoint import load_training_state, rng_state, save_checkpoint, set_rng_state
+from longstride.model.build import save_config
+from longstride.recipes.checkpoint import (load_shards_checked, load_training_state, rng_state, save_checkpoint,
+                                          set_rng_state)
 from longstride.recipes.faults import check_finite_parameters
 from longstride.recipes.runlock import fingerprint
 
@@ -14,13 +17,16 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     NaN parameters are refused before anything is written."""
     acc, plan, model = ctx.accelerator, run.plan, run.model
     check_finite_parameters(model.parameters(), path)
-    save_lm = model.weights_saver(run.lm)  # collective under FSDP2
-    opt_state = model.optimizer_state(run.optimizer) if with_state else None  # collective under FSDP2
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
-               "val_loss_start": run.val_start, "optimizer": opt_state} if with_state else None
+               "val_loss_start": run.val_start} if with_state else None
     save_checkpoint(
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
-        save_model=lambda d: (save_lm(d), ctx.tokenizer.save_pretrained(d)),
+        # a step checkpoint: per-rank shards, and the config and tokenizer that make it convertible to an HF dir;
+        # a final: the HF directory, its weights streamed from the shards under FSDP2
+        save_all=(lambda d: model.save_state(d, run.optimizer)) if with_state else
+        (lambda d: model.save_weights(run.lm, d, acc.is_main_process)),
+        save_model=(lambda d: (save_config(run.lm, d), ctx.tokenizer.save_pretrained(d))) if with_state
+        else ctx.tokenizer.save_pretrained,
         trainer_state=trainer,
         rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else None,
         meta={"recipe": ctx.cfg.recipe.name, "stage": plan.name, "step": run.step, "seq_len": plan.stage.seq_len,
@@ -33,12 +39,13 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
 
 
 def restore_stage(ctx, run, path: str) -> None:
-    """Puts a step checkpoint's state back into a freshly built run (its weights were loaded with the model);
+    """Puts a step checkpoint's state back into a freshly built run: the model's weights and the optimizer
+    from the shards (re-sharded to this run's processes and layout), the rest from trainer.pt and rank<r>.pt;
     the data position is re-split when the checkpoint had another number of data-parallel ranks."""
     acc = ctx.accelerator
     trainer, mine = load_training_state(path, acc.process_index, acc.num_processes,
                                         resplit=not ctx.cfg.data.streaming)
-    run.model.load_optimizer_state(run.optimizer, trainer["optimizer"])
+    load_shards_checked(path, run.model, run.optimizer)
     run.scheduler.load_state_dict(trainer["scheduler"])
     run.step, run.tokens_seen, run.val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
     run.loader.load_state_dict(mine["data"])

@@ -71,9 +71,30 @@ def record(root: Path) -> dict:
         rows = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
         out[str(m.relative_to(root))] = [{k: r[k] for k in ("step", "loss", "grad_norm", "val_loss") if k in r}
                                          for r in rows]
-    for f in sorted(root.rglob("*.safetensors")):
-        out[str(f.relative_to(root))] = hashlib.sha256(f.read_bytes()).hexdigest()
+    for f in sorted({*root.rglob("model.safetensors"), *root.rglob(".metadata")}):
+        out[f"{f.parent.relative_to(root)}/weights"] = weights_digest(f.parent)
     return out
+
+
+def weights_digest(directory: Path) -> str:
+    """SHA-256 over a checkpoint's weights by name (the LM head tied to the embedding once), whatever the
+    format: an HF directory's safetensors or a step checkpoint's DCP shards (the optimizer's left out)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if (directory / "model.safetensors").exists():
+        weights = load_file(str(directory / "model.safetensors"))
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            dcp_to_torch_save(str(directory), f"{d}/all.pt")
+            weights = {k.removeprefix("lm."): v for k, v in  # files this check's own runs wrote
+                       torch.load(f"{d}/all.pt", weights_only=False)["model"].items()}
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def run(out: Path, only: list[str]) -> None:

@@ -36,11 +36,11 @@ def killed_and_clean(tmp_path_factory, cache_dir):
 
 def damage(ck, how: str) -> str:
     """Damages one file of checkpoint dir `ck` as a crash, a full disk or bit rot would; returns its name."""
-    name = {"truncate": "model.safetensors", "empty": "model.safetensors", "garble": "trainer.pt",
-            "delete_trainer": "trainer.pt", "delete_rank": "rank0.pt", "config": "config.json",
+    name = {"truncate": "__0_0.distcp", "empty": ".metadata", "final_weights": "model.safetensors",
+            "garble": "trainer.pt", "delete_trainer": "trainer.pt", "delete_rank": "rank0.pt", "config": "config.json",
             "no_manifest": "manifest.json"}[how]
     path = ck / name
-    if how == "truncate":
+    if how in ("truncate", "final_weights"):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     elif how == "empty":
         path.write_bytes(b"")
@@ -91,7 +91,7 @@ def test_no_intact_checkpoint_exits_2_listing_each(killed_and_clean, cache_dir, 
     r = run_cli(micro_overrides(root, cache_dir) + S2)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "no intact checkpoint to resume from" in r.stderr and "Traceback" not in r.stderr
-    assert f"{s2 / 'step_000004'}: model.safetensors has" in r.stderr
+    assert f"{s2 / 'step_000004'}: __0_0.distcp has" in r.stderr
     assert f"{s2 / 'step_000002'}: rank0.pt is missing" in r.stderr
     assert (s2 / "step_000004").is_dir() and (s2 / "step_000002").is_dir(), "nothing deleted"
 
@@ -104,7 +104,7 @@ def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
     root = tmp_path / "run"
     shutil.copytree(killed_and_clean / "killed", root)
     final = root / "tiny" / "s1_256" / "final"
-    damage(final, "truncate")
+    damage(final, "final_weights")
     for extra in ([], ["stage=s2_2k"]):  # the stage itself, and the next stage that starts from it
         r = run_cli(micro_overrides(root, cache_dir) + S2 + extra)
         assert r.returncode == 2, r.stderr[-3000:]
@@ -124,7 +124,7 @@ def test_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
 
 
 # both directions, each with and without FSDP2 once (the four pairs took 86 s of CI time; the re-split and
-# the DCP optimizer state are the same code for both directions)
+# the DCP re-sharding are the same code for both directions)
 @pytest.mark.parametrize("first, second, fsdp", [(1, 2, False), (2, 1, True)])
 def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir, first, second, fsdp):
     """Killed after step 4 on `first` processes, resumed from step 3 on `second`: the rest of the epoch
@@ -157,6 +157,35 @@ def test_resume_on_another_process_count_re_splits_the_data(tmp_path, cache_dir,
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5), s
 
 
+def test_resume_on_another_dp_cp_split_re_shards_the_state(tmp_path, cache_dir):
+    """Killed after step 4 on 2 processes as cp=2 x dp=1, continued from step 3 (train.resume_from, the
+    config changed) as cp=1 x dp=2: the shards and the data position are re-split, and the losses equal an
+    uninterrupted one-process run's up to reduction order."""
+    import subprocess
+
+    from tests.conftest import micro_overrides, read_metrics
+
+    def launch(root, cp, extra=(), env=None):
+        proc = start(micro_overrides(root, cache_dir) + [f"recipe.stages.s1_256.cp={cp}", *extra], launcher=True,
+                     env_extra=env)
+        out, _ = proc.communicate(timeout=900)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, out)
+
+    clean = run_cli(micro_overrides(tmp_path / "clean", cache_dir) + ["stage=s1_256"])
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    killed = launch(tmp_path / "x", 2, env=crash_after(4))
+    s1 = tmp_path / "x" / "tiny" / "s1_256"
+    assert killed.returncode != 0 and sorted(p.name for p in s1.glob("step_000003/__*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"], "each rank wrote its own shard"
+    resumed = launch(tmp_path / "x", 1, [f"train.resume_from={s1 / 'step_000003'}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(step 3); its data position re-split from 1 to 2 data-parallel ranks" in resumed.stderr
+    a, b = read_metrics(s1), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
+    assert sorted(a) == sorted(b) == list(range(7))
+    for s in range(1, 7):
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5), s
+
+
 def test_kill_inside_a_checkpoint_write_leaves_nothing_that_looks_complete(killed_and_clean, cache_dir, tmp_path):
     from tests.conftest import micro_overrides, read_metrics
 
@@ -166,7 +195,7 @@ def test_kill_inside_a_checkpoint_write_leaves_nothing_that_looks_complete(kille
     r = run_cli(micro_overrides(root, cache_dir) + S2, env_extra={"LONGSTRIDE_TEST_KILL_IN_SAVE": "step_000004"})
     assert r.returncode == -9, r.stderr[-2000:]
     s2 = root / "tiny" / "s2_2k"
-    assert (s2 / ".tmp-step_000004" / "model.safetensors").exists() and not (s2 / "step_000004").exists()
+    assert (s2 / ".tmp-step_000004" / "__0_0.distcp").exists() and not (s2 / "step_000004").exists()
     resumed = run_cli(micro_overrides(root, cache_dir) + S2)
     assert resumed.returncode == 0 and f"resuming from {s2 / 'step_000002'}" in resumed.stderr, resumed.stderr[-2000:]
     assert not (s2 / ".tmp-step_000004").exists()

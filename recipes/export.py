@@ -1,0 +1,71 @@
+"""A sharded step checkpoint as an HF model directory, on one process, without a process group:
+
+    longstride export-hf checkpoint=outputs/tiny_extend/s2_2k/step_000020 out=exports/s2_step20
+
+The step checkpoint is verified against its manifest, its model is built from the config saved beside the
+shards, the weights are read from the shards (re-assembled from whichever ranks wrote them; the optimizer's
+are not read), and the directory (save_pretrained + tokenizer + a manifest naming the source) is written
+under a temporary name and renamed into place. Any command that takes `checkpoint=DIR` takes the result.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from longstride.overrides import parse, run
+from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
+from longstride.recipes.checkpoint import verify, write_manifest
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: Optional[str] = None  # a step checkpoint (outputs/<recipe>/<stage>/step_NNNNNN), required
+    out: Optional[str] = None  # the HF directory to write, required; must not exist
+
+
+def export_hf(checkpoint: str, out: str) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(checkpoint, METADATA)):
+        raise ValueError(f"checkpoint={checkpoint!r} is not a sharded step checkpoint (no {METADATA}); a stage's "
+                         "final is already an HF directory")
+    problem = verify(checkpoint)
+    if problem:
+        raise ValueError(f"checkpoint={checkpoint!r} is damaged ({problem}); export an intact one")
+    if os.path.exists(out):
+        raise ValueError(f"out={out!r} exists; choose a new directory")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
+    try:
+        load_model_shards(checkpoint, model)
+    except (UnsafeCheckpoint, CheckpointException) as e:
+        raise ValueError(f"checkpoint={checkpoint!r}: {e}") from None
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)  # beside `out`, so the rename stays on one disk
+    try:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(tmp)
+        write_manifest(tmp, 1, {"exported_from": os.path.abspath(checkpoint)})
+        os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str]) -> str:
+    cfg = parse(ExportConfig, argv, "longstride export-hf", __doc__)
+    if not cfg.checkpoint or not cfg.out:
+        raise ValueError("checkpoint=<step dir> and out=<dir> are required")
+    out = export_hf(cfg.checkpoint, cfg.out)
+    print(f"longstride export-hf: wrote {out}; use it as checkpoint={out}")
+    return out
+
+
+if __name__ == "__main__":
+    run("longstride export-hf", main)

@@ -1,0 +1,222 @@
+"""Sharded step checkpoints (parallel/shards.py) on one process: the model and AdamW state round-trip
+exactly, a tied LM head is stored once, `longstride export-hf` turns the shards into an HF directory with
+the same weights, and a shard file carrying a pickled payload is refused without running it. The
+multi-process side (each rank its own file, resume on another process count, FSDP2 <-> DDP) runs in
+tests/test_checkpoint_faults.py and tests/test_train.py."""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Wrapped(torch.nn.Module):
+    """The shape training saves: the HF model under `lm.` (ChunkedLossLM)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+
+def tiny(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=384, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = Wrapped(LlamaForCausalLM(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def trained(seed: int):
+    model, opt = tiny(seed)
+    for _ in range(2):
+        model.lm(input_ids=torch.randint(0, 384, (2, 12)), labels=torch.randint(0, 384, (2, 12))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.fixture
+def step_dir(tmp_path):
+    """A step checkpoint as a save writes it: shards, config, tokenizer, manifest."""
+    from transformers import AutoTokenizer
+
+    from longstride.parallel.parallelize import Parallelized
+    from longstride.recipes.checkpoint import save_checkpoint
+
+    model, opt = trained(0)
+    path = str(tmp_path / "s1" / "step_000002")
+    os.makedirs(os.path.dirname(path))
+    tok = AutoTokenizer.from_pretrained(REPO / "model" / "shipped" / "tiny_base_256")
+    save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None,
+                    save_model=lambda d: (model.lm.config.save_pretrained(d), tok.save_pretrained(d)),
+                    save_all=lambda d: Parallelized(model, False, None).save_state(d, opt),
+                    trainer_state={"step": 2}, rank_state={"data": {}}, meta={"step": 2})
+    return path, model, opt
+
+
+def test_model_and_optimizer_round_trip_exactly_and_the_tie_is_stored_once(step_dir):
+    from longstride.parallel.parallelize import Parallelized
+    from longstride.parallel.shards import SafeReader
+
+    path, model, opt = step_dir
+    names = set(SafeReader(path).read_metadata().state_dict_metadata)
+    assert "model.lm.model.embed_tokens.weight" in names and "model.lm.lm_head.weight" not in names, names
+    fresh, fresh_opt = tiny(1)  # other weights, an optimizer that never stepped
+    assert not torch.equal(fresh.lm.model.embed_tokens.weight, model.lm.model.embed_tokens.weight)
+    Parallelized(fresh, False, None).load_state(path, fresh_opt)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[a][key], fresh_opt.state[b][key]), (name, key)
+    assert fresh.lm.lm_head.weight is fresh.lm.model.embed_tokens.weight, "still tied after the load"
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_export_hf_writes_the_same_weights_as_an_hf_directory(step_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from longstride.recipes.checkpoint import verify
+    from longstride.recipes.export import main
+
+    path, model, _ = step_dir
+    out = str(tmp_path / "hf")
+    main([f"checkpoint={path}", f"out={out}"])
+    assert verify(out) is None
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, p in model.lm.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p), name
+    with pytest.raises(ValueError, match="exists; choose a new directory"):
+        main([f"checkpoint={path}", f"out={out}"])
+    with pytest.raises(ValueError, match="not a sharded step checkpoint"):
+        main([f"checkpoint={out}", f"out={tmp_path / 'again'}"])
+    from longstride.model.build import check_checkpoint_dir
+
+    check_checkpoint_dir(out, "checkpoint")  # what eval and model.checkpoint take
+    with pytest.raises(ValueError, match=r"is a sharded step checkpoint .* longstride export-hf checkpoint="):
+        check_checkpoint_dir(path, "checkpoint")
+
+
+class _Payload:
+    """Unpickled, it would create the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
+def test_shard_metadata_with_a_pickled_payload_is_refused_and_never_runs(step_dir, tmp_path):
+    from longstride.parallel.parallelize import Parallelized
+    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked, verify, write_manifest
+
+    path, _, _ = step_dir
+    marker = tmp_path / "payload-ran"
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        real = pickle.load(f)
+    real.storage_meta = _Payload(str(marker))  # inside DCP's own record, where a plain pickle.load would run it
+    with open(meta, "wb") as f:
+        pickle.dump(real, f)
+    write_manifest(path, 1)
+    assert verify(path) is None, "the manifest vouches for the files: whoever wrote them wrote it"
+    fresh, opt = tiny(1)
+    with pytest.raises(CheckpointError, match=r"\.metadata holds a 'pathlib\.Path\.touch' object"):
+        load_shards_checked(path, Parallelized(fresh, False, None), opt)
+    assert not marker.exists(), "the payload ran"
+
+
+def test_a_non_tensor_shard_item_with_a_payload_is_refused_and_never_runs(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from longstride.parallel.parallelize import Parallelized
+    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked
+
+    marker = tmp_path / "payload-ran"
+    model, opt = trained(0)
+    path = str(tmp_path / "ck")
+    Parallelized(model, False, None).save_state(path, opt)
+    from longstride.parallel.shards import _state
+    state = _state(model, opt)
+    state["optim"]["param_groups"][0]["lr"] = _Payload(str(marker))  # a value a load reads, as a pickled byte item
+    dcp.save(state, checkpoint_id=path)
+    fresh, fresh_opt = tiny(1)
+    with pytest.raises(CheckpointError, match=r"holds an item .*param_groups.* not tensors and plain data"):
+        load_shards_checked(path, Parallelized(fresh, False, None), fresh_opt)
+    assert not marker.exists(), "the payload ran"
+
+
+def _stream_worker(rank, world, root):
+    from longstride.parallel.config import WorldMesh
+    from longstride.parallel.fsdp import apply_fsdp, stream_weights
+
+    model, _ = tiny(0)
+    if rank == 0:
+        model.lm.save_pretrained(os.path.join(root, "reference"))
+    apply_fsdp(model, model.lm.model.layers, "cpu", world, None, WorldMesh("cpu", world))
+    for name, shard_bytes in (("one_file", 2 ** 30), ("many_files", 8_000)):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        stream_weights(model.lm, os.path.join(root, name), rank == 0, shard_bytes)
+        if rank == 0:
+            model.lm.config.save_pretrained(os.path.join(root, name))
+
+
+def test_fsdp2_final_weights_stream_into_the_files_save_pretrained_writes(tmp_path):
+    """2 gloo processes, FSDP2: the weights gathered a tensor at a time give the bytes save_pretrained writes
+    (one file), and with a small file budget several files plus the index, which transformers loads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from longstride.parallel.spawn import run_gloo
+
+    run_gloo(_stream_worker, 2, str(tmp_path))
+    ref = (tmp_path / "reference" / "model.safetensors").read_bytes()
+    assert (tmp_path / "one_file" / "model.safetensors").read_bytes() == ref
+    files = sorted(p.name for p in (tmp_path / "many_files").glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    want = load_file(str(tmp_path / "reference" / "model.safetensors"))
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "many_files")
+    for name, w in want.items():
+        assert torch.equal(got.get_parameter(name), w), name
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+
+
+def test_shard_metadata_naming_a_dotted_path_through_an_allowed_module_is_refused(tmp_path):
+    """Pickle resolves a dotted name attribute by attribute from the module it names, so an allowed module
+    that imports torch would hand out any of torch's attributes (here a file opener); a name with a dot is
+    refused whatever its module."""
+    from longstride.parallel.shards import SafeReader, UnsafeCheckpoint
+
+    marker = str(tmp_path / "payload-ran")
+
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s)]) + s.encode()
+
+    # protocol 4: STACK_GLOBAL(DCP's metadata module, "torch.storage.io.FileIO")(marker, "w")
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + text("torch.distributed.checkpoint.metadata")
+                                         + text("torch.storage.io.FileIO") + b"\x93" + text(marker) + text("w")
+                                         + b"\x86R.")
+    with pytest.raises(UnsafeCheckpoint, match=r"\.metadata holds a '.*torch\.storage\.io\.FileIO' object"):
+        SafeReader(str(tmp_path)).read_metadata()
+    assert not os.path.exists(marker), "the payload ran"
+    with open(tmp_path / ".metadata", "rb") as f:  # the check is not vacuous: plain pickle runs it
+        pickle.load(f).close()
+    assert os.path.exists(marker)
+
+
+def test_a_step_checkpoint_from_before_shards_is_refused_naming_what_to_do(tmp_path):
+    from longstride.parallel.parallelize import Parallelized
+    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked
+
+    model, opt = tiny(0)
+    model.lm.save_pretrained(tmp_path)  # the old layout: whole weights, no shards
+    with pytest.raises(CheckpointError, match=r"from before sharded checkpoints .* model\.checkpoint="):
+        load_shards_checked(str(tmp_path), Parallelized(model, False, None), opt)
