@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from longstride.parallel.config import WorldMesh
+from longstride.parallel.shards import tied_names
 
 FSDP_CHOICES = ("auto", "true", "false")
 HF_SHARD_BYTES = 2 ** 30  # the largest weights file an FSDP2 final writes (and the most the main rank holds)
@@ -52,8 +53,7 @@ def stream_weights(lm: torch.nn.Module, directory: str, is_main: bool, shard_byt
     (`shard_bytes`) and writes them: `model.safetensors` when one file holds them all, else
     `model-0000i-of-0000n.safetensors` and the index save_pretrained writes. A tied repeat (the LM head sharing
     the embedding) is written once, as save_pretrained does; the bytes equal save_pretrained's."""
-    first = {name for name, _ in lm.named_parameters()}
-    tied = {name for name, _ in lm.named_parameters(remove_duplicate=False)} - first
+    tied = tied_names(lm)
     items = [(k, v) for k, v in lm.state_dict().items() if k not in tied]
     files, size = [[]], 0
     for k, v in items:  # the plan, from global shapes: which tensors go in which file

@@ -94,7 +94,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def _tied(module: torch.nn.Module) -> set[str]:
+def tied_names(module: torch.nn.Module) -> set[str]:
     """State-dict names that repeat a parameter under another name (an LM head tied to the embedding): saved
     once, under the first name, as save_pretrained does."""
     first = {name for name, _ in module.named_parameters()}
@@ -104,7 +104,7 @@ def _tied(module: torch.nn.Module) -> set[str]:
 def _state(module: torch.nn.Module, optimizer) -> dict:
     """The model's and optimizer's state dicts as the run holds them (sharded DTensors under FSDP2), keyed by
     parameter name (DDP's `module.` prefix dropped), tied repeats left out."""
-    tied = {n.removeprefix("module.") for n in _tied(module)}
+    tied = {n.removeprefix("module.") for n in tied_names(module)}
     model = {k: v for k, v in get_model_state_dict(module).items() if k not in tied}
     return {"model": model, "optim": get_optimizer_state_dict(module, optimizer)}
 
@@ -137,7 +137,7 @@ def load_model_shards(directory: str, model: torch.nn.Module, prefix: str = "lm.
     """One process, no process group: the model's weights (names under `prefix` in the checkpoint) read from a
     sharded checkpoint into `model`, whole; for converting a step checkpoint to an HF directory."""
     SafeReader(directory).read_metadata()
-    tied = _tied(model)
+    tied = tied_names(model)
     state = {"model": {prefix + k: v for k, v in model.state_dict().items() if k not in tied}}
     dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(directory), no_dist=True)
 
@@ -147,9 +147,4 @@ def first_failure(e: CheckpointException) -> str:
     for rank, (exc, _) in sorted(e.failures.items()):
         return f"rank {rank}: {exc}"
     return str(e)
-
-
-def shard_files(directory: str) -> list[str]:
-    """The DCP files of a step checkpoint (metadata and each rank's data file), by name."""
-    return sorted(n for n in os.listdir(directory) if n == METADATA or n.endswith(".distcp"))
 
