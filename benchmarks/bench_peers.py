@@ -220,11 +220,39 @@ def load_pieces() -> dict:
     out = {}
     if os.path.isdir(PIECES):
         for f in sorted(os.listdir(PIECES)):
-            if f.endswith(".json"):
+            if f.endswith(".json") and not f.startswith("model-"):
                 with open(os.path.join(PIECES, f)) as fh:
                     p = json.load(fh)
                 out[p["case"], p["impl"]] = p
     return out
+
+
+def load_model_pieces() -> list[dict]:
+    out = []
+    if os.path.isdir(PIECES):
+        for f in sorted(os.listdir(PIECES)):
+            if f.startswith("model-") and f.endswith(".json"):
+                with open(os.path.join(PIECES, f)) as fh:
+                    out.append(json.load(fh))
+    return out
+
+
+def model_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    lengths = sorted({int(k) for r in rows for k in r.get("peak_bytes", {})})
+    head = ["row", "ranks", "step s"] + [f"peak GiB at {L}" for L in lengths] + \
+        ["KiB / token (fit)", "longest context in budget (estimate)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        if r.get("reason"):
+            lines.append(f"| {r['row']} | {r['ranks']} | - " + "| " * (len(head) - 3) + "|")
+            continue
+        peaks = [f"{r['peak_bytes'][str(L)] / 2**30:.2f}" if str(L) in r["peak_bytes"] else "" for L in lengths]
+        lines.append(f"| {r['row']} | {r['ranks']} | {r['step_s']:.1f} (L={r['step_length']}) | " + " | ".join(peaks)
+                     + f" | {r.get('kib_per_token', float('nan')):.0f} | {r.get('max_len_estimate', float('nan')):,.0f} |")
+    reasons = [f"- {r['row']} (n={r['ranks']}): {r['reason']}" for r in rows if r.get("reason")]
+    return "\n".join(lines + ([""] + reasons if reasons else []))
 
 
 def _cell(p: dict | None, key: str, fmt) -> str:
@@ -292,8 +320,10 @@ def markdown(pieces: dict) -> str:
 def report() -> None:
     pieces = load_pieces()
     rows = [dict(p) for p in pieces.values()]
-    path = write_results("bench_peers", rows, {"versions": versions(), "ratios": table_rows(pieces)})
+    model = load_model_pieces()
+    path = write_results("bench_peers", rows, {"versions": versions(), "ratios": table_rows(pieces), "model": model})
     print(markdown(pieces))
+    print(model_markdown(model))
     print("results:", path)
 
 
@@ -324,8 +354,8 @@ def main() -> None:
         peer_model.main(rest)
         return
     if not args.report:
-        for shape in args.shapes:
-            for length in args.lengths:
+        for length in args.lengths:  # every shape at a length before the next length: short cases land first
+            for shape in args.shapes:
                 for mask in args.masks:
                     case = case_name(shape, length, mask, args.n)
                     todo = []

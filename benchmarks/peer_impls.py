@@ -214,6 +214,18 @@ def _explicit_budget(what: str, elems: Callable):
 
 BUDGET_BYTES = 8 * GiB
 
+
+def _flex_on_cpu(shape: Shape, length: int, n: int) -> Optional[str]:
+    """torch's Flex CP runs its forward on CPU (eager flex_attention, dense math), but the first backward raises
+    (seen at 1K on this machine, torch 2.13): refused up front instead of spawning ranks to watch it fail.
+    BENCH_PEERS_TRY_FLEX=1 tries anyway (a newer torch may have the backward)."""
+    import os
+
+    if os.environ.get("BENCH_PEERS_TRY_FLEX") != "1" and not torch.cuda.is_available():
+        return ("FlexAttention does not support backward on CPU (NotImplementedError from torch "
+                f"{torch.__version__} at the first backward); its forward runs (eager, dense H x L/N x L math)")
+    return None
+
 IMPLS = {
     "longstride_ring": Impl("longstride_ring", None, None, "zigzag", ("causal", "docs"), "counted"),
     "longstride_ulysses": Impl("longstride_ulysses", None, None, "contiguous", ("causal", "docs"), "counted",
@@ -225,9 +237,7 @@ IMPLS = {
                                   "explicit-softmax blocks (H x L/N x L/N fp32 scores, probabilities, their gradients)",
                                   lambda s, L, n: 5 * s.heads * (L // n) ** 2)),
     "torch_cp_flex": Impl("torch_cp_flex", "torch", "torch.nn.attention.flex_attention", "zigzag", ("causal", "docs"),
-                          "computed", _explicit_budget(
-                              "eager flex_attention is dense math (H x L/N x L fp32 scores and mask, forward and "
-                              "backward)", lambda s, L, n: 4 * s.heads * (L // n) * L)),
+                          "computed", _flex_on_cpu),
     "deepspeed_ulysses": Impl("deepspeed_ulysses", "deepspeed", "deepspeed", "contiguous", ("causal",), "counted"),
 }
 
@@ -268,8 +278,9 @@ def build(name: str, shape: Shape, length: int, n: int, rank: int, doc: Optional
 
 def _torch_flex(shape: Shape, length: int, n: int, doc: Optional[torch.Tensor], scale: float):
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.experimental._attention import (_ContextParallel, _create_cp_block_mask,
-                                                                  _HeadTailLoadBalancer)
+    from torch.distributed.tensor.experimental._context_parallel._attention import (_ContextParallel,
+                                                                                   _create_cp_block_mask)
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention
 
