@@ -38,6 +38,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -242,7 +243,7 @@ def model_markdown(rows: list[dict]) -> str:
         return ""
     lengths = sorted({int(k) for r in rows for k in r.get("peak_bytes", {})})
     head = ["row", "ranks", "step s"] + [f"peak GiB at {L}" for L in lengths] + \
-        ["KiB / token (fit)", "longest context in budget (estimate)"]
+        ["KiB / token (fit)", "longest context in 8 GiB per rank (extrapolated estimate)", "first-step loss"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         if r.get("reason"):
@@ -250,7 +251,8 @@ def model_markdown(rows: list[dict]) -> str:
             continue
         peaks = [f"{r['peak_bytes'][str(L)] / 2**30:.2f}" if str(L) in r["peak_bytes"] else "" for L in lengths]
         lines.append(f"| {r['row']} | {r['ranks']} | {r['step_s']:.1f} (L={r['step_length']}) | " + " | ".join(peaks)
-                     + f" | {r.get('kib_per_token', float('nan')):.0f} | {r.get('max_len_estimate', float('nan')):,.0f} |")
+                     + f" | {r.get('kib_per_token', float('nan')):.0f} | {r.get('max_len_estimate', float('nan')):,.0f} | "
+                     + f"{r.get('loss', {}).get(str(r['step_length']), float('nan')):.6f} |")
     reasons = [f"- {r['row']} (n={r['ranks']}): {r['reason']}" for r in rows if r.get("reason")]
     return "\n".join(lines + ([""] + reasons if reasons else []))
 
@@ -341,17 +343,17 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only assemble the pieces and print the tables")
     ap.add_argument("--pieces", default=PIECES, help="where the per-case JSON pieces go")
     ap.add_argument("--model", action="store_true", help="part 2: the SmolLM2-135M-shaped model (peer_model.py)")
-    args, rest = ap.parse_known_args()
+    args, _ = ap.parse_known_args()
     PIECES = args.pieces
     # in the rank processes spawned below: freed tensors go back to the OS at once (peak RSS follows live
     # tensors), DeepSpeed picks its CPU accelerator
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(2)  # the fp64 reference, in this process while no rank runs
-    if args.model:
+    if args.model:  # its own flags (peer_model.main), read from the command line as given
         from benchmarks import peer_model
 
-        peer_model.main(rest)
+        peer_model.main([a for a in sys.argv[1:] if a != "--model"])
         return
     if not args.report:
         for length in args.lengths:  # every shape at a length before the next length: short cases land first

@@ -38,10 +38,13 @@ import torch
 from benchmarks.common import RESULTS, proc_status_bytes, reset_peak_rss
 from longstride.model.config import ModelConfig
 
-CONFIG = ModelConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+# BENCH_PEERS_LAYERS: fewer layers, for a quick check of the rows' code paths only
+CONFIG = ModelConfig(hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=int(os.environ.get("BENCH_PEERS_LAYERS", "30")), num_attention_heads=9,
                      num_key_value_heads=3, nope_interval=0)
 VOCAB = 49152
 TILE = 1024
+_ALST_REGISTERED: list = []
 ROWS = ("plain", "alst", "longstride_ring", "longstride_ulysses", "longstride_upipe")
 
 
@@ -105,7 +108,10 @@ def _alst(lm, length, rank, n):
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     lm.set_attn_implementation("sdpa")
-    UlyssesSPAttentionHF.register_with_transformers(lm, "sdpa", n, 1, seq_length=length, seq_length_is_variable=True)
+    if not _ALST_REGISTERED:  # once per process: it swaps transformers' "sdpa" for its wrapper and makes the SP group
+        UlyssesSPAttentionHF.register_with_transformers(lm, "sdpa", n, 1, seq_length=length,
+                                                        seq_length_is_variable=True)
+        _ALST_REGISTERED.append(True)
     lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hidden = lm.config.hidden_size
 
@@ -147,11 +153,16 @@ def _worker(rank, n, row, lengths, step_length, reps, path):
         opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
 
         def step():
-            loss_fn().backward()
+            loss = loss_fn()
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            return loss.item()
 
-        step()  # creates the optimizer state
+        # the first step (which creates the optimizer state) gives the check: the same model and tokens, so every
+        # row's loss (summed over ranks; plain's mean over L-1 targets put on the others' per-L scale) must agree
+        first = step()
+        out.setdefault("loss", {})[length] = first * (length - 1) / length if row == "plain" else _sum(first, n)
         for rep in range(reps if length == step_length else 1):
             reset_peak_rss()
             t0 = time.perf_counter()
@@ -173,6 +184,14 @@ def _max(x: float, n: int) -> float:
 
     t = torch.tensor(float(x), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _sum(x: float, n: int) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor(float(x), dtype=torch.float64)
+    dist.all_reduce(t)
     return t.item()
 
 
@@ -220,6 +239,7 @@ def main(argv=None) -> None:
                 budget = args.budget_gib * 2 ** 30
                 result.update({"step_length": args.step_length, "step_s": statistics.median(got["times"]),
                                "step_times_s": got["times"], "peak_bytes": {str(k): v for k, v in got["peaks"].items()},
+                               "loss": {str(k): v for k, v in got["loss"].items()},
                                "budget_gib": args.budget_gib, **fit_budget(got["peaks"], budget),
                                "wall_s": time.perf_counter() - t0})
         if reason:
