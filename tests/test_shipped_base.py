@@ -1,5 +1,6 @@
-"""The shipped base model (model/shipped/tiny_base_256): it loads like any HF checkpoint, its files match
-its manifest, the command that made it still composes, and the main job's recipe starts from it."""
+"""The shipped base models (model/shipped/: tiny_base_256, the main job's, and tiny_base_256_allrope, the
+ablation's RoPE-on-every-layer base): each loads like any HF checkpoint, its files match its manifest, the command
+that made it still composes, and the main job's recipe starts from tiny_base_256."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,15 @@ from longstride.recipes.checkpoint import MANIFEST, verify
 from tests.conftest import REPO, compose_cfg
 
 SHIPPED = REPO / "model" / "shipped" / "tiny_base_256"
+ALL_SHIPPED = sorted(p for p in (REPO / "model" / "shipped").iterdir() if (p / MANIFEST).is_file())
 
 
-def manifest() -> dict:
-    return json.loads((SHIPPED / MANIFEST).read_text())
+def manifest(folder=SHIPPED) -> dict:
+    return json.loads((folder / MANIFEST).read_text())
+
+
+def test_every_shipped_model_is_covered():
+    assert [p.name for p in ALL_SHIPPED] == ["tiny_base_256", "tiny_base_256_allrope"]
 
 
 def test_loads_as_an_hf_checkpoint_trained_at_256():
@@ -32,8 +38,12 @@ def test_loads_as_an_hf_checkpoint_trained_at_256():
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
 
 
-def test_files_match_the_manifest_and_a_changed_byte_is_caught(tmp_path):
-    assert verify(str(SHIPPED)) is None
+@pytest.mark.parametrize("folder", ALL_SHIPPED, ids=lambda p: p.name)
+def test_files_match_the_manifest(folder):
+    assert verify(str(folder)) is None
+
+
+def test_a_changed_byte_is_caught(tmp_path):
     files = manifest()["files"]
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(files)
     copy = tmp_path / "base"
@@ -44,8 +54,9 @@ def test_files_match_the_manifest_and_a_changed_byte_is_caught(tmp_path):
     assert verify(str(copy)) == "model.safetensors does not match its checksum"
 
 
-def test_manifest_records_how_it_was_made_and_its_own_scores():
-    m = manifest()
+@pytest.mark.parametrize("folder", ALL_SHIPPED, ids=lambda p: p.name)
+def test_manifest_records_how_it_was_made_and_its_own_scores(folder):
+    m = manifest(folder)
     made = m["made_by"]
     assert made["recipe"] == "tiny_base" and made["stage"] == "s1_256"
     assert made["command"].endswith(" ".join(made["overrides"]))
@@ -55,12 +66,15 @@ def test_manifest_records_how_it_was_made_and_its_own_scores():
     assert set(scores["synth_kv"]) == {"256", "512"}
 
 
-def test_the_command_that_made_it_still_composes():
-    made = manifest()["made_by"]
+@pytest.mark.parametrize("folder", ALL_SHIPPED, ids=lambda p: p.name)
+def test_the_command_that_made_it_still_composes(folder):
+    made = manifest(folder)["made_by"]
     cfg = compose_cfg(made["overrides"])
     assert cfg.recipe.name == "tiny_base" and list(cfg.recipe.stages) == ["s0_copy", made["stage"]]
     assert cfg.recipe.stages[made["stage"]].seq_len == 256 and cfg.recipe.stages[made["stage"]].rope_theta == 1e4
     assert cfg.train.seed == made["train_seed"] and cfg.data.seed == made["data_seed"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["no_rope_layers"] == ([1] * 4 if cfg.model.nope_interval == 0 else [1, 1, 1, 0])
 
 
 def test_main_job_extends_the_shipped_base():
