@@ -136,3 +136,66 @@ def test_answers_end_once_scored_with_the_same_scores(two):
     assert text.lower().strip() == "alpha beta"
     assert decided(text, ["ALPHA", "beta"], "all") and not decided(text, ["alpha", "gamma"], "all")
     assert decided(text, ["alpha", "gamma"], "part")
+
+
+def test_prompt_lookup_drafts_give_the_one_token_answers_in_fewer_forwards():
+    """The shipped base model repeats itself past 256 tokens (the regime drafts are for). Prompts of three lengths
+    in one batch (left padding), with and without early ends: the answers with drafts are the one-token-a-step
+    answers, in fewer forwards."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import REPO
+
+    shipped = REPO / "model" / "shipped" / "tiny_base_256"
+    tok = AutoTokenizer.from_pretrained(shipped)
+    model = AutoModelForCausalLM.from_pretrained(shipped).eval()
+    samples = [make_sample(ALL_TASKS["niah_single_1"], L, i, tok) for i, L in enumerate((512, 512, 600, 700, 700))]
+    prompts, refs = [s.prompt_ids for s in samples], [s.answers for s in samples]
+    forwards, forward = [0], model.forward
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    got = {}
+    for draft in (0, 4):
+        for references in (None, refs):
+            forwards[0] = 0
+            got[draft, references is None] = (greedy_generate(model, tok, prompts, 40, references=references,
+                                                              draft=draft), forwards[0])
+    for full in (True, False):
+        (plain, n_plain), (drafted, n_drafted) = got[0, full], got[4, full]
+        assert drafted == plain and all(plain)
+        assert n_drafted < n_plain - 5, (n_drafted, n_plain)
+
+
+def test_drafts_propose_what_followed_the_latest_recurrence_of_the_last_tokens():
+    from longstride.eval.ruler.generate import Drafts
+
+    d = Drafts([[5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 4, 5, 6, 7], [1, 2, 3], [4, 4]], room=4)
+    drafts, length = d.propose(3)
+    # row 0: [5, 6, 7] recurs at 0 and 6; the latest with 3 tokens after it is 6 -> 2, 3, 4
+    assert drafts[0].tolist() == [2, 3, 4] and length.tolist() == [3, 0, 1]
+    assert drafts[2, :1].tolist() == [4]  # the last token alone recurs: what followed it, up to the end
+    d.append(1, 2)  # row 1 is now [1, 2, 3, 2]: its last token recurs, followed by 3, 2
+    assert d.propose(3)[0][1, :2].tolist() == [3, 2] and d.propose(3)[1][1] == 2
+    d.keep([1])
+    assert d.propose(2)[1].tolist() == [2]
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "synth_kv", "cwe"])
+def test_a_guessed_haystack_size_finds_the_searched_one(tok_of_two, task):
+    first = make_sample(ALL_TASKS[task], 1600, 0, tok_of_two)
+    for i in range(1, 4):
+        for guess in (first.units, first.units - 7, first.units + 9, 10 ** 6):
+            plain, guessed = make_sample(ALL_TASKS[task], 1600, i, tok_of_two), \
+                make_sample(ALL_TASKS[task], 1600, i, tok_of_two, guess=guess)
+            assert guessed.units == plain.units and guessed.prompt_ids == plain.prompt_ids
+
+
+@pytest.fixture(scope="module")
+def tok_of_two(two):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(two[0])

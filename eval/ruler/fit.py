@@ -4,7 +4,10 @@ chat template, plus the task's new-token budget fits the target length.
 The prompt is the user turn through the chat template (when the tokenizer has one and chat is on)
 followed by the task's answer prefix, so the model continues the prefix; without a template it is
 the user text and the prefix as plain text. The haystack size is found by doubling then binary
-search over `Sampler.render(units)`; every size tried is tokenized in full.
+search over `Sampler.render(units)`, or, given a guess (the size another sample of the same task and
+length found), by galloping out from the guess then binary search: the same size, since a larger
+haystack never has fewer tokens, in 2 or 3 tokenizations instead of about 15. Every size tried is
+tokenized in full.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def prompt_ids(tokenizer, content: str, answer_prefix: str, chat: bool) -> list[
 
 
 def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 42, chat: bool = True,
-                haystack: Optional[str] = None, qa: Optional[QAData] = None) -> Sample:
+                haystack: Optional[str] = None, qa: Optional[QAData] = None, guess: Optional[int] = None) -> Sample:
     sampler = Sampler(task, length, seed, index, haystack, qa)
     budget = length - task.max_new_tokens
     tried: dict[int, tuple] = {}
@@ -59,11 +62,23 @@ def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 4
                          f"{len(tried[lo][1]) + task.max_new_tokens}")
     # Each unit is at least one token, so the answer is below `length` units (or the task's cap).
     cap = min(sampler.cap or length, length)
-    hi = lo
-    while hi < cap and fits(min(hi * 2, cap)):
-        hi = min(hi * 2, cap)
-    lo, hi = hi, min(hi * 2, cap) if hi < cap else cap + 1  # lo fits; hi does not (or is past the cap)
-    while hi - lo > 1:
+    if guess is not None and sampler.monotone and lo < guess <= cap:
+        if fits(guess):
+            lo, step = guess, 1
+            while lo + step <= cap and fits(lo + step):
+                lo, step = lo + step, step * 2
+            hi = min(lo + step, cap + 1)
+        else:
+            hi, step = guess, 1
+            while hi - step > lo and not fits(hi - step):
+                hi, step = hi - step, step * 2
+            lo = max(hi - step, lo)
+    else:
+        hi = lo
+        while hi < cap and fits(min(hi * 2, cap)):
+            hi = min(hi * 2, cap)
+        lo, hi = hi, min(hi * 2, cap) if hi < cap else cap + 1
+    while hi - lo > 1:  # lo fits; hi does not (or is past the cap)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     _, ids, r = tried[lo]

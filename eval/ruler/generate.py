@@ -17,16 +17,29 @@ to the longest prompt, and the rows are decoded one token per forward for all of
 step's time on CPU). A row leaves the batch at EOS, at its token budget, or, given references, once its
 score is decided (`decided`). Answers are the generated token ids decoded, never the prompt stripped from
 a decoded output.
+
+Prompt-lookup drafting (speculative decoding with the context as the draft model; Saxena 2023, HF's
+`prompt_lookup_num_tokens`, vLLM's n-gram proposer): each step, a row whose last tokens (3, else 2, else 1) occurred earlier
+in its prompt or answer proposes the up to `draft` tokens that followed them there; one forward runs the row's
+last token and its draft, and the row keeps the draft's tokens up to the first one greedy decoding would not
+have chosen, plus greedy's own next token. The kept tokens are the ones one-token-a-step decoding gives (the
+verification is the same argmax), in fewer forwards: RULER answers copy from the prompt, and a model that has not
+found the needle repeats itself. A row's rejected draft columns stay in the cache as holes that the attention
+mask skips. On CPU the decode runs `decode_attention` (SDPA with GQA and the mask; transformers' SDPA copies
+K/V per query head whenever there is a mask).
 """
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Optional
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from longstride.eval.ruler.score import sample_score
 from longstride.parallel.attention import no_mask
@@ -34,6 +47,8 @@ from longstride.parallel.kernels import block_forward
 from longstride.parallel.ring import merge
 
 PREFILL_ATTENTION = "longstride_prefill"
+DECODE_ATTENTION = "longstride_decode"
+DRAFT_NGRAM = 3  # the longest suffix looked up for a draft (then shorter ones, down to the last token)
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -102,13 +117,17 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _full_attention_only(name: str, dropout: float, kwargs: dict) -> None:
+    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{name} is full causal attention: no dropout, window, softcap or sinks")
+
+
 def prefill_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """One unpadded prompt's new tokens attending to its cached ones and causally to each other, with no mask:
     query: (1, H, s, D), key/value: (1, Hkv, c + s, D), the first c cached -> ((1, s, H, D), None). The last
     layer computes the last token's row only (the others are zero): a prefill keeps the logits of its last
     token alone, and decoding reads the layer's keys and values, which are in the cache already."""
-    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("prefill_attention is full causal attention: no dropout, window, softcap or sinks")
+    _full_attention_only("prefill_attention", dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     s, c = query.shape[2], key.shape[2] - query.shape[2]
     if module.layer_idx == module.config.num_hidden_layers - 1:
@@ -122,6 +141,40 @@ def prefill_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A decode step on CPU: query (B, H, q, D), the q new tokens (the last one and its draft), against the
+    cache's key/value (B, Hkv, n, D), with transformers' boolean SDPA mask (B, 1, q, n) (left padding, draft holes,
+    causality among the new tokens) or none (one new token, nothing masked) -> ((B, q, H, D), None). GQA is
+    SDPA's own (enable_gqa): transformers' SDPA copies K/V per query head whenever there is a mask, which made a
+    masked step at 8K several times slower than an unmasked one."""
+    _full_attention_only("decode_attention", dropout, kwargs)
+    causal = attention_mask is None and query.shape[2] > 1
+    assert not causal or query.shape[2] == key.shape[2], "several new tokens after a cache need a mask"
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_ATTENTION = {PREFILL_ATTENTION: (prefill_attention, no_mask), DECODE_ATTENTION: (decode_attention, sdpa_mask)}
+
+
+@contextmanager
+def _attention(model, name: Optional[str]):
+    """The model runs attention `name` (with its mask function) inside the block; None: the model's own."""
+    if name is None:
+        yield
+        return
+    attention, mask = _ATTENTION[name]
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def _prefill(model, ids: list[int], chunk: int, device, kw: str,
              cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, torch.Tensor]:
     """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones): its KV cache
@@ -133,18 +186,10 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    previous = model.config._attn_implementation
     unmasked = device.type == "cpu" and all(type(layer) is DynamicLayer for layer in cache.layers)
-    if unmasked:
-        AttentionInterface.register(PREFILL_ATTENTION, prefill_attention)
-        AttentionMaskInterface.register(PREFILL_ATTENTION, no_mask)
-        model.set_attn_implementation(PREFILL_ATTENTION)
-    try:
+    with _attention(model, PREFILL_ATTENTION if unmasked else None):
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
-    finally:
-        if unmasked:
-            model.set_attn_implementation(previous)
     return cache, logits[0, -1]
 
 
@@ -186,11 +231,12 @@ def _put_row(cache: DynamicCache, row: int, prefilled: DynamicCache, width: int)
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 0,
                     prefill_chunk: int = 8192, batch_tokens: int = 131072,
-                    references: Optional[list[list[str]]] = None, metric: str = "all") -> list[str]:
+                    references: Optional[list[list[str]]] = None, metric: str = "all", draft: int = 0) -> list[str]:
     """Decoded greedy continuations of `prompts` (token id lists), in the given order. Rows decoded together:
     `batch_size`, or with 0 as many as keep rows x (longest prompt + max_new_tokens) within `batch_tokens`
     (the KV cache's tokens). With `references` (one list per prompt) a row stops as soon as its score under
-    `metric` is decided: the same score, a shorter answer."""
+    `metric` is decided: the same score, a shorter answer. `draft` > 0: each step also verifies up to that many
+    prompt-lookup tokens per row (the same answers in fewer forwards; the cache gets room for the holes)."""
     eos = stop_ids(model, tokenizer)
     device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
@@ -199,7 +245,8 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
         cache, logits = _prefill(model, prompts[i], prefill_chunk, device, kw, cache)
         return cache, int(logits.argmax())
 
-    for rows in batches([len(p) + max_new_tokens for p in prompts], batch_size, batch_tokens):
+    room = max_new_tokens * (1 + draft)  # answer columns: each step's rejected draft columns stay as holes
+    for rows in batches([len(p) + room for p in prompts], batch_size, batch_tokens):
         rows = sorted(rows, key=lambda i: prompts[i])  # lexicographic: the row before shares the longest prefix
         widths, width = [len(prompts[i]) for i in rows], max(len(prompts[i]) for i in rows)
         one, token = prefill(rows[0])
@@ -212,7 +259,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
             continue
         # the batch's cache is made once; each prompt is copied in as soon as it is prefilled and dropped, and
         # the next prompt starts from the prefix it shares with it
-        cache, first = _batch_cache(model, one, len(rows), width + max_new_tokens, width), []
+        cache, first = _batch_cache(model, one, len(rows), width + room, width), []
         for r, i in enumerate(rows):
             if r:
                 shared = shared_prefix(prompts[rows[r - 1]], prompts[i])
@@ -224,50 +271,132 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
         del one, c
         mask = None
         if min(widths) < width:  # left padding, masked out
-            mask = torch.zeros(len(rows), width + max_new_tokens, dtype=torch.long, device=device)
+            mask = torch.zeros(len(rows), width + room, dtype=torch.long, device=device)
             for r, w in enumerate(widths):
                 mask[r, width - w:width] = 1
         for i, text in _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tokens, eos,
-                                    references, metric, kw).items():
+                                    references, metric, kw, prompts, draft).items():
             answers[i] = text
     return answers
 
 
+class Drafts:
+    """Prompt lookup: each row's context (prompt + answer so far) and, each step, the tokens that followed the
+    latest earlier occurrence of its last n tokens (n from DRAFT_NGRAM down to 1). Per row in numpy: a step
+    scans each row's context once for its last token (torch's per-op overhead on 8K-token rows cost more than
+    a decode step)."""
+
+    def __init__(self, prompts: list[list[int]], room: int):
+        self.ctx = [np.concatenate([np.asarray(p, dtype=np.int64), np.zeros(room, dtype=np.int64)]) for p in prompts]
+        self.end = [len(p) for p in prompts]
+
+    def append(self, row: int, token: int) -> None:
+        self.ctx[row][self.end[row]] = token
+        self.end[row] += 1
+
+    def keep(self, rows: list[int]) -> None:
+        self.ctx, self.end = [self.ctx[r] for r in rows], [self.end[r] for r in rows]
+
+    def _one(self, row: int, k: int) -> np.ndarray:
+        a, end = self.ctx[row], self.end[row]
+        at = np.flatnonzero(a[:end - 1] == a[end - 1])  # earlier occurrences of the last token
+        if not len(at):
+            return a[:0]
+        for n in range(min(DRAFT_NGRAM, end - 1), 1, -1):  # the longest suffix that recurs
+            ok = at >= n - 1
+            for j in range(1, n):
+                ok[ok] = a[at[ok] - j] == a[end - 1 - j]
+            if ok.any():
+                at = at[ok]
+                break
+        room = at[at + 1 + k <= end]  # the latest occurrence with k tokens after it, else the latest
+        p = int(room[-1] if len(room) else at[-1]) + 1
+        return a[p:min(p + k, end)]
+
+    def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts (rows, k), lengths (rows,)): up to k tokens per row, none where the last token is new."""
+        out = torch.zeros(len(self.end), k, dtype=torch.long)
+        length = torch.zeros(len(self.end), dtype=torch.long)
+        for r in range(len(self.end)):
+            d = self._one(r, k)
+            out[r, :len(d)], length[r] = torch.from_numpy(d), len(d)
+        return out, length
+
+
 def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tokens, eos, references, metric,
-                 kw) -> dict[int, str]:
+                 kw, prompts=None, draft=0) -> dict[int, str]:
     """Greedy decoding of prefilled rows (prompt index, prompt length, first new token) sharing `cache`; a row
-    leaves the batch at EOS, at `max_new_tokens`, or once `references` decide its score."""
+    leaves the batch at EOS, at `max_new_tokens`, or once `references` decide its score. With `prompts` (the
+    token ids by prompt index) and `draft` > 0, and a BufferLayer cache with room for max_new_tokens x
+    (1 + draft) columns, each step also verifies up to `draft` prompt-lookup tokens per row (module docstring)."""
     device = next(model.parameters()).device
-    new = {i: [t] for i, t in zip(rows, first)}
+    if not all(isinstance(layer, BufferLayer) for layer in cache.layers) or prompts is None:
+        draft = 0
+    new = {i: [] for i in rows}
+    out: dict[int, str] = {}
+    drafts = Drafts([prompts[i] for i in rows], max_new_tokens) if draft else None
+    if draft and mask is None:
+        mask = torch.ones(len(rows), cache.layers[0].buf_k.shape[-2], dtype=torch.long, device=device)
+
+    def add(r: int, i: int, t: int) -> bool:
+        """Token t onto row r (prompt i); True when the row ends with it. The text is decoded every token only
+        when references can end a row early."""
+        new[i].append(t)
+        if drafts is not None:
+            drafts.append(r, t)
+        ended = t in eos or len(new[i]) >= max_new_tokens
+        text = _decode(tokenizer, new[i], eos) if ended or references is not None else None
+        if ended or (references is not None and decided(text, references[i], metric)):
+            out[i] = text
+            return True
+        return False
+
     live, pos = list(rows), torch.tensor(widths, device=device)
     token, filled = torch.tensor(first, device=device), max(widths)
-    out: dict[int, str] = {}
-    while True:
-        done = []
-        for r, i in enumerate(live):  # the text is decoded every step only when references can end a row early
-            ended = new[i][-1] in eos or len(new[i]) >= max_new_tokens
-            text = _decode(tokenizer, new[i], eos) if ended or references is not None else None
-            if ended or (references is not None and decided(text, references[i], metric)):
-                out[i] = text
-                done.append(r)
-        if len(done) == len(live):
-            return out
-        if done:
-            keep = torch.tensor([r for r in range(len(live)) if r not in done], device=device)
-            live = [live[r] for r in keep.tolist()]
-            pos, token = pos[keep], token[keep]
-            mask = mask[keep] if mask is not None else None
-            for layer in cache.layers:
-                layer.keep(keep)
-        step = {}
-        if mask is not None:
-            mask[:, filled] = 1
-            step["attention_mask"] = mask[:, :filled + 1]
-        logits = model(input_ids=token[:, None], position_ids=pos[:, None], use_cache=True, **step,
-                       **{kw: cache}).logits
-        token, pos, filled = logits[:, -1].argmax(-1), pos + 1, filled + 1
-        for i, t in zip(live, token.tolist()):
-            new[i].append(t)
+    done = [r for r, (i, t) in enumerate(zip(rows, first)) if add(r, i, t)]
+    full = all(type(layer) in (DynamicLayer, BufferLayer) for layer in cache.layers)
+    with _attention(model, DECODE_ATTENTION if device.type == "cpu" and full else None):
+        while True:
+            if len(done) == len(live):
+                return out
+            if done:
+                keep = torch.tensor([r for r in range(len(live)) if r not in done], device=device)
+                live = [live[r] for r in keep.tolist()]
+                pos, token = pos[keep], token[keep]
+                mask = mask[keep] if mask is not None else None
+                for layer in cache.layers:
+                    layer.keep(keep)
+                if drafts is not None:
+                    drafts.keep(keep.tolist())
+            k = draft
+            if draft:  # no more draft columns than the rows could still keep, nor than the buffer has room for
+                k = min(draft, max_new_tokens - 1 - min(len(new[i]) for i in live),
+                        cache.layers[0].buf_k.shape[-2] - filled - (max_new_tokens - min(len(new[i]) for i in live)))
+            guess, length = drafts.propose(k) if k > 0 else (None, None)
+            if guess is not None and int(length.max()) == 0:
+                guess = None
+            k = int(length.max()) if guess is not None else 0
+            ids = token[:, None] if guess is None else torch.cat([token[:, None], guess[:, :k].to(device)], 1)
+            step = {}
+            if mask is not None:
+                mask[:, filled:filled + 1 + k] = 1
+                step["attention_mask"] = mask[:, :filled + 1 + k]
+            logits = model(input_ids=ids, position_ids=pos[:, None] + torch.arange(1 + k, device=device),
+                           use_cache=True, **step, **{kw: cache}).logits
+            best = logits.argmax(-1).cpu()  # (rows, 1 + k): greedy's choice after each of the step's tokens
+            kept = torch.zeros(len(live), dtype=torch.long)
+            if k:
+                agree = (guess[:, :k] == best[:, :k]) & (torch.arange(k) < length[:, None])
+                kept = agree.long().cumprod(1).sum(1)  # the draft's tokens up to its first disagreement
+            done = []
+            for r, i in enumerate(live):
+                a = int(kept[r])
+                if any(add(r, i, t) for t in best[r, :a + 1].tolist()):  # draft tokens kept, then greedy's next
+                    done.append(r)
+                if k and a < k and mask is not None:
+                    mask[r, filled + 1 + a:filled + 1 + k] = 0  # the rejected draft's columns: holes
+            token = best[torch.arange(len(live)), kept].to(device)
+            pos, filled = pos + 1 + kept.to(device), filled + 1 + k
 
 
 @torch.no_grad()

@@ -68,6 +68,7 @@ class RulerConfig:
     qa: QAFiles = field(default_factory=QAFiles)
     batch_size: int = 0  # answers decoded together (each prompt prefilled alone); 0 = as many as batch_tokens allows
     stop_when_scored: bool = True  # end an answer once its score is decided (same score; false: run to EOS/budget)
+    draft: int = 4  # prompt-lookup tokens verified per decode step (same answers, fewer forwards); 0: one a step
     batch_tokens: int = 131072  # with batch_size=0: rows x (longest prompt + answer budget) within this (the KV cache)
     prefill_chunk: int = 8192  # prompt tokens per prefill forward (a later chunk attends to the cached ones)
     prefill: Prefill = Prefill.local  # cp: with several processes, ring-attention prefill over all of them
@@ -89,6 +90,8 @@ def check_generation(cfg) -> None:
     """The sampling and generation fields `eval ruler` and `eval compare` share, and their QA files."""
     if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.prefill_chunk < 1 or cfg.batch_tokens < 1:
         raise ValueError("num_samples, prefill_chunk and batch_tokens must be >= 1, batch_size >= 0 (0: by batch_tokens)")
+    if cfg.draft < 0:
+        raise ValueError(f"draft={cfg.draft}: the prompt-lookup tokens verified per decode step are >= 0 (0: none)")
     for kind in ("squad", "hotpotqa"):
         path = getattr(cfg.qa, kind)
         if path and not os.path.isfile(path):
@@ -160,8 +163,11 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     for name in tasks:
         for L in lengths:
             try:
-                mine = [make_sample(ALL_TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat, haystack=cfg.haystack,
-                                    qa=qa.get(name)) for i in share]
+                mine = []
+                for i in share:  # a sample's haystack size is the next one's guess (the same size, found sooner)
+                    mine.append(make_sample(ALL_TASKS[name], L, i, tok, seed=cfg.seed, chat=cfg.chat,
+                                            haystack=cfg.haystack, qa=qa.get(name),
+                                            guess=mine[-1].units if mine else None))
             except DoesNotFit as e:
                 skipped.append(str(e))
                 note(str(e))
@@ -180,7 +186,7 @@ def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPCont
     else:
         preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], budget, cfg.batch_size, cfg.prefill_chunk,
                                 cfg.batch_tokens, [s.answers for s in samples] if cfg.stop_when_scored else None,
-                                samples[0].metric)
+                                samples[0].metric, cfg.draft)
     return [{"task": s.task, "length": s.length, "index": s.index, "depth": s.depth, "units": s.units,
              "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred,
              "score": sample_score(pred, s.answers, s.metric)} for s, pred in zip(samples, preds)]

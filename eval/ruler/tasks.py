@@ -126,6 +126,7 @@ class Sampler:
         self.rng = random.Random(f"{seed}/{task.name}/{length}/{index}")
         self.seed = self.rng.getrandbits(64)
         self.min_units, self.cap = 1, None
+        self.monotone = True  # a larger size never tokenizes shorter (fit.make_sample may then start from a guess)
         getattr(self, f"_draw_{task.kind}")(qa)
 
     def render(self, units: int) -> Rendered:
@@ -210,6 +211,7 @@ class Sampler:
     # --- common words
     def _draw_cwe(self, qa):
         self.min_units, self.cap = self.task.params["num_cw"], len(common_words())
+        self.monotone = False  # each size redraws its words: more words can tokenize shorter, so no guessing
 
     def _cwe_list(self, rng, num_words, freq_cw, freq_ucw):
         words = rng.sample(common_words(), num_words)
