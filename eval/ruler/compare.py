@@ -45,7 +45,7 @@ class CompareConfig:
     batch_size: int = 0  # answers decoded together; 0 = as many as batch_tokens allows
     stop_when_scored: bool = True  # end an answer once its score is decided (same score, shorter answer)
     draft: int = 4  # prompt-lookup tokens verified per decode step (same answers, fewer forwards); 0: one a step
-    batch_tokens: int = 131072  # rows x (longest prompt + answer budget) decoded together (the KV cache)
+    batch_tokens: int = 131072  # rows x (longest prompt + budget x (1 + draft)) decoded together (the KV cache)
     prefill_chunk: int = 8192  # prompt tokens per prefill forward
     dtype: Dtype = Dtype.float32
     threads: Optional[int] = None

@@ -233,10 +233,10 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
                     prefill_chunk: int = 8192, batch_tokens: int = 131072,
                     references: Optional[list[list[str]]] = None, metric: str = "all", draft: int = 0) -> list[str]:
     """Decoded greedy continuations of `prompts` (token id lists), in the given order. Rows decoded together:
-    `batch_size`, or with 0 as many as keep rows x (longest prompt + max_new_tokens) within `batch_tokens`
-    (the KV cache's tokens). With `references` (one list per prompt) a row stops as soon as its score under
-    `metric` is decided: the same score, a shorter answer. `draft` > 0: each step also verifies up to that many
-    prompt-lookup tokens per row (the same answers in fewer forwards; the cache gets room for the holes)."""
+    `batch_size`, or with 0 as many as keep rows x (longest prompt + max_new_tokens x (1 + draft)) within
+    `batch_tokens` (the KV cache's tokens, draft holes included). With `references` (one list per prompt) a row
+    stops as soon as its score under `metric` is decided: the same score, a shorter answer. `draft` > 0: each
+    step also verifies up to that many prompt-lookup tokens per row (the same answers in fewer forwards)."""
     eos = stop_ids(model, tokenizer)
     device, kw = next(model.parameters()).device, _cache_kw(model)
     answers: list[str] = [""] * len(prompts)
@@ -334,7 +334,7 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
         draft = 0
     new = {i: [] for i in rows}
     out: dict[int, str] = {}
-    drafts = Drafts([prompts[i] for i in rows], max_new_tokens) if draft else None
+    drafts = Drafts([prompts[i] for i in rows], max(max_new_tokens, 1)) if draft else None
     if draft and mask is None:
         mask = torch.ones(len(rows), cache.layers[0].buf_k.shape[-2], dtype=torch.long, device=device)
 

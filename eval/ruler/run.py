@@ -69,7 +69,7 @@ class RulerConfig:
     batch_size: int = 0  # answers decoded together (each prompt prefilled alone); 0 = as many as batch_tokens allows
     stop_when_scored: bool = True  # end an answer once its score is decided (same score; false: run to EOS/budget)
     draft: int = 4  # prompt-lookup tokens verified per decode step (same answers, fewer forwards); 0: one a step
-    batch_tokens: int = 131072  # with batch_size=0: rows x (longest prompt + answer budget) within this (the KV cache)
+    batch_tokens: int = 131072  # with batch_size=0: rows x (longest prompt + budget x (1 + draft)) within this (the KV cache)
     prefill_chunk: int = 8192  # prompt tokens per prefill forward (a later chunk attends to the cached ones)
     prefill: Prefill = Prefill.local  # cp: with several processes, ring-attention prefill over all of them
     dtype: Dtype = Dtype.float32

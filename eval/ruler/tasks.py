@@ -239,6 +239,7 @@ class Sampler:
         self.rng.shuffle(self.vocab)
         self.vocab[0] = "..."
         self.min_units = 64  # below this the third and fourth ranks can tie
+        self.monotone = False  # each size reshuffles its words: its token count may dip, so no guessing
 
     def _render_fwe(self, units):
         a = self.task.params["alpha"]
@@ -269,6 +270,7 @@ class Sampler:
         self.distractors = [i for i in range(len(qa.docs)) if i not in gold]
         self.rng.shuffle(self.distractors)
         self.min_units, self.cap = len(gold), len(qa.docs)
+        self.monotone = False  # each size reshuffles its documents: its token count may dip, so no guessing
 
     def _render_qa(self, units):
         chosen = list(self.question["docs"]) + self.distractors[:units - len(self.question["docs"])]
