@@ -152,7 +152,7 @@ def run_piece(variant: str, seed: int, samples: int, smoke: bool) -> dict:
     piece = {"variant": variant, "seed": seed, "overrides": overrides, "yarn_at_eval": factors,
              "samples": samples, "tasks": TASKS, "lengths": LENGTHS, "trained_length": TRAINED,
              "train_seconds": round(train_s, 1), "eval_seconds": round(time.perf_counter() - t1, 1),
-             "seconds": round(time.perf_counter() - t0, 1), "base": BASE,
+             "seconds": round(time.perf_counter() - t0, 1), "base": OWN_BASE.get(variant, (BASE,))[0],
              "date": datetime.date.today().isoformat(), **result}
     path = piece_path(variant, seed, smoke)
     os.makedirs(os.path.dirname(path), exist_ok=True)
