@@ -80,7 +80,8 @@ def versions() -> dict:
 def write_piece(impl: str, case: str, row: dict) -> None:
     os.makedirs(PIECES, exist_ok=True)
     with open(piece_path(impl, case), "w") as f:
-        json.dump({"impl": impl, "case": case, "date": time.strftime("%Y-%m-%d %H:%M"), **row}, f, indent=1)
+        json.dump({"impl": impl, "case": case, "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions(), **row},
+                  f, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -319,11 +320,23 @@ def markdown(pieces: dict) -> str:
     return "\n".join(lines)
 
 
+def measured_with(pieces: list[dict]) -> list[dict]:
+    """The distinct package versions the pieces were measured with (each piece records its own: a report alone
+    runs where the peers may not be installed)."""
+    seen = []
+    for p in pieces:
+        v = p.get("versions", "not recorded")
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
 def report() -> None:
     pieces = load_pieces()
     rows = [dict(p) for p in pieces.values()]
     model = load_model_pieces()
-    path = write_results("bench_peers", rows, {"versions": versions(), "ratios": table_rows(pieces), "model": model})
+    path = write_results("bench_peers", rows, {"versions": measured_with(rows + model), "ratios": table_rows(pieces),
+                                               "model": model})
     print(markdown(pieces))
     print(model_markdown(model))
     print("results:", path)

@@ -224,7 +224,7 @@ def main(argv=None) -> None:
         piece = os.path.join(args.pieces, f"model-{row}-n{args.n}.json")
         if os.path.exists(piece) and not args.force:
             continue
-        result = {"row": row, "ranks": n, "date": time.strftime("%Y-%m-%d %H:%M")}
+        result = {"row": row, "ranks": n, "date": time.strftime("%Y-%m-%d %H:%M"), "versions": bench_peers.versions()}
         reason = unsupported(row, args.n)
         if reason is None:
             t0 = time.perf_counter()
