@@ -209,6 +209,7 @@ def main(argv: list[str]) -> Optional[dict]:
     if not tasks or not lengths:
         raise ValueError("nothing to run: " + ("no runnable task" if not tasks else "no reachable length")
                          + " (see the messages above)")
+    owned = not torch.distributed.is_initialized()  # a group _dist makes is ours to close
     rank, world = _dist()
     cp = cfg.prefill == "cp"
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
@@ -228,8 +229,16 @@ def main(argv: list[str]) -> Optional[dict]:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
         records = sorted((r for part in gathered for r in part), key=lambda r: (r["task"], r["length"], r["index"]))
-    if rank != 0:
-        return None
+    result = _report(cfg, records, skipped) if rank == 0 else None
+    if world > 1:  # every rank leaves together: a rank exiting while another still ran once made gloo abort
+        torch.distributed.barrier()
+        if owned:
+            torch.distributed.destroy_process_group()
+    return result
+
+
+def _report(cfg: RulerConfig, records: list[dict], skipped: list[str]) -> dict:
+    """The table, the files, the plots and wandb, from every rank's records (rank 0)."""
     summary = summarize(records, cfg.threshold)
     print(format_table(summary))
     out = cfg.out or default_out(cfg.checkpoint)
