@@ -372,15 +372,14 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
                     layer.keep(keep)
                 if drafts is not None:
                     drafts.keep(keep.tolist())
-            k = draft
+            k = 0
             if draft:  # no more draft columns than the rows could still keep, nor than the buffer has room for
-                k = min(draft, max_new_tokens - 1 - min(len(new[i]) for i in live),
-                        cache.layers[0].buf_k.shape[-2] - filled - (max_new_tokens - min(len(new[i]) for i in live)))
-            guess, length = drafts.propose(k) if k > 0 else (None, None)
-            if guess is not None and int(length.max()) == 0:
-                guess = None
-            k = int(length.max()) if guess is not None else 0
-            ids = token[:, None] if guess is None else torch.cat([token[:, None], guess[:, :k].to(device)], 1)
+                left = max_new_tokens - min(len(new[i]) for i in live)
+                k = min(draft, left - 1, cache.layers[0].buf_k.shape[-2] - filled - left)
+            if k > 0:
+                guess, length = drafts.propose(k)
+                k = int(length.max())  # 0 when no row's last tokens recur
+            ids = torch.cat([token[:, None], guess[:, :k].to(device)], 1) if k else token[:, None]
             step = {}
             if mask is not None:
                 mask[:, filled:filled + 1 + k] = 1
@@ -397,7 +396,7 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
                 a = int(kept[r])
                 if any(add(r, i, t) for t in best[r, :a + 1].tolist()):  # draft tokens kept, then greedy's next
                     done.append(r)
-                if k and a < k and mask is not None:
+                if a < k:  # (drafting always has a mask)
                     mask[r, filled + 1 + a:filled + 1 + k] = 0  # the rejected draft's columns: holes
             token = best[torch.arange(len(live)), kept].to(device)
             pos, filled = pos + 1 + kept.to(device), filled + 1 + k
