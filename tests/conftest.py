@@ -56,6 +56,18 @@ def crash_after(step: int) -> dict:
     return {"LONGSTRIDE_TEST_CRASH_AT_STEP": str(step)}
 
 
+def accelerate_launch() -> list[str]:
+    """`accelerate launch` with the 2-process CPU config on a port free now: the config's fixed port would
+    collide when tests run side by side (pytest -n 2)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "accelerate/cpu.yaml"),
+            "--main_process_port", str(port)]
+
+
 def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            **(env_extra or {})}

@@ -57,8 +57,21 @@ def test_buffer_layer_writes_in_place_and_refuses_overflow():
     assert k[0, 0, :, 0].tolist() == [0, 0, 1, 2, 3] and v[1, 0, -1, 0].item() == -3
     with pytest.raises(RuntimeError, match="KV buffer full"):
         layer.update(torch.zeros(2, 1, 1, 3), torch.zeros(2, 1, 1, 3))
-    layer.keep(torch.tensor([1]))
-    assert layer.keys.shape == (1, 1, 5, 3)
+    layer.keep([1])
+    assert layer.keys.shape == (1, 1, 5, 3) and layer.keys.data_ptr() == ptr, "row 1 moved into slot 0, in place"
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 0, 1, 2, 3] and layer.values[0, 0, -1, 0].item() == -3
+
+
+def test_buffer_layer_keeps_rows_in_order():
+    from longstride.eval.ruler.generate import BufferLayer
+
+    keys = torch.arange(5.0)[:, None, None, None].expand(5, 2, 4, 3).contiguous()
+    layer = BufferLayer(keys, -keys, filled=3)
+    layer.keep([0, 2, 3])
+    assert layer.keys[:, 0, 0, 0].tolist() == [0, 2, 3] and layer.values[:, 1, 2, 2].tolist() == [0, -2, -3]
+    layer.keep([1, 2])
+    assert layer.keys[:, 0, 0, 0].tolist() == [2, 3] and layer.keys.shape == (2, 2, 3, 3)
+    assert layer.update(torch.full((2, 2, 1, 3), 9.0), torch.zeros(2, 2, 1, 3))[0][:, :, -1].eq(9).all()
 
 
 def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, capsys):

@@ -188,10 +188,9 @@ def start(args: list, launcher: bool = False, env_extra: dict | None = None):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.conftest import REPO, accelerate_launch
 
-    head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "configs/accelerate/cpu.yaml")] if launcher else [sys.executable]
+    head = accelerate_launch() if launcher else [sys.executable]
     return subprocess.Popen([*head, "-m", "longstride.recipes.train", *args], cwd=REPO, env={**ENV, **(env_extra or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

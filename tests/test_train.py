@@ -118,9 +118,8 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
     the losses must agree up to reduction order. crash_at: the 2-process run is first SIGKILLed after
     that step, then rerun, and resumes from its last checkpoint."""
     import subprocess
-    import sys
 
-    from tests.conftest import REPO, micro_overrides
+    from tests.conftest import REPO, accelerate_launch, micro_overrides
 
     def overrides(root, two):
         return [o for o in micro_overrides(root, cache_dir) if "micro_batch_size" not in o] + [
@@ -131,8 +130,7 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
     def launch(extra=None):
-        return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                               str(REPO / "configs/accelerate/cpu.yaml"), "-m", "longstride.recipes.train",
+        return subprocess.run([*accelerate_launch(), "-m", "longstride.recipes.train",
                                *overrides(tmp_path / "two", True)], cwd=REPO, env={**env, **(extra or {})},
                               capture_output=True, text=True, timeout=600)
     if crash_at is not None:

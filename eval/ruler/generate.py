@@ -106,9 +106,14 @@ class BufferLayer(DynamicLayer):
         self.keys, self.values = self.buf_k[:, :, :n + s], self.buf_v[:, :, :n + s]
         return self.keys, self.values
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Only these rows (batch indices) from now on."""
-        self.buf_k, self.buf_v = self.buf_k[rows], self.buf_v[rows]
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows (ascending batch indices) from now on: each kept row moves down into the first free
+        slot, in place (row j's source rows[j] >= j is never a slot written before it is read), and the buffers
+        become views of the first len(rows) rows. Only the rows after the first dropped one are copied."""
+        for j, r in enumerate(rows):
+            if r != j:
+                self.buf_k[j], self.buf_v[j] = self.buf_k[r], self.buf_v[r]
+        self.buf_k, self.buf_v = self.buf_k[:len(rows)], self.buf_v[:len(rows)]
         self.keys, self.values = self.buf_k[:, :, :self.filled], self.buf_v[:, :, :self.filled]
 
 
@@ -364,14 +369,15 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
             if len(done) == len(live):
                 return out
             if done:
-                keep = torch.tensor([r for r in range(len(live)) if r not in done], device=device)
-                live = [live[r] for r in keep.tolist()]
+                rows_kept = [r for r in range(len(live)) if r not in done]
+                keep = torch.tensor(rows_kept, device=device)
+                live = [live[r] for r in rows_kept]
                 pos, token = pos[keep], token[keep]
                 mask = mask[keep] if mask is not None else None
                 for layer in cache.layers:
-                    layer.keep(keep)
+                    layer.keep(rows_kept)
                 if drafts is not None:
-                    drafts.keep(keep.tolist())
+                    drafts.keep(rows_kept)
             k = 0
             if draft:  # no more draft columns than the rows could still keep, nor than the buffer has room for
                 left = max_new_tokens - min(len(new[i]) for i in live)
