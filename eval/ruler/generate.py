@@ -164,6 +164,12 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.view(B, H, q, D).transpose(1, 2).contiguous(), None
 
 
+def cpu_kernels(device: torch.device) -> bool:
+    """Whether prefill and decode run this module's CPU attention (`prefill_attention`, `decode_attention`);
+    elsewhere (a GPU) the model's own attention runs with transformers' masks."""
+    return device.type == "cpu"
+
+
 _ATTENTION = {PREFILL_ATTENTION: (prefill_attention, no_mask), DECODE_ATTENTION: (decode_attention, sdpa_mask)}
 
 
@@ -195,7 +201,7 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    unmasked = device.type == "cpu" and all(type(layer) is DynamicLayer for layer in cache.layers)
+    unmasked = cpu_kernels(device) and all(type(layer) is DynamicLayer for layer in cache.layers)
     with _attention(model, PREFILL_ATTENTION if unmasked else None):
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
@@ -364,7 +370,7 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
     token, filled = torch.tensor(first, device=device), max(widths)
     done = [r for r, (i, t) in enumerate(zip(rows, first)) if add(r, i, t)]
     full = all(type(layer) in (DynamicLayer, BufferLayer) for layer in cache.layers)
-    with _attention(model, DECODE_ATTENTION if device.type == "cpu" and full else None):
+    with _attention(model, DECODE_ATTENTION if cpu_kernels(device) and full else None):
         while True:
             if len(done) == len(live):
                 return out
