@@ -109,10 +109,12 @@ class BufferLayer(DynamicLayer):
     def keep(self, rows: list[int]) -> None:
         """Only these rows (ascending batch indices) from now on: each kept row moves down into the first free
         slot, in place (row j's source rows[j] >= j is never a slot written before it is read), and the buffers
-        become views of the first len(rows) rows. Only the rows after the first dropped one are copied."""
+        become views of the first len(rows) rows. Only the filled columns of the rows after the first dropped one
+        are copied."""
+        n = self.filled  # the columns after it are written before they are read
         for j, r in enumerate(rows):
             if r != j:
-                self.buf_k[j], self.buf_v[j] = self.buf_k[r], self.buf_v[r]
+                self.buf_k[j, :, :n], self.buf_v[j, :, :n] = self.buf_k[r, :, :n], self.buf_v[r, :, :n]
         self.buf_k, self.buf_v = self.buf_k[:len(rows)], self.buf_v[:len(rows)]
         self.keys, self.values = self.buf_k[:, :, :self.filled], self.buf_v[:, :, :self.filled]
 
