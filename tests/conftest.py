@@ -1,6 +1,7 @@
 """Shared fixtures: a micro recipe on a slice of the embedded corpus, composed like the CLI does."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -56,16 +57,27 @@ def crash_after(step: int) -> dict:
     return {"LONGSTRIDE_TEST_CRASH_AT_STEP": str(step)}
 
 
+_PORTS = itertools.count()
+
+
 def accelerate_launch() -> list[str]:
-    """`accelerate launch` with the 2-process CPU config on a port free now: the config's fixed port would
-    collide when tests run side by side (pytest -n 2)."""
+    """`accelerate launch` with the 2-process CPU config on a port of this pytest worker's own: the config's
+    fixed port would collide when tests run side by side (pytest -n 2). Each xdist worker takes ports from its
+    own block of 100 below the kernel's ephemeral range (so no other process's connection is handed one), a new
+    one per launch, skipping any that is taken."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "accelerate/cpu.yaml"),
-            "--main_process_port", str(port)]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    for _ in range(100):
+        port = 29600 + 100 * (worker % 30) + next(_PORTS) % 100
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(CONFIGS / "accelerate/cpu.yaml"), "--main_process_port", str(port)]
+    raise RuntimeError(f"no free port in 29600 + 100 x {worker % 30} .. + 99")
 
 
 def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
