@@ -49,16 +49,11 @@ def micro(root: Path, cache: Path) -> list[str]:
 
 
 def launch(n: int, args: list[str], log: Path) -> int:
+    from tests.conftest import accelerate_launch
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "disabled"}
-    head = [sys.executable]
-    if n > 1:
-        cfg = REPO / "configs/accelerate/cpu.yaml"
-        if n != 2:  # the 2-process config with another process count and port
-            text = cfg.read_text().replace("num_processes: 2", f"num_processes: {n}").replace("29517", "29533")
-            cfg = Path(tempfile.mkdtemp()) / "cpu.yaml"
-            cfg.write_text(text)
-        head += ["-m", "accelerate.commands.launch", "--config_file", str(cfg)]
+    head = accelerate_launch(n) if n > 1 else [sys.executable]
     with open(log, "w") as f:
         return subprocess.run([*head, "-m", "longstride.recipes.train", *args], cwd=REPO, env=env, stdout=f,
                               stderr=subprocess.STDOUT).returncode

@@ -60,11 +60,11 @@ def crash_after(step: int) -> dict:
 _PORTS = itertools.count()
 
 
-def accelerate_launch() -> list[str]:
-    """`accelerate launch` with the 2-process CPU config on a port of this pytest worker's own: the config's
-    fixed port would collide when tests run side by side (pytest -n 2). Each xdist worker takes ports from its
-    own block of 100 below the kernel's ephemeral range (so no other process's connection is handed one), a new
-    one per launch, skipping any that is taken."""
+def accelerate_launch(processes: int = 2) -> list[str]:
+    """`accelerate launch` with the CPU config (2 processes unless told) on a port of this pytest worker's
+    own: the config's fixed port would collide when tests run side by side (pytest -n 2). Each xdist worker
+    takes ports from its own block of 100 below the kernel's ephemeral range (so no other process's
+    connection is handed one), a new one per launch, skipping any that is taken."""
     import socket
 
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
@@ -76,7 +76,8 @@ def accelerate_launch() -> list[str]:
             except OSError:
                 continue
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(CONFIGS / "accelerate/cpu.yaml"), "--main_process_port", str(port)]
+                str(CONFIGS / "accelerate/cpu.yaml"), "--num_processes", str(processes),
+                "--main_process_port", str(port)]
     raise RuntimeError(f"no free port in 29600 + 100 x {worker % 30} .. + 99")
 
 

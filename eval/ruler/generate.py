@@ -347,13 +347,13 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
     token ids by prompt index) and `draft` > 0, and a BufferLayer cache with room for max_new_tokens x
     (1 + draft) columns, each step also verifies up to `draft` prompt-lookup tokens per row (module docstring)."""
     device = next(model.parameters()).device
-    if not all(isinstance(layer, BufferLayer) for layer in cache.layers) or prompts is None:
-        draft = 0
     new = {i: [] for i in rows}
     out: dict[int, str] = {}
-    drafts = Drafts([prompts[i] for i in rows], max(max_new_tokens, 1)) if draft else None
-    if draft and mask is None:
-        mask = torch.ones(len(rows), cache.layers[0].buf_k.shape[-2], dtype=torch.long, device=device)
+    drafts = None  # drafting needs the prompts and a buffer cache with room for the draft columns
+    if draft and prompts is not None and all(isinstance(layer, BufferLayer) for layer in cache.layers):
+        drafts = Drafts([prompts[i] for i in rows], max(max_new_tokens, 1))
+        if mask is None:
+            mask = torch.ones(len(rows), cache.layers[0].buf_k.shape[-2], dtype=torch.long, device=device)
 
     def add(r: int, i: int, t: int) -> bool:
         """Token t onto row r (prompt i); True when the row ends with it. The text is decoded every token only
@@ -387,7 +387,7 @@ def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tok
                 if drafts is not None:
                     drafts.keep(rows_kept)
             k = 0
-            if draft:  # no more draft columns than the rows could still keep, nor than the buffer has room for
+            if drafts is not None:  # no more draft columns than the rows could keep, nor than the buffer has room for
                 left = max_new_tokens - min(len(new[i]) for i in live)
                 k = min(draft, left - 1, cache.layers[0].buf_k.shape[-2] - filled - left)
             if k > 0:
