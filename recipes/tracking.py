@@ -93,9 +93,14 @@ class Tracker:
         rewind_metrics(path, first_step)
         self.metrics_file = open(path, "a")
         lc = self.cfg.logger
+        wandb = None
         if lc.wandb_mode != "disabled":
-            import wandb
-
+            try:
+                import wandb
+            except ImportError:
+                log.warning("wandb is not installed: this run is tracked in %s only (pip install wandb, or "
+                            "logger.wandb_mode=disabled to silence this)", path)
+        if wandb is not None:
             recipe = self.cfg.recipe.name
             self.run = wandb.init(
                 project=lc.project, entity=lc.entity, group=recipe, name=f"{recipe}/{stage}",

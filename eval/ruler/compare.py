@@ -203,6 +203,7 @@ def main(argv: list[str]) -> dict:
     counts: dict[int, dict] = {}
     records = []
     digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"  # as eval ruler
     for i, r in enumerate(rows):
         digest = digests[r.checkpoint]
         if digest not in groups_by_tok:
@@ -211,7 +212,8 @@ def main(argv: list[str]) -> dict:
             groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
         tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
         config, _ = load_config_with_yarn(r.checkpoint, YarnConfig(factor=r.yarn))
-        model = AutoModelForCausalLM.from_pretrained(r.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).eval()
+        model = AutoModelForCausalLM.from_pretrained(r.checkpoint, config=config, dtype=DTYPES[cfg.dtype])
+        model = model.to(device).eval()
         scores[i], counts[i] = {}, {}
         for task in tasks:
             for L in r.lengths:

@@ -1,0 +1,182 @@
+"""The device window: everything a short lease of one GPU should run, in one command under a time budget.
+
+    python -m benchmarks.device_window --out "$OUT" --budget 540     # on the lent GPU machine
+    python -m benchmarks.device_window --smoke --out /tmp/window      # the same steps, tiny, on CPU (the suite runs it)
+
+Each step is a child process with its own time cap, cut to what is left of the budget and skipped when less is
+left than it needs; a step runs even when an earlier one failed. After every step the window rewrites three
+files in --out: window.log (every step's output), summary.json (each step's status and seconds) and results.tgz
+(each step's result files: JSON, plots, junit XML), so a window cut short keeps what it measured. The summary
+table is printed last.
+
+Preparing the carried files here (ignored folder .whl/, named in the device call's `carry`):
+    python -m benchmarks.device_window --prepare
+and on the device, before this module: install .whl/*.whl into /tmp/site (no network there), PYTHONPATH=/tmp/site:.
+The package is imported from the checkout (longstride/__init__.py maps its subpackages to the top-level folders).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The wheels the device image lacks (its torch, transformers, accelerate, safetensors, pyarrow... are used as found).
+WHEELS = ["hydra-core==1.3.2", "omegaconf==2.3.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19",
+          "torchdata==0.11.0", "wonderwords==3.0.1", "gguf==0.19.0", "xxhash==4.1.0"]
+SDIST_WHEELS = ["antlr4-python3-runtime==4.9.3"]  # no wheel on the registry: built here
+
+
+@dataclass
+class Step:
+    name: str
+    cap_s: int  # at most this long
+    need_s: int  # skipped when less is left
+    gpu_cmd: list[str]
+    smoke_cmd: list[str]
+
+
+def py(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+MAIN_JOB_STAGES = "recipe.stages.s2_2k.cp=1 recipe.stages.s3_4k.cp=1 logger.progress_bar=false"
+SMOKE_STAGES = " ".join(f"recipe.stages.{s}.{k}" for s in ("s2_2k", "s3_4k")
+                        for k in ("steps=2", "save_every=2", "warmup_steps=1", "batch_tokens=4096"))
+
+PROBE_SMOKE = ("model.hidden_size=128 model.intermediate_size=256 model.num_hidden_layers=2 model.num_attention_heads=2 "
+               "model.num_key_value_heads=1 model.vocab_size=4096 model.loss_tile_tokens=256 train.trace_memory=true " +
+               " ".join(f"recipe.stages.{s}.{k}" for s, n in (("s1_16k", 512), ("s2_32k", 1024))
+                        for k in ("steps=2", "warmup_steps=1", f"seq_len={n}", f"batch_tokens={n}")))
+
+
+def steps(work: str) -> list[Step]:
+    env = py("-c", "import torch, transformers, accelerate, hydra, datasets, longstride.recipes.train as t; "
+                   "print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', "
+                   "transformers.__version__, '| accelerate', accelerate.__version__, '| hydra', hydra.__version__, "
+                   "'| datasets', datasets.__version__); print('device', torch.cuda.get_device_name(0) "
+                   "if torch.cuda.is_available() else 'cpu')")
+    gpu_tests = py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=200",
+                   "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_cp_gpu.py", f"--junitxml={work}/gpu_tests.xml")
+    train_tests = py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=200",
+                     "tests/gpu/test_train_gpu.py", f"--junitxml={work}/gpu_train_tests.xml")
+    figures = py("-m", "benchmarks.gpu_kernel_figures", "--out", f"{work}/kernels")
+    throughput = py("-m", "benchmarks.gpu_check", "--only", "throughput", "--shapes", "smollm2_135m",
+                    "--lengths", "16384,32768", "--out", f"{work}/throughput")
+    run = f"{work}/runs"
+    launch = py("-m", "accelerate.commands.launch")  # the launcher of this interpreter, PATH or not
+    train = [*launch, "--config_file", "configs/accelerate/gpu1.yaml", "-m", "longstride.recipes.train",
+             "recipe=tiny_extend", f"paths.output_root={run}", *MAIN_JOB_STAGES.split()]
+    compare = py("-m", "longstride.cli", "eval", "compare", f"run={run}/tiny_extend", "tasks=[niah_single_1]",
+                 "yarn=[2]", "yarn_lengths=[8192]", f"out={work}/main_job_compare")
+    smoke_train = [*py("-m", "longstride.recipes.train"), "recipe=tiny_extend", f"paths.output_root={run}",
+                   *MAIN_JOB_STAGES.split(), *SMOKE_STAGES.split()]
+    probe = [*launch, "--config_file", "configs/accelerate/gpu1.yaml", "-m", "longstride.recipes.train",
+             "recipe=gpu_probe", f"paths.output_root={run}", "logger.progress_bar=false"]
+    probe_smoke = [*py("-m", "longstride.recipes.train"), *probe[7:], *PROBE_SMOKE.split()]
+    main_job = ["bash", "-c", f"{shlex.join(train)} && {shlex.join(compare)} num_samples=10"]
+    main_smoke = ["bash", "-c", f"{shlex.join(smoke_train)} && {shlex.join(compare)} num_samples=1 lengths=[512]"]
+    return [
+        Step("env", 60, 10, env, env),
+        Step("gpu_tests", 120, 40, gpu_tests, gpu_tests),
+        Step("kernel_figures", 90, 30, figures, [*figures, "--smoke"]),
+        Step("recipe_step", 150, 60, probe, probe_smoke),
+        Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),
+        Step("main_job", 170, 60, main_job, main_smoke),
+        Step("gpu_train_tests", 200, 40, train_tests, train_tests),
+    ]
+
+
+def pack(work: str, out: str, log: list[str], summary: list[dict], started: float, budget: float) -> None:
+    with open(os.path.join(out, "window.log"), "w") as f:
+        f.write("".join(log))
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"budget_s": budget, "elapsed_s": round(time.monotonic() - started, 1), "steps": summary}, f, indent=1)
+    with tarfile.open(os.path.join(out, "results.tgz"), "w:gz") as tar:
+        for root, dirs, files in os.walk(work):
+            # checkpoints stay behind (too large to return); each run's metrics, configs and logs come back
+            dirs[:] = [d for d in dirs if d not in ("final", "wandb", ".hydra") and not d.startswith("step_")]
+            for name in files:
+                path = os.path.join(root, name)
+                if os.path.getsize(path) < 8 << 20:
+                    tar.add(path, arcname=os.path.relpath(path, work))
+
+
+def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) -> list[dict]:
+    started = time.monotonic()
+    work = os.path.join(out, "work") if smoke else "/tmp/longstride_window"
+    os.makedirs(work, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), REPO) if x))
+    log, summary = [], []
+    reserve = 10  # for packing after the last step
+    for step in steps(work):
+        if only and step.name not in only:
+            continue
+        left = budget - (time.monotonic() - started) - reserve
+        row = {"step": step.name, "status": "skipped", "seconds": 0.0}
+        if left < step.need_s:
+            row["why"] = f"{left:.0f} s left, needs {step.need_s}"
+        else:
+            cmd = step.smoke_cmd if smoke else step.gpu_cmd
+            cap = min(step.cap_s, left)
+            log.append(f"\n===== {step.name} (cap {cap:.0f} s): {shlex.join(cmd)}\n")
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, timeout=cap, start_new_session=True)
+                text, rc = proc.stdout, proc.returncode
+                row["status"] = "passed" if rc == 0 else f"failed (exit {rc})"
+            except subprocess.TimeoutExpired as e:
+                text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+                row["status"] = f"timed out at {cap:.0f} s"
+            row["seconds"] = round(time.monotonic() - t0, 1)
+            log.append(text)
+            with open(os.path.join(work, f"{step.name}.log"), "w") as f:
+                f.write(text)
+            tail = [x for x in text.strip().splitlines() if x.strip()][-1:] or [""]
+            row["last_line"] = tail[0][:200]
+        summary.append(row)
+        print(f"{row['step']:<18} {row['status']:<22} {row['seconds']:>6.1f} s  {row.get('last_line', row.get('why', ''))}",
+              flush=True)
+        pack(work, out, log, summary, started, budget)
+    print(f"window: {sum(r['status'] == 'passed' for r in summary)}/{len(summary)} steps passed in "
+          f"{time.monotonic() - started:.0f} s; results in {out}")
+    return summary
+
+
+def prepare(folder: str) -> None:
+    """Download the device's missing wheels (Python 3.12, x86-64 manylinux) into `folder`."""
+    plat = [x for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
+            for x in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *plat, "-d", folder, *WHEELS], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", folder, *SDIST_WHEELS], check=True)
+    print(f"wheels in {folder}: {sorted(os.listdir(folder))}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "outputs", "window")))
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole window")
+    p.add_argument("--smoke", action="store_true", help="the same steps at tiny sizes on CPU")
+    p.add_argument("--only", default="", help="comma-separated step names")
+    p.add_argument("--prepare", action="store_true", help="download the wheels the device lacks into .whl/")
+    args = p.parse_args(argv)
+    if args.prepare:
+        prepare(os.path.join(REPO, ".whl"))
+        return 0
+    summary = window(args.out, args.budget, args.smoke, [x for x in args.only.split(",") if x] or None)
+    return 0 if all(r["status"] == "passed" for r in summary) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
