@@ -9,6 +9,9 @@ files in --out: window.log (every step's output), summary.json (each step's stat
 (each step's result files: JSON, plots, junit XML), so a window cut short keeps what it measured. The summary
 table is printed last.
 
+Results: `python -m benchmarks.device_window --collect FOLDER --tag TAG` turns the returned files into JSON under
+benchmarks/results/gpu/, each naming the device and versions.
+
 Preparing the carried files here (ignored folder .whl/, named in the device call's `carry`):
     python -m benchmarks.device_window --prepare
 and on the device, before this module: install .whl/*.whl into /tmp/site (no network there), PYTHONPATH=/tmp/site:.
@@ -93,6 +96,10 @@ def steps(work: str) -> list[Step]:
     ]
 
 
+def _size(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
 def pack(work: str, out: str, log: list[str], summary: list[dict], started: float, budget: float) -> None:
     with open(os.path.join(out, "window.log"), "w") as f:
         f.write("".join(log))
@@ -100,8 +107,10 @@ def pack(work: str, out: str, log: list[str], summary: list[dict], started: floa
         json.dump({"budget_s": budget, "elapsed_s": round(time.monotonic() - started, 1), "steps": summary}, f, indent=1)
     with tarfile.open(os.path.join(out, "results.tgz"), "w:gz") as tar:
         for root, dirs, files in os.walk(work):
-            # checkpoints stay behind (too large to return); each run's metrics, configs and logs come back
-            dirs[:] = [d for d in dirs if d not in ("final", "wandb", ".hydra") and not d.startswith("step_")]
+            # each run's metrics, configs and logs come back; step checkpoints stay behind, and final ones unless
+            # small (the main job's: its scores can then be checked on a CPU)
+            dirs[:] = [d for d in dirs if d not in ("wandb", ".hydra") and not d.startswith("step_")
+                       and not (d == "final" and _size(os.path.join(root, d)) > 16 << 20)]
             for name in files:
                 path = os.path.join(root, name)
                 if os.path.getsize(path) < 8 << 20:
@@ -163,6 +172,82 @@ def prepare(folder: str) -> None:
     print(f"wheels in {folder}: {sorted(os.listdir(folder))}")
 
 
+def _junit(xml: bytes) -> list[dict]:
+    import xml.etree.ElementTree as ET
+
+    return [{"test": f"{c.get('classname')}::{c.get('name')}", "seconds": float(c.get("time", 0)),
+             "status": next((x.tag for x in c if x.tag in ("failure", "error", "skipped")), "passed")}
+            for c in ET.fromstring(xml).iter("testcase")]
+
+
+def _stage_rows(tar: tarfile.TarFile, names: set[str], log: str) -> list[dict]:
+    """Per stage of a recipe run: the median tokens/s of its steps after the first, the measured CUDA peak, and
+    the traced plan's and the analytic estimate's prediction read from the stage log."""
+    import re
+    import statistics
+
+    rows = []
+    for name in sorted(n for n in names if n.endswith("/metrics.jsonl")):
+        recipe, stage = name.split("/")[-3:-1]
+        steps = [json.loads(x) for x in tar.extractfile(name).read().decode().splitlines() if x.strip()]
+        steps = [x for x in steps if "loss" in x]
+        if not steps:
+            continue
+        peak = max(x.get("peak_mem_gib_cuda_max_allocated", 0.0) for x in steps)
+        traced = re.search(rf"stage {stage}: traced step per rank ([\d.]+) GiB .*? against the analytic ([\d.]+)", log)
+        row = {"recipe": recipe, "stage": stage, "seq_len": steps[-1]["seq_len"], "steps": len(steps),
+               "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in steps[1:] or steps),
+               "peak_gib_measured": peak, "final_loss": steps[-1]["loss"]}
+        if traced:
+            row.update(peak_gib_traced=float(traced[1]), peak_gib_analytic=float(traced[2]),
+                       traced_error=(float(traced[1]) - peak) / peak if peak else None)
+        rows.append(row)
+    return rows
+
+
+def collect(folder: str, dest: str, tag: str) -> list[str]:
+    """A window's returned files (summary.json, results.tgz, window.log in `folder`) -> JSON results under
+    `dest` named `<tag>_<what>.json`, each naming the device, torch and CUDA (read from the env step's log)."""
+    with open(os.path.join(folder, "summary.json")) as f:
+        summary = json.load(f)
+    written = []
+    with tarfile.open(os.path.join(folder, "results.tgz")) as tar:
+        names = set(tar.getnames())
+        read = lambda n: tar.extractfile(n).read() if n in names else None  # noqa: E731
+        env = (read("env.log") or b"").decode().strip().splitlines()
+        device = {"versions": env[0] if env else None, "device": env[-1].removeprefix("device ") if env else None}
+
+        def write(what: str, payload: dict) -> None:
+            path = os.path.join(dest, f"{tag}_{what}.json")
+            with open(path, "w") as f:
+                json.dump({**device, **payload}, f, indent=1)
+            written.append(path)
+
+        os.makedirs(dest, exist_ok=True)
+        write("window", {"summary": summary})
+        tests = [t for n in ("gpu_tests.xml", "gpu_train_tests.xml") if read(n) for t in _junit(read(n))]
+        write("tests", {"rows": tests})
+        for name, what in (("kernels/kernel_figures.json", "kernel_figures"), ("throughput/throughput.json",
+                                                                                "throughput")):
+            if read(name):
+                write(what, json.loads(read(name)))
+        log = (read("recipe_step.log") or b"").decode() + (read("main_job.log") or b"").decode()
+        write("recipe_stages", {"what": "each stage of the window's recipe runs (gpu_probe: SmolLM2-135M's shape at "
+                                        "16K/32K; tiny_extend: the main job): median tokens/s after the first "
+                                        "step, CUDA max_memory_allocated, the traced plan's peak",
+                                "rows": _stage_rows(tar, names, log)})
+        if read("main_job_compare/compare.json"):
+            cmp = json.loads(read("main_job_compare/compare.json"))
+            cmp.pop("records", None)
+            write("main_job_compare", cmp)
+            if read("main_job_compare/compare.png"):
+                path = os.path.join(dest, f"{tag}_main_job_compare.png")
+                with open(path, "wb") as f:
+                    f.write(read("main_job_compare/compare.png"))
+                written.append(path)
+    return written
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "outputs", "window")))
@@ -170,7 +255,13 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="the same steps at tiny sizes on CPU")
     p.add_argument("--only", default="", help="comma-separated step names")
     p.add_argument("--prepare", action="store_true", help="download the wheels the device lacks into .whl/")
+    p.add_argument("--collect", metavar="FOLDER", help="a window's returned files -> JSON under benchmarks/results/gpu/")
+    p.add_argument("--tag", default=time.strftime("%Y-%m-%d"), help="--collect: the results' file prefix")
     args = p.parse_args(argv)
+    if args.collect:
+        for path in collect(args.collect, os.path.join(REPO, "benchmarks", "results", "gpu"), args.tag):
+            print("wrote", path)
+        return 0
     if args.prepare:
         prepare(os.path.join(REPO, ".whl"))
         return 0

@@ -227,7 +227,10 @@ def longest_context(shape_name: str, device: torch.device, start: int, limit: in
             print(system, trials[-1], flush=True)
             ok, bad = (mid, bad) if fit else (ok, mid)
         rows.append({"shape": shape_name, "system": system + (" (tiled, checkpointed, offloaded)" if lean else ""),
-                     "longest_fit": ok, "first_failure": bad, "capped_at_limit": bad is None, "trials": trials})
+                     "longest_fit": ok, "first_failure": bad,
+                     # why the search stopped without a failure: the length limit, or its time budget (a lower bound)
+                     "stopped_by": "failure" if bad else ("limit" if length > limit else "time budget"),
+                     "trials": trials})
     return rows
 
 

@@ -91,7 +91,7 @@ def run_longest(args, device) -> None:
     else:
         # capped at 512K: the offloaded layer inputs take 16 x L x 2048 x 4 B of pinned host memory (64 GiB there)
         rows = longest_context("llama_1b", device, 16384, 1 << 19, args.longest_budget_s)
-    print_table(rows, ["shape", "system", "longest_fit", "first_failure", "capped_at_limit"])
+    print_table(rows, ["shape", "system", "longest_fit", "first_failure", "stopped_by"])
     write("longest_context", rows, {"what": "the longest packed sequence (documents masked) for which two real "
                                             "bf16 AdamW steps fit on this GPU; doubled, then bisected"}, args.out)
 

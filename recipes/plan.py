@@ -181,14 +181,14 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
                          f"needs a multiple of {seq_len_unit(degrees)}")
 
 
-def resolve_precision(precision: str, assume_gpu: bool = False) -> str:
+def resolve_precision(precision: str, assume_gpu: bool = False, on_gpu: bool = True) -> str:
     """train.precision -> accelerate's mixed_precision ("bf16" | "no"); assume_gpu: for a bf16 GPU that this
-    machine need not have (longstride plan)."""
+    machine need not have (longstride plan); on_gpu=False: the run is on the CPU though a GPU is there."""
     import torch
 
     if precision == "fp32":
         return "no"
-    bf16_ok = assume_gpu or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    bf16_ok = assume_gpu or (on_gpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if precision == "bf16" and not bf16_ok:
         raise ValueError("train.precision=bf16 needs a GPU with bf16; use train.precision=auto or fp32")
     return "bf16" if bf16_ok else "no"

@@ -50,9 +50,19 @@ def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | No
     return stages, init_from
 
 
+def use_cpu() -> bool:
+    """The device accelerate will run on: the CPU where there is no GPU, and where the launch asked for it
+    (`use_cpu: true` in the accelerate config, e.g. configs/accelerate/cpu.yaml, sets ACCELERATE_USE_CPU) even
+    on a GPU machine, so that precision and kernel are planned for the device that runs."""
+    from accelerate.utils import parse_flag_from_env
+
+    return not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
+
+
 def make_accelerator(cfg: Config, world: int):
-    """accelerate's Accelerator: cpu=True where there is no GPU (under a multi-process launch accelerate then
-    uses gloo); a collective waiting longer than train.collective_timeout_s (a stuck rank) fails the run."""
+    """accelerate's Accelerator: cpu=True where there is no GPU or the launch asked for the CPU (under a
+    multi-process launch accelerate then uses gloo); a collective waiting longer than
+    train.collective_timeout_s (a stuck rank) fails the run."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -61,7 +71,8 @@ def make_accelerator(cfg: Config, world: int):
     if world > 1:
         die_with_parent()  # a killed launcher takes its workers with it
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.collective_timeout_s))
-    return Accelerator(mixed_precision=resolve_precision(cfg.train.precision), cpu=not torch.cuda.is_available(),
+    cpu = use_cpu()
+    return Accelerator(mixed_precision=resolve_precision(cfg.train.precision, on_gpu=not cpu), cpu=cpu,
                        kwargs_handlers=[timeout])
 
 
@@ -87,7 +98,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     from longstride.recipes.stage import RunContext
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
-    plans = validate(cfg, world, "cuda" if torch.cuda.is_available() else "cpu")
+    plans = validate(cfg, world, "cpu" if use_cpu() else "cuda")
     recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
     stages, init_from = start_stage_index(cfg, recipe_dir)
     acc = make_accelerator(cfg, world)

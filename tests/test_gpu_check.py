@@ -27,3 +27,42 @@ def test_gpu_check_smoke_writes_every_part(tmp_path):
     assert all(r["masked_ms"] > 0 and 0 < r["ideal_ratio"] <= 1 for r in att["rows"])
     ruler = json.loads((tmp_path / "ruler.json").read_text())
     assert ruler["rows"] == [] and "no checkpoint" in ruler["skipped"]
+
+
+def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
+    """The device window's --smoke: the same seven steps as on a GPU, tiny, on CPU; every step passes and its
+    results come back in the three files a lent machine returns."""
+    import tarfile
+
+    from benchmarks import device_window
+
+    out = tmp_path / "out"
+    assert device_window.main(["--smoke", "--out", str(out), "--budget", "600"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == [s.name for s in device_window.steps(str(tmp_path))]
+    assert all(s["status"] == "passed" for s in summary["steps"]), summary
+    with tarfile.open(out / "results.tgz") as tar:
+        names = set(tar.getnames())
+        figures = json.load(tar.extractfile("kernels/kernel_figures.json"))
+        compare = json.load(tar.extractfile("main_job_compare/compare.json"))
+    assert {"throughput/throughput.json", "runs/gpu_probe/s2_32k/metrics.jsonl", "gpu_tests.xml"} <= names
+    assert not any("/step_" in n for n in names)  # step checkpoints stay behind; the tiny finals come back
+    assert "runs/tiny_extend/s3_4k/final/model.safetensors" in names
+    assert figures["rows"] and not figures["failed"]
+    for r in figures["rows"]:  # bf16 against the fp32 reference: the CPU flash op's rounding, no more
+        assert not r["nan"] and max(r[f"{n}_rel_err"] for n in ("out", "dq", "dk", "dv")) < 1e-2, r
+    assert [r["label"] for r in compare["rows"]] == ["base (tiny_base_256)", "s2_2k", "s3_4k", "s3_4k + YaRN x2"]
+    assert all(r["samples"] for r in compare["rows"])  # every row scored samples
+    assert "main_job" in (out / "window.log").read_text()
+
+
+def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_path):
+    from benchmarks import device_window
+
+    out = tmp_path / "out"
+    assert device_window.main(["--smoke", "--out", str(out), "--budget", "25"]) == 1
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert steps[0]["step"] == "env" and steps[0]["status"] == "passed"
+    skipped = [s for s in steps if s["status"] == "skipped"]
+    assert skipped and all("left, needs" in s["why"] for s in skipped)
+    assert (out / "results.tgz").stat().st_size > 0 and "===== env" in (out / "window.log").read_text()
