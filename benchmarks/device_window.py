@@ -1,6 +1,7 @@
 """The device window: everything a short lease of one GPU should run, in one command under a time budget.
 
     python -m benchmarks.device_window --out "$OUT" --budget 540     # on the lent GPU machine
+    python -m benchmarks.device_window --only env,gpu_recipe --out "$OUT" --budget 560   # the recipe at scale
     python -m benchmarks.device_window --smoke --out /tmp/window      # the same steps, tiny, on CPU (the suite runs it)
 
 Each step is a child process with its own time cap, cut to what is left of the budget and skipped when less is
@@ -93,6 +94,10 @@ def steps(work: str) -> list[Step]:
         Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),
         Step("main_job", 170, 60, main_job, main_smoke),
         Step("gpu_train_tests", 200, 40, train_tests, train_tests),
+        # the recipe at real scale (benchmarks/gpu_recipe.py): about 9 minutes, a window of its own
+        # (--only env,gpu_recipe); the smoke runs its CPU rehearsal
+        Step("gpu_recipe", 540, 300, py("-m", "benchmarks.gpu_recipe", "--out", f"{work}/gpu_recipe"),
+             py("-m", "benchmarks.gpu_recipe", "--rehearsal", "--samples", "1", "--out", f"{work}/gpu_recipe")),
     ]
 
 

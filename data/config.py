@@ -38,7 +38,7 @@ class SyntheticConfig:
 
 @dataclass
 class SourceConfig:
-    # stdlib: the Python standard library's .py files (found through sysconfig; no download)
+    # stdlib: CPython 3.11.7's standard library .py files (shipped in data/shipped/; no download)
     # local_dir: every file under `path` matching `glob` (comma-separated patterns)
     # files: jsonl/json/parquet/csv/txt files (`path` may be a glob), through datasets
     # disk: a dataset written by `save_to_disk` at `path`

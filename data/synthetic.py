@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstride.data.config import LossOn, SourceConfig
-from longstride.data.files import digest, list_files, stdlib_root
+from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_root
 
 if TYPE_CHECKING:  # the RULER eval renders these documents without loading datasets (0.6 s of its start)
     import datasets
@@ -271,8 +271,9 @@ def load_synthetic(src: SourceConfig, cache_dir: str, num_proc: int, field: str)
     import datasets
 
     kw = _row_kwargs(src, field)
-    # the generator's source is part of the key, so an edited generator makes new documents
-    version = digest(Path(__file__).read_text(encoding="utf-8"))
+    # the generator's source and the corpus its filler comes from are part of the key, so an edited generator or
+    # another corpus makes new documents
+    version = digest([Path(__file__).read_text(encoding="utf-8"), STDLIB_SNAPSHOT.name])
     return datasets.Dataset.from_generator(rows, gen_kwargs=kw, cache_dir=cache_dir,
                                            config_name=f"synthetic-{digest([kw, version])}")
 

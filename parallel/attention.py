@@ -25,11 +25,65 @@ from longstride.parallel.kernels import doc_attention
 NAME = "longstride"
 
 
+# Attention arguments transformers models pass that change what attention computes, and which longstride's kernels
+# do not implement: refused when set, never dropped (sliding windows: Mistral, Qwen2, Gemma 2/3, OLMo 3, GPT-OSS;
+# sinks: GPT-OSS; logit soft-capping: Gemma 2)
+UNSUPPORTED_KWARGS = {"sliding_window": "a sliding window", "s_aux": "attention sinks", "softcap": "logit soft-capping"}
+# Config fields with the same effect through the mask alone (transformers builds it; longstride builds none)
+UNSUPPORTED_CONFIG = {"attention_chunk_size": "chunked attention", "attn_logit_softcapping": "logit soft-capping"}
+
+
+def unsupported_attention(model: torch.nn.Module) -> list[str]:
+    """What in `model` longstride's attention (causal within documents, nothing else) would not compute: layer
+    types other than full attention, chunked or soft-capped attention in the config, attention modules with a
+    sliding window, sinks, or no causal mask. Empty for Llama, Qwen3, SmolLM3 and the like."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    found = []
+    types = list(getattr(cfg, "layer_types", None) or [])
+    other = [i for i, t in enumerate(types) if t != "full_attention"]
+    if other:
+        found.append(f"config.layer_types: {sorted({types[i] for i in other})} at layers {other[:6]}"
+                     + ("..." if len(other) > 6 else ""))
+    for field, what in UNSUPPORTED_CONFIG.items():
+        if getattr(cfg, field, None):
+            found.append(f"config.{field}={getattr(cfg, field)} ({what})")
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and not types:
+        found.append(f"config.sliding_window={cfg.sliding_window} (a sliding window on every layer)")
+    for name, mod in model.named_modules():
+        if not name.endswith("attn") and not name.endswith("attention"):
+            continue
+        if getattr(mod, "sliding_window", None):
+            found.append(f"{name}.sliding_window={mod.sliding_window}")
+        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
+            found.append(f"{name}.sinks (attention sinks)")
+        if getattr(mod, "is_causal", True) is False:
+            found.append(f"{name}.is_causal=False (bidirectional attention)")
+    return found
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
+    field); plain causal models pass."""
+    found = unsupported_attention(model)
+    if found:
+        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+        raise NotImplementedError(
+            f"{type(model).__name__}: longstride's attention computes causal attention within documents only, and "
+            f"this model's attention needs more: {shown}. Refused rather than silently dropped. Train it without "
+            f"longstride's attention (attn_implementation='sdpa' or 'eager', no context parallelism), or, where a "
+            f"window is at least your longest sequence, set it to None in the model's config")
+
+
 def longstride_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                          doc_layout: Optional[DocLayout] = None, **kwargs):
     # query: (B, H, L, D), key/value: (B, Hkv, L, D) -> ((B, L, H, D), None)
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstride attention")
+    for key_name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(key_name) is not None:
+            raise NotImplementedError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) asks "
+                                      f"for {what} ({key_name}), which longstride's attention does not implement; "
+                                      f"refused rather than dropped")
     layout = doc_layout or DocLayout(None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _same_dtype(query, key, value)
@@ -65,5 +119,6 @@ def register() -> str:
 
 
 def use_longstride_attention(model: torch.nn.Module) -> None:
+    check_supported(model)
     register()
     model.set_attn_implementation(NAME)

@@ -115,6 +115,22 @@ def _check_run(cfg: Config) -> None:
                          "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
 
 
+def _check_attention_supported(checkpoint: str) -> None:
+    """A checkpoint whose attention longstride does not implement (sliding windows, chunks, sinks...) is refused
+    here, before any data or weights are read: the model is built on the meta device, without memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longstride.parallel.attention import check_supported
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    try:
+        check_supported(skeleton)
+    except NotImplementedError as e:
+        raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
+
+
 def _model_heads(cfg: Config) -> int:
     """The model's query head count (from config.json for a checkpoint), after the model group's checks."""
     m = cfg.model
@@ -122,6 +138,7 @@ def _model_heads(cfg: Config) -> int:
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
         check_checkpoint_dir(m.checkpoint, "model.checkpoint")
+        _check_attention_supported(m.checkpoint)
         with open(os.path.join(m.checkpoint, "config.json")) as fh:
             return json.load(fh)["num_attention_heads"]
     if m.num_attention_heads % m.num_key_value_heads:

@@ -1,4 +1,5 @@
-"""Learning-rate schedules as multipliers of the stage's peak LR: warmup + cosine, WSD, constant."""
+"""The optimizer's parameter groups (recipes/stage.py's step and the traced step of recipes/trace.py) and the
+learning-rate schedules, as multipliers of the stage's peak LR: warmup + cosine, WSD, constant."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,16 @@ class Schedule(Choice):
 
 
 SCHEDULES = tuple(Schedule.names())
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """No weight decay on norms, biases and embeddings (1-D tensors and embedding tables)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: float, decay_fraction: float) -> float:

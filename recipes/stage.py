@@ -37,7 +37,7 @@ from longstride.parallel.parallelize import Parallelized, parallelize
 from longstride.recipes.checkpoint import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
 from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.plan import StagePlan
-from longstride.recipes.schedule import build_scheduler
+from longstride.recipes.schedule import build_scheduler, param_groups
 from longstride.recipes.stage_state import restore_stage, save_stage
 from longstride.recipes.tracking import peak_memory_gib
 
@@ -85,16 +85,6 @@ class StageRun:
     def prep(self, batch: dict) -> tuple[dict, object]:
         """A full PackedBatch -> this rank's share of it and its attention layout."""
         return shard_for_cp(batch, self.doc_masking, self.cp)
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms, biases and embeddings (1-D tensors and embedding tables)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def forward_sum(model, local: tuple[dict, object], device) -> torch.Tensor:

@@ -43,6 +43,7 @@ from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import cp_context, shard_for_cp
 from longstride.parallel.flash_contract import FlashOpCheck
 from longstride.parallel.fsdp import apply_fsdp
+from longstride.recipes.schedule import param_groups
 
 GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -175,7 +176,7 @@ def synthetic_batch(micro_batch: int, seq_len: int, docs: int) -> dict:
     labels[torch.tensor(bounds[1:]) - 1] = IGNORE_INDEX  # no target across a document's end
     rows = lambda x: x.unsqueeze(0).repeat(micro_batch, 1)  # noqa: E731
     return {"input_ids": rows(torch.ones(seq_len, dtype=torch.long)), "labels": rows(labels),
-            "position_ids": rows(pos), "doc_ids": rows(doc_ids), "seq_index": rows(torch.arange(seq_len))}
+            "position_ids": rows(pos), "doc_ids": rows(doc_ids)}
 
 
 def _build(prog: StepProgram, device: str):
@@ -232,7 +233,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             model, lm, offloader = _build(prog, device)
             if prog.fsdp:
                 apply_fsdp(model, lm.model.layers, "cpu", prog.world, torch.bfloat16 if prog.bf16 else None, mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)  # the run's groups (recipes/stage.py)
             mb = {k: mode.from_tensor(v).to(device) for k, v in local.items()}
             count = LiveBytes(round_to)
             if offloader is not None:

@@ -121,3 +121,25 @@ def test_pymanual_source_is_the_manuals_topics(cache_dir):
 
     ds, _ = drop_skipped(load_source(SourceConfig(kind="pymanual", max_docs=3), str(cache_dir)))
     assert list(ds["text"]) == manual_topics()[:3] and len(manual_topics()) > 50
+
+
+def test_the_embedded_corpus_is_the_shipped_stdlib_whatever_python_runs(tmp_path, monkeypatch):
+    """The stdlib source and the synthetic filler read CPython 3.11.7's standard library from data/shipped/, not the
+    running Python's (another version or a distribution's trimmed copy trains on other documents); it is unpacked
+    once per cache, and a tree left incomplete (no stamp) is replaced."""
+    import sysconfig
+
+    from longstride.data import files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path / "elsewhere")})
+    root = files.stdlib_root()
+    assert root.parent == tmp_path / "longstride" and (root / ".complete").is_file()
+    found = files.list_files(root, "**/*.py")
+    assert len(found) == 1790 and str(root / "test" / "test_json" / "__init__.py") in found
+    assert (root / "LICENSE.txt").read_text().startswith("A. HISTORY OF THE SOFTWARE")
+    (root / "json" / "__init__.py").unlink()
+    assert files.stdlib_root() == root and not (root / "json" / "__init__.py").exists()  # stamped: not unpacked again
+    (root / ".complete").unlink()  # an unpack cut short: the next call replaces the tree
+    assert files.stdlib_root() == root and (root / "json" / "__init__.py").is_file()
+    assert not list(root.parent.glob("*.partial-*"))

@@ -54,6 +54,17 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     assert [r["label"] for r in compare["rows"]] == ["base (tiny_base_256)", "s2_2k", "s3_4k", "s3_4k + YaRN x2"]
     assert all(r["samples"] for r in compare["rows"])  # every row scored samples
     assert "main_job" in (out / "window.log").read_text()
+    # the GPU recipe's CPU rehearsal (issue: the recipe at scale): three stages at 256 -> 2K -> 4K, every checkpoint
+    # scored on the four RULER tasks and YaRN x2, perplexity per stage
+    with tarfile.open(out / "results.tgz") as tar:
+        recipe = json.load(tar.extractfile("gpu_recipe/gpu_recipe.json"))
+    assert recipe["rehearsal"] and [(r["stage"], r["seq_len"]) for r in recipe["stages"]] == [
+        ("s1_4k", 256), ("s2_32k", 2048), ("s3_64k", 4096)]
+    assert all(r["tokens"] > 0 and r["seconds"] > 0 and len(r["val_loss"]) == 2 for r in recipe["stages"])
+    assert [r["label"] for r in recipe["ruler"]] == ["s1_4k", "s2_32k", "s3_64k", "s3_64k + YaRN x2"]
+    assert set(recipe["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt"}
+    assert [p["checkpoint"] for p in recipe["ppl"]] == ["s1_4k", "s2_32k", "s3_64k"]
+    assert all(r["ppl"] > 1 for p in recipe["ppl"] for r in p["results"])
 
 
 def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_path):
