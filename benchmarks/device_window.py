@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -44,6 +46,7 @@ class Step:
     need_s: int  # skipped when less is left
     gpu_cmd: list[str]
     smoke_cmd: list[str]
+    when_named: bool = False  # runs only when --only names it (a window of its own)
 
 
 def py(*args: str) -> list[str]:
@@ -97,7 +100,8 @@ def steps(work: str) -> list[Step]:
         # the recipe at real scale (benchmarks/gpu_recipe.py): about 9 minutes, a window of its own
         # (--only env,gpu_recipe); the smoke runs its CPU rehearsal
         Step("gpu_recipe", 540, 300, py("-m", "benchmarks.gpu_recipe", "--out", f"{work}/gpu_recipe"),
-             py("-m", "benchmarks.gpu_recipe", "--rehearsal", "--samples", "1", "--out", f"{work}/gpu_recipe")),
+             py("-m", "benchmarks.gpu_recipe", "--rehearsal", "--samples", "1", "--out", f"{work}/gpu_recipe"),
+             when_named=True),
     ]
 
 
@@ -106,11 +110,24 @@ def _size(folder: str) -> int:
 
 
 def pack(work: str, out: str, log: list[str], summary: list[dict], started: float, budget: float) -> None:
-    with open(os.path.join(out, "window.log"), "w") as f:
-        f.write("".join(log))
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump({"budget_s": budget, "elapsed_s": round(time.monotonic() - started, 1), "steps": summary}, f, indent=1)
-    with tarfile.open(os.path.join(out, "results.tgz"), "w:gz") as tar:
+    """The three files, each written aside and renamed over the last: a kill while packing keeps the previous."""
+    def put(name: str, text: str | None = None) -> None:
+        tmp = os.path.join(out, f".{name}.tmp")
+        if text is None:
+            _tar(work, tmp)
+        else:
+            with open(tmp, "w") as f:
+                f.write(text)
+        os.replace(tmp, os.path.join(out, name))
+
+    put("window.log", "".join(log))
+    put("summary.json", json.dumps({"budget_s": budget, "elapsed_s": round(time.monotonic() - started, 1),
+                                    "steps": summary}, indent=1))
+    put("results.tgz")
+
+
+def _tar(work: str, path: str) -> None:
+    with tarfile.open(path, "w:gz") as tar:
         for root, dirs, files in os.walk(work):
             # each run's metrics, configs and logs come back; step checkpoints stay behind, and final ones unless
             # small (the main job's: its scores can then be checked on a CPU)
@@ -125,6 +142,7 @@ def pack(work: str, out: str, log: list[str], summary: list[dict], started: floa
 def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) -> list[dict]:
     started = time.monotonic()
     work = os.path.join(out, "work") if smoke else "/tmp/longstride_window"
+    shutil.rmtree(work, ignore_errors=True)  # a rerun on a warm machine starts afresh, never resumes old runs
     os.makedirs(work, exist_ok=True)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
@@ -133,7 +151,7 @@ def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) 
     log, summary = [], []
     reserve = 10  # for packing after the last step
     for step in steps(work):
-        if only and step.name not in only:
+        if (only and step.name not in only) or (step.when_named and not (only and step.name in only)):
             continue
         left = budget - (time.monotonic() - started) - reserve
         row = {"step": step.name, "status": "skipped", "seconds": 0.0}
@@ -144,13 +162,15 @@ def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) 
             cap = min(step.cap_s, left)
             log.append(f"\n===== {step.name} (cap {cap:.0f} s): {shlex.join(cmd)}\n")
             t0 = time.monotonic()
+            # its own process group, killed whole at the cap: launcher workers never outlive their step on the GPU
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
             try:
-                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, timeout=cap, start_new_session=True)
-                text, rc = proc.stdout, proc.returncode
-                row["status"] = "passed" if rc == 0 else f"failed (exit {rc})"
-            except subprocess.TimeoutExpired as e:
-                text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+                text, _ = proc.communicate(timeout=cap)
+                row["status"] = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                text, _ = proc.communicate()
                 row["status"] = f"timed out at {cap:.0f} s"
             row["seconds"] = round(time.monotonic() - t0, 1)
             log.append(text)
@@ -185,7 +205,10 @@ def _junit(xml: bytes) -> list[dict]:
             for c in ET.fromstring(xml).iter("testcase")]
 
 
-def _stage_rows(tar: tarfile.TarFile, names: set[str], log: str) -> list[dict]:
+LOGS = {"gpu_probe": "recipe_step.log", "tiny_extend": "main_job.log", "gpu_extend_64k": "gpu_recipe/train.log"}
+
+
+def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
     """Per stage of a recipe run: the median tokens/s of its steps after the first, the measured CUDA peak, and
     the traced plan's and the analytic estimate's prediction read from the stage log."""
     import re
@@ -199,6 +222,7 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str], log: str) -> list[dict]:
         if not steps:
             continue
         peak = max(x.get("peak_mem_gib_cuda_max_allocated", 0.0) for x in steps)
+        log = tar.extractfile(LOGS[recipe]).read().decode() if LOGS.get(recipe) in names else ""
         traced = re.search(rf"stage {stage}: traced step per rank ([\d.]+) GiB .*? against the analytic ([\d.]+)", log)
         row = {"recipe": recipe, "stage": stage, "seq_len": steps[-1]["seq_len"], "steps": len(steps),
                "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in steps[1:] or steps),
@@ -236,11 +260,10 @@ def collect(folder: str, dest: str, tag: str) -> list[str]:
                                                                                 "throughput")):
             if read(name):
                 write(what, json.loads(read(name)))
-        log = (read("recipe_step.log") or b"").decode() + (read("main_job.log") or b"").decode()
         write("recipe_stages", {"what": "each stage of the window's recipe runs (gpu_probe: SmolLM2-135M's shape at "
                                         "16K/32K; tiny_extend: the main job): median tokens/s after the first "
                                         "step, CUDA max_memory_allocated, the traced plan's peak",
-                                "rows": _stage_rows(tar, names, log)})
+                                "rows": _stage_rows(tar, names)})
         if read("main_job_compare/compare.json"):
             cmp = json.loads(read("main_job_compare/compare.json"))
             cmp.pop("records", None)

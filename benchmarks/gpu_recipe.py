@@ -63,6 +63,8 @@ def stage_rows(run: str, log: str) -> list[dict]:
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
         steps = [r for r in records if "loss" in r]
+        if not steps:  # a stage cut short before its first step
+            continue
         val = [r["val_loss"] for r in records if "val_loss" in r]  # before the stage, after it
         peak = [v for r in steps for k, v in r.items() if k.startswith("peak_mem_gib")]
         rows.append({"stage": stage, "seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"],
@@ -131,9 +133,10 @@ def main(argv=None) -> int:
         if row["yarn"]:
             continue
         ppl_out = os.path.join(out, "ppl", row["label"].split(" ")[0])
+        os.makedirs(os.path.dirname(ppl_out), exist_ok=True)
         run([sys.executable, "-m", "longstride.cli", "eval", "ppl", f"checkpoint={row['checkpoint']}",
              f"lengths=[{','.join(str(L // scale) for L in PPL_LENGTHS)}]", f"docs_dir={stdlib_root()}",
-             f"glob='{HELD_OUT}'", "max_docs=4", f"out={ppl_out}"], os.path.join(out, "ppl.log"), env)
+             f"glob='{HELD_OUT}'", "max_docs=4", f"out={ppl_out}"], f"{ppl_out}.log", env)
         with open(os.path.join(ppl_out, "ppl.json")) as f:
             result["ppl"].append({"checkpoint": row["label"], **json.load(f)})
     result["ppl_seconds"] = round(time.perf_counter() - t, 1)

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import stat
+from functools import lru_cache
 from pathlib import Path
 
 SKIP_EXCLUDED_DIRS = {"site-packages", "__pycache__", "dist-packages"}
@@ -23,37 +24,55 @@ def stdlib_root() -> Path:
     recipe trained on it is trained on other documents (the main job lost its 4K retrieval so, measured)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longstride"
     root = cache / STDLIB_SNAPSHOT.name.removesuffix(".tar.xz")
-    stamp = root / ".complete"
-    if not stamp.exists():
+    stamp = root / ".complete"  # holds the archive's sha256: another archive under the same name unpacks anew
+    if not (stamp.is_file() and stamp.read_text() == _archive_hash()):
         _unpack(STDLIB_SNAPSHOT, root, stamp)
     return root
 
 
+def stdlib_digest() -> str:
+    """The shipped corpus' identity (for cache keys of what is made from it)."""
+    return _archive_hash()[:16]
+
+
+@lru_cache(maxsize=1)
+def _archive_hash() -> str:
+    if not STDLIB_SNAPSHOT.is_file():
+        raise FileNotFoundError(f"{STDLIB_SNAPSHOT}: the shipped standard-library corpus is missing; reinstall "
+                                "longstride (pip install -e .) from a complete checkout")
+    return hashlib.sha256(STDLIB_SNAPSHOT.read_bytes()).hexdigest()
+
+
 def _unpack(archive: Path, root: Path, stamp: Path) -> None:
-    """Unpack into a private folder, then rename it into place: processes unpacking at once (the ranks of one
-    launch) never see a half-written tree, and the first rename wins."""
+    """Under a lock file (the ranks of one launch unpack at once): checked again, then unpacked into a private
+    folder and renamed into place, so no process ever reads a half-written tree; what a killed unpack left behind
+    (a partial folder, a tree without its stamp) is removed first."""
     import shutil
     import tarfile
     import tempfile
 
-    if not archive.is_file():
-        raise FileNotFoundError(f"{archive}: the shipped standard-library corpus is missing; reinstall longstride "
-                                "(pip install -e .) from a complete checkout")
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=root.name + ".partial-"))
-    try:
-        with tarfile.open(archive) as tar:
-            # our own archive; the "data" filter (Python >= 3.10.12 / 3.11.4) refuses links and absolute paths anyway
-            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-        (tmp / stamp.name).write_text(hashlib.sha256(archive.read_bytes()).hexdigest())
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
         try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no POSIX locks (Windows): one process at a time is the caller's to ensure
+            pass
+        if stamp.is_file() and stamp.read_text() == _archive_hash():
+            return  # another process unpacked it while this one waited
+        for stale in root.parent.glob(f"{root.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=root.name + ".partial-"))
+        try:
+            with tarfile.open(archive) as tar:
+                # our own archive; the "data" filter (Python >= 3.10.12 / 3.11.4) refuses links and absolute paths
+                tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+            (tmp / stamp.name).write_text(_archive_hash())
+            shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)
-        except OSError:  # another process got there first (or an earlier unpack left an incomplete tree)
-            if not stamp.exists():
-                shutil.rmtree(root, ignore_errors=True)
-                os.rename(tmp, root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def list_files(root: Path, patterns: str, unreadable: bool = False) -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstride.data.config import LossOn, SourceConfig
-from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_root
+from longstride.data.files import digest, list_files, stdlib_digest, stdlib_root
 
 if TYPE_CHECKING:  # the RULER eval renders these documents without loading datasets (0.6 s of its start)
     import datasets
@@ -273,7 +273,7 @@ def load_synthetic(src: SourceConfig, cache_dir: str, num_proc: int, field: str)
     kw = _row_kwargs(src, field)
     # the generator's source and the corpus its filler comes from are part of the key, so an edited generator or
     # another corpus makes new documents
-    version = digest([Path(__file__).read_text(encoding="utf-8"), STDLIB_SNAPSHOT.name])
+    version = digest([Path(__file__).read_text(encoding="utf-8"), stdlib_digest()])
     return datasets.Dataset.from_generator(rows, gen_kwargs=kw, cache_dir=cache_dir,
                                            config_name=f"synthetic-{digest([kw, version])}")
 

@@ -33,13 +33,18 @@ UNSUPPORTED_KWARGS = {"sliding_window": "a sliding window", "s_aux": "attention 
 UNSUPPORTED_CONFIG = {"attention_chunk_size": "chunked attention", "attn_logit_softcapping": "logit soft-capping"}
 
 
-def unsupported_attention(model: torch.nn.Module) -> list[str]:
+def unsupported_attention(model: torch.nn.Module, longest: int | None = None) -> list[str]:
     """What in `model` longstride's attention (causal within documents, nothing else) would not compute: layer
     types other than full attention, chunked or soft-capped attention in the config, attention modules with a
-    sliding window, sinks, or no causal mask. Empty for Llama, Qwen3, SmolLM3 and the like."""
+    sliding window, sinks, or no causal mask. Empty for Llama, Qwen3, SmolLM3 and the like. A sliding window of
+    at least `longest` tokens (default: the config's max_position_embeddings) never cuts anything: not counted."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    longest = longest or getattr(cfg, "max_position_embeddings", None)
+    cuts = lambda w: bool(w) and not (longest and w >= longest)  # noqa: E731
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])
+    if not cuts(getattr(cfg, "sliding_window", None)):  # sliding layers whose window spans every sequence
+        types = ["full_attention" if t == "sliding_attention" else t for t in types]
     other = [i for i, t in enumerate(types) if t != "full_attention"]
     if other:
         found.append(f"config.layer_types: {sorted({types[i] for i in other})} at layers {other[:6]}"
@@ -47,12 +52,12 @@ def unsupported_attention(model: torch.nn.Module) -> list[str]:
     for field, what in UNSUPPORTED_CONFIG.items():
         if getattr(cfg, field, None):
             found.append(f"config.{field}={getattr(cfg, field)} ({what})")
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and not types:
+    if cuts(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) and not types:
         found.append(f"config.sliding_window={cfg.sliding_window} (a sliding window on every layer)")
     for name, mod in model.named_modules():
         if not name.endswith("attn") and not name.endswith("attention"):
             continue
-        if getattr(mod, "sliding_window", None):
+        if cuts(getattr(mod, "sliding_window", None)):
             found.append(f"{name}.sliding_window={mod.sliding_window}")
         if isinstance(getattr(mod, "sinks", None), torch.Tensor):
             found.append(f"{name}.sinks (attention sinks)")
@@ -61,10 +66,10 @@ def unsupported_attention(model: torch.nn.Module) -> list[str]:
     return found
 
 
-def check_supported(model: torch.nn.Module) -> None:
+def check_supported(model: torch.nn.Module, longest: int | None = None) -> None:
     """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
     field); plain causal models pass."""
-    found = unsupported_attention(model)
+    found = unsupported_attention(model, longest)
     if found:
         shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
         raise NotImplementedError(
@@ -79,8 +84,14 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     # query: (B, H, L, D), key/value: (B, Hkv, L, D) -> ((B, L, H, D), None)
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstride attention")
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError(f"{type(module).__name__} asks for bidirectional attention (is_causal=False), which "
+                                  "longstride's attention does not implement; refused rather than dropped")
+    # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
+    longest = key.shape[2] * (doc_layout.cp.degrees.cp if doc_layout is not None and doc_layout.cp.method else 1)
     for key_name, what in UNSUPPORTED_KWARGS.items():
-        if kwargs.get(key_name) is not None:
+        arg = kwargs.get(key_name)
+        if arg is not None and not (key_name == "sliding_window" and arg >= longest):
             raise NotImplementedError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) asks "
                                       f"for {what} ({key_name}), which longstride's attention does not implement; "
                                       f"refused rather than dropped")

@@ -115,7 +115,7 @@ def _check_run(cfg: Config) -> None:
                          "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
 
 
-def _check_attention_supported(checkpoint: str) -> None:
+def _check_attention_supported(checkpoint: str, longest: int) -> None:
     """A checkpoint whose attention longstride does not implement (sliding windows, chunks, sinks...) is refused
     here, before any data or weights are read: the model is built on the meta device, without memory."""
     import torch
@@ -126,7 +126,7 @@ def _check_attention_supported(checkpoint: str) -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     try:
-        check_supported(skeleton)
+        check_supported(skeleton, longest)
     except NotImplementedError as e:
         raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
 
@@ -138,7 +138,7 @@ def _model_heads(cfg: Config) -> int:
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
         check_checkpoint_dir(m.checkpoint, "model.checkpoint")
-        _check_attention_supported(m.checkpoint)
+        _check_attention_supported(m.checkpoint, max((s.seq_len for s in cfg.recipe.stages.values()), default=0))
         with open(os.path.join(m.checkpoint, "config.json")) as fh:
             return json.load(fh)["num_attention_heads"]
     if m.num_attention_heads % m.num_key_value_heads:

@@ -51,9 +51,10 @@ def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | No
 
 
 def use_cpu() -> bool:
-    """The device accelerate will run on: the CPU where there is no GPU, and where the launch asked for it
-    (`use_cpu: true` in the accelerate config, e.g. configs/accelerate/cpu.yaml, sets ACCELERATE_USE_CPU) even
-    on a GPU machine, so that precision and kernel are planned for the device that runs."""
+    """The device accelerate will run on: the CPU where there is no GPU, and where ACCELERATE_USE_CPU asks for it
+    on a GPU machine (`accelerate launch --cpu` sets it; a config's `use_cpu: true` does so only for a single
+    process, so a multi-process CPU run on a GPU machine needs ACCELERATE_USE_CPU=1 in the environment), so that
+    precision and kernel are planned for the device that runs."""
     from accelerate.utils import parse_flag_from_env
 
     return not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")

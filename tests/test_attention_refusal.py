@@ -49,6 +49,18 @@ def test_plain_causal_models_pass(cls, config):
     use_longstride_attention(model)
 
 
+def test_a_window_that_spans_every_sequence_cuts_nothing_and_passes():
+    """Phi-3.5-style configs carry a window as long as the model's positions: it never cuts; a shorter one does."""
+    long_window = T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=4096, max_position_embeddings=4096))
+    assert unsupported_attention(long_window) == [] and unsupported_attention(long_window, longest=8192)
+    gemma = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**SMALL, sliding_window=512, max_position_embeddings=512))
+    assert unsupported_attention(gemma) == []
+    q = k = v = torch.randn(1, 2, 8, 4)
+    longstride_attention(torch.nn.Module(), q, k, v, None, sliding_window=8)  # 8 tokens, a window of 8: passes
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        longstride_attention(torch.nn.Module(), q, k, v, None, is_causal=False)
+
+
 def test_a_window_passed_at_call_time_is_refused():
     """Defence in depth: an attention call that carries a window, sinks or soft-capping fails at once."""
     q = k = v = torch.randn(1, 2, 8, 4)

@@ -199,8 +199,9 @@ def test_the_schema_imports_constants_not_runtime_modules():
 
 
 def test_a_cpu_launch_on_a_gpu_machine_plans_for_the_cpu(monkeypatch):
-    """configs/accelerate/cpu.yaml (use_cpu: true) on a machine with a bf16 GPU: accelerate runs on the CPU, so
-    the run's precision must be fp32 and its plan the CPU's, not bf16 / torch_flash for a GPU it does not use."""
+    """ACCELERATE_USE_CPU on a machine with a bf16 GPU (`accelerate launch --cpu`, or set for a multi-process CPU
+    run): accelerate runs on the CPU, so the run's precision must be fp32 and its plan the CPU's, not bf16 /
+    torch_flash for a GPU it does not use."""
     import torch
 
     from longstride.recipes.plan import resolve_precision
@@ -210,7 +211,7 @@ def test_a_cpu_launch_on_a_gpu_machine_plans_for_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     assert not use_cpu() and resolve_precision("auto", on_gpu=True) == "bf16"
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # what accelerate launch sets for use_cpu: true
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # what `accelerate launch --cpu` sets
     assert use_cpu() and resolve_precision("auto", on_gpu=not use_cpu()) == "no"
     with pytest.raises(ValueError, match="needs a GPU"):
         resolve_precision("bf16", on_gpu=False)

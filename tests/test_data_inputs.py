@@ -140,6 +140,10 @@ def test_the_embedded_corpus_is_the_shipped_stdlib_whatever_python_runs(tmp_path
     assert (root / "LICENSE.txt").read_text().startswith("A. HISTORY OF THE SOFTWARE")
     (root / "json" / "__init__.py").unlink()
     assert files.stdlib_root() == root and not (root / "json" / "__init__.py").exists()  # stamped: not unpacked again
-    (root / ".complete").unlink()  # an unpack cut short: the next call replaces the tree
+    (root / ".complete").write_text("another archive")  # a stamp of another archive: unpacked anew
+    (tmp_path / "longstride" / f"{root.name}.partial-x").mkdir()  # what a killed unpack leaves: removed
     assert files.stdlib_root() == root and (root / "json" / "__init__.py").is_file()
     assert not list(root.parent.glob("*.partial-*"))
+    (root / ".complete").unlink()  # no stamp at all (an unpack cut short before it): replaced too
+    (root / "json" / "__init__.py").unlink()
+    assert files.stdlib_root() == root and (root / "json" / "__init__.py").is_file()
