@@ -3,6 +3,7 @@ depends on does not rot between GPU sessions: every part it can run here writes 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -66,6 +67,18 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     assert set(recipe["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt"}
     assert [p["checkpoint"] for p in recipe["ppl"]] == ["s1_4k", "s2_32k", "s3_64k"]
     assert all(r["ppl"] > 1 for p in recipe["ppl"] for r in p["results"])
+    # --collect: the returned files as the JSON committed under benchmarks/results/gpu/
+    written = device_window.collect(str(out), str(tmp_path / "collected"), "t")
+    assert {os.path.basename(p) for p in written} >= {"t_window.json", "t_tests.json", "t_kernel_figures.json",
+                                                     "t_throughput.json", "t_recipe_stages.json",
+                                                     "t_main_job_compare.json", "t_main_job_compare.png"}
+    stages = json.loads((tmp_path / "collected" / "t_recipe_stages.json").read_text())
+    assert stages["device"] == "cpu" and stages["versions"].startswith("torch")
+    by = {(r["recipe"], r["stage"]): r for r in stages["rows"]}
+    assert {("gpu_probe", "s1_16k"), ("gpu_probe", "s2_32k"), ("tiny_extend", "s3_4k"),
+            ("gpu_extend_64k", "s3_64k")} <= set(by)
+    assert all(r["tokens_per_s_median"] > 0 for r in by.values())
+    assert by["gpu_probe", "s2_32k"]["peak_gib_traced"] > 0  # read from gpu_probe's own log (trace_memory=true)
 
 
 def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_path):
