@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: where results go, and the table printer."""
+"""Shared by the benchmarks: where results go, the table printer, a child process's environment."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,13 @@ import time
 import torch
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a benchmark's child process: offline, unbuffered, the checkout importable."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **extra,
+                PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), REPO) if x))
 
 
 def machine() -> dict:

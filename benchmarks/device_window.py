@@ -32,7 +32,7 @@ import tarfile
 import time
 from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import REPO, child_env
 # The wheels the device image lacks (its torch, transformers, accelerate, safetensors, pyarrow... are used as found).
 WHEELS = ["hydra-core==1.3.2", "omegaconf==2.3.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19",
           "torchdata==0.11.0", "wonderwords==3.0.1", "gguf==0.19.0", "xxhash==4.1.0"]
@@ -146,13 +146,11 @@ def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) 
     shutil.rmtree(work, ignore_errors=True)  # a rerun on a warm machine starts afresh, never resumes old runs
     os.makedirs(work, exist_ok=True)
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-               PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), REPO) if x))
+    env = child_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     log, summary = [], []
     reserve = 10  # for packing after the last step
     for step in steps(work):
-        if (only and step.name not in only) or (step.when_named and not (only and step.name in only)):
+        if (step.name not in only) if only else step.when_named:  # --only runs what it names, nothing else
             continue
         left = budget - (time.monotonic() - started) - reserve
         row = {"step": step.name, "status": "skipped", "seconds": 0.0}
@@ -210,25 +208,24 @@ LOGS = {"gpu_probe": "recipe_step.log", "tiny_extend": "main_job.log", "gpu_exte
 
 
 def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
-    """Per stage of a recipe run: the median tokens/s of its steps after the first, the measured CUDA peak, and
-    the traced plan's and the analytic estimate's prediction read from the stage log."""
+    """Per stage of each recipe run in the window: gpu_recipe.stage_summary of its metrics, and the traced plan's
+    and the analytic estimate's peak read from that recipe's own log, with the trace's error on a GPU."""
     import re
-    import statistics
+
+    from benchmarks.gpu_recipe import stage_summary
 
     rows = []
     for name in sorted(n for n in names if n.endswith("/metrics.jsonl")):
         recipe, stage = name.split("/")[-3:-1]
-        steps = [json.loads(x) for x in tar.extractfile(name).read().decode().splitlines() if x.strip()]
-        steps = [x for x in steps if "loss" in x]
-        if not steps:
+        summary = stage_summary([json.loads(x) for x in tar.extractfile(name).read().decode().splitlines()
+                                 if x.strip()])
+        if not summary:
             continue
-        peak = max(x.get("peak_mem_gib_cuda_max_allocated", 0.0) for x in steps)
+        row = {"recipe": recipe, "stage": stage, **summary}
         log = tar.extractfile(LOGS[recipe]).read().decode() if LOGS.get(recipe) in names else ""
         traced = re.search(rf"stage {stage}: traced step per rank ([\d.]+) GiB .*? against the analytic ([\d.]+)", log)
-        row = {"recipe": recipe, "stage": stage, "seq_len": steps[-1]["seq_len"], "steps": len(steps),
-               "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in steps[1:] or steps),
-               "peak_gib_measured": peak, "final_loss": steps[-1]["loss"]}
         if traced:
+            peak = row["peak_gib"] if row["peak_method"] == "cuda_max_allocated" else None
             row.update(peak_gib_traced=float(traced[1]), peak_gib_analytic=float(traced[2]),
                        traced_error=(float(traced[1]) - peak) / peak if peak else None)
         rows.append(row)

@@ -59,16 +59,21 @@ def reference(q, k, v, dout, lens, scale):
     return [out.detach(), torch.cat(lses, dim=-1), *(t.grad for t in x)]
 
 
-def run(kernel, q, k, v, dout, doc, scale, with_lse=True):
+def run_kernel(kernel, q, k, v, dout, doc, scale=None):
+    """(out, lse, dq, dk, dv) of the single-device attention (tests/gpu checks the kernels with it too); q/k/v
+    (B, H, L, D) laid out in memory as transformers does, (B, L, H, D); doc: (B, L) document ids or None. lse is
+    None for per-document SDPA on CUDA, which keeps none."""
     from longstride.parallel.kernels import doc_attention, doc_attention_forward, doc_bounds
 
-    x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    x = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
     out = doc_attention(*x, doc, scale, kernel)
     out.backward(dout)
     lse = None
-    if with_lse:
+    if not (kernel == "sdpa" and q.is_cuda):
+        bounds = doc_bounds(doc) if doc is not None else [[(0, q.shape[2])]] * q.shape[0]
         with torch.no_grad():
-            lse = doc_attention_forward(*(t.detach() for t in x), doc_bounds(doc), kernel, scale)[1]
+            _, lse = doc_attention_forward(*(t.detach() for t in x), bounds, kernel, scale)
     return [out.detach(), lse, *(t.grad for t in x)]
 
 
@@ -88,9 +93,9 @@ def figures(length: int, heads: tuple[int, int], device: torch.device, kernel: s
     q, k, v, dout = (torch.randn(1, length, n, D, generator=g).to(device, dtype).transpose(1, 2)
                      for n in (h, hkv, hkv, h))
     ref = reference(*(t.float() for t in (q, k, v, dout)), lens, scale)
-    mine = run(kernel, q, k, v, dout, doc, scale)
+    mine = run_kernel(kernel, q, k, v, dout, doc, scale)
     # torch's own bf16 SDPA per document (K/V expanded): the error a plain-transformers user gets
-    sdpa = run("sdpa", q, k, v, dout, doc, scale, with_lse=False) if device.type == "cuda" else None
+    sdpa = run_kernel("sdpa", q, k, v, dout, doc, scale) if device.type == "cuda" else None
     row = {"seq_len": length, "heads": f"{h}:{hkv}", "head_dim": D, "docs": len(lens),
            "length1_docs": sum(n == 1 for n in lens), "kernel": kernel, "dtype": "bfloat16",
            "nan": any(bool(t.isnan().any()) for t in mine if t is not None)}

@@ -20,7 +20,7 @@ import sys
 import time
 from datetime import datetime
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import REPO, child_env
 RECIPE = "gpu_extend_64k"
 TASKS = "[niah_single_1,niah_single_2,niah_multikey_1,vt]"
 LENGTHS = [4096, 8192, 16384, 32768, 65536]
@@ -54,6 +54,23 @@ def stage_times(log: str) -> dict[str, float]:
     return out
 
 
+def stage_summary(records: list[dict]) -> dict | None:
+    """One stage's metrics.jsonl records -> its length, base, steps, tokens, median tokens/s of the steps after
+    the first (the first carries warm-up), last loss, validation losses (before, after) and peak memory with how
+    it was measured; None for a stage cut short before its first step. The device window's --collect reads its
+    runs' stages with it too."""
+    steps = [r for r in records if "loss" in r]
+    if not steps:
+        return None
+    peaks = {k.removeprefix("peak_mem_gib_"): v for r in steps for k, v in r.items() if k.startswith("peak_mem_gib")}
+    method = next(iter(peaks), None)
+    return {"seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"], "steps": len(steps),
+            "tokens": steps[-1]["tokens_seen"],
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps[1:] or steps),
+            "final_loss": steps[-1]["loss"], "val_loss": [r["val_loss"] for r in records if "val_loss" in r][-2:],
+            "peak_gib": max(r[f"peak_mem_gib_{method}"] for r in steps) if method else None, "peak_method": method}
+
+
 def stage_rows(run: str, log: str) -> list[dict]:
     times, rows = stage_times(log), []
     for stage in sorted(d for d in os.listdir(run) if os.path.isdir(os.path.join(run, d))):  # s1_, s2_, ...
@@ -61,16 +78,9 @@ def stage_rows(run: str, log: str) -> list[dict]:
         if not os.path.exists(path):
             continue
         with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        steps = [r for r in records if "loss" in r]
-        if not steps:  # a stage cut short before its first step
-            continue
-        val = [r["val_loss"] for r in records if "val_loss" in r]  # before the stage, after it
-        peak = [v for r in steps for k, v in r.items() if k.startswith("peak_mem_gib")]
-        rows.append({"stage": stage, "seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"],
-                     "steps": len(steps), "tokens": steps[-1]["tokens_seen"], "seconds": times.get(stage),
-                     "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps[1:] or steps),
-                     "final_loss": steps[-1]["loss"], "val_loss": val[-2:], "peak_gib": max(peak) if peak else None})
+            summary = stage_summary([json.loads(line) for line in f if line.strip()])
+        if summary:
+            rows.append({"stage": stage, **summary, "seconds": times.get(stage)})
     return rows
 
 
@@ -101,8 +111,7 @@ def main(argv=None) -> int:
 
     out, t0 = os.path.abspath(args.out), time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), REPO) if x))
+    env = child_env()
     scale = 16 if args.rehearsal else 1
     train = [sys.executable, "-m", "longstride.recipes.train", f"recipe={RECIPE}", f"paths.output_root={out}/runs",
              "logger.progress_bar=false", *(REHEARSAL if args.rehearsal else [])]

@@ -21,8 +21,8 @@ from typing import List, Optional
 
 import torch
 
-from longstride.eval.ruler.run import (DTYPES, TOKENIZER_FILES, Dtype, QAFiles, check_generation, make_groups, note,
-                                       require_tokenizer, runnable_tasks, score_group)
+from longstride.eval.ruler.run import (DTYPES, TOKENIZER_FILES, Dtype, QAFiles, check_generation, eval_device,
+                                       make_groups, note, require_tokenizer, runnable_tasks, score_group)
 from longstride.model.build import check_checkpoint_dir, load_config_with_yarn
 from longstride.model.config import YarnConfig
 from longstride.overrides import parse
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> dict:
     counts: dict[int, dict] = {}
     records = []
     digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
-    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"  # as eval ruler
+    device = eval_device()
     for i, r in enumerate(rows):
         digest = digests[r.checkpoint]
         if digest not in groups_by_tok:

@@ -176,6 +176,11 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     return groups
 
 
+def eval_device() -> str:
+    """Where an eval runs its model: this process's GPU when there is one, else the CPU (eval ruler, eval compare)."""
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
 def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPContext] = None) -> list[dict]:
     """One record per sample of one task and length: the greedy answer and its score. cp: every prompt's
     prefill split over the processes (prefill=cp)."""
@@ -215,7 +220,7 @@ def main(argv: list[str]) -> Optional[dict]:
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
     tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
     groups = make_groups(cfg, tasks, lengths, tok, share, qa, skipped)
-    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    device = eval_device()
     model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).to(device)
     model.eval()
     records, cp_ctx = [], world_cp(torch.device(device).type) if cp else None

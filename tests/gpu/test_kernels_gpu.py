@@ -7,24 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstride.parallel.kernels import doc_attention, doc_attention_forward, doc_bounds
+from benchmarks.gpu_kernel_figures import run_kernel
+from longstride.parallel.kernels import doc_attention
 from longstride.parallel.varlen import flash_attn_available
-from tests.test_ring import D, L, HEADS, inputs, layouts, reference
+from tests.test_ring import D, HEADS, inputs, layouts, reference
 
 CUDA = torch.device("cuda")
-
-
-def run_kernel(kernel, q, k, v, dout, doc):
-    """(out, lse, dq, dk, dv) of the single-device attention; q/k/v (B, H, L, D) laid out as transformers does."""
-    x = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
-    out = doc_attention(*x, doc, D ** -0.5, kernel)
-    out.backward(dout)
-    lse = None  # per-document SDPA on CUDA keeps no LSE
-    if not (kernel == "sdpa" and q.is_cuda):
-        bounds = doc_bounds(doc) if doc is not None else [[(0, L)]] * q.shape[0]
-        with torch.no_grad():
-            _, lse = doc_attention_forward(*(t.detach() for t in x), bounds, kernel, D ** -0.5)
-    return [out.detach(), lse, *(t.grad for t in x)]
 
 
 def kernels_to_test():
