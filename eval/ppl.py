@@ -36,6 +36,7 @@ class PplConfig:
     checkpoint: Optional[str] = None
     lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
     yarn: YarnConfig = field(default_factory=YarnConfig)
+    rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
     docs_dir: Optional[str] = None  # None = the Python standard library (found on every machine)
     glob: str = "**/*.py"
     max_docs: int = 8  # documents per length
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> list[dict]:
     cfg = parse(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    config, base_max = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
+    config, base_max = load_config_with_yarn(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     too_long = [L for L in cfg.lengths if L > config.max_position_embeddings]
     if too_long:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
+from longstride.model.rope import apply_yarn, set_rope_base
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -55,38 +56,15 @@ def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, 
     )
 
 
-def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int) -> PretrainedConfig:
-    """Write a stage's RoPE base (positive: recipes/plan.py checks it) and context length into a config (in
-    place, returned)."""
-    params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
-    params["rope_theta"] = float(rope_theta)
-    config.rope_parameters = params
-    config.max_position_embeddings = max(int(max_positions), int(config.max_position_embeddings or 0))
-    return config
-
-
-def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_embeddings: Optional[int] = None):
-    """Switch a config to YaRN with `factor` (in place, returned): the RoPE base is kept, and
-    max positions become factor x the original window."""
-    if factor is None or factor <= 1.0:
-        raise ValueError(f"yarn.factor={factor} must be > 1 (for example 2 to go from 64K to 128K)")
-    params = dict(config.rope_parameters or {})
-    original = int(original_max_position_embeddings or params.get("original_max_position_embeddings")
-                   or config.max_position_embeddings)
-    params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
-    params.setdefault("rope_theta", getattr(config, "default_theta", 10000.0))
-    config.rope_parameters = params
-    config.max_position_embeddings = int(original * factor)
-    return config
-
-
-def load_config_with_yarn(checkpoint: str, yarn: YarnConfig) -> tuple[PretrainedConfig, int]:
-    """A saved checkpoint's config with YaRN applied, for evaluation beyond the trained length, and its
-    max positions before YaRN."""
+def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Optional[list[str]] = None,
+                          field: str = "rope_layer_types") -> tuple[PretrainedConfig, int]:
+    """A saved checkpoint's config with YaRN applied (to `layer_types` on a model with RoPE per layer type, see
+    model/rope.py; `field` names them in errors), for evaluation beyond the trained length, and its max
+    positions before YaRN."""
     config = AutoConfig.from_pretrained(checkpoint)
     trained = config.max_position_embeddings
     if yarn.factor:
-        apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings)
+        apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field)
     return config, trained
 
 
@@ -104,18 +82,18 @@ def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: 
                  init_from: Optional[str] = None) -> PretrainedConfig:
     """The config a stage's model has (build_model's, and a traced step's: recipes/trace.py): from `init_from`
     or `cfg.checkpoint`, else the model group's sizes; the stage's RoPE base and length set, YaRN applied when
-    configured, no KV cache."""
+    configured (both on the layer types `cfg.rope_layer_types` selects, model/rope.py), no KV cache."""
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
     if source is not None:
         check_checkpoint_dir(source, "model.checkpoint" if init_from is None else "previous stage checkpoint")
-        config = set_rope_base(AutoConfig.from_pretrained(source), rope_theta, seq_len)
+        config = set_rope_base(AutoConfig.from_pretrained(source), rope_theta, seq_len, cfg.rope_layer_types)
     elif cfg.arch != "smollm3":
         raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
     else:
         config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta,
-                               seq_len)
+                               seq_len, cfg.rope_layer_types)
     if cfg.yarn.factor:
-        apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings)
+        apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings, cfg.rope_layer_types)
     config.use_cache = False
     return config
 

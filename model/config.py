@@ -50,6 +50,11 @@ class ModelConfig:
     nope_interval: int = 4
     nope_layers: Optional[List[int]] = None
     yarn: YarnConfig = field(default_factory=YarnConfig)
+    # Layer types that each stage's rope_theta and `yarn` are written to, on a model whose config keeps RoPE
+    # per layer type (Gemma 3, OLMo 3: [full_attention, sliding_attention]); None = [full_attention] there,
+    # and every layer on a model with one rope_parameters (SmolLM3, Llama, Qwen3), which refuses a list.
+    # model/rope.py says why.
+    rope_layer_types: Optional[List[str]] = None
     # Activation checkpointing of every decoder layer (model/checkpointing.py): full keeps each layer's
     # input only; selective keeps cheap ops' outputs and recomputes matmuls and attention. Offload holds
     # the checkpointed inputs in pinned host memory on CUDA runs.

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, is_dataclass
 
 from longstride.data.sources import check_source
 from longstride.model.build import check_checkpoint_dir
+from longstride.model.config import ModelConfig
+from longstride.model.rope import rope_targets
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
@@ -147,6 +149,15 @@ def _model_heads(cfg: Config) -> int:
     return m.num_attention_heads
 
 
+def _check_rope_layer_types(m: ModelConfig) -> None:
+    """model.rope_layer_types against the model's own config (model/rope.py's rules), before anything is built:
+    a layer type it has no RoPE entry for, or a per-type choice on a model with one rope_parameters, fails here."""
+    from transformers import AutoConfig, SmolLM3Config
+
+    config = AutoConfig.from_pretrained(m.checkpoint) if m.arch == "checkpoint" else SmolLM3Config()
+    rope_targets(config.get_text_config(decoder=True), m.rope_layer_types)
+
+
 def _check_data(cfg: Config) -> None:
     d, stages = cfg.data, cfg.recipe.stages.values()
     if not d.sources:
@@ -244,6 +255,7 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     (longstride plan)."""
     _check_run(cfg)
     heads = _model_heads(cfg)
+    _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0

@@ -28,6 +28,7 @@ from longstride.model.build import build_model
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.memory import device_memory_gib, estimate
 from longstride.model.prepare import patch_model
+from longstride.model.rope import rope_placement
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
@@ -220,6 +221,9 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
                      "packing %s", plan.name, s.seq_len, s.rope_theta, s.total_steps, s.batch_tokens, plan.accum,
                      plan.dims.dp, plan.dims.cp, cp,
                      {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()})
+    placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
+    if placement:
+        ctx.tracker.info("stage %s: %s", plan.name, placement)
     for name, share in run.pack_stats.get("qa_docs_cut", {}).items():
         if share > 0.05:
             ctx.tracker.warning("stage %s: %.0f%% of source %s's documents are longer than seq_len %d, so packing "

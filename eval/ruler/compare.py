@@ -36,6 +36,7 @@ class CompareConfig:
     lengths: List[int] = field(default_factory=list)  # empty: 256 and powers of 2 up to 2x the last trained length
     yarn: List[float] = field(default_factory=lambda: [2.0, 4.0])  # YaRN factors at eval time, on the last checkpoint
     yarn_lengths: List[int] = field(default_factory=list)  # empty: 2x and 4x the last checkpoint's trained length
+    rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
     plain_rows: bool = True  # false: only the YaRN rows (the checkpoints without YaRN are measured elsewhere)
     num_samples: int = 20  # per task and length, the same for every checkpoint
     seed: int = 42
@@ -211,7 +212,7 @@ def main(argv: list[str]) -> dict:
             made = make_groups(cfg, tasks, all_lengths, tok, range(cfg.num_samples), qa, skipped)
             groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
         tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
-        config, _ = load_config_with_yarn(r.checkpoint, YarnConfig(factor=r.yarn))
+        config, _ = load_config_with_yarn(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types)
         model = AutoModelForCausalLM.from_pretrained(r.checkpoint, config=config, dtype=DTYPES[cfg.dtype])
         model = model.to(device).eval()
         scores[i], counts[i] = {}, {}

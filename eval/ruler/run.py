@@ -63,6 +63,7 @@ class RulerConfig:
     seed: int = 42
     chat: bool = True  # use the tokenizer's chat template when it has one
     yarn: YarnConfig = field(default_factory=YarnConfig)
+    rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
     extrapolate: bool = False  # run lengths past the model's max positions anyway (to measure the drop)
     haystack: Optional[str] = None  # prose for essay haystacks: a dir or file of .txt/.md/.rst; None = Python manual
     qa: QAFiles = field(default_factory=QAFiles)
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> Optional[dict]:
     tasks, qa, skipped = runnable_tasks(cfg)
     if any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
-    config, original = load_config_with_yarn(cfg.checkpoint, cfg.yarn)
+    config, original = load_config_with_yarn(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     lengths, too_long = reachable_lengths(cfg, config.max_position_embeddings, original)
     skipped += too_long
     for msg in skipped:

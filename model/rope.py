@@ -1,0 +1,121 @@
+"""Where a stage's RoPE changes go: the RoPE base bump and YaRN, written into a transformers config.
+
+Most models keep one `rope_parameters` dict for every layer (Llama, Qwen3, SmolLM3, whose NoPE layers skip it;
+Llama 4, whose global full_attention layers are NoPE, so only its chunked RoPE layers read it). Others keep one
+entry per layer type, `rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}` (Gemma 3: local
+layers at base 10K, global ones at 1M; OLMo 3: YaRN on its full-attention layers only, which transformers writes
+there from a legacy `rope_scaling`). On those, a bump or YaRN goes to the layer types that `model.rope_layer_types`
+names, by default `full_attention` alone: Gemma 3 (arXiv:2503.19786) raises only its global layers'
+base and OLMo 3 extends only its full-attention layers with YaRN, leaving the local layers' short windows as
+trained. The entries are written through the config's own `rope_parameters`, so a saved stage loads and runs the
+same with plain `AutoModelForCausalLM.from_pretrained`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from transformers import PretrainedConfig
+
+FIELD = "model.rope_layer_types"
+DEFAULT_TYPES = ["full_attention"]  # what rope_layer_types=None means on a model with RoPE per layer type
+
+
+def per_type_keys(config: PretrainedConfig) -> list[str]:
+    """The layer types whose RoPE `config` keeps apart (Gemma 3, OLMo 3: full_attention, sliding_attention);
+    [] when one `rope_parameters` serves every layer. transformers' own rule: the keys of `rope_parameters`
+    that the config declares as layer types (`nested_rope_parameter_keys`, present from 5.x on)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = getattr(config, "nested_rope_parameter_keys", None)
+    if nested is not None:
+        return list(nested(params))
+    declared = getattr(config, "layer_types", None) or ()
+    return [key for key in params if key in declared]
+
+
+def rope_targets(config: PretrainedConfig, layer_types: Optional[list[str]],
+                 field: str = FIELD) -> Optional[list[str]]:
+    """The `rope_parameters` entries that a bump or YaRN writes: None = the one dict every layer shares; else the
+    layer types named by `layer_types` (None: full_attention, DEFAULT_TYPES). A selection the config cannot
+    express is a ValueError naming `field`, the config class and the fix."""
+    name, keys = type(config).__name__, per_type_keys(config)
+    if not keys:
+        if layer_types is not None:
+            raise ValueError(
+                f"{field}={list(layer_types)}: {name} keeps one rope_parameters for every layer that uses RoPE, so a "
+                f"per-type RoPE base or YaRN cannot be expressed (it would reach every RoPE layer); set {field}=null")
+        return None
+    chosen = DEFAULT_TYPES if layer_types is None else list(layer_types)
+    how = f"{field}=null means {DEFAULT_TYPES}" if layer_types is None else f"{field}={chosen}"
+    if not chosen:
+        raise ValueError(f"{field}=[]: name at least one of {name}'s RoPE layer types {keys}, or null for "
+                         f"{DEFAULT_TYPES}")
+    unknown = [t for t in chosen if t not in keys]
+    if unknown:
+        raise ValueError(f"{how}, but {name} keeps no RoPE for layer types {unknown}: its rope_parameters are per "
+                         f"layer type {keys}; set {field} to some of those, e.g. {field}=[{keys[0]}]")
+    nope = [t for t in chosen if config.rope_parameters[t] is None]
+    if nope:
+        raise ValueError(f"{how}, but {name}'s layer types {nope} have no RoPE (rope_parameters is null: NoPE); "
+                         f"set {field} to layer types with RoPE among {[k for k in keys if k not in nope]}")
+    return chosen
+
+
+def _rewrite(config: PretrainedConfig, targets: Optional[list[str]], change: Callable[[dict], None]) -> None:
+    """Applies `change` to a copy of the shared rope_parameters dict (targets None) or of each target type's
+    entry, and stores the result back: the other types' entries stay as they are."""
+    params = config.rope_parameters
+    if targets is None:
+        shared = dict(params or {"rope_type": "default"})
+        change(shared)
+        config.rope_parameters = shared
+        return
+    per_type = {key: (dict(entry) if entry is not None else None) for key, entry in params.items()}
+    for layer_type in targets:
+        change(per_type[layer_type])
+    config.rope_parameters = per_type
+
+
+def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int,
+                  layer_types: Optional[list[str]] = None, field: str = FIELD) -> PretrainedConfig:
+    """Write a stage's RoPE base (positive: recipes/plan.py checks it) into the layers `layer_types` selects
+    (rope_targets) and its context length into a config (in place, returned)."""
+    text = config.get_text_config(decoder=True)
+    targets = rope_targets(text, layer_types, field)
+    _rewrite(text, targets, lambda params: params.update(rope_theta=float(rope_theta)))
+    text.max_position_embeddings = max(int(max_positions), int(text.max_position_embeddings or 0))
+    return config
+
+
+def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_embeddings: Optional[int] = None,
+               layer_types: Optional[list[str]] = None, field: str = FIELD) -> PretrainedConfig:
+    """Switch the layers `layer_types` selects (rope_targets) to YaRN with `factor` (in place, returned): their
+    RoPE base is kept, and max positions become factor x the original window."""
+    if factor is None or factor <= 1.0:
+        raise ValueError(f"yarn.factor={factor} must be > 1 (for example 2 to go from 64K to 128K)")
+    text = config.get_text_config(decoder=True)
+    targets = rope_targets(text, layer_types, field)
+    entries = [text.rope_parameters or {}] if targets is None else [text.rope_parameters[t] for t in targets]
+    saved = [e["original_max_position_embeddings"] for e in entries if e.get("original_max_position_embeddings")]
+    original = int(original_max_position_embeddings or (saved and saved[0]) or text.max_position_embeddings)
+
+    def to_yarn(params: dict) -> None:
+        params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
+        params.setdefault("rope_theta", getattr(text, "default_theta", 10000.0))
+
+    _rewrite(text, targets, to_yarn)
+    text.max_position_embeddings = int(original * factor)
+    return config
+
+
+def rope_placement(config: PretrainedConfig, layer_types: Optional[list[str]], field: str = FIELD) -> Optional[str]:
+    """For the stage log: which layer types a model with RoPE per layer type had its base and YaRN written to,
+    and every type's RoPE now; None for a model with one rope_parameters."""
+    text = config.get_text_config(decoder=True)
+    targets = rope_targets(text, layer_types, field)
+    if targets is None:
+        return None
+    why = f"{field}=null: the full-attention layers, as Gemma 3 and OLMo 3 extend" if layer_types is None else \
+        f"{field}={targets}"
+    now = "; ".join(f"{key} {entry.get('rope_type')} base {entry.get('rope_theta')}" if entry else f"{key} NoPE"
+                    for key, entry in text.rope_parameters.items())
+    return f"{type(text).__name__} keeps RoPE per layer type: base and YaRN written to {targets} only ({why}); {now}"

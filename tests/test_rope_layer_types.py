@@ -1,0 +1,221 @@
+"""model.rope_layer_types: a stage's RoPE base and YaRN reach only the named layer types on models that keep RoPE
+per layer type (Gemma 3, OLMo 3), every layer on one-dict models (Llama), and a selection a model cannot express
+is refused naming the field. Checked on the rotary embeddings the models build, on tiny random transformers
+models saved as checkpoints."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Llama4TextConfig, Olmo3Config, Olmo3ForCausalLM)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from longstride.eval.ppl import parse as parse_ppl
+from longstride.model.build import build_model, load_config_with_yarn
+from longstride.model.config import ModelConfig, YarnConfig
+from longstride.model.rope import rope_placement, rope_targets
+from longstride.recipes.plan import validate
+from tests.conftest import compose_cfg
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0, bos_token_id=2,
+             eos_token_id=1)
+TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+HEAD_DIM, TRAINED = 8, 128
+
+
+def save_tiny(directory, model_cls, config) -> str:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model_cls(config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> str:
+    """Gemma 3 text: local layers at base 1e4, global ones at 1e6 (transformers' defaults); a window longer
+    than any test length, so longstride's attention accepts it."""
+    config = Gemma3TextConfig(**SHAPE, layer_types=TYPES, sliding_window=8192)
+    return save_tiny(tmp_path_factory.mktemp("gemma3"), Gemma3ForCausalLM, config)
+
+
+@pytest.fixture(scope="module")
+def olmo(tmp_path_factory) -> str:
+    """OLMo 3: both layer types at base 5e5 (transformers' default)."""
+    config = Olmo3Config(**SHAPE, layer_types=TYPES, sliding_window=8192)
+    return save_tiny(tmp_path_factory.mktemp("olmo3"), Olmo3ForCausalLM, config)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    config = LlamaConfig(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return save_tiny(tmp_path_factory.mktemp("llama"), LlamaForCausalLM, config)
+
+
+def default_inv_freq(theta: float) -> torch.Tensor:
+    """RoPE's inverse frequencies, theta^(-2i/d) (arXiv:2104.09864), written out as the reference."""
+    return 1.0 / theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+
+
+def yarn_reference(theta: float, factor: float) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention scale for one flat-dict Llama at `theta`: transformers' YaRN on a
+    config with one rope_parameters, the path every single-RoPE model takes."""
+    flat = LlamaConfig(**{**SHAPE, "max_position_embeddings": int(TRAINED * factor)},
+                       rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                                        "original_max_position_embeddings": TRAINED})
+    return ROPE_INIT_FUNCTIONS["yarn"](flat, "cpu")
+
+
+def rotary(model, layer_type: str, length: int = 16):
+    """The cos/sin that the model's rotary embedding gives `layer_type`'s layers at positions 0..length-1."""
+    x = torch.zeros(1, length, SHAPE["hidden_size"])
+    positions = torch.arange(length)[None]
+    return model.model.rotary_emb(x, positions, layer_type)
+
+
+def reference_cos(inv_freq: torch.Tensor, scale: float = 1.0, length: int = 16) -> torch.Tensor:
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq.double()[None]
+    return (torch.cat([angles, angles], dim=-1).cos() * scale).float()[None]
+
+
+def stage(checkpoint: str, rope_theta: float, layer_types=None, yarn: float | None = None, seq_len: int = 256):
+    """The model a recipe stage builds from `checkpoint` (model/build.py, as recipes/stage.py calls it)."""
+    cfg = ModelConfig(arch="checkpoint", checkpoint=checkpoint, rope_layer_types=layer_types,
+                      yarn=YarnConfig(factor=yarn))
+    return build_model(cfg, rope_theta, seq_len, vocab_size=64, eos_id=1, pad_id=0).eval()
+
+
+@pytest.mark.parametrize("layer_types, bumped", [(None, {"full_attention"}),
+                                                 (["sliding_attention"], {"sliding_attention"}),
+                                                 (["full_attention", "sliding_attention"], set(TYPES))])
+def test_gemma3_base_bump_reaches_only_the_named_types(gemma, layer_types, bumped):
+    before = {"full_attention": 1e6, "sliding_attention": 1e4}
+    model = stage(gemma, 5e6, layer_types)
+    for layer_type, theta in before.items():
+        want = 5e6 if layer_type in bumped else theta
+        inv_freq = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
+        torch.testing.assert_close(inv_freq.double(), default_inv_freq(want), rtol=1e-6, atol=0)
+        cos, _ = rotary(model, layer_type)
+        torch.testing.assert_close(cos, reference_cos(default_inv_freq(want)), rtol=0, atol=1e-6)
+        assert model.config.rope_parameters[layer_type]["rope_theta"] == want, layer_type
+    assert model.config.max_position_embeddings == 256
+
+
+def test_olmo3_yarn_on_full_attention_only_matches_transformers_rope_scaling(olmo):
+    """OLMo 3's own way to extend: a legacy `rope_scaling` that transformers writes into the full_attention
+    entry only. A stage with YaRN x4 (rope_layer_types=null) must build those very rotary embeddings."""
+    model = stage(olmo, 5e5, yarn=4.0, seq_len=TRAINED)
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}
+    native = Olmo3ForCausalLM(Olmo3Config(**{**SHAPE, "max_position_embeddings": 4 * TRAINED}, layer_types=TYPES,
+                                          sliding_window=8192, rope_scaling=scaling)).eval()
+    assert model.config.rope_parameters == native.config.rope_parameters
+    yarn_freq, yarn_scale = yarn_reference(5e5, 4.0)
+    assert yarn_scale == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    want = {"full_attention": (yarn_freq, yarn_scale), "sliding_attention": (default_inv_freq(5e5), 1.0)}
+    for layer_type, (inv_freq, scale) in want.items():
+        cos, sin = rotary(model, layer_type, length=300)
+        native_cos, native_sin = rotary(native, layer_type, length=300)
+        torch.testing.assert_close(cos, reference_cos(inv_freq, scale, length=300), rtol=0, atol=1e-5)
+        assert torch.equal(cos, native_cos) and torch.equal(sin, native_sin), layer_type
+    assert model.config.max_position_embeddings == 4 * TRAINED
+
+
+@pytest.mark.parametrize("which", ["gemma", "olmo"])
+def test_a_stage_saves_and_reloads_with_plain_transformers(which, request, tmp_path):
+    checkpoint = request.getfixturevalue(which)
+    model = stage(checkpoint, 5e6, yarn=2.0)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(model)
+    assert reloaded.config.rope_parameters == model.config.rope_parameters
+    ids = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(reloaded(ids).logits, logits)
+        untouched = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+        assert not torch.allclose(untouched(ids).logits, logits), "the bump and YaRN change the model's outputs"
+    kept = untouched.config.rope_parameters["sliding_attention"]
+    assert reloaded.config.rope_parameters["sliding_attention"] == kept, "sliding layers keep their RoPE"
+
+
+def test_llama_one_dict_takes_the_bump_on_every_layer(llama):
+    model = stage(llama, 5e6)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq.double(), default_inv_freq(5e6), rtol=1e-6, atol=0)
+    assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": 5e6}
+    assert rope_placement(model.config, None) is None, "nothing per type to report"
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention"]])
+def test_a_per_type_choice_on_a_one_dict_model_is_refused(llama, layer_types):
+    with pytest.raises(ValueError, match=r"model.rope_layer_types=.*LlamaConfig keeps one rope_parameters.*"
+                                         r"set model.rope_layer_types=null"):
+        stage(llama, 5e6, layer_types)
+
+
+@pytest.mark.parametrize("layer_types, match", [
+    (["chunked_attention"], r"model.rope_layer_types=\['chunked_attention'\], but Gemma3TextConfig keeps no RoPE "
+                            r"for layer types \['chunked_attention'\]: its rope_parameters are per layer type "
+                            r"\['full_attention', 'sliding_attention'\]; set model.rope_layer_types to some"),
+    ([], r"model.rope_layer_types=\[\]: name at least one of Gemma3TextConfig's RoPE layer types")])
+def test_a_layer_type_the_model_lacks_is_refused(gemma, layer_types, match):
+    with pytest.raises(ValueError, match=match):
+        stage(gemma, 5e6, layer_types)
+
+
+def test_a_nope_layer_type_and_a_default_without_full_attention_are_refused():
+    config = Gemma3TextConfig(**SHAPE, layer_types=TYPES)
+    config.rope_parameters["sliding_attention"] = None  # a NoPE layer type
+    with pytest.raises(ValueError, match=r"layer types \['sliding_attention'\] have no RoPE .*NoPE.*"
+                                         r"set model.rope_layer_types to layer types with RoPE among "
+                                         r"\['full_attention'\]"):
+        rope_targets(config, ["sliding_attention"])
+    config.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match=r"model.rope_layer_types=null means \['full_attention'\], but "
+                                         r"Gemma3TextConfig keeps no RoPE"):
+        rope_targets(config, None)
+
+
+def test_llama4_one_dict_beside_nope_layers_takes_no_per_type_choice():
+    """Llama 4: chunked RoPE layers beside global NoPE ones (layer_types chunked_attention / full_attention), one
+    rope_parameters: a bump reaches the RoPE layers only anyway, and a per-type choice is refused."""
+    config = Llama4TextConfig(**SHAPE, num_local_experts=2, intermediate_size_mlp=64, no_rope_layer_interval=2)
+    assert config.layer_types == ["chunked_attention", "full_attention"] * 2
+    assert rope_targets(config, None) is None
+    with pytest.raises(ValueError, match=r"Llama4TextConfig keeps one rope_parameters for every layer that uses "
+                                         r"RoPE"):
+        rope_targets(config, ["chunked_attention"])
+
+
+def test_recipe_validation_refuses_before_anything_is_built(gemma, llama):
+    with pytest.raises(ValueError, match=r"model.rope_layer_types=\['full_attention'\]: SmolLM3Config keeps one"):
+        validate(compose_cfg(["model.rope_layer_types=[full_attention]"]), world=2)
+    checkpoint = ["recipe=extend_pretrained", "data.tokenizer=/no/tokenizer"]
+    with pytest.raises(ValueError, match=r"Gemma3TextConfig keeps no RoPE for layer types \['local'\]"):
+        validate(compose_cfg([*checkpoint, f"model.checkpoint={gemma}", "model.rope_layer_types=[local]"]), world=1)
+    with pytest.raises(ValueError, match=r"LlamaConfig keeps one rope_parameters"):
+        validate(compose_cfg([*checkpoint, f"model.checkpoint={llama}", "model.rope_layer_types=[full_attention]"]),
+                 world=1)
+    with pytest.raises(ValueError, match=r"data.tokenizer"):  # a valid choice passes on to the next check
+        validate(compose_cfg([*checkpoint, f"model.checkpoint={gemma}", "model.rope_layer_types=[sliding_attention]"]),
+                 world=1)
+
+
+def test_eval_yarn_goes_to_full_attention_and_names_the_eval_field(gemma):
+    config, trained = load_config_with_yarn(gemma, YarnConfig(factor=2.0))
+    assert trained == TRAINED and config.max_position_embeddings == 2 * TRAINED
+    assert config.rope_parameters["full_attention"] == {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
+                                                        "original_max_position_embeddings": TRAINED}
+    assert config.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 1e4}
+    with pytest.raises(ValueError, match=r"^rope_layer_types=\['global'\], but Gemma3TextConfig"):
+        load_config_with_yarn(gemma, YarnConfig(factor=2.0), ["global"])
+    assert parse_ppl([f"checkpoint={gemma}", "rope_layer_types=[sliding_attention]"]).rope_layer_types == \
+        ["sliding_attention"]
+
+
+def test_the_stage_log_says_where_the_default_put_the_base(gemma):
+    model = stage(gemma, 5e6)
+    line = rope_placement(model.config, None)
+    assert "written to ['full_attention'] only (model.rope_layer_types=null" in line
+    assert "full_attention default base 5000000.0; sliding_attention default base 10000.0" in line
