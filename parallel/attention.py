@@ -3,7 +3,8 @@
 `register()` adds the name "longstride" to AttentionInterface and AttentionMaskInterface. The mask
 function returns None (no L x L mask is ever built); the attention function reads the batch's
 document layout from the `doc_layout` keyword that the training step passes to the model forward,
-which transformers forwards untouched to every attention call.
+which transformers forwards untouched to every attention call, and the layer's own pattern (sliding
+window, chunk, sinks: parallel/pattern.py) from the layer and the arguments it passes.
 
 With context parallelism, `parallel.cp.shard_for_cp` cuts a packed batch into this rank's share and
 builds the ring plan from the full batch's document ids; the model then sees only local tokens (RoPE
@@ -21,62 +22,51 @@ from transformers.masking_utils import AttentionMaskInterface
 from longstride.model.tiling import autocast_on
 from longstride.parallel.cp import DocLayout, method
 from longstride.parallel.kernels import doc_attention
+from longstride.parallel.pattern import LAYER_TYPES, layer_pattern
 
 NAME = "longstride"
 
 
-# Attention arguments transformers models pass that change what attention computes, and which longstride's kernels
-# do not implement: refused when set, never dropped (sliding windows: Mistral, Qwen2, Gemma 2/3, OLMo 3, GPT-OSS;
-# sinks: GPT-OSS; logit soft-capping: Gemma 2)
-UNSUPPORTED_KWARGS = {"sliding_window": "a sliding window", "s_aux": "attention sinks", "softcap": "logit soft-capping"}
-# Config fields with the same effect through the mask alone (transformers builds it; longstride builds none)
-UNSUPPORTED_CONFIG = {"attention_chunk_size": "chunked attention", "attn_logit_softcapping": "logit soft-capping"}
+# Attention arguments transformers models pass that change what attention computes and that longstride's kernels
+# do not implement: refused when set, never dropped (logit soft-capping: Gemma 2)
+UNSUPPORTED_KWARGS = {"softcap": "logit soft-capping"}
+UNSUPPORTED_CONFIG = {"attn_logit_softcapping": "logit soft-capping"}
 
 
 def unsupported_attention(model: torch.nn.Module, longest: int | None = None) -> list[str]:
-    """What in `model` longstride's attention (causal within documents, nothing else) would not compute: layer
-    types other than full attention, chunked or soft-capped attention in the config, attention modules with a
-    sliding window, sinks, or no causal mask. Empty for Llama, Qwen3, SmolLM3 and the like. A sliding window of
-    at least `longest` tokens (default: the config's max_position_embeddings) never cuts anything: not counted."""
+    """What in `model` longstride's attention would not compute: layer types other than full, sliding-window and
+    chunked attention (parallel/pattern.py), soft-capped attention, chunked layers without a chunk size,
+    attention modules without a causal mask. Empty for Llama, Qwen3, SmolLM3, Mistral, Qwen2, Gemma 3, OLMo 3,
+    GPT-OSS, Llama 4's text model and the like. `longest` is kept for callers that plan a stage's length."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    longest = longest or getattr(cfg, "max_position_embeddings", None)
-    cuts = lambda w: bool(w) and not (longest and w >= longest)  # noqa: E731
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])
-    if not cuts(getattr(cfg, "sliding_window", None)):  # sliding layers whose window spans every sequence
-        types = ["full_attention" if t == "sliding_attention" else t for t in types]
-    other = [i for i, t in enumerate(types) if t != "full_attention"]
+    other = [i for i, t in enumerate(types) if t not in LAYER_TYPES]
     if other:
         found.append(f"config.layer_types: {sorted({types[i] for i in other})} at layers {other[:6]}"
                      + ("..." if len(other) > 6 else ""))
+    if "chunked_attention" in types and not getattr(cfg, "attention_chunk_size", None):
+        found.append("config.layer_types has chunked_attention layers but config.attention_chunk_size is not set")
     for field, what in UNSUPPORTED_CONFIG.items():
         if getattr(cfg, field, None):
             found.append(f"config.{field}={getattr(cfg, field)} ({what})")
-    if cuts(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) and not types:
-        found.append(f"config.sliding_window={cfg.sliding_window} (a sliding window on every layer)")
     for name, mod in model.named_modules():
-        if not name.endswith("attn") and not name.endswith("attention"):
-            continue
-        if cuts(getattr(mod, "sliding_window", None)):
-            found.append(f"{name}.sliding_window={mod.sliding_window}")
-        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
-            found.append(f"{name}.sinks (attention sinks)")
-        if getattr(mod, "is_causal", True) is False:
+        if (name.endswith("attn") or name.endswith("attention")) and getattr(mod, "is_causal", True) is False:
             found.append(f"{name}.is_causal=False (bidirectional attention)")
     return found
 
 
 def check_supported(model: torch.nn.Module, longest: int | None = None) -> None:
     """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
-    field); plain causal models pass."""
+    field); causal, windowed, chunked and sink attention pass."""
     found = unsupported_attention(model, longest)
     if found:
         shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
         raise NotImplementedError(
-            f"{type(model).__name__}: longstride's attention computes causal attention within documents only, and "
-            f"this model's attention needs more: {shown}. Refused rather than silently dropped. Train it without "
-            f"longstride's attention (attn_implementation='sdpa' or 'eager', no context parallelism), or, where a "
-            f"window is at least your longest sequence, set it to None in the model's config")
+            f"{type(model).__name__}: longstride's attention computes causal attention within documents (with "
+            f"sliding windows, chunks and sinks), and this model's attention needs more: {shown}. Refused rather "
+            f"than silently dropped. Train it without longstride's attention (attn_implementation='sdpa' or "
+            f"'eager', no context parallelism)")
 
 
 def longstride_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -84,24 +74,28 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     # query: (B, H, L, D), key/value: (B, Hkv, L, D) -> ((B, L, H, D), None)
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstride attention")
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if kwargs.get("is_causal") is False:
-        raise NotImplementedError(f"{type(module).__name__} asks for bidirectional attention (is_causal=False), which "
-                                  "longstride's attention does not implement; refused rather than dropped")
-    # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
-    longest = key.shape[2] * (doc_layout.cp.degrees.cp if doc_layout is not None and doc_layout.cp.method else 1)
+        raise NotImplementedError(f"{where} asks for bidirectional attention (is_causal=False), which longstride's "
+                                  "attention does not implement; refused rather than dropped")
     for key_name, what in UNSUPPORTED_KWARGS.items():
-        arg = kwargs.get(key_name)
-        if arg is not None and not (key_name == "sliding_window" and arg >= longest):
-            raise NotImplementedError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) asks "
-                                      f"for {what} ({key_name}), which longstride's attention does not implement; "
-                                      f"refused rather than dropped")
+        if kwargs.get(key_name) is not None:
+            raise NotImplementedError(f"{where} asks for {what} ({key_name}), which longstride's attention does not "
+                                      "implement; refused rather than dropped")
     layout = doc_layout or DocLayout(None)
+    # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
+    longest = key.shape[2] * (layout.cp.degrees.cp if layout.cp.method else 1)
+    pattern = layer_pattern(module, kwargs.get("sliding_window")).within(longest)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "
+                         f"head ({query.shape[1]},)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _same_dtype(query, key, value)
     if layout.cp.method is None:
-        out = doc_attention(query, key, value, layout.doc_ids, scale, layout.cp.kernel, layout.bounds)
+        out = doc_attention(query, key, value, layout.doc_ids, scale, layout.cp.kernel, layout.bounds, pattern, sinks)
     else:
-        out = method(layout.cp.method).attention(query, key, value, layout, scale)
+        out = method(layout.cp.method).attention(query, key, value, layout, scale, pattern, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

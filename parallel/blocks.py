@@ -51,13 +51,16 @@ class Block:
 class RingPlan:
     """steps[t] = [(rows, blocks), ...]: batch rows (a slice) sharing one list of blocks at ring step t,
     when this rank holds the K/V of CP rank (rank - t) mod n. chunk: the layout's chunk length; local: the
-    rank's tokens per row."""
+    rank's tokens per row; docs: the full batch's (B, L) document ids it was made from (None: plain causal),
+    from which the plans of other attention patterns are derived (parallel/window.pattern_plan)."""
 
     n: int
     rank: int
     chunk: int
     steps: list
     assignment: Assignment
+    docs: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    batch: int = 0
     # what the kernels derive from the plan once per batch and reuse in every layer's forward and backward
     # (parallel/kernels.py: a varlen kernel's packed calls per step)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
@@ -177,4 +180,4 @@ def ring_plan(doc_ids: Optional[torch.Tensor | np.ndarray], batch: int, length: 
             steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t, a))])
         else:
             steps.append([(slice(b, b + 1), step_blocks(docs[b], length, n, rank, t, a)) for b in range(batch)])
-    return RingPlan(n, rank, c, steps, a)
+    return RingPlan(n, rank, c, steps, a, docs, batch)

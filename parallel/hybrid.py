@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from longstride.parallel import ring, ulysses
 from longstride.parallel.config import CPDegrees, check_ulysses, divisors, stage_heads
+from longstride.parallel.pattern import CAUSAL, Pattern
 from longstride.parallel.ulysses import shard  # noqa: F401  (the method's sharding: ring share, then Ulysses piece)
 
 
@@ -19,6 +20,6 @@ def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
     return CPDegrees(cp // u, u, stage_heads(cfg.upipe_heads, u, heads) if cfg.upipe_heads else 0)
 
 
-def attention(q, k, v, layout, scale: float):
+def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None):
     """Ulysses over the ring-local sequence; with parallel.ulysses=1 (no Ulysses group) the plain ring."""
-    return (ring.attention if layout.cp.heads is None else ulysses.attention)(q, k, v, layout, scale)
+    return (ring.attention if layout.cp.heads is None else ulysses.attention)(q, k, v, layout, scale, pattern, sinks)

@@ -2,8 +2,9 @@
 small interface.
 
 `doc_attention(q, k, v, doc_ids, scale, kernel)` with q: (B, H, L, D), k/v: (B, Hkv, L, D) returns
-(B, H, L, D). Each document attends causally to itself only. K/V keep their own (fewer) heads
-until the kernel call. Kernels (`parallel.kernel`):
+(B, H, L, D). Each document attends causally to itself only, within the layer's sliding window or chunk and
+with its sinks when it has them (parallel/pattern.py). K/V keep their own (fewer) heads until the kernel call.
+Kernels (`parallel.kernel`):
   torch_flash  torch's own flash attention for varlen batches (CUDA, fp16/bf16; parallel/varlen.py): every
                document of every row in one call, and one call per ring step
   flash_attn   the flash-attn package through the same varlen calls (CUDA, when installed)
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from longstride.parallel.blocks import RingPlan, doc_segments
-from longstride.parallel.varlen import VARLEN, VarlenCall, as_block, flash_attn_available, torch_flash_available
+from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks, sink_grad
+from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, emulate, flash_attn_available,
+                                        torch_flash_available)
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
 _INSTALL = {"torch_flash": "install a CUDA build of torch (pip install torch --index-url "
@@ -90,18 +93,24 @@ def dense_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=None) -> torch.Tensor:
+def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=None, pattern: Pattern = CAUSAL,
+                  sinks=None) -> torch.Tensor:
     """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention; bounds: their
-    doc_bounds when the caller has them already (parallel/cp.DocLayout keeps them per batch).
+    doc_bounds when the caller has them already (parallel/cp.DocLayout keeps them per batch); pattern: the
+    layer's window or chunk; sinks: (H,) sink logits or None.
     q: (B, H, L, D), k/v: (B, Hkv, L, D) -> (B, H, L, D), laid out in memory as (B, L, H, D), the layout
     transformers' o-projection reads, so the transpose back is free."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
     if bounds is None:
         bounds = doc_bounds(doc_ids) if doc_ids is not None else [[(0, q.shape[2])]] * q.shape[0]
+    pattern = pattern.within(q.shape[2])
+    bounds = chunk_bounds(bounds, pattern.chunk)
     if kernel == "sdpa" and q.device.type != "cpu":  # the block kernels' sdpa is the CPU flash op
-        return _sdpa_per_document(q, k, v, bounds, scale)
-    return _DocAttention.apply(q, k, v, tuple(map(tuple, bounds)), kernel, scale)
+        if pattern.window is None and sinks is None:
+            return _sdpa_per_document(q, k, v, bounds, scale)
+        kernel = "math"  # SDPA has no window-with-documents or sink form: the exact explicit path
+    return _DocAttention.apply(q, k, v, sinks, tuple(map(tuple, bounds)), kernel, scale, pattern.window)
 
 
 def _sdpa_per_document(q, k, v, bounds, scale):
@@ -117,68 +126,71 @@ def _sdpa_per_document(q, k, v, bounds, scale):
     return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)
 
 
-def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float):
+def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float, window=None):
     """(out, lse): each document of each row through the block kernel, written in place, so that no
     concatenation copy, no K/V expansion and no transpose copy exists. out: (B, H, L, D) over a
-    (B, L, H, D) buffer; lse: (B, H, L) fp32."""
+    (B, L, H, D) buffer; lse: (B, H, L) fp32. window: a sliding window, or None."""
     B, H, L, D = q.shape
     if kernel in VARLEN:  # every document of every row in one call
-        out, lse = _doc_call(bounds, L).forward(VARLEN[kernel], q, k, v, scale)
+        out, lse = _doc_call(bounds, L, window).forward(VARLEN[kernel], q, k, v, scale)
         return out.view(B, L, H, D).transpose(1, 2), lse.view(H, B, L).transpose(0, 1)
     fwd = _DENSE[kernel][0]
     if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
-        return fwd(q, k, v, scale, True)
+        return fwd(q, k, v, scale, True, window)
     out = seq_major(q)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     for b, row in enumerate(bounds):
         for s, e in row:
-            o, l = fwd(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale, True)
+            o, l = fwd(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale, True, window)
             out[b:b + 1, :, s:e] = o
             lse[b:b + 1, :, s:e] = l
     return out, lse
 
 
-def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: float):
+def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: float, window=None):
     """(dq, dk, dv), each in its input's layout, one document at a time (one call for a varlen kernel)."""
     if kernel in VARLEN:
         B, _, L, D = q.shape
-        grads = _doc_call(bounds, L).backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
+        grads = _doc_call(bounds, L, window).backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
         return tuple(g.view(B, L, g.shape[1], D).transpose(1, 2) for g in grads)
     bwd = _DENSE[kernel][1]
     if q.shape[0] == 1 and len(bounds[0]) == 1:
-        return bwd(dout, q, k, v, out, lse, scale, True)
+        return bwd(dout, q, k, v, out, lse, scale, True, window)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))  # empty_like keeps the (B, L, H, D) strides
     for b, row in enumerate(bounds):
         for s, e in row:
             r = (slice(b, b + 1), slice(None), slice(s, e))
-            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale, True)
+            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale, True, window)
             dq[r], dk[r], dv[r] = gq, gk, gv
     return dq, dk, dv
 
 
-def _doc_call(bounds, length: int) -> VarlenCall:
-    return _cached_doc_call(tuple(map(tuple, bounds)), length)
+def _doc_call(bounds, length: int, window=None) -> VarlenCall:
+    return _cached_doc_call(tuple(map(tuple, bounds)), length, window)
 
 
 @lru_cache(maxsize=8)
-def _cached_doc_call(bounds: tuple, length: int) -> VarlenCall:
-    # the batch's documents are the same in every layer's forward and backward: one VarlenCall per batch
-    return VarlenCall([(b, s, e, s, e) for b, row in enumerate(bounds) for s, e in row], length, causal=True)
+def _cached_doc_call(bounds: tuple, length: int, window) -> VarlenCall:
+    # the batch's documents are the same in every layer's forward and backward: one VarlenCall per batch (and
+    # window: a model's local and global layers alternate)
+    return VarlenCall([(b, s, e, s, e) for b, row in enumerate(bounds) for s, e in row], length, causal=True,
+                      window=window)
 
 
 class _DocAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bounds, kernel, scale):
-        out, lse = doc_attention_forward(q, k, v, bounds, kernel, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (bounds, kernel, scale)
+    def forward(ctx, q, k, v, sinks, bounds, kernel, scale, window):
+        out, lse = doc_attention_forward(q, k, v, bounds, kernel, scale, window)
+        out, lse = fold_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (bounds, kernel, scale, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = doc_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None, None, None, None
 
 
 # ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----
@@ -190,36 +202,37 @@ class _DocAttention(torch.autograd.Function):
 # the block is square and each segment attends causally within itself (varlen-causal). The backward
 # takes the *merged* output and log-sum-exp of all blocks, which makes each block's gradient exact.
 
-def _cpu_flash_fwd(q, k, v, scale, causal):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def _cpu_flash_fwd(q, k, v, scale, causal, mask=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                      scale=scale)
 
 
-def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal):
+def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), 0.0, causal, scale=scale)
+        dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), 0.0, causal, attn_mask=mask, scale=scale)
 
 
-def _math_scores(q, k, scale, causal):
+def _math_scores(q, k, scale, causal, mask=None):
     ct = torch.promote_types(q.dtype, torch.float32)
     k = expand_kv(k, q.shape[1] // k.shape[1])
     s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-    return s
+        causal_mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal_mask, float("-inf"))
+    return s if mask is None else s + mask
 
 
-def _math_fwd(q, k, v, scale, causal):
-    s = _math_scores(q, k, scale, causal)
+def _math_fwd(q, k, v, scale, causal, mask=None):
+    s = _math_scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), expand_kv(v, q.shape[1] // v.shape[1]).to(s.dtype))
     return out.to(q.dtype), lse
 
 
-def _math_bwd(dout, q, k, v, out, lse, scale, causal):
+def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None):
     # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2)
     groups = q.shape[1] // k.shape[1]
-    s = _math_scores(q, k, scale, causal)
+    s = _math_scores(q, k, scale, causal, mask)
     ct = s.dtype
     p = torch.exp(s - lse.to(ct).unsqueeze(-1))
     do = dout.to(ct)
@@ -234,7 +247,67 @@ def _math_bwd(dout, q, k, v, out, lse, scale, causal):
     return dq, dk, dv
 
 
-_DENSE = {"sdpa": (_cpu_flash_fwd, _cpu_flash_bwd), "math": (_math_fwd, _math_bwd)}
+# A sliding window on a dense kernel: query tiles of BAND_TILE rows, each against the keys its window reaches,
+# under an additive mask of that tile's size (never the whole band). Queries are aligned at the keys' end
+# (they are the keys' suffix), each sees key j when 0 <= d < window, d its distance back; every query sees
+# itself, so no row of a tile is empty.
+BAND_TILE = 256
+
+
+def _band_tiles(lq: int, lk: int, window: int, dtype, device):
+    off = lk - lq
+    for i0 in range(0, lq, BAND_TILE):
+        i1 = min(lq, i0 + BAND_TILE)
+        k0, k1 = max(0, off + i0 - window + 1), off + i1
+        d = torch.arange(off + i0, off + i1, device=device)[:, None] - torch.arange(k0, k1, device=device)[None]
+        mask = torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
+        yield slice(i0, i1), slice(k0, k1), mask
+
+
+def _plain(q, k, window) -> bool:
+    # square and the window (if any) reaches every key: the kernel's own causal mask is the whole pattern
+    return q.shape[2] == k.shape[2] and (window is None or window >= k.shape[2])
+
+
+def _banded_fwd(fwd):
+    def run(q, k, v, scale, causal, window=None):
+        if not causal or _plain(q, k, window):
+            return fwd(q, k, v, scale, causal)
+        out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
+            out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask)
+        return out, lse
+    return run
+
+
+def _banded_bwd(bwd):
+    def run(dout, q, k, v, out, lse, scale, causal, window=None):
+        if not causal or _plain(q, k, window):
+            return bwd(dout, q, k, v, out, lse, scale, causal)
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+                  for x in (k, v))
+        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
+            gq, gk, gv = bwd(dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
+                             scale, False, mask)
+            dq[:, :, rq] = gq
+            dk[:, :, rk] += gk
+            dv[:, :, rk] += gv
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return run
+
+
+# fwd(q, k, v, scale, causal, window=None) -> (out, lse); bwd(dout, q, k, v, out, lse, scale, causal, window=None)
+_DENSE = {"sdpa": (_banded_fwd(_cpu_flash_fwd), _banded_bwd(_cpu_flash_bwd)),
+          "math": (_banded_fwd(_math_fwd), _banded_bwd(_math_bwd))}
+
+
+def varlen_kernel(kernel: str) -> Varlen:
+    """The varlen form of any kernel: the CUDA kernels themselves, the dense ones one piece at a time."""
+    return VARLEN[kernel] if kernel in VARLEN else _DENSE_VARLEN[kernel]
+
+
+_DENSE_VARLEN = {name: emulate(*pair) for name, pair in _DENSE.items()}
 
 
 def block_forward(kernel: str, q, k, v, scale: float, segments=None):

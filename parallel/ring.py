@@ -6,11 +6,13 @@ to the next rank, from the previous one); block outputs are merged with their lo
 Backward: K/V go round again; each block's dK/dV accumulate in fp32 in a buffer that follows the
 block round the ring and arrives back at its owner after the last step; dQ accumulates locally.
 Which blocks a step computes comes from parallel/blocks.py. K/V keep their own (fewer) GQA heads
-on the wire; the kernels resolve GQA inside the call.
+on the wire; the kernels resolve GQA inside the call. A layer's pattern (parallel/pattern.py) picks its plan:
+chunked attention is the ring over (document, chunk) runs, a sliding window a halo exchange instead of the
+ring (parallel/window.py); sinks join the merged output through its log-sum-exp.
 
-    ring_forward(q, k, v, plan, kernel, scale, comm) -> (out, lse)
-    ring_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm) -> (dq, dk, dv)
-    ring_attention(q, k, v, plan, kernel, scale, comm) -> out, differentiable
+    ring_forward(q, k, v, plan, kernel, scale, comm, pattern, sinks) -> (out, lse)
+    ring_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm, pattern) -> (dq, dk, dv)
+    ring_attention(q, k, v, plan, kernel, scale, comm, pattern, sinks) -> out, differentiable
 q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D), out: like q, lse: (B, H, Lloc) fp32.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ from longstride.parallel.blocks import RingPlan, ring_plan
 from longstride.parallel.collectives import CopyIn, host_staged
 from longstride.parallel.config import CPDegrees
 from longstride.parallel.kernels import dense_last, seq_major, step_backward, step_forward
+from longstride.parallel.pattern import CAUSAL, Pattern, fold_sinks, sink_grad
+from longstride.parallel.window import HaloPlan, halo_backward, halo_forward, pattern_plan
 from longstride.parallel.zigzag import shard_batch, zigzag
 
 KV_TAG, DKV_TAG = 0, 1
@@ -112,8 +116,15 @@ def _add(acc, idx, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]):
+def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm],
+                 pattern: Pattern = CAUSAL, sinks: Optional[torch.Tensor] = None):
+    """sinks: (H,) sink logits of q's heads, or None; the returned (out, lse) include them."""
     _check(q, k, v, plan, comm)
+    plan = pattern_plan(plan, pattern)
+    if isinstance(plan, HaloPlan):
+        out, lse = halo_forward(q, k, v, plan, kernel, scale, comm)
+        out, lse = fold_sinks(out, lse, sinks)
+        return out.to(q.dtype), lse
     n = plan.n
     out = _accumulator(q)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
@@ -126,10 +137,16 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
         if t + 1 < n:
             _wait(reqs)
             kv = nxt
+    out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]):
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm],
+                  pattern: Pattern = CAUSAL):
+    """out, lse: what ring_forward returned (sinks included); the sinks' own gradient is pattern.sink_grad's."""
+    plan = pattern_plan(plan, pattern)
+    if isinstance(plan, HaloPlan):
+        return halo_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm)
     n = plan.n
     dq = None
     kv = (k, v)
@@ -163,21 +180,23 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, kernel, scale, comm):
-        out, lse = ring_forward(q, k, v, plan, kernel, scale, comm)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (plan, kernel, scale, comm)
+    def forward(ctx, q, k, v, sinks, plan, kernel, scale, comm, pattern):
+        out, lse = ring_forward(q, k, v, plan, kernel, scale, comm, pattern, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (plan, kernel, scale, comm, pattern)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None, None, None, None, None
 
 
-def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm]) -> torch.Tensor:
-    return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), plan, kernel, scale, comm)
+def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm],
+                   pattern: Pattern = CAUSAL, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), sinks, plan, kernel, scale, comm,
+                                pattern)
 
 
 # The "ring" context-parallel method (parallel/cp.py): all of cp is the ring.
@@ -199,6 +218,6 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
     return shard_batch(batch, n, cp.ring_rank, assignment), ring_plan(docs, B, L, n, cp.ring_rank, assignment)
 
 
-def attention(q, k, v, layout, scale: float) -> torch.Tensor:
-    """layout: the batch's DocLayout (parallel/cp.py)."""
-    return ring_attention(q, k, v, layout.plan, layout.cp.kernel, scale, layout.cp.comm)
+def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None) -> torch.Tensor:
+    """layout: the batch's DocLayout (parallel/cp.py); pattern, sinks: the layer's (parallel/pattern.py)."""
+    return ring_attention(q, k, v, layout.plan, layout.cp.kernel, scale, layout.cp.comm, pattern, sinks)

@@ -15,8 +15,11 @@ same bytes as the local q, k, v) and its backward exchanges only (out, dout): on
 backward and no third copy of q, out, dout in flight at once (bench_peers measured the re-exchange at
 1.16x DeepSpeed Ulysses' time and 2x its memory on 8:2 x 128 heads at 8K).
 
-    ulysses_attention(q, k, v, plan, kernel, scale, ring, heads, stage_heads) -> out, differentiable
-q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D) with Lloc the rank's share; out like q.
+    ulysses_attention(q, k, v, plan, kernel, scale, ring, heads, stage_heads, pattern, sinks) -> out,
+    differentiable
+q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D) with Lloc the rank's share; out like q. A layer's window or chunk
+(parallel/pattern.py) applies on the gathered sequence through the ring functions; its sinks (H,) are sliced to
+the heads each rank attends for.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.config import CPDegrees, check_ulysses
 from longstride.parallel.ring import RingComm, ring_backward, ring_forward
 from longstride.parallel.heads import HeadSchedule, head_schedule
+from longstride.parallel.pattern import CAUSAL, Pattern, sink_grad
 from longstride.parallel.zigzag import split_batch
 
 
@@ -41,6 +45,12 @@ class HeadComm:
     def __init__(self, group=None):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
+    def my_heads(self, order: torch.Tensor) -> torch.Tensor:
+        """order: the heads in the order they were sent -> the ones this rank holds after to_heads."""
+        per = order.numel() // self.size
+        return order[self.rank * per:(self.rank + 1) * per]
 
     @staticmethod
     def _buf(bufs: Optional[dict], name: str, shape, like: torch.Tensor) -> torch.Tensor:
@@ -94,36 +104,46 @@ def _kv_to_heads(k, v, sched: HeadSchedule, heads: HeadComm) -> torch.Tensor:
     return heads.to_heads([k, v]).view(2, B, Hkv // heads.size, Ll * heads.size, D)
 
 
+def _sinks_of(sinks: Optional[torch.Tensor], heads_held: torch.Tensor) -> Optional[torch.Tensor]:
+    return None if sinks is None else sinks.index_select(0, heads_held)
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, kernel, scale, ring, heads, stage_heads):
+    def forward(ctx, q, k, v, sinks, plan, kernel, scale, ring, heads, stage_heads, pattern):
         sched = head_schedule(q.shape[1], k.shape[1], heads.size, stage_heads, q.device)
         kv = _kv_to_heads(k, v, sched, heads)
-        ctx.args = (plan, kernel, scale, ring, heads, sched)
+        ctx.args = (plan, kernel, scale, ring, heads, sched, pattern)
+        ctx.has_sinks = sinks is not None
         if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
             qf = heads.to_heads(q)
-            o, lse = ring_forward(qf, kv[0], kv[1], plan, kernel, scale, ring)
+            held = heads.my_heads(torch.arange(q.shape[1], device=q.device))
+            o, lse = ring_forward(qf, kv[0], kv[1], plan, kernel, scale, ring, pattern, _sinks_of(sinks, held))
             out = heads.to_seq(o).contiguous()
             # the head-layout q and K/V hold the same bytes as the local q, k, v (L/N tokens x H heads = L tokens x
             # H/N heads): kept instead of them, the backward does not exchange them again
-            ctx.save_for_backward(qf, kv, out, lse)
+            ctx.save_for_backward(qf, kv, out, lse, sinks)
             return out
         out, lses, bufs = torch.empty_like(q), [], {}
         for st in sched.stages:
             qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
-            o, lse = ring_forward(qf, st.pick(kv[0]), st.pick(kv[1]), plan, kernel, scale, ring)
+            o, lse = ring_forward(qf, st.pick(kv[0]), st.pick(kv[1]), plan, kernel, scale, ring, pattern,
+                                  _sinks_of(sinks, heads.my_heads(st.send)))
             out.index_copy_(1, st.send, heads.to_seq(o, bufs, "o"))
             lses.append(lse)
-        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.save_for_backward(q, k, v, out, sinks, *lses)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        plan, kernel, scale, ring, heads, sched = ctx.args
+        plan, kernel, scale, ring, heads, sched, pattern = ctx.args
         if len(sched.stages) == 1:
-            return (*_one_stage_backward(dout, *ctx.saved_tensors, plan, kernel, scale, ring, heads, sched),
-                    None, None, None, None, None, None)
-        q, k, v, out, *lses = ctx.saved_tensors
+            *saved, sinks = ctx.saved_tensors
+            dq, dk, dv, dsinks = _one_stage_backward(dout, *saved, sinks, plan, kernel, scale, ring, heads, sched,
+                                                     pattern)
+            return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+        q, k, v, out, sinks, *lses = ctx.saved_tensors
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
         kv = _kv_to_heads(k, v, sched, heads)
         dkv = torch.zeros(kv.shape, dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
         dq, bufs = torch.empty_like(q), ({} if len(sched.stages) > 1 else None)  # buffers reused by stages
@@ -133,7 +153,10 @@ class _UlyssesAttention(torch.autograd.Function):
             f = heads.to_heads([pick(t) for t in (q, out, dout)], bufs, "qod")  # (3B, U/N, L, D)
             f = f.view(3, B, *f.shape[1:])
             gq, gk, gv = ring_backward(f[2], f[0], st.pick(kv[0]), st.pick(kv[1]), f[1], lse, plan, kernel, scale,
-                                       ring)
+                                       ring, pattern)
+            if sinks is not None:
+                held = heads.my_heads(st.send)
+                dsinks.index_add_(0, held, sink_grad(f[2], f[1], lse, sinks.index_select(0, held)))
             st.add(dkv[0], gk)
             st.add(dkv[1], gv)
             dq.index_copy_(1, st.send, heads.to_seq(gq, bufs, "dq"))
@@ -141,29 +164,35 @@ class _UlyssesAttention(torch.autograd.Function):
         dk, dv = (heads.to_seq(g.to(k.dtype)) for g in dkv)  # one at a time: each exchange's buffers are half
         if sched.kv_rep > 1:  # the replicas' gradients sum into their K/V head
             dk, dv = (g.unflatten(1, (sched.kv_heads, sched.kv_rep)).sum(2) for g in (dk, dv))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
-def _one_stage_backward(dout, qf, kv, out, lse, plan, kernel, scale, ring, heads: HeadComm, sched: HeadSchedule):
+def _one_stage_backward(dout, qf, kv, out, lse, sinks, plan, kernel, scale, ring, heads: HeadComm,
+                        sched: HeadSchedule, pattern: Pattern):
     """Plain Ulysses' backward from the kept head-layout q (B, H/N, L, D) and K/V (2, B, Kr, L, D): only the
     output and its gradient are exchanged (one all-to-all), then dQ and dK/dV go back to sequence shards."""
     B = dout.shape[0]
     f = heads.to_heads([out, dout])  # (2B, H/N, L, D)
     f = f.view(2, B, *f.shape[1:])
-    gq, gk, gv = ring_backward(f[1], qf, kv[0], kv[1], f[0], lse, plan, kernel, scale, ring)
+    gq, gk, gv = ring_backward(f[1], qf, kv[0], kv[1], f[0], lse, plan, kernel, scale, ring, pattern)
+    dsinks = None
+    if sinks is not None:  # this rank's heads' sink gradients; the other heads' come from their ranks
+        held = heads.my_heads(torch.arange(sinks.numel(), device=sinks.device))
+        dsinks = torch.zeros_like(sinks).index_add_(0, held, sink_grad(f[1], f[0], lse, sinks.index_select(0, held)))
     del f
     dq = heads.to_seq(gq)
     dk, dv = (heads.to_seq(g) for g in (gk, gv))
     if sched.kv_rep > 1:  # the replicas' gradients sum into their K/V head
         dk, dv = (g.unflatten(1, (sched.kv_heads, sched.kv_rep)).sum(2) for g in (dk, dv))
-    return dq, dk, dv
+    return dq, dk, dv, dsinks
 
 
 def ulysses_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, ring: Optional[RingComm],
-                      heads: HeadComm, stage_heads: int = 0) -> torch.Tensor:
+                      heads: HeadComm, stage_heads: int = 0, pattern: Pattern = CAUSAL,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """plan: the ring plan over the Ulysses group's (ring-local) sequence, n = 1 without a ring."""
-    return _UlyssesAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, kernel, scale, ring,
-                                   heads, stage_heads)
+    return _UlyssesAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, plan, kernel, scale, ring,
+                                   heads, stage_heads, pattern)
 
 
 # The "ulysses" context-parallel method (parallel/cp.py): all of cp is the Ulysses group, all heads at once.
@@ -184,6 +213,7 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
     return split_batch(local, cp.degrees.ulysses, cp.ulysses_rank), plan
 
 
-def attention(q, k, v, layout, scale: float) -> torch.Tensor:
+def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None) -> torch.Tensor:
     cp = layout.cp
-    return ulysses_attention(q, k, v, layout.plan, cp.kernel, scale, cp.comm, cp.heads, cp.degrees.stage_heads)
+    return ulysses_attention(q, k, v, layout.plan, cp.kernel, scale, cp.comm, cp.heads, cp.degrees.stage_heads,
+                             pattern, sinks)

@@ -4,8 +4,13 @@ A varlen kernel takes packed q: (Tq, H, D), k/v: (Tk, Hkv, D), int32 cumulative 
 the tensors' device and the longest piece of each; piece i's queries q[cu_q[i]:cu_q[i+1]] attend to its keys
 k[cu_k[i]:cu_k[i+1]], causally (square pieces) or densely. GQA is resolved inside the kernel (K/V keep their
 own heads). Contract (`Varlen`):
-    forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal) -> out (Tq, H, D), lse (H, Tq) fp32
-    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal) -> dq, dk, dv (packed like q, k, v)
+    forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window) -> out (Tq, H, D), lse (H, Tq) fp32
+    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window) -> dq, dk, dv (packed
+        like q, k, v)
+window: None, or a sliding window (causal pieces only): query i of a piece sees key j only when 0 <= d < window,
+d = i + (keys - queries) - j; causal pieces with more keys than queries are aligned at their last token (the
+queries are the keys' suffix, as flash attention aligns them), which the windowed pieces of a halo use
+(parallel/window.py).
 The backward is handed the *merged* output and LSE of all blocks (ring attention), which makes each piece's
 gradient exact. Backends (VARLEN):
     torch_flash  torch's own flash attention, aten._flash_attention_forward/_backward (FA2 built into CUDA
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 from itertools import accumulate
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -41,14 +46,25 @@ class VarlenCall:
     sequence, in the given order. Built once per batch (parallel/kernels.py keeps it with the batch's plan or
     document bounds) and used by every layer's forward and backward."""
 
-    def __init__(self, pieces: list[tuple], length: int, causal: bool):
-        self.causal = causal
-        self.q_ranges = [(r * length + q0, r * length + q1) for r, q0, q1, _, _ in pieces]
-        self.k_ranges = [(r * length + k0, r * length + k1) for r, _, _, k0, k1 in pieces]
+    def __init__(self, pieces: list[tuple], length: int, causal: bool, window: Optional[int] = None):
+        self._init([(r * length + q0, r * length + q1) for r, q0, q1, _, _ in pieces],
+                   [(r * length + k0, r * length + k1) for r, _, _, k0, k1 in pieces], causal, window)
+
+    @classmethod
+    def of_ranges(cls, q_ranges: list[tuple], k_ranges: list[tuple], window: Optional[int]) -> "VarlenCall":
+        """Causal pieces given as token ranges of the flat (T, H, D) forms of q and of k/v (which may differ in
+        length): each piece's queries are the suffix of its keys, with an optional window."""
+        call = cls.__new__(cls)
+        call._init(q_ranges, k_ranges, True, window)
+        return call
+
+    def _init(self, q_ranges, k_ranges, causal: bool, window: Optional[int]) -> None:
+        self.causal, self.window = causal, window
+        self.q_ranges, self.k_ranges = q_ranges, k_ranges
         q_lens = [b - a for a, b in self.q_ranges]
         k_lens = [b - a for a, b in self.k_ranges]
-        if causal and q_lens != k_lens:
-            raise ValueError("causal varlen pieces must be square")
+        if causal and any(a > b for a, b in zip(q_lens, k_lens)) or (causal and window is None and q_lens != k_lens):
+            raise ValueError("causal varlen pieces must be square (or, windowed, have at least as many keys)")
         self.cu_q, self.cu_k = list(accumulate(q_lens, initial=0)), list(accumulate(k_lens, initial=0))
         self.max_q, self.max_k = max(q_lens), max(k_lens)
         self._cu: dict = {}  # device -> the int32 cumulative lengths there, copied once
@@ -65,7 +81,7 @@ class VarlenCall:
     def forward(self, kernel: Varlen, q, k, v, scale: float):
         """q: (B, H, L, D), k/v: (B, Hkv, L, D) -> packed out (Tq, H, D), lse (H, Tq) fp32."""
         fq, fk, fv = gather(q, self.q_ranges), gather(k, self.k_ranges), gather(v, self.k_ranges)
-        return kernel.forward(fq, fk, fv, *self._args(q.device), scale, self.causal)
+        return kernel.forward(fq, fk, fv, *self._args(q.device), scale, self.causal, self.window)
 
     def backward(self, kernel: Varlen, dout, q, k, v, out, lse, scale: float):
         """dout/out: (B, H, L, D) like q, lse: (B, H, L) fp32 (merged) -> packed dq, dk, dv."""
@@ -73,7 +89,7 @@ class VarlenCall:
         flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
         packed_lse = _take(flat_lse, self.q_ranges, dim=1).float()
         return kernel.backward(g(dout), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
-                               packed_lse.contiguous(), *self._args(q.device), scale, self.causal)
+                               packed_lse.contiguous(), *self._args(q.device), scale, self.causal, self.window)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -107,19 +123,24 @@ def torch_flash_available() -> bool:
             and torch.backends.cuda.is_flash_attention_available())
 
 
-def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+def _windows(window: Optional[int]) -> dict:
+    # flash attention's window counts the keys left of the aligned one: window - 1 (right: 0, it is causal)
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
     _check_half(q, "torch_flash")
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-                                                            scale=scale)
+                                                            scale=scale, **_windows(window))
     return out, _packed_lse(lse, q)
 
 
-def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
     # dropout is 0: the philox state is not read; the shapes are those torch's own varlen_attn passes
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
     return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0,
-                                                    causal, rng, unused, scale=scale)
+                                                    causal, rng, unused, scale=scale, **_windows(window))
 
 
 def _check_half(q: torch.Tensor, name: str) -> None:
@@ -142,36 +163,38 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
-def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
     from flash_attn import flash_attn_varlen_func
 
     _check_half(q, "flash_attn")
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                                         window_size=(-1, -1) if window is None else (window - 1, 0),
                                          return_attn_probs=True)
     return out, _packed_lse(lse, q)
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
     from flash_attn import flash_attn_interface as fa
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_call(fa._flash_attn_varlen_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
                 softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                 max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
-                alibi_slopes=None, deterministic=False, rng_state=None)
+                alibi_slopes=None, deterministic=False, rng_state=None, window=window)
     return dq, dk, dv
 
 
-def _flash_call(fn, **kw):
+def _flash_call(fn, window=None, **kw):
     # flash-attn's varlen backward changed its arguments across 2.x releases; pass only what this release
     # takes (window_size as a pair in <= 2.6, as two ints later)
     import inspect
 
     params = inspect.signature(fn).parameters
+    left, right = (-1, -1) if window is None else (window - 1, 0)
     if "window_size" in params:
-        kw["window_size"] = (-1, -1)
+        kw["window_size"] = (left, right)
     else:
-        kw.update(window_size_left=-1, window_size_right=-1)
+        kw.update(window_size_left=left, window_size_right=right)
     return fn(**{k: v for k, v in kw.items() if k in params})
 
 
@@ -182,8 +205,8 @@ VARLEN = {"torch_flash": Varlen(_torch_flash_forward, _torch_flash_backward),
 # ---- the same contract over the CPU block kernels (tests) ----
 
 def emulate(fwd: Callable, bwd: Callable) -> Varlen:
-    """A Varlen over dense block kernels fwd(q, k, v, scale, causal) -> (out, lse) and
-    bwd(dout, q, k, v, out, lse, scale, causal) on (1, H, l, D) tensors, one piece at a time. It checks what
+    """A Varlen over dense block kernels fwd(q, k, v, scale, causal, window) -> (out, lse) and
+    bwd(dout, q, k, v, out, lse, scale, causal, window) on (1, H, l, D) tensors, one piece at a time. It checks what
     the CUDA kernels require of their inputs (dense last dimension, int32 cumulative lengths on the tensors'
     device that end at the packed lengths, GQA heads), so a layout mistake fails on CPU too."""
     def pieces(q, k, cu_q, cu_k, max_q, max_k, *same_dtype):
@@ -194,21 +217,21 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     def one(x, s):  # (T, H, D) -> (1, H, l, D)
         return x[s].transpose(0, 1).unsqueeze(0)
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k, v):
-            o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal)
+            o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal, window)
             out[sq] = o[0].transpose(0, 1)
             lse[:, sq] = l[0]
         return out, lse
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, lse.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k, v, out, dout):
             g = bwd(one(dout, sq), one(q, sq), one(k, sk), one(v, sk), one(out, sq), lse[:, sq].unsqueeze(0),
-                    scale, causal)
+                    scale, causal, window)
             dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
         return dq, dk, dv
 

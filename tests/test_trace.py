@@ -82,7 +82,7 @@ def test_memory_trace_is_linear_in_length_with_flash_attention():
 def _mutated_forward(mistake: str):
     orig = varlen.VARLEN["torch_flash"]
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
         if mistake == "scale positional":  # lands in return_debug_mask; the kernel would use the default scale
             out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                                     scale)

@@ -1,0 +1,115 @@
+"""What one attention layer computes beyond causal attention within documents: a sliding window, chunked
+attention, attention sinks. Read from the layer itself (the arguments transformers passes and the model's
+config), applied by every kernel and CP method (parallel/kernels.py, parallel/ring.py, parallel/window.py).
+
+    window  key k is visible to query q (same document, k <= q) only when q - k < window: transformers'
+            sliding_window (Mistral, Qwen2, Gemma 3 local layers, OLMo 3, GPT-OSS)
+    chunk   each document is cut into chunks of `chunk` tokens from its own start and a query sees only its
+            own chunk: Llama 4's chunked layers (attention_chunk_size). Counted from each document's start,
+            as if the document were alone in its sequence (its RoPE positions restart there too); with one
+            document per row that is transformers' own chunking
+    sinks   per query head, a logit that joins every softmax with a zero value (GPT-OSS `s_aux`): the output
+            is scaled by sigmoid(lse - sink), folded in through the log-sum-exp after every block is merged
+
+Chunks are a refinement of the documents (each (document, chunk) pair its own run), so every kernel and the
+ring's block geometry compute them unchanged. Windows need banded blocks (parallel/kernels.py) and, under a
+ring, a halo exchange instead of the ring (parallel/window.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+# layer types (config.layer_types) whose attention longstride computes
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class Pattern:
+    window: Optional[int] = None
+    chunk: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"attention {name}={value} must be a positive number of tokens (or None)")
+
+    @property
+    def causal(self) -> bool:
+        """Plain causal attention within documents."""
+        return self.window is None and self.chunk is None
+
+    def within(self, length: int) -> "Pattern":
+        """The same pattern on sequences of `length` tokens: a window or chunk that long cuts nothing."""
+        cut = lambda x: x if x is not None and x < length else None  # noqa: E731
+        return Pattern(cut(self.window), cut(self.chunk))
+
+
+CAUSAL = Pattern()
+
+
+def layer_pattern(module, sliding_window: Optional[int] = None) -> Pattern:
+    """The pattern of one attention module of a transformers model: the window it passes at call time (else its
+    own `sliding_window`), and its layer type's chunking (Llama 4: config.layer_types[i] == "chunked_attention"
+    with config.attention_chunk_size)."""
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    chunk = None
+    cfg, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(cfg, "layer_types", None)
+    if types and idx is not None and types[idx] == "chunked_attention":
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        if not chunk:
+            raise ValueError(f"{type(module).__name__} layer {idx} is a chunked_attention layer but "
+                             "config.attention_chunk_size is not set; set it or change config.layer_types")
+    return Pattern(int(window) if window else None, int(chunk) if chunk else None)
+
+
+def chunk_bounds(bounds, chunk: Optional[int]):
+    """Per row, (start, end) of each document run -> of each (document, chunk) run."""
+    if chunk is None:
+        return bounds
+    return [tuple((a, min(a + chunk, e)) for s, e in row for a in range(s, e, chunk)) for row in bounds]
+
+
+def chunk_docs(docs: Optional[np.ndarray], chunk: Optional[int], shape: tuple) -> Optional[np.ndarray]:
+    """(B, L) document ids (None: one document per row) -> ids of (document, chunk) runs, each its own id."""
+    if chunk is None:
+        return docs
+    docs = np.zeros(shape, dtype=np.int64) if docs is None else docs
+    out = np.empty(shape, dtype=np.int64)
+    for b, row in enumerate(docs):
+        new = np.r_[True, row[1:] != row[:-1]] | ((np.arange(shape[1]) - doc_starts(row)) % chunk == 0)
+        out[b] = np.cumsum(new) - 1
+    return out
+
+
+def doc_starts(row: np.ndarray) -> np.ndarray:
+    """row: (L,) document ids -> each token's document start."""
+    starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+    return starts[np.searchsorted(starts, np.arange(len(row)), side="right") - 1]
+
+
+# ---- attention sinks: one more "block" of the merge, a zero value with logit sinks[h] ----
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor]):
+    """out: (B, H, L, D) merged output, lse: (B, H, L) fp32, sinks: (H,) -> (out, lse) of the softmax that also
+    holds each head's sink. The backward of every kernel, handed these, gives exact dQ/dK/dV (the sink's value
+    is zero, so it adds nothing to dO . O's other terms)."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    new = torch.logaddexp(lse, sink)
+    return (out * torch.exp(lse - new).unsqueeze(-1).to(out.dtype)), new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor]):
+    """d loss / d sinks from the folded out and lse: -sum over queries of P(sink) * (dO . O), per head."""
+    if sinks is None:
+        return None
+    p = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # (B, H, L)
+    dot = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return (-(p * dot).sum((0, 2))).to(sinks.dtype)
