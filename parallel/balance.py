@@ -6,6 +6,9 @@ number of (query, key) pairs inside each document that its queries see: a query 
 document attends p + 1 keys, whichever rank holds them (the ring brings every key round). So the work
 of a chunk is the sum of its tokens' in-document positions + 1, and the work of a rank is the sum over
 its chunks: a number every rank computes from the full batch's document ids, without communication.
+A model whose layers differ (parallel/pattern.py: sliding windows, chunks) is weighed by what each layer
+type computes, summed over its layers: min(p + 1, window) keys for a windowed layer, (p mod chunk) + 1
+for a chunked one, as one layout serves every layer.
 
 `balanced_assignment` cuts the sequence into N x k equal chunks for k = 2, 4, 8, ... (as far as the
 length divides and `max_chunks` allows), deals the chunks to ranks by longest-processing-time (the
@@ -24,20 +27,24 @@ from typing import Optional
 import numpy as np
 
 from longstride.parallel.blocks import run_starts
+from longstride.parallel.pattern import Pattern
 from longstride.parallel.zigzag import Assignment, zigzag
 
 
-def token_work(docs: np.ndarray) -> np.ndarray:
+def token_work(docs: np.ndarray, patterns: tuple = ()) -> np.ndarray:
     """docs: (B, L) document ids (contiguous runs) -> (L,) per position, summed over rows, the keys that
-    position's query attends: its position inside its document + 1."""
+    position's query attends: its position inside its document + 1 (causal layers), summed over the model's
+    layers by pattern when `patterns` ((Pattern, layers), ...: pattern.model_patterns) is given."""
     docs = np.atleast_2d(docs)
     B, L = docs.shape
     idx = np.arange(L)
     work = np.zeros(L, dtype=np.int64)
     for row in docs:
         start = run_starts(row)
-        run_start = np.repeat(start, np.diff(np.r_[start, L]))
-        work += idx - run_start + 1
+        pos = idx - np.repeat(start, np.diff(np.r_[start, L]))  # position inside the document
+        for p, layers in patterns or ((Pattern(), 1),):
+            keys = pos % p.chunk + 1 if p.chunk else pos + 1
+            work += layers * (np.minimum(keys, p.window) if p.window else keys)
     return work
 
 
@@ -67,16 +74,16 @@ def lpt(chunk_work: np.ndarray, n: int) -> Assignment:
 
 
 def balanced_assignment(doc_ids: Optional[np.ndarray], n: int, max_chunks: int = 8,
-                        tolerance: float = 1.01) -> Assignment:
+                        tolerance: float = 1.01, patterns: tuple = ()) -> Assignment:
     """The chunk assignment for one batch (see the module docstring). doc_ids: (B, L) or None (plain causal:
     zig-zag is exact); max_chunks: the most chunks per rank tried (more chunks balance finer, at more and
-    smaller kernel calls per ring step)."""
+    smaller kernel calls per ring step); patterns: the model's layer patterns, weighed by their work."""
     z = zigzag(n)
     if doc_ids is None or n == 1:
         return z
     docs = np.asarray(doc_ids)
     z.chunk_len(docs.shape[-1])  # the length must at least divide into zig-zag's 2N chunks
-    work = token_work(docs)
+    work = token_work(docs, patterns)
     best, best_score = z, imbalance(rank_work(work, z))
     if best_score <= tolerance:
         return z

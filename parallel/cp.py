@@ -41,7 +41,8 @@ def cp_degrees(cfg, cp: int, heads: int, where: str = "cp") -> CPDegrees:
 class CPContext:
     """One stage's context parallelism on this rank: the method (None: one device, no CP), its degrees, this
     rank's place in the ring and in its Ulysses group with their communicators, the attention kernel, and
-    the ring's chunk assignment rule (zigzag, or docs: parallel/balance.py, up to balance_chunks per rank)."""
+    the ring's chunk assignment rule (zigzag, or docs: parallel/balance.py, up to balance_chunks per rank) and the
+    model's layer patterns that rule weighs ((Pattern, layers), ...: parallel/pattern.model_patterns)."""
 
     method: Optional[str] = None
     degrees: CPDegrees = CPDegrees()
@@ -52,10 +53,12 @@ class CPContext:
     kernel: str = "sdpa"
     balance: str = "zigzag"
     balance_chunks: int = 8
+    patterns: tuple = ()
 
 
 def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: str, kernel: str,
-               balance: str = "zigzag", balance_chunks: int = 8, mesh: Optional[WorldMesh] = None) -> CPContext:
+               balance: str = "zigzag", balance_chunks: int = 8, mesh: Optional[WorldMesh] = None,
+               patterns: tuple = ()) -> CPContext:
     """This rank's CPContext (dims: the stage's ParallelDims, degrees: cp_degrees(...)): the one factory, for
     training, the HF Trainer path (recipes/hf_trainer.setup_cp) and CP prefill (eval/ruler/cp_prefill). Its
     process groups are a layout of `mesh` (the run's WorldMesh; one is built when none is given). Collective
@@ -66,7 +69,7 @@ def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: s
     comm = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
     heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
     return CPContext(impl, degrees, mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses"), comm, heads, kernel,
-                     str(balance), balance_chunks)
+                     str(balance), balance_chunks, patterns)
 
 
 @dataclass

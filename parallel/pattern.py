@@ -52,6 +52,23 @@ class Pattern:
 CAUSAL = Pattern()
 
 
+def model_patterns(model) -> tuple:
+    """((Pattern, number of layers), ...) of a transformers model's decoder layers, from its config: what the
+    CP balancer weighs (parallel/balance.py). Empty when the config does not say (counted as causal)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(cfg, "num_hidden_layers", 0) or 0
+    window = getattr(cfg, "sliding_window", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if not types:  # Mistral-style: one window for every layer
+        types = ["sliding_attention" if window else "full_attention"] * n
+    counts: dict = {}
+    for t in types:
+        p = Pattern(window if t == "sliding_attention" else None,
+                    getattr(cfg, "attention_chunk_size", None) if t == "chunked_attention" else None)
+        counts[p] = counts.get(p, 0) + 1
+    return tuple(counts.items())
+
+
 def layer_pattern(module, sliding_window: Optional[int] = None) -> Pattern:
     """The pattern of one attention module of a transformers model: the window it passes at call time (else its
     own `sliding_window`), and its layer type's chunking (Llama 4: config.layer_types[i] == "chunked_attention"

@@ -214,7 +214,7 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
     n = cp.degrees.ring
     assignment = zigzag(n)
     if cp.balance == "docs" and docs is not None:
-        assignment = balanced_assignment(docs, n, cp.balance_chunks)
+        assignment = balanced_assignment(docs, n, cp.balance_chunks, patterns=cp.patterns)
     return shard_batch(batch, n, cp.ring_rank, assignment), ring_plan(docs, B, L, n, cp.ring_rank, assignment)
 
 

@@ -35,6 +35,7 @@ from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
+from longstride.parallel.pattern import model_patterns
 from longstride.recipes.checkpoint import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
 from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.plan import StagePlan
@@ -194,7 +195,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
         activate_flash_impl(str(cfg.parallel.flash_impl))
     mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, acc.device.type, plan.kernel, plan.balance,
-                    cfg.parallel.balance_chunks, mesh)
+                    cfg.parallel.balance_chunks, mesh, patterns=model_patterns(lm))
     log_memory_estimate(ctx, plan, lm)
     model = parallelize(ChunkedLossLM(lm, cfg.model.loss_tile_tokens), lm.model.layers, plan.fsdp, acc, mesh)
     optimizer = torch.optim.AdamW(param_groups(lm, cfg.optim.weight_decay), lr=stage.lr,

@@ -1,0 +1,64 @@
+"""A windowed layer under ring CP exchanges O(window) bytes (counted at torch.distributed on gloo processes), a
+full layer the sequence; the document balancer weighs each layer type's real work. (Exactness of windows,
+chunks and sinks under every method: tests/test_attention_patterns.py.)"""
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.bench_window_traffic import D, HKV, measure
+from longstride.parallel.balance import balanced_assignment, rank_work, token_work
+from longstride.parallel.pattern import Pattern, chunk_docs
+from longstride.parallel.window import halo_plan
+from longstride.parallel.zigzag import zigzag
+
+
+def test_a_windowed_layer_sends_its_halos_not_the_sequence():
+    n, length = 2, 1024
+    rows = measure(n, length, [16, 64], [512, 256, 256])
+    full, w16, w64 = rows
+    per_token = 2 * HKV * D * 4  # K and V of one token, fp32
+    local = length // n
+    # the ring: K/V to the next rank at each of n - 1 steps, again in the backward, and dK/dV at each of n steps
+    assert full["bytes"] == (2 * (n - 1) + n) * local * per_token, full
+    for r in (w16, w64):
+        assert 0 < r["bytes"] <= r["bound_bytes"], r
+    assert w16["bytes"] < w64["bytes"] < full["bytes"] / 10
+
+
+def test_halo_plan_counts_only_what_the_window_reaches_inside_the_document():
+    """4 ranks, zig-zag: each rank receives, per chunk, the W - 1 tokens before it of the same document."""
+    length, n, window = 64, 4, 5
+    docs = np.repeat([0, 1, 2], [20, 1, 43])[None]
+    a = zigzag(n)
+    c = a.chunk_len(length)
+    for rank in range(n):
+        plan = halo_plan(docs, 1, length, rank, a, window)
+        expect = 0
+        for x in a.chunks[rank]:
+            start = x * c
+            doc_start = int(np.flatnonzero(docs[0] == docs[0, start])[0])
+            expect += start - max(start - window + 1, doc_start)
+        assert len(plan.ext_src) == c * a.k + expect
+        assert sum(plan.recv_splits) <= expect  # a halo held by the rank itself does not travel
+
+
+def test_balancer_weighs_each_layer_type():
+    docs = np.repeat([0, 1, 2], [200, 56, 256])[None]
+    full, windowed = ((Pattern(), 1),), ((Pattern(window=16), 1),)
+    # a windowed query attends at most 16 keys, a causal one its position + 1
+    assert token_work(docs, windowed).max() == 16 and token_work(docs, full).max() == 256
+    assert token_work(docs, ((Pattern(chunk=32), 1),)).max() == 32
+    mixed = ((Pattern(window=16), 3), (Pattern(), 1))
+    assert (token_work(docs, mixed) == 3 * token_work(docs, windowed) + token_work(docs, full)).all()
+    # windowed work is nearly uniform: zig-zag kept; causal work is not: rebalanced
+    assert balanced_assignment(docs, 2, patterns=windowed) == zigzag(2)
+    a = balanced_assignment(docs, 2, patterns=full)
+    assert a != zigzag(2)
+    work = token_work(docs, full)
+    assert rank_work(work, a).max() < rank_work(work, zigzag(2)).max()
+
+
+def test_chunks_are_document_runs_cut_from_each_document_start():
+    docs = np.repeat([0, 1], [5, 7])[None]
+    assert chunk_docs(docs, 3, docs.shape).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4]]
+    assert chunk_docs(None, 4, (1, 6)).tolist() == [[0, 0, 0, 0, 1, 1]]
