@@ -56,6 +56,11 @@ def _check_call(a: dict, lse_name: str = "") -> None:
           "up to 256")
     _need(all(isinstance(a[n], int) and a[n] > 0 for n in ("max_q", "max_k")), "max_q / max_k: positive ints")
     _need(a["dropout_p"] == 0.0, "longstride runs attention without dropout")
+    left, right = a.get("window_size_left"), a.get("window_size_right")
+    if left is not None or right is not None:  # a sliding window: causal, left >= 0 keys back, none ahead
+        _need(a["is_causal"] and isinstance(left, int) and left >= 0 and right == 0,
+              f"a windowed call needs is_causal, window_size_left >= 0 and window_size_right 0, got "
+              f"{a['is_causal']}, {left!r}, {right!r}")
     _need(isinstance(a.get("scale"), float) and a["scale"] > 0, f"scale={a.get('scale')!r}: pass the softmax "
           "scale by keyword (a positional float lands in another argument)")
     if "grad_out" in a:
@@ -69,20 +74,22 @@ def _check_call(a: dict, lse_name: str = "") -> None:
 
 
 class FlashOpCheck(TorchDispatchMode):
-    """Every aten flash-attention call checked as the CUDA kernel checks its inputs; `calls` counts them."""
+    """Every aten flash-attention call checked as the CUDA kernel checks its inputs; `calls` counts them,
+    `windowed` those with a sliding window."""
 
     FORWARD = torch.ops.aten._flash_attention_forward.default
     BACKWARD = torch.ops.aten._flash_attention_backward.default
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls = self.windowed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (self.FORWARD, self.BACKWARD):
             _check_call(_bind(func, args, kwargs))
             self.calls += 1
+            self.windowed += kwargs.get("window_size_left") is not None
         out = func(*args, **kwargs)
         if func is self.FORWARD:
             q, lse = args[0], out[1]

@@ -262,7 +262,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             numel = sum(p.numel() for p in model.parameters())  # the full count: a DTensor's numel is global
     return {"num_params": numel, "parameters": params, "gradients": grads, "optimizer": state, "activations": activations,
             "peak_backward": fb_peak + state, "peak_optimizer": opt_peak,
-            "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls,
+            "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls, "windowed_flash_calls": flash.windowed,
             "seconds": time.perf_counter() - t0}
 
 

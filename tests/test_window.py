@@ -4,12 +4,16 @@ chunks and sinks under every method: tests/test_attention_patterns.py.)"""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import transformers as T
 
 from benchmarks.bench_window_traffic import D, HKV, measure
 from longstride.parallel.balance import balanced_assignment, rank_work, token_work
+from longstride.parallel.config import CPDegrees
 from longstride.parallel.pattern import Pattern, chunk_docs
 from longstride.parallel.window import halo_plan
 from longstride.parallel.zigzag import zigzag
+from longstride.recipes.trace import StepProgram, trace_step
 
 
 def test_a_windowed_layer_sends_its_halos_not_the_sequence():
@@ -62,3 +66,18 @@ def test_chunks_are_document_runs_cut_from_each_document_start():
     docs = np.repeat([0, 1], [5, 7])[None]
     assert chunk_docs(docs, 3, docs.shape).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4]]
     assert chunk_docs(None, 4, (1, 6)).tolist() == [[0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_traced_gpu_step_runs_windowed_layers_as_they_run(cp):
+    """`longstride plan`'s trace of a Mistral with a window: every flash call of its layers carries the window
+    (held to the CUDA kernel's argument checks), on one device and on the halo under ring CP."""
+    cfg = T.MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_cache=False, pad_token_id=0,
+                          bos_token_id=0, eos_token_id=0, sliding_window=256)
+    prog = StepProgram(cfg, 2048, world=cp, cp=cp, degrees=CPDegrees(ring=cp) if cp > 1 else CPDegrees(),
+                       loss_tile=512, docs=2)
+    r = trace_step(prog)
+    assert r["flash_calls"] > 0 and r["windowed_flash_calls"] == r["flash_calls"], r
+    cfg.sliding_window = None
+    assert trace_step(prog)["windowed_flash_calls"] == 0
