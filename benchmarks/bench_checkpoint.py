@@ -59,17 +59,19 @@ def _worker(rank, world, fsdp, kind, root, out):
 
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig
-    from longstride.model.loss import ChunkedLossLM
     from longstride.parallel.config import WorldMesh
     from longstride.parallel.parallelize import parallelize
     from longstride.recipes.checkpoint import rng_state, save_checkpoint
+    from longstride.recipes.schema import OptimConfig
+    from longstride.recipes.step import StepSpec, build_optimizer, build_step
 
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True)
     lm = build_model(ModelConfig(**SHAPE), rope_theta=1e5, seq_len=256, vocab_size=SHAPE["vocab_size"], eos_id=0,
                      pad_id=1, seed=0)
-    model = parallelize(ChunkedLossLM(lm, 256), lm.model.layers, fsdp, acc, WorldMesh("cpu", world) if fsdp else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = build_step(lm, StepSpec(loss_tile=256))  # the training step's model and optimizer (recipes/step.py)
+    model = parallelize(step.module, lm.model.layers, fsdp, acc, WorldMesh("cpu", world) if fsdp else None)
+    opt = build_optimizer(model, OptimConfig(), lr=1e-4)
     ids = torch.randint(2, SHAPE["vocab_size"], (1, 64))
     model.backward(model(ids, ids, torch.arange(64)[None]))
     opt.step()  # AdamW state exists, as in any step checkpoint

@@ -54,12 +54,12 @@ MLP_TILE, LOSS_TILE = 1024, 1024
 
 
 def _worker(rank, n, model_name, method, length, path):
+    from longstride.data.batch import collate, packed_item
     from longstride.model.build import build_model
-    from longstride.model.loss import ChunkedLossLM
-    from longstride.model.prepare import patch_model
-    from longstride.parallel.attention import use_longstride_attention
     from longstride.parallel.config import CPDegrees, ParallelDims
-    from longstride.parallel.cp import cp_context, shard_for_cp
+    from longstride.parallel.cp import cp_context
+    from longstride.recipes.schema import OptimConfig
+    from longstride.recipes.step import StepSpec, build_optimizer, build_step, loss_sum
 
     zero = proc_status_bytes("VmRSS")
     cfg, vocab = MODELS[model_name]
@@ -70,19 +70,14 @@ def _worker(rank, n, model_name, method, length, path):
 
         def loss_fn():
             return lm(input_ids=ids, labels=ids).loss
-    else:
-        patch_model(lm, "full", offload=False, mlp_tile=MLP_TILE, lean_norms=True)  # as a training stage does
-        use_longstride_attention(lm)
-        model = ChunkedLossLM(lm, LOSS_TILE)
-        labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-        batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(length)[None],
-                 "doc_ids": torch.zeros_like(ids)}
+    else:  # as a training stage builds its step (recipes/step.py)
         cp = cp_context("ring", ParallelDims(n, 1, n), CPDegrees(ring=n), "cpu", "sdpa")
-        local, layout = shard_for_cp(batch, True, cp)
+        step = build_step(lm, StepSpec("full", mlp_tile=MLP_TILE, loss_tile=LOSS_TILE), cp)
+        local = step.prep(collate([packed_item([ids[0].numpy()], length, pad_id=1)]))
 
         def loss_fn():
-            return model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout) / length
-    opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+            return loss_sum(step.module, local, "cpu") / length
+    opt = build_optimizer(lm, OptimConfig(), lr=1e-4)
 
     def step():
         loss_fn().backward()

@@ -89,10 +89,11 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     """doc: (1, L) document ids. lean: longstride with tiled layers, full checkpointing and offload."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
-    from longstride.model.prepare import patch_model
-    from longstride.parallel.attention import use_longstride_attention
-    from longstride.parallel.cp import CPContext, DocLayout
+    from longstride.data.batch import packed_item
+    from longstride.parallel.cp import CPContext
+    from longstride.recipes.schema import OptimConfig
+    from longstride.recipes.step import StepSpec, build_optimizer
+    from longstride.recipes.step import build_step as build_longstride_step
 
     L = doc.shape[1]
     cfg = LlamaConfig(**shape, max_position_embeddings=L, rope_theta=1e5)
@@ -108,16 +109,16 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     pos = torch.arange(L) if system == "hf_sdpa_causal" else torch.arange(L) - starts
     batch = {"input_ids": ids.to(device), "position_ids": pos[None].to(device)}
     model = lm
-    if system == "longstride":
-        use_longstride_attention(lm)
-        patch_model(lm, "full" if lean else "none", offload=lean and device.type == "cuda",
-                    mlp_tile=4096 if lean else 0, lean_norms=True)
-        model = ChunkedLossLM(lm, 8192)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[0, :-1] = ids[0, 1:]
-        kernel = "torch_flash" if device.type == "cuda" else "sdpa"
-        batch.update(labels=labels.to(device), layout=DocLayout(doc.to(device), cp=CPContext(kernel=kernel)))
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-5, fused=device.type == "cuda")
+    if system == "longstride":  # the training step (recipes/step.py), its batch from data.batch.packed_item
+        spec = StepSpec("full" if lean else "none", offload=lean and device.type == "cuda",
+                        mlp_tile=4096 if lean else 0, loss_tile=8192)
+        step = build_longstride_step(lm, spec, CPContext(kernel="torch_flash" if device.type == "cuda" else "sdpa"))
+        model = step.module
+        item = packed_item([ids[0, a:a + n].numpy() for a, n in zip((lens.cumsum(0) - lens).tolist(), lens.tolist())],
+                           L, pad_id=0)
+        local, layout = step.prep({k: torch.from_numpy(v)[None] for k, v in item.items()})
+        batch.update(labels=local["labels"].to(device), layout=layout)
+    optimizer = build_optimizer(lm, OptimConfig(), lr=1e-5, fused=device.type == "cuda")
     return Step(system, model, optimizer, batch, device)
 
 

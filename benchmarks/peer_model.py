@@ -37,6 +37,8 @@ import torch
 
 from benchmarks.common import RESULTS, proc_status_bytes, reset_peak_rss
 from longstride.model.config import ModelConfig
+from longstride.recipes.schema import OptimConfig
+from longstride.recipes.step import build_optimizer
 
 # BENCH_PEERS_LAYERS: fewer layers, for a quick check of the rows' code paths only
 CONFIG = ModelConfig(hidden_size=576, intermediate_size=1536,
@@ -80,22 +82,17 @@ def _plain(lm, length, rank, n):
 
 
 def _longstride(lm, length, rank, n, impl):
-    from longstride.model.loss import ChunkedLossLM
-    from longstride.model.prepare import patch_model
-    from longstride.parallel.attention import use_longstride_attention
+    from longstride.data.batch import collate, packed_item
     from longstride.parallel.config import ParallelConfig, ParallelDims
-    from longstride.parallel.cp import cp_context, cp_degrees, shard_for_cp
+    from longstride.parallel.cp import cp_context, cp_degrees
+    from longstride.recipes.step import StepSpec, build_step, loss_sum
 
-    patch_model(lm, "full", offload=False, mlp_tile=TILE, lean_norms=True)  # as a training stage does
-    use_longstride_attention(lm)
-    model = ChunkedLossLM(lm, TILE)
-    ids, labels = _tokens(length)
-    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(length)[None],
-             "doc_ids": torch.zeros_like(ids)}
     degrees = cp_degrees(ParallelConfig(cp_impl=impl), n, CONFIG.num_attention_heads)
     cp = cp_context(impl, ParallelDims(n, 1, n), degrees, "cpu", "sdpa")
-    local, layout = shard_for_cp(batch, False, cp)
-    return lambda: model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout) / length
+    # as a training stage builds its step (recipes/step.py): full checkpointing, tiled MLP, lean norms
+    step = build_step(lm, StepSpec("full", mlp_tile=TILE, loss_tile=TILE, doc_masking=False), cp)
+    local = step.prep(collate([packed_item([_tokens(length)[0][0].numpy()], length, pad_id=1)]))
+    return lambda: loss_sum(step.module, local, "cpu") / length
 
 
 def _alst(lm, length, rank, n):
@@ -150,7 +147,7 @@ def _worker(rank, n, row, lengths, step_length, reps, path):
         lm = _build(length)
         loss_fn = {"plain": _plain, "alst": _alst}.get(row)
         loss_fn = loss_fn(lm, length, rank, n) if loss_fn else _longstride(lm, length, rank, n, row.split("_")[1])
-        opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+        opt = build_optimizer(lm, OptimConfig(), lr=1e-4)
 
         def step():
             loss = loss_fn()

@@ -92,10 +92,11 @@ def _tokenizer_size(data) -> int:
 def stage_program(cfg, plan, world: int, docs: int, config=None, gpu: bool = True, bf16: bool = True):
     """The StepProgram of a planned stage; config: the model's (a training stage has it loaded), else read."""
     s = plan.stage
-    return StepProgram(config or model_config(cfg, s), s.seq_len, s.micro_batch_size, world, plan.dims.cp,
-                       cfg.parallel.cp_impl, plan.degrees, plan.kernel, plan.checkpointing, plan.offload,
-                       plan.mlp_tile, cfg.model.lean_rms_norm, cfg.model.loss_tile_tokens, plan.fsdp, bf16=bf16,
-                       gpu=gpu, docs=docs, balance=plan.balance)
+    return StepProgram(config or model_config(cfg, s), s.seq_len, micro_batch=s.micro_batch_size, world=world,
+                       cp=plan.dims.cp, cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=plan.kernel,
+                       checkpointing=plan.checkpointing, offload=plan.offload, mlp_tile=plan.mlp_tile,
+                       lean_norms=cfg.model.lean_rms_norm, loss_tile=cfg.model.loss_tile_tokens, fsdp=plan.fsdp,
+                       bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
 
 
 def peak_line(prog, first: dict, length: int) -> tuple[float, float, dict]:

@@ -25,22 +25,19 @@ from longstride.data.batch import collate
 from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
 from longstride.data.stream import streaming_stage
 from longstride.model.build import build_model
-from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.memory import device_memory_gib, estimate
-from longstride.model.prepare import patch_model
 from longstride.model.rope import rope_placement
-from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
-from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
+from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
-from longstride.parallel.pattern import model_patterns
 from longstride.recipes.checkpoint import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
 from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.plan import StagePlan
-from longstride.recipes.schedule import build_scheduler, param_groups
+from longstride.recipes.schedule import build_scheduler
 from longstride.recipes.stage_state import restore_stage, save_stage
+from longstride.recipes.step import Step, StepSpec, build_optimizer, build_step, label_count, loss_sum
 from longstride.recipes.tracking import peak_memory_gib
 
 
@@ -78,26 +75,14 @@ class StageRun:
     loader: object
     held_out: object
     pack_stats: dict
-    cp: CPContext
-    doc_masking: bool
+    built: Step  # the step's parts (recipes/step.py): its CP context and batch preparation
     step: int = 0
     tokens_seen: int = 0
     val_start: Optional[float] = None
 
     def prep(self, batch: dict) -> tuple[dict, object]:
         """A full PackedBatch -> this rank's share of it and its attention layout."""
-        return shard_for_cp(batch, self.doc_masking, self.cp)
-
-
-def forward_sum(model, local: tuple[dict, object], device) -> torch.Tensor:
-    """Summed token loss of this rank's share of one PackedBatch (moved to `device`)."""
-    mb, layout = local
-    mb = {k: v.to(device) for k, v in mb.items()}
-    return model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
-
-
-def label_count(local: tuple[dict, object]) -> int:
-    return int((local[0]["labels"] != IGNORE_INDEX).sum())
+        return self.built.prep(batch)
 
 
 @torch.no_grad()
@@ -111,7 +96,7 @@ def validation_loss(ctx: RunContext, run: StageRun) -> float:
     total, count = torch.zeros(()), torch.zeros(())
     for i in range(dims.dp_rank(ctx.accelerator.process_index), len(run.held_out), dims.dp):
         local = run.prep(collate([run.held_out[i]]))
-        total += forward_sum(run.model, local, device).float().cpu()
+        total += loss_sum(run.model, local, device).float().cpu()
         count += label_count(local)
     run.model.train()
     return (all_reduce(total) / all_reduce(count).clamp(min=1)).item()
@@ -181,6 +166,12 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
             pack_stats
 
 
+def step_spec(cfg, plan: StagePlan) -> StepSpec:
+    """The stage's step as its plan resolved it (cfg: recipes.schema.Config)."""
+    return StepSpec(plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm,
+                    cfg.model.loss_tile_tokens, cfg.data.doc_masking)
+
+
 def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resume: Optional[str] = None) -> StageRun:
     """The stage's model (from `init_from`, the config's checkpoint, or scratch; resuming, from the step
     checkpoint's config, its weights then restored from the shards) patched and parallelized, its optimizer,
@@ -189,21 +180,19 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=init_from, seed=cfg.train.seed, resume=resume)
-    patch_model(lm, plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm)
-    use_longstride_attention(lm)
-    if plan.kernel == "torch_flash":
-        activate_flash_impl(str(cfg.parallel.flash_impl))
     mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, acc.device.type, plan.kernel, plan.balance,
-                    cfg.parallel.balance_chunks, mesh, patterns=model_patterns(lm))
+                    cfg.parallel.balance_chunks, mesh)
+    built = build_step(lm, step_spec(cfg, plan), cp)
+    if plan.kernel == "torch_flash":
+        activate_flash_impl(str(cfg.parallel.flash_impl))
     log_memory_estimate(ctx, plan, lm)
-    model = parallelize(ChunkedLossLM(lm, cfg.model.loss_tile_tokens), lm.model.layers, plan.fsdp, acc, mesh)
-    optimizer = torch.optim.AdamW(param_groups(lm, cfg.optim.weight_decay), lr=stage.lr,
-                                  betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    model = parallelize(built.module, lm.model.layers, plan.fsdp, acc, mesh)
+    optimizer = build_optimizer(lm, cfg.optim, stage.lr)
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
     loader, held_out, pack_stats = stage_data(ctx, plan, pad_id)
-    return StageRun(plan, lm, model, optimizer, scheduler, loader, held_out, pack_stats, cp, cfg.data.doc_masking)
+    return StageRun(plan, lm, model, optimizer, scheduler, loader, held_out, pack_stats, built)
 
 
 def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:
@@ -240,19 +229,19 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     t0 = time.perf_counter()
     micro = [run.prep(next(run.loader)) for _ in range(run.plan.accum)]
     count = all_reduce(torch.tensor(float(sum(label_count(m) for m in micro))))
-    loss_sum = torch.zeros((), dtype=torch.float32)
+    summed = torch.zeros((), dtype=torch.float32)
     for i, mb in enumerate(micro):
         with model.grad_sync(last=i == len(micro) - 1):
-            part = forward_sum(model, mb, acc.device)
+            part = loss_sum(model, mb, acc.device)
             # DDP and FSDP2 average gradients over all dp x cp ranks; each CP rank holds part of the sequence's
             # gradient (its tokens' loss, plus the dK/dV its ring received), so scaling by world makes the
             # update the global sum / global count.
             model.backward(part * (acc.num_processes / count.clamp(min=1).item()))
-        loss_sum += part.detach().float().cpu()
+        summed += part.detach().float().cpu()
     # the global norm (clipping to it when optim.grad_clip > 0): the non-finite check needs it
     grad_norm = model.clip_grad_norm(ctx.cfg.optim.grad_clip if ctx.cfg.optim.grad_clip > 0 else math.inf)
     lr = run.scheduler.get_last_lr()[0]
-    loss = (all_reduce(loss_sum) / count.clamp(min=1)).item()
+    loss = (all_reduce(summed) / count.clamp(min=1)).item()
     update = guard.step_ok(run.step + 1, loss, grad_norm, last_good)
     if update:
         run.optimizer.step()

@@ -26,24 +26,25 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
-from longstride.model.prepare import patch_model
-from longstride.parallel.attention import register, use_longstride_attention
+from longstride.data.batch import collate, packed_item
+from longstride.parallel.attention import register
 from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
-from longstride.parallel.cp import cp_context, shard_for_cp
+from longstride.parallel.cp import cp_context
 from longstride.parallel.flash_contract import FlashOpCheck
 from longstride.parallel.fsdp import apply_fsdp
-from longstride.recipes.schedule import param_groups
+from longstride.recipes.schema import OptimConfig
+from longstride.recipes.step import Step, StepSpec, build_optimizer, build_step, group_summary, loss_sum
 
 GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -74,9 +75,15 @@ class StepProgram:
     docs: int = 1
     balance: str = "zigzag"
     plain: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the run's optimizer settings (its parameter groups' weight decay)
 
     def at(self, seq_len: int) -> "StepProgram":
         return replace(self, seq_len=seq_len)
+
+    def spec(self) -> StepSpec:
+        """The step as recipes/step.py builds it, offload counted without a device."""
+        return StepSpec(self.checkpointing, self.offload, self.mlp_tile, self.lean_norms, self.loss_tile,
+                        doc_masking=True, simulate_offload=True)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -168,20 +175,17 @@ def fake_process_group(world: int, rank: int = 0):
 
 
 def synthetic_batch(micro_batch: int, seq_len: int, docs: int) -> dict:
-    """A PackedBatch of `docs` equal documents per row (the last takes the remainder), real CPU tensors."""
+    """A PackedBatch (data.batch.packed_item) of `docs` equal documents per row (the last takes the remainder),
+    real CPU tensors."""
     bounds = [i * seq_len // docs for i in range(docs + 1)]
-    doc_ids = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
-    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
-    labels = torch.ones(seq_len, dtype=torch.long)
-    labels[torch.tensor(bounds[1:]) - 1] = IGNORE_INDEX  # no target across a document's end
-    rows = lambda x: x.unsqueeze(0).repeat(micro_batch, 1)  # noqa: E731
-    return {"input_ids": rows(torch.ones(seq_len, dtype=torch.long)), "labels": rows(labels),
-            "position_ids": rows(pos), "doc_ids": rows(doc_ids)}
+    item = packed_item([np.ones(b - a, dtype=np.int64) for a, b in zip(bounds, bounds[1:])], seq_len, pad_id=0)
+    return collate([item] * micro_batch)
 
 
-def _build(prog: StepProgram, device: str):
-    """(the module whose forward returns the loss sum, the LM, the offloader or None). On meta the parameters
-    are bf16 when the program is (no autocast there), else fp32 (autocast or FSDP2 casts them)."""
+def _build(prog: StepProgram, device: str, cp) -> Step:
+    """The traced step (recipes/step.py; for a plain program, transformers' own model with SDPA and no step
+    parts). On meta the parameters are bf16 when the program is (no autocast there), else fp32 (autocast or
+    FSDP2 casts them)."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device == "meta" and prog.bf16 else torch.float32
@@ -190,11 +194,8 @@ def _build(prog: StepProgram, device: str):
         lm = AutoModelForCausalLM.from_config(prog.config, dtype=dtype)
     if prog.plain:
         lm.set_attn_implementation("sdpa")
-        return lm, lm, None
-    offloader = patch_model(lm, prog.checkpointing, prog.offload, prog.mlp_tile, prog.lean_norms,
-                            simulate_offload=True).offloader
-    use_longstride_attention(lm)
-    return ChunkedLossLM(lm, prog.loss_tile), lm, offloader
+        return Step(lm, lm, cp, prog.spec())
+    return build_step(lm, prog.spec(), cp)
 
 
 def _storage_bytes(tensors, round_to: int) -> int:
@@ -226,14 +227,16 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
         mesh = WorldMesh("cpu", prog.world) if prog.fsdp or prog.cp > 1 else None
         cp = cp_context(prog.cp_impl, ParallelDims.from_world(prog.world, prog.cp), prog.degrees, "cpu", prog.kernel,
                         prog.balance, mesh=mesh)
-        local, layout = shard_for_cp(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs), True, cp)
         # non-fake inputs: the batch, and the small index tensors made once and cached (cumulative lengths,
         # head schedules), which stay real so that a later real run never meets a fake one
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, FlashOpCheck() as flash:
-            model, lm, offloader = _build(prog, device)
+            step = _build(prog, device, cp)
+            model, lm, offloader = step.module, step.lm, step.offloader
+            with unset_fake_temporarily():  # the batch's share and plan are real, as in a run
+                local, layout = step.prep(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs))
             if prog.fsdp:
                 apply_fsdp(model, lm.model.layers, "cpu", prog.world, torch.bfloat16 if prog.bf16 else None, mesh)
-            opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)  # the run's groups (recipes/stage.py)
+            opt = build_optimizer(model, prog.optim, lr=1e-4)  # the run's parameter groups
             mb = {k: mode.from_tensor(v).to(device) for k, v in local.items()}
             count = LiveBytes(round_to)
             if offloader is not None:
@@ -248,7 +251,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
                     if prog.plain:
                         loss = lm(input_ids=mb["input_ids"], labels=mb["input_ids"]).loss
                     else:
-                        loss = model(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
+                        loss = loss_sum(model, (mb, layout), device)
                 activations = count.live - fixed
                 loss.backward()
                 fb_peak = count.peak
@@ -262,7 +265,8 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             numel = sum(p.numel() for p in model.parameters())  # the full count: a DTensor's numel is global
     return {"num_params": numel, "parameters": params, "gradients": grads, "optimizer": state, "activations": activations,
             "peak_backward": fb_peak + state, "peak_optimizer": opt_peak,
-            "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls, "windowed_flash_calls": flash.windowed,
+            "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls,
+            "windowed_flash_calls": flash.windowed, "batch_keys": sorted(local), "optimizer_groups": group_summary(opt),
             "seconds": time.perf_counter() - t0}
 
 

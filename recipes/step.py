@@ -1,0 +1,95 @@
+"""One training step's parts, built in one place: the stage loop (recipes/stage.py), the memory tracer
+(recipes/trace.py, which `longstride plan` runs) and the benchmarks build their step here, so the step that is
+traced and measured is the step that trains.
+
+    step = build_step(lm, StepSpec(...), cp)       # the model patched, longstride's attention on, the loss wrapped
+    local = step.prep(batch)                        # this rank's share of a PackedBatch and its attention layout
+    loss = loss_sum(step.module, local, device)     # the summed token loss of that share (the model's forward)
+    optimizer = build_optimizer(step.lm, optim, lr)  # AdamW over the run's parameter groups
+
+A PackedBatch has data.batch.BATCH_KEYS (made by data.batch.packed_item / collate); the forward reads
+STEP_KEYS of it, and the attention layout carries the documents.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
+from longstride.model.prepare import patch_model
+from longstride.parallel.attention import use_longstride_attention
+from longstride.parallel.cp import CPContext, DocLayout, shard_for_cp
+from longstride.parallel.pattern import model_patterns
+from longstride.recipes.schedule import param_groups
+
+STEP_KEYS = ("input_ids", "labels", "position_ids")  # what the loss forward reads of a PackedBatch
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """How a stage's step is built (recipes/plan.StagePlan resolves these per stage): activation checkpointing
+    mode, offload of checkpointed inputs, MLP tile tokens (0: off), the lean RMSNorm backward, the loss's tile
+    tokens, document masking; simulate_offload: count offloaded bytes without a device (the tracer)."""
+
+    checkpointing: str = "none"
+    offload: bool = False
+    mlp_tile: int = 0
+    lean_norms: bool = True
+    loss_tile: int = 1024
+    doc_masking: bool = True
+    simulate_offload: bool = False
+
+
+@dataclass
+class Step:
+    """A built step: the transformers model, the module whose forward returns the summed token loss, this
+    rank's CP context (with the model's layer patterns) and the offloader of checkpointed inputs (or None)."""
+
+    lm: torch.nn.Module
+    module: ChunkedLossLM
+    cp: CPContext
+    spec: StepSpec
+    offloader: Optional[object] = None
+
+    def prep(self, batch: dict) -> tuple[dict, DocLayout]:
+        """A full PackedBatch -> this rank's share of it and its attention layout."""
+        return shard_for_cp(batch, self.spec.doc_masking, self.cp)
+
+
+def build_step(lm: torch.nn.Module, spec: StepSpec, cp: Optional[CPContext] = None) -> Step:
+    """Patches `lm` as the spec says (model/prepare.py), switches on longstride's attention and wraps the chunked
+    loss; cp: this rank's CPContext (one device when None), completed with the model's layer patterns (what the
+    document balancer weighs)."""
+    offloader = patch_model(lm, spec.checkpointing, spec.offload, spec.mlp_tile, spec.lean_norms,
+                            simulate_offload=spec.simulate_offload).offloader
+    use_longstride_attention(lm)
+    cp = dataclasses.replace(cp or CPContext(), patterns=model_patterns(lm))
+    return Step(lm, ChunkedLossLM(lm, spec.loss_tile), cp, spec, offloader)
+
+
+def loss_sum(module, local: tuple[dict, DocLayout], device) -> torch.Tensor:
+    """Summed token loss of this rank's share of one PackedBatch (moved to `device`); module: Step.module or
+    what wraps it (parallel/parallelize.py)."""
+    mb, layout = local
+    mb = {k: mb[k].to(device) for k in STEP_KEYS}
+    return module(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
+
+
+def label_count(local: tuple[dict, DocLayout]) -> int:
+    return int((local[0]["labels"] != IGNORE_INDEX).sum())
+
+
+def group_summary(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's size and settings (not its tensors): what two builds of a step compare."""
+    return [{"numel": sum(p.numel() for p in g["params"]), "tensors": len(g["params"]),
+             **{k: v for k, v in g.items() if k in ("weight_decay", "betas", "eps")}} for g in optimizer.param_groups]
+
+
+def build_optimizer(model: torch.nn.Module, optim, lr: float, **kw) -> torch.optim.AdamW:
+    """AdamW over the run's parameter groups (recipes/schedule.param_groups: no decay on norms, biases and
+    embeddings); optim: recipes.schema.OptimConfig; kw: AdamW's own options (fused=...)."""
+    return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=lr, betas=tuple(optim.betas),
+                             eps=optim.eps, **kw)

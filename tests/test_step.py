@@ -1,0 +1,55 @@
+"""One training step, built in one place (recipes/step.py): the step `longstride plan` traces is the step a stage
+trains, with the same batch keys and the same optimizer parameter groups."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+from transformers import AutoModelForCausalLM
+
+from longstride.data.batch import BATCH_KEYS, collate, packed_item
+from longstride.recipes.memplan import model_config, stage_program
+from longstride.recipes.plan import validate
+from longstride.recipes.step import build_optimizer, build_step, group_summary
+from longstride.recipes.trace import trace_step
+from tests.conftest import REPO, compose_cfg
+
+
+@pytest.mark.parametrize("weight_decay", [0.1, 0.03])
+def test_the_traced_step_is_the_stage_step(weight_decay):
+    cfg = compose_cfg(["recipe=tiny_extend", f"optim.weight_decay={weight_decay}"])
+    plan = validate(cfg, world=2, check_data=False)["s2_2k"]
+    prog = stage_program(cfg, plan, world=2, docs=3, gpu=False, bf16=False)
+    traced = trace_step(prog)
+    # the stage's own step: recipes/stage.build_stage's calls on the model the stage trains
+    from longstride.recipes.stage import step_spec
+
+    lm = AutoModelForCausalLM.from_config(model_config(cfg, plan.stage))
+    step = build_step(lm, step_spec(cfg, plan))
+    real = group_summary(build_optimizer(step.lm, cfg.optim, plan.stage.lr))
+    assert traced["optimizer_groups"] == real
+    assert real[0]["weight_decay"] == weight_decay and real[1]["weight_decay"] == 0.0
+    batch = collate([packed_item([np.arange(2, 40), np.arange(2, 20)], 64, pad_id=0)])
+    assert traced["batch_keys"] == sorted(step.prep(batch)[0]) == sorted(BATCH_KEYS)
+
+
+# benchmarks that are not longstride's step on purpose
+OUTSIDE = {"retrieval_bare_loop.py": "a bare transformers loop, outside the recipe on purpose (its docstring)"}
+
+
+def test_no_training_step_is_assembled_outside_the_builder():
+    """The assembly (patch_model, use_longstride_attention, ChunkedLossLM, AdamW) appears only in recipes/step.py
+    among the recipes and benchmarks."""
+    calls = {"patch_model", "use_longstride_attention", "ChunkedLossLM", "AdamW"}
+    found = []
+    for path in [*(REPO / "recipes").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
+        if path.name == "step.py" or path.name in OUTSIDE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if name in calls:
+                    found.append(f"{pathlib.Path(path).relative_to(REPO)}:{node.lineno} {name}")
+    assert not found, found
