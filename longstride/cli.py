@@ -7,11 +7,13 @@
     longstride convert-gguf out=checkpoints/smollm2-135m-instruct [gguf=FILE]
     longstride export-hf checkpoint=outputs/tiny/s1_256/step_000003 out=DIR  # a sharded step checkpoint as HF
     longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1  # memory per stage (estimate)
+    longstride check checkpoint=DIR seq_len=1024 cp=2 parallel.cp_impl=ring  # CP and kernels vs one device, eager
     longstride <command> --help                              # every option of that command
 
 Several processes run the module behind a command, e.g.
     accelerate launch --config_file configs/accelerate/cpu.yaml -m longstride.recipes.train recipe=tiny
     torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR prefill=cp
+    torchrun --nproc-per-node 4 -m longstride.recipes.check checkpoint=DIR cp=4
 """
 from __future__ import annotations
 
@@ -60,7 +62,15 @@ def _plan(argv: list[str]) -> None:
     run("longstride plan", main, argv)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert, "export-hf": _export, "plan": _plan}
+def _check(argv: list[str]) -> None:
+    from longstride.overrides import run
+    from longstride.recipes.check import main
+
+    run("longstride check", main, argv)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert, "export-hf": _export, "plan": _plan,
+            "check": _check}
 
 
 def _usage(error: str = "") -> None:

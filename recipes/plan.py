@@ -182,6 +182,17 @@ def _check_data(cfg: Config) -> None:
                          "process; set data.num_workers=0 with data.streaming=true")
 
 
+def check_model_and_data(cfg: Config) -> int:
+    """The model group's and the data's checks as `validate` runs them (a checkpoint that exists and whose
+    attention longstride computes, model.rope_layer_types, the data sources), without a stage's training plan;
+    returns the model's query head count. For a command that runs one stage's step outside training
+    (longstride check)."""
+    heads = _model_heads(cfg)
+    _check_rope_layer_types(cfg.model)
+    _check_data(cfg)
+    return heads
+
+
 def seq_len_unit(degrees: CPDegrees) -> int:
     """seq_len must be a multiple of this for a CP layout of these degrees: the ring's 2 x ring chunks, each
     split over the Ulysses group (ring x lcm(2, ulysses) covers both)."""

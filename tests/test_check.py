@@ -1,0 +1,130 @@
+"""`longstride check` (recipes/check.py) on tiny random models of transformers' own classes saved as checkpoints
+with a tiny BPE tokenizer, on a corpus of short documents the test writes (several documents per packed row, so
+windows and chunks cross document and CP-chunk boundaries): Mistral (one sliding window for every layer), Gemma 3
+(local + global layers), GPT-OSS (sinks + windows) and Llama 4 (chunked + NoPE layers), the configs of
+tests/test_attention_patterns.py MODELS, pass under ring cp=2, with the one-device run also matching the model's
+own eager attention.
+
+The injected mistake: LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window (recipes/check.py's test hook) makes every CP
+method compute each layer without its sliding window while the one-device and eager runs keep it, as a CP method
+that ignored the layer's pattern would. The check must exit 1 and name layer 0, a sliding_attention layer, as the
+first layer whose output differs. Bad input (a missing checkpoint, a seq_len the CP layout cannot cut, attention
+longstride does not compute) exits 2 before any compute, naming the field.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+import transformers as T
+
+from longstride import cli
+from longstride.recipes import check
+from tests.test_attention_patterns import MODELS
+
+WINDOW = 16  # sliding window / chunk: smaller than a CP chunk (128 tokens / 4 = 32) and than most documents
+SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(folder, tokenizer): a BPE of 300 tokens trained on a few stdlib files, and docs.jsonl of 60 documents of 1
+    to 3 words or 5 to 8 (about 3 to 50 tokens), cut from the same text: its first packed row of 128 tokens holds
+    6 documents of 10 to 25 tokens."""
+    from longstride.data.files import list_files, stdlib_root
+    from longstride.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("check")
+    texts = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:10]]
+    tok = train_bpe(texts, 300)
+    words, rng = " ".join(texts).split(), random.Random(0)
+    with open(root / "docs.jsonl", "w") as fh:
+        for _ in range(60):
+            n, start = rng.randint(1, 3) if rng.random() < 0.8 else rng.randint(5, 8), rng.randrange(len(words) - 20)
+            fh.write(json.dumps({"text": " ".join(words[start:start + n])}) + "\n")
+    return root, tok
+
+
+def save_checkpoint(root, tok, name: str) -> str:
+    """MODELS[name] at WINDOW, sized to the tokenizer, saved with it (sinks drawn away from their zero init)."""
+    make, cls = MODELS[name]
+    config = make(WINDOW)
+    config.vocab_size, config.eos_token_id, config.pad_token_id = len(tok), tok.eos_token_id, tok.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        model = cls(config)
+        for mod in model.modules():
+            if isinstance(getattr(mod, "sinks", None), torch.nn.Parameter):
+                torch.nn.init.normal_(mod.sinks, 0, 2)
+    path = root / name
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def argv(root, checkpoint: str, *extra: str) -> list[str]:
+    return [f"checkpoint={checkpoint}", "data=files", f"data.sources.main.path={root}/docs.jsonl", "data.num_proc=1",
+            "data.eval_sequences=1", f"paths.cache_dir={root}/cache", f"seq_len={SEQ_LEN}", *extra]
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gpt_oss", "llama4"])
+def test_check_passes_on_models_with_windows_chunks_and_sinks(name, corpus, capsys):
+    root, tok = corpus
+    rep = check.check(argv(root, save_checkpoint(root, tok, name), "parallel.cp_impl=ring", "cp=2"))
+    out = capsys.readouterr().out
+    assert rep.ok, out
+    assert [c.title for c in rep.comparisons] == ["1 device vs eager", "ring cp=2 vs 1 device"]
+    kind = {"mistral": "sliding_attention", "gemma3": "sliding_attention", "gpt_oss": "sliding_attention",
+            "llama4": "chunked_attention"}[name]
+    assert ("output", kind) in rep.comparisons[1].cells and ("grad", "other") in rep.comparisons[1].cells
+    assert f"{'chunk' if name == 'llama4' else 'window'} {WINDOW}" in out and "check passed" in out
+    docs, longest = map(int, re.search(r"(\d+) documents \(longest (\d+) tokens\)", out).groups())
+    assert docs >= 4 and longest > WINDOW, "several documents per row, longer than the window: all are exercised"
+
+
+def test_check_fails_naming_the_layer_type_when_cp_drops_the_window(corpus, capsys, monkeypatch):
+    root, tok = corpus
+    monkeypatch.setenv(check.TEST_FAULT, "cp_drops_window")  # read by the gloo processes the check starts
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", *argv(root, save_checkpoint(root, tok, "gemma3"), "cp=2")])
+    out = capsys.readouterr().out
+    assert e.value.code == 1, out
+    failed = [line for line in out.splitlines() if line.startswith("check FAILED")]
+    assert len(failed) == 1 and failed[0].startswith("check FAILED: ring cp=2 vs 1 device"), out
+    assert "first layer whose output differs: layer 0 (sliding_attention)" in failed[0], out
+    assert "1 device vs eager" not in failed[0], "the one-device reference keeps the window"
+
+
+def test_bad_input_fails_before_compute_naming_the_field(corpus, tmp_path, capsys, monkeypatch):
+    root, tok = corpus
+
+    def computed(*args, **kwargs):
+        raise AssertionError("bad input must fail before the data is read or a model is built")
+
+    monkeypatch.setattr(check, "stage_batch", computed)
+    monkeypatch.setattr(check, "load_model", computed)
+    gemma2 = tmp_path / "gemma2"
+    T.Gemma2ForCausalLM(T.Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       sliding_window=16)).save_pretrained(gemma2)
+    good = save_checkpoint(root, tok, "mistral")
+    cases = [(argv(root, str(tmp_path / "missing")), "checkpoint="),
+             (argv(root, good, "cp=2", "seq_len=126"), "seq_len=126"),
+             (argv(root, str(gemma2)), "attn_logit_softcapping"),
+             (argv(root, good, "cp=3", "parallel.cp_impl=ulysses"), "must divide the model's 4 query heads")]
+    for args, expect in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["check", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and expect in err and "Traceback" not in err, (args, err)
+
+
+def test_help_lists_the_options_and_not_the_test_hook(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "tolerance=0.0001" in out and "seq_len=0" in out and "cp=0" in out
+    assert check.TEST_FAULT not in out
