@@ -46,7 +46,7 @@ def test_auto_batches_answer_like_one_by_one(two):
 
 
 def test_buffer_layer_writes_in_place_and_refuses_overflow():
-    from longstride.eval.ruler.generate import BufferLayer
+    from longstride.eval.hf_adapter import BufferLayer
 
     keys, values = torch.zeros(2, 1, 5, 3), torch.zeros(2, 1, 5, 3)
     layer = BufferLayer(keys, values, filled=2)
@@ -63,7 +63,7 @@ def test_buffer_layer_writes_in_place_and_refuses_overflow():
 
 
 def test_buffer_layer_keeps_rows_in_order():
-    from longstride.eval.ruler.generate import BufferLayer
+    from longstride.eval.hf_adapter import BufferLayer
 
     keys = torch.arange(5.0)[:, None, None, None].expand(5, 2, 4, 3).contiguous()
     layer = BufferLayer(keys, -keys, filled=3)

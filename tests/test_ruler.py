@@ -160,8 +160,8 @@ def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits():
     layers, YaRN, grouped K/V heads; the first prompt's too."""
     from transformers import DynamicCache
 
-    from longstride.eval.ruler.generate import (_batch_cache, _cache_kw, _prefill, _put_row, _row_prefix,
-                                                   shared_prefix)
+    from longstride.eval.hf_adapter import buffer_cache, cache_kw, put_row, row_prefix
+    from longstride.eval.ruler.generate import _prefill, shared_prefix
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig, YarnConfig
 
@@ -173,7 +173,7 @@ def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits():
     a = torch.randint(2, 300, (230,), generator=g).tolist()
     b = a[:150] + torch.randint(2, 300, (80,), generator=g).tolist()  # past the 128 positions YaRN stretches
     b[150] = a[150] + 1
-    kw, cpu = _cache_kw(model), torch.device("cpu")
+    kw, cpu = cache_kw(model), torch.device("cpu")
 
     def reference(ids):
         with torch.no_grad():
@@ -182,9 +182,9 @@ def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits():
 
     cache_a, logits_a = _prefill(model, a, 100, cpu, kw)
     assert shared_prefix(a, b) == 150 and shared_prefix(a, a) == len(a) - 1
-    batch = _batch_cache(model, cache_a, 1, 3 + len(a), 3 + len(a))  # a's prompt in row 0 from column 3
-    _put_row(batch, 0, cache_a, 3 + len(a))
-    cache_b, logits_b = _prefill(model, b, 48, cpu, kw, _row_prefix(model, batch, 0, 3, 150))
+    batch = buffer_cache(model, cache_a, 1, 3 + len(a), 3 + len(a))  # a's prompt in row 0 from column 3
+    put_row(batch, 0, cache_a, 3 + len(a))
+    cache_b, logits_b = _prefill(model, b, 48, cpu, kw, row_prefix(model, batch, 0, 3, 150))
     for ids, cache, logits in ((a, cache_a, logits_a), (b, cache_b, logits_b)):
         ref_cache, ref_logits = reference(ids)
         assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-4), (logits - ref_logits).abs().max()

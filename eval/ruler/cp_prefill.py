@@ -13,9 +13,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from transformers import AttentionInterface, DynamicCache
-from transformers.masking_utils import AttentionMaskInterface
 
+from longstride.eval.hf_adapter import DynamicCache, attention_implementation, new_cache
 from longstride.parallel.attention import longstride_attention, no_mask
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
@@ -41,12 +40,10 @@ def world_cp(device_type: str) -> CPContext:
 @torch.no_grad()
 def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     """The KV cache of the first P' tokens of `ids` (see the module docstring), on every rank."""
-    AttentionInterface.register(NAME, _attention_keeping_kv)
-    AttentionMaskInterface.register(NAME, no_mask)
     device = next(model.parameters()).device
     step = 2 * cp.degrees.ring
     length = (len(ids) - 1) // step * step  # at least one prompt token is left for generate
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     if length == 0:
         return cache
     full = torch.tensor(ids[:length], device=device)[None]
@@ -55,13 +52,9 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None, half=half))
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
-    try:
+    with attention_implementation(model, NAME, _attention_keeping_kv, no_mask):
         model.model(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout,
                     kv_out=kv, use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
     for layer in range(len(kv)):
         parts = []
         for x in kv[layer]:

@@ -13,10 +13,9 @@ are the full forward's to fp32 rounding (tests/test_ruler.py).
 
 The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
 to the longest prompt, and the rows are decoded one token per forward for all of them together
-(transformers' DynamicCache concatenates: a copy of the whole cache per token and layer, most of a decode
-step's time on CPU). A row leaves the batch at EOS, at its token budget, or, given references, once its
-score is decided (`decided`). Answers are the generated token ids decoded, never the prompt stripped from
-a decoded output.
+(transformers' DynamicCache concatenates: a copy of the whole cache per token and layer). A row leaves the
+batch at EOS, at its token budget, or, given references, once its score is decided (`decided`). Answers are
+the generated token ids decoded, never the prompt stripped from a decoded output.
 
 Prompt-lookup drafting (speculative decoding with the context as the draft model; Saxena 2023, HF's
 `prompt_lookup_num_tokens`, vLLM's n-gram proposer): each step, a row whose last tokens (3, else 2, else 1) occurred earlier
@@ -30,17 +29,16 @@ K/V per query head whenever there is a mask).
 """
 from __future__ import annotations
 
-import inspect
-from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from longstride.eval.hf_adapter import (SDPA_MASK, DynamicCache, attention_implementation, buffer_cache,
+                                        buffer_columns, buffered, cache_kw, full_attention_layers, keep_rows,
+                                        new_cache, plain_layers, put_row, row_prefix)
 from longstride.eval.ruler.score import sample_score
 from longstride.parallel.attention import no_mask
 from longstride.parallel.kernels import block_forward
@@ -86,44 +84,6 @@ def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[
     return out
 
 
-class BufferLayer(DynamicLayer):
-    """A layer's KV cache in buffers sized once for prompt and answer: a new token is written in place and
-    the layer hands attention a view of the columns filled so far."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
-        super().__init__()
-        self.buf_k, self.buf_v, self.filled = keys, values, filled
-        self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
-        self.device, self.is_initialized = keys.device, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n, s = self.filled, key_states.shape[-2]
-        if n + s > self.buf_k.shape[-2]:
-            raise RuntimeError(f"KV buffer full: {n} + {s} tokens > {self.buf_k.shape[-2]} columns")
-        self.buf_k[:, :, n:n + s] = key_states
-        self.buf_v[:, :, n:n + s] = value_states
-        self.filled = n + s
-        self.keys, self.values = self.buf_k[:, :, :n + s], self.buf_v[:, :, :n + s]
-        return self.keys, self.values
-
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows (ascending batch indices) from now on: each kept row moves down into the first free
-        slot, in place (row j's source rows[j] >= j is never a slot written before it is read), and the buffers
-        become views of the first len(rows) rows. Only the filled columns of the rows after the first dropped one
-        are copied."""
-        n = self.filled  # the columns after it are written before they are read
-        for j, r in enumerate(rows):
-            if r != j:
-                self.buf_k[j, :, :n], self.buf_v[j, :, :n] = self.buf_k[r, :, :n], self.buf_v[r, :, :n]
-        self.buf_k, self.buf_v = self.buf_k[:len(rows)], self.buf_v[:len(rows)]
-        self.keys, self.values = self.buf_k[:, :, :self.filled], self.buf_v[:, :, :self.filled]
-
-
-def _cache_kw(model) -> str:
-    """The forward's name for the KV cache: `cache` in recent transformers, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _full_attention_only(name: str, dropout: float, kwargs: dict) -> None:
     if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{name} is full causal attention: no dropout, window, softcap or sinks")
@@ -153,8 +113,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     cache's key/value (B, Hkv, n, D), with transformers' boolean SDPA mask (B, 1, q, n) (left padding, draft holes,
     causality among the new tokens) or none (one new token, nothing masked) -> ((B, q, H, D), None). The g query
     heads that share a K/V head go into the query-length dimension, (B, Hkv, g*q, D), so SDPA reads each K/V
-    head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask; SDPA's
-    own enable_gqa path was 2x slower than this at 8K)."""
+    head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask)."""
     _full_attention_only("decode_attention", dropout, kwargs)
     B, H, q, D = query.shape
     assert attention_mask is not None or q == 1, "several new tokens after a cache need a mask"
@@ -171,25 +130,12 @@ def cpu_kernels(device: torch.device) -> bool:
     elsewhere (a GPU) the model's own attention runs with transformers' masks."""
     return device.type == "cpu"
 
+_ATTENTION = {PREFILL_ATTENTION: (prefill_attention, no_mask), DECODE_ATTENTION: (decode_attention, SDPA_MASK)}
 
-_ATTENTION = {PREFILL_ATTENTION: (prefill_attention, no_mask), DECODE_ATTENTION: (decode_attention, sdpa_mask)}
 
-
-@contextmanager
 def _attention(model, name: Optional[str]):
     """The model runs attention `name` (with its mask function) inside the block; None: the model's own."""
-    if name is None:
-        yield
-        return
-    attention, mask = _ATTENTION[name]
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
+    return attention_implementation(model, name, *_ATTENTION.get(name, (None, None)))
 
 
 def _prefill(model, ids: list[int], chunk: int, device, kw: str,
@@ -198,12 +144,12 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
     and the logits of its last token. With `cache` holding the prompt's first tokens already (a shared prefix,
     or a context-parallel prefill), only the rest is run. On CPU, with full attention in every layer, the
     forward runs `prefill_attention` (no mask); elsewhere the model's own attention with its mask."""
-    cache = cache if cache is not None else DynamicCache(config=model.config)
+    cache = cache if cache is not None else new_cache(model)
     start = cache.get_seq_length()
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    unmasked = cpu_kernels(device) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    unmasked = cpu_kernels(device) and plain_layers(cache)
     with _attention(model, PREFILL_ATTENTION if unmasked else None):
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
@@ -216,33 +162,30 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((j for j in range(n) if a[j] != b[j]), n)
 
 
-def _row_prefix(model, batch: DynamicCache, row: int, start: int, n: int) -> Optional[DynamicCache]:
-    """The first `n` cached tokens of the batch cache's row `row` (its prompt starts at column `start`) as one
-    prompt's own cache; None when n is 0."""
-    if not n:
-        return None
-    cache = DynamicCache(config=model.config)
-    for i, layer in enumerate(batch.layers):
-        cache.update(layer.buf_k[row:row + 1, :, start:start + n], layer.buf_v[row:row + 1, :, start:start + n], i)
-    return cache
+@dataclass
+class Generation:
+    """What greedy generation needs besides the batch at hand: greedy_generate's arguments, resolved."""
+    model: torch.nn.Module
+    tokenizer: object
+    prompts: list[list[int]]  # token ids by prompt index
+    max_new_tokens: int
+    eos: list[int]  # stop_ids
+    device: torch.device
+    kw: str  # the forward's name for the KV cache (hf_adapter.cache_kw)
+    prefill_chunk: int = 8192
+    references: Optional[list[list[str]]] = None  # by prompt index: a row ends once its score is decided
+    metric: str = "all"
+    draft: int = 0  # prompt-lookup tokens verified per decode step (with a BufferLayer cache)
 
+    @classmethod
+    def of(cls, model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **settings) -> Generation:
+        return cls(model, tokenizer, prompts, max_new_tokens=max_new_tokens, eos=stop_ids(model, tokenizer),
+                   device=next(model.parameters()).device, kw=cache_kw(model), **settings)
 
-def _batch_cache(model, like: DynamicCache, rows: int, columns: int, filled: int) -> DynamicCache:
-    """An empty batch cache shaped like `like` (one prefilled row): `rows` rows of `columns` columns, the first
-    `filled` of them the (left-padded) prompts."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [BufferLayer(layer.keys.new_zeros(rows, layer.keys.shape[1], columns, layer.keys.shape[-1]),
-                                layer.values.new_zeros(rows, layer.values.shape[1], columns, layer.values.shape[-1]),
-                                filled) for layer in like.layers]
-    return cache
-
-
-def _put_row(cache: DynamicCache, row: int, prefilled: DynamicCache, width: int) -> None:
-    """One prompt's cache into row `row`, right-aligned at column `width` (left padding before it)."""
-    for dst, src in zip(cache.layers, prefilled.layers):
-        w = src.keys.shape[-2]
-        dst.buf_k[row, :, width - w:width] = src.keys[0]
-        dst.buf_v[row, :, width - w:width] = src.values[0]
+    def prefill(self, i: int, cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
+        """Prompt i prefilled (from `cache`, its first tokens, when given): its cache and first new token."""
+        cache, logits = _prefill(self.model, self.prompts[i], self.prefill_chunk, self.device, self.kw, cache)
+        return cache, int(logits.argmax())
 
 
 @torch.no_grad()
@@ -254,47 +197,68 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     `batch_tokens` (the KV cache's tokens, draft holes included). With `references` (one list per prompt) a row
     stops as soon as its score under `metric` is decided: the same score, a shorter answer. `draft` > 0: each
     step also verifies up to that many prompt-lookup tokens per row (the same answers in fewer forwards)."""
-    eos = stop_ids(model, tokenizer)
-    device, kw = next(model.parameters()).device, _cache_kw(model)
+    g = Generation.of(model, tokenizer, prompts, max_new_tokens, prefill_chunk=prefill_chunk, references=references,
+                      metric=metric, draft=draft)
     answers: list[str] = [""] * len(prompts)
-
-    def prefill(i: int, cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
-        cache, logits = _prefill(model, prompts[i], prefill_chunk, device, kw, cache)
-        return cache, int(logits.argmax())
-
     room = max_new_tokens * (1 + draft)  # answer columns: each step's rejected draft columns stay as holes
     for rows in batches([len(p) + room for p in prompts], batch_size, batch_tokens):
         rows = sorted(rows, key=lambda i: prompts[i])  # lexicographic: the row before shares the longest prefix
-        widths, width = [len(prompts[i]) for i in rows], max(len(prompts[i]) for i in rows)
-        one, token = prefill(rows[0])
-        if any(type(layer) is not DynamicLayer for layer in one.layers):
-            # sliding-window or other special layers keep their own cache: those rows decode one at a time
-            for r, i in enumerate(rows):
-                c, t = (one, token) if r == 0 else prefill(i)
-                answers[i] = _decode_rows(model, tokenizer, [i], [widths[r]], [t], c, None, max_new_tokens, eos,
-                                          references, metric, kw)[i]
-            continue
-        # the batch's cache is made once; each prompt is copied in as soon as it is prefilled and dropped, and
-        # the next prompt starts from the prefix it shares with it
-        cache, first = _batch_cache(model, one, len(rows), width + room, width), []
-        for r, i in enumerate(rows):
-            if r:
-                shared = shared_prefix(prompts[rows[r - 1]], prompts[i])
-                c, t = prefill(i, _row_prefix(model, cache, r - 1, width - widths[r - 1], shared))
-            else:
-                c, t = one, token
-            _put_row(cache, r, c, width)
-            first.append(t)
-        del one, c
-        mask = None
-        if min(widths) < width:  # left padding, masked out
-            mask = torch.zeros(len(rows), width + room, dtype=torch.long, device=device)
-            for r, w in enumerate(widths):
-                mask[r, width - w:width] = 1
-        for i, text in _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tokens, eos,
-                                    references, metric, kw, prompts, draft).items():
+        for i, text in _generate_batch(g, rows, room).items():
             answers[i] = text
     return answers
+
+
+def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]:
+    """One batch's answers by prompt index: its prompts prefilled one by one (in `rows`' order, each from the
+    prefix it shares with the one before), then decoded together with `room` answer columns per row."""
+    widths = [len(g.prompts[i]) for i in rows]
+    one, token = g.prefill(rows[0])
+    if not plain_layers(one):
+        return _one_at_a_time(g, rows, one, token)
+    cache, first = _prefilled_batch(g, rows, one, token, room)
+    del one  # in the batch cache now
+    return _decode_rows(g, rows, widths, first, cache, _padding_mask(widths, room, g.device))
+
+
+def _one_at_a_time(g: Generation, rows: list[int], one: DynamicCache, token: int) -> dict[int, str]:
+    """Sliding-window or other special layers keep their own cache: those rows are prefilled and decoded one
+    at a time, without drafts (the first, `rows[0]`, is prefilled already: `one`, `token`)."""
+    alone, out = replace(g, draft=0), {}
+    for r, i in enumerate(rows):
+        cache, t = (one, token) if r == 0 else g.prefill(i)
+        out.update(_decode_rows(alone, [i], [len(g.prompts[i])], [t], cache, None))
+    return out
+
+
+def _prefilled_batch(g: Generation, rows: list[int], one: DynamicCache, token: int,
+                     room: int) -> tuple[DynamicCache, list[int]]:
+    """The batch's cache, made once, with every prompt left-padded into its row, and each row's first new
+    token. Each prompt is copied in as soon as it is prefilled and dropped, and the next prompt starts from
+    the prefix it shares with it (the first, `rows[0]`, is prefilled already: `one`, `token`)."""
+    widths = [len(g.prompts[i]) for i in rows]
+    width = max(widths)
+    cache, first = buffer_cache(g.model, one, len(rows), width + room, width), []
+    for r, i in enumerate(rows):
+        if r:
+            shared = shared_prefix(g.prompts[rows[r - 1]], g.prompts[i])
+            c, t = g.prefill(i, row_prefix(g.model, cache, r - 1, width - widths[r - 1], shared))
+        else:
+            c, t = one, token
+        put_row(cache, r, c, width)
+        first.append(t)
+    return cache, first
+
+
+def _padding_mask(widths: list[int], room: int, device) -> Optional[torch.Tensor]:
+    """The batch's attention mask (rows, longest prompt + room): 1 on each prompt's columns, 0 on its left
+    padding and on the answer columns (set as they fill); None when no row is padded."""
+    width = max(widths)
+    if min(widths) == width:
+        return None
+    mask = torch.zeros(len(widths), width + room, dtype=torch.long, device=device)
+    for r, w in enumerate(widths):
+        mask[r, width - w:width] = 1
+    return mask
 
 
 class Drafts:
@@ -339,81 +303,108 @@ class Drafts:
             out[r, :len(d)], length[r] = torch.from_numpy(d), len(d)
         return out, length
 
+class _Decoding:
+    """The rows of one batch being decoded together: each row's prompt index (`live`), answer tokens so far,
+    position and next token, the cache columns filled, the attention mask over them, and its drafts."""
 
-def _decode_rows(model, tokenizer, rows, widths, first, cache, mask, max_new_tokens, eos, references, metric,
-                 kw, prompts=None, draft=0) -> dict[int, str]:
-    """Greedy decoding of prefilled rows (prompt index, prompt length, first new token) sharing `cache`; a row
-    leaves the batch at EOS, at `max_new_tokens`, or once `references` decide its score. With `prompts` (the
-    token ids by prompt index) and `draft` > 0, and a BufferLayer cache with room for max_new_tokens x
-    (1 + draft) columns, each step also verifies up to `draft` prompt-lookup tokens per row (module docstring)."""
-    device = next(model.parameters()).device
-    new = {i: [] for i in rows}
-    out: dict[int, str] = {}
-    drafts = None  # drafting needs the prompts and a buffer cache with room for the draft columns
-    if draft and prompts is not None and all(isinstance(layer, BufferLayer) for layer in cache.layers):
-        drafts = Drafts([prompts[i] for i in rows], max(max_new_tokens, 1))
-        if mask is None:
-            mask = torch.ones(len(rows), cache.layers[0].buf_k.shape[-2], dtype=torch.long, device=device)
+    def __init__(self, g: Generation, rows: list[int], widths: list[int], first: list[int], cache: DynamicCache,
+                 mask: Optional[torch.Tensor]):
+        self.g, self.cache, self.mask = g, cache, mask
+        self.new: dict[int, list[int]] = {i: [] for i in rows}
+        self.out: dict[int, str] = {}
+        self.drafts = None  # drafting needs a buffer cache with room for the draft columns
+        if g.draft and buffered(cache):
+            self.drafts = Drafts([g.prompts[i] for i in rows], max(g.max_new_tokens, 1))
+            if mask is None:
+                self.mask = torch.ones(len(rows), buffer_columns(cache), dtype=torch.long, device=g.device)
+        self.live, self.pos = list(rows), torch.tensor(widths, device=g.device)
+        self.token, self.filled = torch.tensor(first, device=g.device), max(widths)
 
-    def add(r: int, i: int, t: int) -> bool:
+    def add(self, r: int, i: int, t: int) -> bool:
         """Token t onto row r (prompt i); True when the row ends with it. The text is decoded every token only
         when references can end a row early."""
-        new[i].append(t)
-        if drafts is not None:
-            drafts.append(r, t)
-        ended = t in eos or len(new[i]) >= max_new_tokens
-        text = _decode(tokenizer, new[i], eos) if ended or references is not None else None
-        if ended or (references is not None and decided(text, references[i], metric)):
-            out[i] = text
+        g = self.g
+        self.new[i].append(t)
+        if self.drafts is not None:
+            self.drafts.append(r, t)
+        ended = t in g.eos or len(self.new[i]) >= g.max_new_tokens
+        text = _decode(g.tokenizer, self.new[i], g.eos) if ended or g.references is not None else None
+        if ended or (g.references is not None and decided(text, g.references[i], g.metric)):
+            self.out[i] = text
             return True
         return False
 
-    live, pos = list(rows), torch.tensor(widths, device=device)
-    token, filled = torch.tensor(first, device=device), max(widths)
-    done = [r for r, (i, t) in enumerate(zip(rows, first)) if add(r, i, t)]
-    full = all(type(layer) in (DynamicLayer, BufferLayer) for layer in cache.layers)
-    with _attention(model, DECODE_ATTENTION if cpu_kernels(device) and full else None):
-        while True:
-            if len(done) == len(live):
-                return out
+    def drop(self, done: list[int]) -> None:
+        """The rows at positions `done` leave the batch (their answers are in `out`)."""
+        rows_kept = [r for r in range(len(self.live)) if r not in done]
+        keep = torch.tensor(rows_kept, device=self.g.device)
+        self.live = [self.live[r] for r in rows_kept]
+        self.pos, self.token = self.pos[keep], self.token[keep]
+        self.mask = self.mask[keep] if self.mask is not None else None
+        keep_rows(self.cache, rows_kept)
+        if self.drafts is not None:
+            self.drafts.keep(rows_kept)
+
+    def propose(self) -> tuple[int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """This step's draft width k and the drafts (rows, >= k) with their lengths (rows,); k 0: no draft."""
+        if self.drafts is None:
+            return 0, None, None
+        # no more draft columns than the rows could keep, nor than the buffer has room for
+        left = self.g.max_new_tokens - min(len(self.new[i]) for i in self.live)
+        k = min(self.g.draft, left - 1, buffer_columns(self.cache) - self.filled - left)
+        if k <= 0:
+            return 0, None, None
+        guess, length = self.drafts.propose(k)
+        return int(length.max()), guess, length  # k 0 when no row's last tokens recur
+
+    def step(self) -> list[int]:
+        """One forward over every live row's next token and its draft: the positions of the rows it ended."""
+        g = self.g
+        k, guess, length = self.propose()
+        ids = torch.cat([self.token[:, None], guess[:, :k].to(g.device)], 1) if k else self.token[:, None]
+        step = {}
+        if self.mask is not None:
+            self.mask[:, self.filled:self.filled + 1 + k] = 1
+            step["attention_mask"] = self.mask[:, :self.filled + 1 + k]
+        logits = g.model(input_ids=ids, position_ids=self.pos[:, None] + torch.arange(1 + k, device=g.device),
+                         use_cache=True, **step, **{g.kw: self.cache}).logits
+        best = logits.argmax(-1).cpu()  # (rows, 1 + k): greedy's choice after each of the step's tokens
+        kept = torch.zeros(len(self.live), dtype=torch.long)
+        if k:
+            agree = (guess[:, :k] == best[:, :k]) & (torch.arange(k) < length[:, None])
+            kept = agree.long().cumprod(1).sum(1)  # the draft's tokens up to its first disagreement
+        done = self._take(best, kept, k)
+        self.token = best[torch.arange(len(self.live)), kept].to(g.device)
+        self.pos, self.filled = self.pos + 1 + kept.to(g.device), self.filled + 1 + k
+        return done
+
+    def _take(self, best: torch.Tensor, kept: torch.Tensor, k: int) -> list[int]:
+        """Each row's kept draft tokens, then greedy's next one, onto its answer, and its rejected draft columns
+        made holes in the mask: the positions of the rows that ended."""
+        done = []
+        for r, i in enumerate(self.live):
+            a = int(kept[r])
+            if any(self.add(r, i, t) for t in best[r, :a + 1].tolist()):  # draft tokens kept, then greedy's next
+                done.append(r)
+            if a < k:  # (drafting always has a mask)
+                self.mask[r, self.filled + 1 + a:self.filled + 1 + k] = 0  # the rejected draft's columns: holes
+        return done
+
+
+def _decode_rows(g: Generation, rows: list[int], widths: list[int], first: list[int], cache: DynamicCache,
+                 mask: Optional[torch.Tensor]) -> dict[int, str]:
+    """Greedy decoding of prefilled rows (prompt index, prompt length, first new token) sharing `cache`, with
+    `mask` over its columns (None: no padding); a row leaves the batch at EOS, at max_new_tokens, or once its
+    references decide its score. With g.draft > 0 and a BufferLayer cache with room for max_new_tokens x
+    (1 + draft) columns, each step also verifies up to g.draft prompt-lookup tokens per row (module docstring)."""
+    batch = _Decoding(g, rows, widths, first, cache, mask)
+    done = [r for r, (i, t) in enumerate(zip(rows, first)) if batch.add(r, i, t)]
+    with _attention(g.model, DECODE_ATTENTION if cpu_kernels(g.device) and full_attention_layers(cache) else None):
+        while len(done) < len(batch.live):
             if done:
-                rows_kept = [r for r in range(len(live)) if r not in done]
-                keep = torch.tensor(rows_kept, device=device)
-                live = [live[r] for r in rows_kept]
-                pos, token = pos[keep], token[keep]
-                mask = mask[keep] if mask is not None else None
-                for layer in cache.layers:
-                    layer.keep(rows_kept)
-                if drafts is not None:
-                    drafts.keep(rows_kept)
-            k = 0
-            if drafts is not None:  # no more draft columns than the rows could keep, nor than the buffer has room for
-                left = max_new_tokens - min(len(new[i]) for i in live)
-                k = min(draft, left - 1, cache.layers[0].buf_k.shape[-2] - filled - left)
-            if k > 0:
-                guess, length = drafts.propose(k)
-                k = int(length.max())  # 0 when no row's last tokens recur
-            ids = torch.cat([token[:, None], guess[:, :k].to(device)], 1) if k else token[:, None]
-            step = {}
-            if mask is not None:
-                mask[:, filled:filled + 1 + k] = 1
-                step["attention_mask"] = mask[:, :filled + 1 + k]
-            logits = model(input_ids=ids, position_ids=pos[:, None] + torch.arange(1 + k, device=device),
-                           use_cache=True, **step, **{kw: cache}).logits
-            best = logits.argmax(-1).cpu()  # (rows, 1 + k): greedy's choice after each of the step's tokens
-            kept = torch.zeros(len(live), dtype=torch.long)
-            if k:
-                agree = (guess[:, :k] == best[:, :k]) & (torch.arange(k) < length[:, None])
-                kept = agree.long().cumprod(1).sum(1)  # the draft's tokens up to its first disagreement
-            done = []
-            for r, i in enumerate(live):
-                a = int(kept[r])
-                if any(add(r, i, t) for t in best[r, :a + 1].tolist()):  # draft tokens kept, then greedy's next
-                    done.append(r)
-                if a < k:  # (drafting always has a mask)
-                    mask[r, filled + 1 + a:filled + 1 + k] = 0  # the rejected draft's columns: holes
-            token = best[torch.arange(len(live)), kept].to(device)
-            pos, filled = pos + 1 + kept.to(device), filled + 1 + k
+                batch.drop(done)
+            done = batch.step()
+    return batch.out
 
 
 @torch.no_grad()
@@ -421,7 +412,6 @@ def greedy_generate_cached(model, tokenizer, prompt: list[int], cache: DynamicCa
                            prefill_chunk: int = 8192) -> str:
     """One prompt whose first tokens are already in `cache` (a context-parallel prefill): the rest of the
     prompt is prefilled into it and the answer decoded from it, as greedy_generate does one row."""
-    device, kw = next(model.parameters()).device, _cache_kw(model)
-    cache, logits = _prefill(model, prompt, prefill_chunk, device, kw, cache)
-    return _decode_rows(model, tokenizer, [0], [len(prompt)], [int(logits.argmax())], cache, None, max_new_tokens,
-                        stop_ids(model, tokenizer), None, "all", kw)[0]
+    g = Generation.of(model, tokenizer, [prompt], max_new_tokens, prefill_chunk=prefill_chunk)
+    cache, token = g.prefill(0, cache)
+    return _decode_rows(g, [0], [len(prompt)], [token], cache, None)[0]
