@@ -93,9 +93,10 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _same_dtype(query, key, value)
     if layout.cp.method is None:
-        out = doc_attention(query, key, value, layout.doc_ids, scale, layout.cp.kernel, layout.bounds, pattern, sinks)
+        out = doc_attention(query, key, value, layout.doc_ids, scale=scale, kernel=layout.cp.kernel,
+                            bounds=layout.bounds, pattern=pattern, sinks=sinks)
     else:
-        out = method(layout.cp.method).attention(query, key, value, layout, scale, pattern, sinks)
+        out = method(layout.cp.method).attention(query, key, value, layout, scale, pattern=pattern, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -180,4 +180,4 @@ def ring_plan(doc_ids: Optional[torch.Tensor | np.ndarray], batch: int, length: 
             steps.append([(slice(0, batch), step_blocks(None, length, n, rank, t, a))])
         else:
             steps.append([(slice(b, b + 1), step_blocks(docs[b], length, n, rank, t, a)) for b in range(batch)])
-    return RingPlan(n, rank, c, steps, a, docs, batch)
+    return RingPlan(n, rank, c, steps, a, docs=docs, batch=batch)

@@ -68,8 +68,9 @@ def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: s
     mesh = (mesh or WorldMesh(device_type, dims.world)).layout(dims, degrees.ulysses)
     comm = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
     heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
-    return CPContext(impl, degrees, mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses"), comm, heads, kernel,
-                     str(balance), balance_chunks, patterns)
+    return CPContext(impl, degrees, ring_rank=mesh.get_local_rank("ring"), ulysses_rank=mesh.get_local_rank("ulysses"),
+                     comm=comm, heads=heads, kernel=kernel, balance=str(balance), balance_chunks=balance_chunks,
+                     patterns=patterns)
 
 
 @dataclass

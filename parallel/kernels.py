@@ -15,6 +15,7 @@ Kernels (`parallel.kernel`):
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=N
         if pattern.window is None and sinks is None:
             return _sdpa_per_document(q, k, v, bounds, scale)
         kernel = "math"  # SDPA has no window-with-documents or sink form: the exact explicit path
-    return _DocAttention.apply(q, k, v, sinks, tuple(map(tuple, bounds)), kernel, scale, pattern.window)
+    return _DocAttention.apply(q, k, v, sinks, _DocCall(tuple(map(tuple, bounds)), kernel, scale, pattern.window))
 
 
 def _sdpa_per_document(q, k, v, bounds, scale):
@@ -151,16 +152,16 @@ def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: 
     """(dq, dk, dv), each in its input's layout, one document at a time (one call for a varlen kernel)."""
     if kernel in VARLEN:
         B, _, L, D = q.shape
-        grads = _doc_call(bounds, L, window).backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
+        grads = _doc_call(bounds, L, window).backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale)
         return tuple(g.view(B, L, g.shape[1], D).transpose(1, 2) for g in grads)
     bwd = _DENSE[kernel][1]
     if q.shape[0] == 1 and len(bounds[0]) == 1:
-        return bwd(dout, q, k, v, out, lse, scale, True, window)
+        return bwd(dout, q, k, v, out, lse, scale=scale, causal=True, window=window)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))  # empty_like keeps the (B, L, H, D) strides
     for b, row in enumerate(bounds):
         for s, e in row:
             r = (slice(b, b + 1), slice(None), slice(s, e))
-            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale, True, window)
+            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale=scale, causal=True, window=window)
             dq[r], dk[r], dv[r] = gq, gk, gv
     return dq, dk, dv
 
@@ -177,20 +178,30 @@ def _cached_doc_call(bounds: tuple, length: int, window) -> VarlenCall:
                       window=window)
 
 
+class _DocCall(NamedTuple):
+    bounds: tuple  # per row, (start, end) of each document (or document chunk) run
+    kernel: str
+    scale: float
+    window: Optional[int]
+
+
 class _DocAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bounds, kernel, scale, window):
-        out, lse = doc_attention_forward(q, k, v, bounds, kernel, scale, window)
+    def forward(ctx, q, k, v, sinks, call: _DocCall):
+        out, lse = doc_attention_forward(q, k, v, call.bounds, kernel=call.kernel, scale=call.scale,
+                                         window=call.window)
         out, lse = fold_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (bounds, kernel, scale, window)
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = doc_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None, None, None, None
+        c = ctx.call
+        dq, dk, dv = doc_attention_backward(dout, q, k, v, out, lse, bounds=c.bounds, kernel=c.kernel, scale=c.scale,
+                                            window=c.window)
+        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None
 
 
 # ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----
@@ -209,7 +220,8 @@ def _cpu_flash_fwd(q, k, v, scale, causal, mask=None):
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), 0.0, causal, attn_mask=mask, scale=scale)
+        dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), dropout_p=0.0, is_causal=causal, attn_mask=mask,
+        scale=scale)
 
 
 def _math_scores(q, k, scale, causal, mask=None):
@@ -283,13 +295,13 @@ def _banded_fwd(fwd):
 def _banded_bwd(bwd):
     def run(dout, q, k, v, out, lse, scale, causal, window=None):
         if not causal or _plain(q, k, window):
-            return bwd(dout, q, k, v, out, lse, scale, causal)
+            return bwd(dout, q, k, v, out, lse, scale=scale, causal=causal)
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
                   for x in (k, v))
         for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
             gq, gk, gv = bwd(dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
-                             scale, False, mask)
+                             scale=scale, causal=False, mask=mask)
             dq[:, :, rq] = gq
             dk[:, :, rk] += gk
             dv[:, :, rk] += gv
@@ -323,9 +335,9 @@ def block_forward(kernel: str, q, k, v, scale: float, segments=None):
 def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=None):
     bwd = _DENSE[kernel][1]
     if segments is None:
-        return bwd(dout, q, k, v, out, lse, scale, False)
+        return bwd(dout, q, k, v, out, lse, scale=scale, causal=False)
     parts = [bwd(dout[:, :, s:e], q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], out[:, :, s:e], lse[:, :, s:e],
-                 scale, True) for s, e in segments]
+                 scale=scale, causal=True) for s, e in segments]
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(g, dim=2) for g in zip(*parts))
@@ -358,11 +370,11 @@ def step_backward(kernel: str, dout, q, k, v, out, lse, plan: RingPlan, t: int, 
         for rows, blocks in plan.steps[t]:
             for b in blocks:
                 r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
-                yield (rows, b, *block_backward(kernel, dout[r], q[r], k[c], v[c], out[r], lse[r], scale,
-                                                b.segments))
+                yield (rows, b, *block_backward(kernel, dout[r], q[r], k[c], v[c], out=out[r], lse=lse[r],
+                                                scale=scale, segments=b.segments))
         return
     for call, items in _step_calls(plan, t, q.shape[2], k.shape[2]):
-        dq, dk, dv = call.backward(VARLEN[kernel], dout, q, k, v, out, lse, scale)
+        dq, dk, dv = call.backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale)
         for row, b, sq, sk in items:
             yield slice(row, row + 1), b, as_block(dq, sq), as_block(dk, sk), as_block(dv, sk)
 

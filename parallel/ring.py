@@ -17,7 +17,7 @@ q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D), out: like q, lse: (B, H, Lloc) fp32.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     _check(q, k, v, plan, comm)
     plan = pattern_plan(plan, pattern)
     if isinstance(plan, HaloPlan):
-        out, lse = halo_forward(q, k, v, plan, kernel, scale, comm)
+        out, lse = halo_forward(q, k, v, plan, kernel=kernel, scale=scale, comm=comm)
         out, lse = fold_sinks(out, lse, sinks)
         return out.to(q.dtype), lse
     n = plan.n
@@ -132,7 +132,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     for t in range(n):
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
-        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan, t, scale):
+        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan, t=t, scale=scale):
             merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
         if t + 1 < n:
             _wait(reqs)
@@ -146,7 +146,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
     """out, lse: what ring_forward returned (sinks included); the sinks' own gradient is pattern.sink_grad's."""
     plan = pattern_plan(plan, pattern)
     if isinstance(plan, HaloPlan):
-        return halo_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm)
+        return halo_backward(dout, q, k, v, out, lse, plan=plan, kernel=kernel, scale=scale, comm=comm)
     n = plan.n
     dq = None
     kv = (k, v)
@@ -155,7 +155,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
         dk = dv = None  # this step's dK/dV of the block held, fp32
-        for rows, b, gq, gk, gv in step_backward(kernel, dout, q, kv[0], kv[1], out, lse, plan, t, scale):
+        steps = step_backward(kernel, dout, q, kv[0], kv[1], out=out, lse=lse, plan=plan, t=t, scale=scale)
+        for rows, b, gq, gk, gv in steps:
             r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
             dq = _add(dq, r, gq, q)
             dk, dv = _add(dk, c, gk, k), _add(dv, c, gv, v)
@@ -178,25 +179,43 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+class RingCall(NamedTuple):
+    """Everything but the tensors of one ring attention call."""
+
+    plan: RingPlan
+    kernel: str
+    scale: float
+    comm: Optional[RingComm]
+    pattern: Pattern = CAUSAL
+
+    def forward(self, q, k, v, sinks=None):
+        return ring_forward(q, k, v, self.plan, kernel=self.kernel, scale=self.scale, comm=self.comm,
+                            pattern=self.pattern, sinks=sinks)
+
+    def backward(self, dout, q, k, v, out, lse):
+        return ring_backward(dout, q, k, v, out, lse, plan=self.plan, kernel=self.kernel, scale=self.scale,
+                             comm=self.comm, pattern=self.pattern)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, kernel, scale, comm, pattern):
-        out, lse = ring_forward(q, k, v, plan, kernel, scale, comm, pattern, sinks)
+    def forward(ctx, q, k, v, sinks, call: RingCall):
+        out, lse = call.forward(q, k, v, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (plan, kernel, scale, comm, pattern)
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None, None, None, None, None
+        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
+        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None
 
 
 def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm],
                    pattern: Pattern = CAUSAL, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), sinks, plan, kernel, scale, comm,
-                                pattern)
+    call = RingCall(plan, kernel, scale, comm, pattern)
+    return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), sinks, call)
 
 
 # The "ring" context-parallel method (parallel/cp.py): all of cp is the ring.
@@ -220,4 +239,5 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
 
 def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None) -> torch.Tensor:
     """layout: the batch's DocLayout (parallel/cp.py); pattern, sinks: the layer's (parallel/pattern.py)."""
-    return ring_attention(q, k, v, layout.plan, layout.cp.kernel, scale, layout.cp.comm, pattern, sinks)
+    return ring_attention(q, k, v, layout.plan, kernel=layout.cp.kernel, scale=scale, comm=layout.cp.comm,
+                          pattern=pattern, sinks=sinks)

@@ -23,7 +23,7 @@ the heads each rank attends for.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from longstride.parallel import ring as ring_method
 from longstride.parallel.blocks import RingPlan
 from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.config import CPDegrees, check_ulysses
-from longstride.parallel.ring import RingComm, ring_backward, ring_forward
+from longstride.parallel.ring import RingCall, RingComm
 from longstride.parallel.heads import HeadSchedule, head_schedule
 from longstride.parallel.pattern import CAUSAL, Pattern, sink_grad
 from longstride.parallel.zigzag import split_batch
@@ -108,17 +108,26 @@ def _sinks_of(sinks: Optional[torch.Tensor], heads_held: torch.Tensor) -> Option
     return None if sinks is None else sinks.index_select(0, heads_held)
 
 
+class UlyssesCall(NamedTuple):
+    """Everything but the tensors of one Ulysses call: the ring call over the gathered sequence, the Ulysses
+    group and UPipe's heads per stage (0: all at once)."""
+
+    ring: RingCall
+    heads: HeadComm
+    stage_heads: int = 0
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, kernel, scale, ring, heads, stage_heads, pattern):
-        sched = head_schedule(q.shape[1], k.shape[1], heads.size, stage_heads, q.device)
+    def forward(ctx, q, k, v, sinks, call: UlyssesCall):
+        heads = call.heads
+        sched = head_schedule(q.shape[1], k.shape[1], heads.size, call.stage_heads, q.device)
         kv = _kv_to_heads(k, v, sched, heads)
-        ctx.args = (plan, kernel, scale, ring, heads, sched, pattern)
-        ctx.has_sinks = sinks is not None
+        ctx.call, ctx.sched = call, sched
         if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
             qf = heads.to_heads(q)
             held = heads.my_heads(torch.arange(q.shape[1], device=q.device))
-            o, lse = ring_forward(qf, kv[0], kv[1], plan, kernel, scale, ring, pattern, _sinks_of(sinks, held))
+            o, lse = call.ring.forward(qf, kv[0], kv[1], _sinks_of(sinks, held))
             out = heads.to_seq(o).contiguous()
             # the head-layout q and K/V hold the same bytes as the local q, k, v (L/N tokens x H heads = L tokens x
             # H/N heads): kept instead of them, the backward does not exchange them again
@@ -127,8 +136,7 @@ class _UlyssesAttention(torch.autograd.Function):
         out, lses, bufs = torch.empty_like(q), [], {}
         for st in sched.stages:
             qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
-            o, lse = ring_forward(qf, st.pick(kv[0]), st.pick(kv[1]), plan, kernel, scale, ring, pattern,
-                                  _sinks_of(sinks, heads.my_heads(st.send)))
+            o, lse = call.ring.forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)))
             out.index_copy_(1, st.send, heads.to_seq(o, bufs, "o"))
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, sinks, *lses)
@@ -136,12 +144,10 @@ class _UlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        plan, kernel, scale, ring, heads, sched, pattern = ctx.args
+        call, sched, heads = ctx.call, ctx.sched, ctx.call.heads
         if len(sched.stages) == 1:
             *saved, sinks = ctx.saved_tensors
-            dq, dk, dv, dsinks = _one_stage_backward(dout, *saved, sinks, plan, kernel, scale, ring, heads, sched,
-                                                     pattern)
-            return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+            return (*_one_stage_backward(dout, *saved, sinks=sinks, call=call, sched=sched), None)
         q, k, v, out, sinks, *lses = ctx.saved_tensors
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         kv = _kv_to_heads(k, v, sched, heads)
@@ -152,8 +158,7 @@ class _UlyssesAttention(torch.autograd.Function):
             pick = (lambda t: t) if bufs is None else (lambda t: t.index_select(1, st.send))  # noqa: E731
             f = heads.to_heads([pick(t) for t in (q, out, dout)], bufs, "qod")  # (3B, U/N, L, D)
             f = f.view(3, B, *f.shape[1:])
-            gq, gk, gv = ring_backward(f[2], f[0], st.pick(kv[0]), st.pick(kv[1]), f[1], lse, plan, kernel, scale,
-                                       ring, pattern)
+            gq, gk, gv = call.ring.backward(f[2], f[0], st.pick(kv[0]), st.pick(kv[1]), f[1], lse)
             if sinks is not None:
                 held = heads.my_heads(st.send)
                 dsinks.index_add_(0, held, sink_grad(f[2], f[1], lse, sinks.index_select(0, held)))
@@ -164,17 +169,16 @@ class _UlyssesAttention(torch.autograd.Function):
         dk, dv = (heads.to_seq(g.to(k.dtype)) for g in dkv)  # one at a time: each exchange's buffers are half
         if sched.kv_rep > 1:  # the replicas' gradients sum into their K/V head
             dk, dv = (g.unflatten(1, (sched.kv_heads, sched.kv_rep)).sum(2) for g in (dk, dv))
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None
 
 
-def _one_stage_backward(dout, qf, kv, out, lse, sinks, plan, kernel, scale, ring, heads: HeadComm,
-                        sched: HeadSchedule, pattern: Pattern):
+def _one_stage_backward(dout, qf, kv, out, lse, sinks, call: UlyssesCall, sched: HeadSchedule):
     """Plain Ulysses' backward from the kept head-layout q (B, H/N, L, D) and K/V (2, B, Kr, L, D): only the
     output and its gradient are exchanged (one all-to-all), then dQ and dK/dV go back to sequence shards."""
-    B = dout.shape[0]
+    B, heads = dout.shape[0], call.heads
     f = heads.to_heads([out, dout])  # (2B, H/N, L, D)
     f = f.view(2, B, *f.shape[1:])
-    gq, gk, gv = ring_backward(f[1], qf, kv[0], kv[1], f[0], lse, plan, kernel, scale, ring, pattern)
+    gq, gk, gv = call.ring.backward(f[1], qf, kv[0], kv[1], f[0], lse)
     dsinks = None
     if sinks is not None:  # this rank's heads' sink gradients; the other heads' come from their ranks
         held = heads.my_heads(torch.arange(sinks.numel(), device=sinks.device))
@@ -191,8 +195,8 @@ def ulysses_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, ring: 
                       heads: HeadComm, stage_heads: int = 0, pattern: Pattern = CAUSAL,
                       sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """plan: the ring plan over the Ulysses group's (ring-local) sequence, n = 1 without a ring."""
-    return _UlyssesAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, plan, kernel, scale, ring,
-                                   heads, stage_heads, pattern)
+    call = UlyssesCall(RingCall(plan, kernel, scale, ring, pattern), heads, stage_heads)
+    return _UlyssesAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, call)
 
 
 # The "ulysses" context-parallel method (parallel/cp.py): all of cp is the Ulysses group, all heads at once.
@@ -215,5 +219,5 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
 
 def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None) -> torch.Tensor:
     cp = layout.cp
-    return ulysses_attention(q, k, v, layout.plan, cp.kernel, scale, cp.comm, cp.heads, cp.degrees.stage_heads,
-                             pattern, sinks)
+    return ulysses_attention(q, k, v, layout.plan, kernel=cp.kernel, scale=scale, ring=cp.comm, heads=cp.heads,
+                             stage_heads=cp.degrees.stage_heads, pattern=pattern, sinks=sinks)

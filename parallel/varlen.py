@@ -69,19 +69,20 @@ class VarlenCall:
         self.max_q, self.max_k = max(q_lens), max(k_lens)
         self._cu: dict = {}  # device -> the int32 cumulative lengths there, copied once
 
-    def _args(self, device) -> tuple:
+    def _lengths(self, device) -> dict:
         if device not in self._cu:  # a host-to-device copy waits for the device: once per batch, not per layer
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():  # real even inside a traced step: the call is cached (kernels.py)
                 self._cu[device] = tuple(torch.tensor(c, dtype=torch.int32, device=device)
                                          for c in (self.cu_q, self.cu_k))
-        return (*self._cu[device], self.max_q, self.max_k)
+        cu_q, cu_k = self._cu[device]
+        return {"cu_q": cu_q, "cu_k": cu_k, "max_q": self.max_q, "max_k": self.max_k}
 
     def forward(self, kernel: Varlen, q, k, v, scale: float):
         """q: (B, H, L, D), k/v: (B, Hkv, L, D) -> packed out (Tq, H, D), lse (H, Tq) fp32."""
         fq, fk, fv = gather(q, self.q_ranges), gather(k, self.k_ranges), gather(v, self.k_ranges)
-        return kernel.forward(fq, fk, fv, *self._args(q.device), scale, self.causal, self.window)
+        return kernel.forward(fq, fk, fv, **self._lengths(q.device), scale=scale, causal=self.causal, window=self.window)
 
     def backward(self, kernel: Varlen, dout, q, k, v, out, lse, scale: float):
         """dout/out: (B, H, L, D) like q, lse: (B, H, L) fp32 (merged) -> packed dq, dk, dv."""
@@ -89,7 +90,8 @@ class VarlenCall:
         flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
         packed_lse = _take(flat_lse, self.q_ranges, dim=1).float()
         return kernel.backward(g(dout), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
-                               packed_lse.contiguous(), *self._args(q.device), scale, self.causal, self.window)
+                               packed_lse.contiguous(), **self._lengths(q.device), scale=scale, causal=self.causal,
+                               window=self.window)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +169,8 @@ def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window
     from flash_attn import flash_attn_varlen_func
 
     _check_half(q, "flash_attn")
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                         max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
                                          window_size=(-1, -1) if window is None else (window - 1, 0),
                                          return_attn_probs=True)
     return out, _packed_lse(lse, q)
@@ -209,9 +212,9 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     bwd(dout, q, k, v, out, lse, scale, causal, window) on (1, H, l, D) tensors, one piece at a time. It checks what
     the CUDA kernels require of their inputs (dense last dimension, int32 cumulative lengths on the tensors'
     device that end at the packed lengths, GQA heads), so a layout mistake fails on CPU too."""
-    def pieces(q, k, cu_q, cu_k, max_q, max_k, *same_dtype):
-        _check_contract(q, k, cu_q, cu_k, max_q, max_k, *same_dtype)
-        cq, ck = cu_q.tolist(), cu_k.tolist()
+    def pieces(q, k, lengths: dict, *same_dtype):
+        _check_contract(q, k, lengths, *same_dtype)
+        cq, ck = lengths["cu_q"].tolist(), lengths["cu_k"].tolist()
         return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
     def one(x, s):  # (T, H, D) -> (1, H, l, D)
@@ -220,7 +223,8 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k, v):
+        lengths = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
+        for sq, sk in pieces(q, k, lengths, v):
             o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal, window)
             out[sq] = o[0].transpose(0, 1)
             lse[:, sq] = l[0]
@@ -229,17 +233,18 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, lse.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for sq, sk in pieces(q, k, cu_q, cu_k, max_q, max_k, v, out, dout):
-            g = bwd(one(dout, sq), one(q, sq), one(k, sk), one(v, sk), one(out, sq), lse[:, sq].unsqueeze(0),
-                    scale, causal, window)
+        lengths = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
+        for sq, sk in pieces(q, k, lengths, v, out, dout):
+            g = bwd(one(dout, sq), one(q, sq), one(k, sk), one(v, sk), out=one(out, sq), lse=lse[:, sq].unsqueeze(0),
+                    scale=scale, causal=causal, window=window)
             dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
         return dq, dk, dv
 
     return Varlen(forward, backward)
 
 
-def _check_contract(q, k, cu_q, cu_k, max_q, max_k, *same_dtype) -> None:
-    check_layout(q, k, cu_q, cu_k, *same_dtype)
-    for cu, x, m in ((cu_q, q, max_q), (cu_k, k, max_k)):
+def _check_contract(q, k, lengths: dict, *same_dtype) -> None:
+    check_layout(q, k, lengths["cu_q"], lengths["cu_k"], *same_dtype)
+    for cu, x, m in ((lengths["cu_q"], q, lengths["max_q"]), (lengths["cu_k"], k, lengths["max_k"])):
         lens = cu.diff()
         assert cu[0] == 0 and cu[-1] == x.shape[0] and (lens > 0).all() and int(lens.max()) == m, (cu, m)

@@ -120,14 +120,17 @@ def halo_plan(docs: Optional[np.ndarray], batch: int, length: int, rank: int, a:
     got = {s: cat(need.get((rank, s), [])) for s in range(n) if s != rank}
     recv_splits = [0 if s == rank else len(got[s]) for s in range(n)]
     send = [np.zeros(0, dtype=np.int64) if d == rank else cat(need.get((d, rank), [])) for d in range(n)]
-    ext_src, q_ranges, k_ranges = _extended(docs, batch, a, rank, c, local, halo, sources, recv_splits)
-    return HaloPlan(n, rank, window, local, cat(send), [len(x) for x in send], recv_splits, ext_src,
-                    VarlenCall.of_ranges(q_ranges, k_ranges, window))
+    ext_src, q_ranges, k_ranges = _extended(docs, a, rank, halo=halo, sources=sources, recv_splits=recv_splits,
+                                            shape=(batch, c, local))
+    return HaloPlan(n, rank, window, local, send_idx=cat(send), send_splits=[len(x) for x in send],
+                    recv_splits=recv_splits, ext_src=ext_src, call=VarlenCall.of_ranges(q_ranges, k_ranges, window))
 
 
-def _extended(docs, batch, a: Assignment, rank: int, c: int, local: int, halo: dict, sources, recv_splits):
+def _extended(docs, a: Assignment, rank: int, halo: dict, sources, recv_splits: list, shape: tuple):
     """This rank's extended key buffer (for each row and own chunk: its halo, then the chunk) as indices into
-    [local flat tokens, received tokens], and the pieces: one per document segment of each own chunk."""
+    [local flat tokens, received tokens], and the pieces: one per document segment of each own chunk.
+    shape: (rows, chunk length, local tokens per row)."""
+    batch, c, local = shape
     offset = {s: sum(recv_splits[:s]) for s in range(a.n)}  # where each source's tokens start in the received ones
     ext, q_ranges, k_ranges, size = [], [], [], 0
     for b in range(batch):
@@ -193,7 +196,7 @@ def halo_backward(dout, q, k, v, out, lse, plan: HaloPlan, kernel: str, scale: f
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # (a broadcast gradient, such as sum()'s)
     ext = _extended_kv(k, v, plan, comm)
     ek, ev = (_as_bhld(x, 1) for x in (ext[:, :hkv], ext[:, hkv:]))
-    dq, dk, dv = plan.call.backward(varlen_kernel(kernel), dout, q, ek, ev, out, lse, scale)
+    dq, dk, dv = plan.call.backward(varlen_kernel(kernel), dout, q, ek, ev, out=out, lse=lse, scale=scale)
     del ext, ek, ev
     acc_dtype = torch.promote_types(k.dtype, torch.float32)
     dext = torch.cat([dk, dv], dim=1).to(acc_dtype)

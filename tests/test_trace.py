@@ -112,7 +112,8 @@ def test_a_wrong_lse_layout_fails(monkeypatch):
     orig = varlen.VarlenCall.backward
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale):
-        wrong = varlen.Varlen(kernel.forward, lambda *a: kernel.backward(*a[:5], a[5].t().contiguous(), *a[6:]))
+        wrong = varlen.Varlen(kernel.forward,
+                              lambda *a, **kw: kernel.backward(*a[:5], a[5].t().contiguous(), *a[6:], **kw))
         return orig(self, wrong, dout, q, k, v, out, lse, scale)
 
     monkeypatch.setattr(varlen.VarlenCall, "backward", backward)
@@ -122,10 +123,11 @@ def test_a_wrong_lse_layout_fails(monkeypatch):
 
 def test_a_host_tensor_in_the_gpu_path_fails(monkeypatch):
     """Cumulative lengths made on the host instead of the attention's device."""
-    def args(self, device):
-        return (*(torch.tensor(c, dtype=torch.int32) for c in (self.cu_q, self.cu_k)), self.max_q, self.max_k)
+    def lengths(self, device):
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (self.cu_q, self.cu_k))
+        return {"cu_q": cu_q, "cu_k": cu_k, "max_q": self.max_q, "max_k": self.max_k}
 
-    monkeypatch.setattr(varlen.VarlenCall, "_args", args)
+    monkeypatch.setattr(varlen.VarlenCall, "_lengths", lengths)
     with pytest.raises(ContractError, match="cu_seqlens_q is on cpu"):
         gpu_trace(program("tiny", "none", 1))
 
