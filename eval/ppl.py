@@ -25,7 +25,7 @@ import torch
 
 from longstride.data.files import list_files, stdlib_root
 from longstride.eval.cli import default_out, parse_overrides
-from longstride.model.build import load_config_with_yarn
+from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum
 from longstride.overrides import run
@@ -112,23 +112,20 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str]) -> list[dict]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from longstride.parallel.attention import use_longstride_attention
 
     cfg = parse(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    config, base_max = load_config_with_yarn(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
+    config, base_max = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     too_long = [L for L in cfg.lengths if L > config.max_position_embeddings]
     if too_long:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""
         print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "
               f"{config.max_position_embeddings}; they are extrapolation{hint}", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=torch.float32).eval()
-    if torch.cuda.is_available():  # fp32 on the GPU too: perplexities comparable with CPU runs
-        model.to(f"cuda:{torch.cuda.current_device()}")
+    # fp32 (load_eval_model's default) on the GPU too: perplexities comparable with CPU runs
+    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
+    if info.device.type == "cuda":
         # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
         # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel
         use_longstride_attention(model)

@@ -21,9 +21,10 @@ from typing import List, Optional
 
 import torch
 
-from longstride.eval.ruler.run import (DTYPES, TOKENIZER_FILES, Dtype, QAFiles, check_generation, eval_device,
-                                       make_groups, note, require_tokenizer, runnable_tasks, score_group)
-from longstride.model.build import check_checkpoint_dir, load_config_with_yarn
+from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
+from longstride.eval.ruler.run import (TOKENIZER_FILES, QAFiles, check_generation, make_groups, note,
+                                       require_tokenizer, runnable_tasks, score_group)
+from longstride.model.build import check_checkpoint_dir
 from longstride.model.config import YarnConfig
 from longstride.overrides import parse
 
@@ -97,7 +98,7 @@ def tokenizer_digest(checkpoint: str) -> str:
 def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
     rows = []
     for label, ckpt in named:
-        config, trained = load_config_with_yarn(ckpt, YarnConfig())
+        config, trained = eval_config(ckpt)
         rows.append(Row(label, ckpt, None, trained, (config.rope_parameters or {}).get("rope_theta"), []))
     last = rows[-1].trained
     lengths = sorted(cfg.lengths) or [256] + [2 ** k for k in range(9, 40) if 2 ** k <= 2 * last and 2 ** k > 256]
@@ -181,8 +182,59 @@ def plot(path: str, rows: list[Row], scores: dict, tasks: list[str], title: str)
     plt.close(fig)
 
 
+@dataclass
+class Scored:
+    """Every row's scores: by row index, {task: {length: score (%)}} and {task: {length: samples}}, and every
+    sample's record (with its row's label and YaRN factor)."""
+    scores: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)
+
+
+def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, skipped: list[str],
+               t0: float) -> Scored:
+    """Each row's checkpoint loaded in turn and scored on the samples of its tokenizer (made once per
+    tokenizer, at every length of every row; a task too long for a length is noted in `skipped`)."""
+    all_lengths = sorted({L for r in rows for L in r.lengths})
+    groups_by_tok: dict[str, dict] = {}  # tokenizer digest -> {"tok": tokenizer, "groups": {(task, length): samples}}
+    digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
+    out = Scored()
+    for i, r in enumerate(rows):
+        model, tok, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
+                                        dtype=DTYPES[cfg.dtype])
+        digest = digests[r.checkpoint]
+        if digest not in groups_by_tok:
+            made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(cfg.num_samples), qa=qa, skipped=skipped)
+            groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
+        tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
+        out.scores[i], out.counts[i] = {}, {}
+        for task in tasks:
+            for L in r.lengths:
+                if (task, L) not in groups:
+                    continue
+                part = score_group(model, tok, groups[task, L], cfg)
+                for rec in part:
+                    rec.update(checkpoint=r.label, yarn=r.yarn)
+                out.records += part
+                out.scores[i].setdefault(task, {})[L] = 100 * sum(x["score"] for x in part) / len(part)
+                out.counts[i].setdefault(task, {})[L] = len(part)
+        print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        del model
+    return out
+
+
+def save(out: str, result: dict, rows: list[Row], scores: dict, tasks: list[str], title: str) -> None:
+    """<out>/compare.json (`result`) and <out>/compare.png (`scores`, as plot takes them)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        plot(os.path.join(out, "compare.png"), rows, scores, tasks, title)
+    except ImportError:
+        note("matplotlib not installed; no plot (pip install 'longstride[eval]')")
+
+
 def main(argv: list[str]) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     cfg = parse(CompareConfig, argv, "longstride eval compare", __doc__)
@@ -197,53 +249,18 @@ def main(argv: list[str]) -> dict:
     rows = plan_rows(cfg, named)
     hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
     hf_logging.disable_progress_bar()
-    all_lengths = sorted({L for r in rows for L in r.lengths})
     t0 = time.perf_counter()
-    groups_by_tok: dict[str, dict] = {}  # tokenizer digest -> {(task, length): samples}
-    scores: dict[int, dict] = {}
-    counts: dict[int, dict] = {}
-    records = []
-    digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
-    device = eval_device()
-    for i, r in enumerate(rows):
-        digest = digests[r.checkpoint]
-        if digest not in groups_by_tok:
-            tok = AutoTokenizer.from_pretrained(r.checkpoint)
-            made = make_groups(cfg, tasks, all_lengths, tok, range(cfg.num_samples), qa, skipped)
-            groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
-        tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
-        config, _ = load_config_with_yarn(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types)
-        model = AutoModelForCausalLM.from_pretrained(r.checkpoint, config=config, dtype=DTYPES[cfg.dtype])
-        model = model.to(device).eval()
-        scores[i], counts[i] = {}, {}
-        for task in tasks:
-            for L in r.lengths:
-                if (task, L) not in groups:
-                    continue
-                part = score_group(model, tok, groups[task, L], cfg)
-                for rec in part:
-                    rec.update(checkpoint=r.label, yarn=r.yarn)
-                records += part
-                scores[i].setdefault(task, {})[L] = 100 * sum(x["score"] for x in part) / len(part)
-                counts[i].setdefault(task, {})[L] = len(part)
-        print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        del model
-    table = format_tables(rows, scores, counts, tasks)
-    print(table)
+    scored = score_rows(cfg, rows, tasks, qa, skipped, t0)
+    print(format_tables(rows, scored.scores, scored.counts, tasks))
     name = os.path.basename(os.path.normpath(cfg.run)) if cfg.run else \
         "-".join(os.path.normpath(named[-1][1]).split(os.sep)[-2:])
     out = cfg.out or os.path.join("outputs", "eval", f"compare-{name}")
-    os.makedirs(out, exist_ok=True)
     result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
-              "rows": [{**asdict(r), "scores": scores[i], "samples": counts[i]} for i, r in enumerate(rows)],
-              "records": records}
-    with open(os.path.join(out, "compare.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    try:
-        plot(os.path.join(out, "compare.png"), rows, scores, tasks,
-             f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell")
-    except ImportError:
-        note("matplotlib not installed; no plot (pip install 'longstride[eval]')")
-    print(f"eval.compare: {len(records)} samples in {result['seconds']:.0f} s; results in {out}/compare.json "
+              "rows": [{**asdict(r), "scores": scored.scores[i], "samples": scored.counts[i]}
+                       for i, r in enumerate(rows)],
+              "records": scored.records}
+    save(out, result, rows, scored.scores, tasks,
+         f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell")
+    print(f"eval.compare: {len(scored.records)} samples in {result['seconds']:.0f} s; results in {out}/compare.json "
           f"and compare.png")
     return result

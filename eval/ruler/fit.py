@@ -82,4 +82,5 @@ def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 4
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     _, ids, r = tried[lo]
-    return Sample(task.name, length, index, ids, r.answers, lo, r.depth, task.max_new_tokens, task.metric)
+    return Sample(task.name, length, index, prompt_ids=ids, answers=r.answers, units=lo, depth=r.depth,
+                  max_new_tokens=task.max_new_tokens, metric=task.metric)

@@ -22,6 +22,7 @@ import torch
 
 from longstride.choices import Choice, WandbMode
 from longstride.eval.cli import default_out, parse_overrides
+from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
@@ -29,22 +30,15 @@ from longstride.eval.ruler.report import format_table, log_wandb, plot, write_fi
 from longstride.eval.ruler.score import sample_score, summarize
 from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
-from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
 from longstride.parallel.cp import CPContext
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Dtype(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 class Prefill(Choice):
     local = "local"
     cp = "cp"
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -177,11 +171,6 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     return groups
 
 
-def eval_device() -> str:
-    """Where an eval runs its model: this process's GPU when there is one, else the CPU (eval ruler, eval compare)."""
-    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-
-
 def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPContext] = None) -> list[dict]:
     """One record per sample of one task and length: the greedy answer and its score. cp: every prompt's
     prefill split over the processes (prefill=cp)."""
@@ -190,24 +179,24 @@ def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPCont
         preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, cp), budget)
                  for s in samples]
     else:
-        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], budget, cfg.batch_size, cfg.prefill_chunk,
-                                cfg.batch_tokens, [s.answers for s in samples] if cfg.stop_when_scored else None,
-                                samples[0].metric, cfg.draft)
+        preds = greedy_generate(model, tok, [s.prompt_ids for s in samples], max_new_tokens=budget,
+                                batch_size=cfg.batch_size, prefill_chunk=cfg.prefill_chunk,
+                                batch_tokens=cfg.batch_tokens,
+                                references=[s.answers for s in samples] if cfg.stop_when_scored else None,
+                                metric=samples[0].metric, draft=cfg.draft)
     return [{"task": s.task, "length": s.length, "index": s.index, "depth": s.depth, "units": s.units,
              "prompt_tokens": len(s.prompt_ids), "answers": s.answers, "prediction": pred,
              "score": sample_score(pred, s.answers, s.metric)} for s, pred in zip(samples, preds)]
 
 
 def main(argv: list[str]) -> Optional[dict]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     cfg = parse(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tasks, qa, skipped = runnable_tasks(cfg)
     if any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
-    config, original = load_config_with_yarn(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
+    config, original = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     lengths, too_long = reachable_lengths(cfg, config.max_position_embeddings, original)
     skipped += too_long
     for msg in skipped:
@@ -219,12 +208,9 @@ def main(argv: list[str]) -> Optional[dict]:
     rank, world = _dist()
     cp = cfg.prefill == "cp"
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
-    tok = AutoTokenizer.from_pretrained(cfg.checkpoint)
-    groups = make_groups(cfg, tasks, lengths, tok, share, qa, skipped)
-    device = eval_device()
-    model = AutoModelForCausalLM.from_pretrained(cfg.checkpoint, config=config, dtype=DTYPES[cfg.dtype]).to(device)
-    model.eval()
-    records, cp_ctx = [], world_cp(torch.device(device).type) if cp else None
+    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype])
+    groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped)
+    records, cp_ctx = [], world_cp(info.device.type) if cp else None
     for name, L, samples in groups:
         part = score_group(model, tok, samples, cfg, cp_ctx)
         records += part
@@ -258,6 +244,7 @@ def _report(cfg: RulerConfig, records: list[dict], skipped: list[str]) -> dict:
     except ImportError:
         note("matplotlib not installed; skipping the plots (pip install 'longstride[eval]')")
     if cfg.wandb != "disabled":
-        log_wandb(cfg.wandb, cfg.wandb_project, f"ruler-{title}", asdict(cfg), summary, images, out)
+        log_wandb(cfg.wandb, cfg.wandb_project, f"ruler-{title}", config=asdict(cfg), summary=summary,
+                  images=images, out=out)
     print(f"eval.ruler: results in {out}/{stem}.json")
     return {"summary": summary, "records": records, "skipped": skipped}

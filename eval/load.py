@@ -1,0 +1,61 @@
+"""How every eval command (ruler, compare, ppl) loads a checkpoint: one device and dtype policy.
+
+    model, tokenizer, meta = load_eval_model("outputs/tiny/s3_4k/final", YarnConfig(factor=2))
+
+The checkpoint's config with YaRN applied (model/build.py's load_config_with_yarn, on `rope_layer_types` where
+RoPE is per layer type), its tokenizer, and the model through plain AutoModelForCausalLM.from_pretrained in
+`dtype` (default float32: the same numbers on a GPU as on the CPU), moved to `device` (default this process's
+GPU when there is one, else the CPU), in eval mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from longstride.choices import Choice
+from longstride.model.build import load_config_with_yarn
+from longstride.model.config import YarnConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Dtype(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass(frozen=True)
+class EvalModelInfo:
+    device: torch.device
+    dtype: torch.dtype
+    max_positions: int  # the model's max positions, YaRN's stretch included
+    trained: int  # its max positions before YaRN: the length it was trained at
+
+
+def eval_device() -> str:
+    """Where an eval runs its model: this process's GPU when there is one, else the CPU."""
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
+def eval_config(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_layer_types: Optional[list[str]] = None):
+    """(the checkpoint's config with YaRN applied, its max positions before YaRN), without loading weights:
+    what a command checks its lengths against before it loads the model."""
+    return load_config_with_yarn(checkpoint, yarn or YarnConfig(), rope_layer_types)
+
+
+def load_eval_model(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_layer_types: Optional[list[str]] = None,
+                    device: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+    """(model, tokenizer, EvalModelInfo) of an HF model dir, with YaRN (None or factor None: off), on `device`
+    (None: eval_device()) in `dtype` (None: float32), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, trained = eval_config(checkpoint, yarn, rope_layer_types)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    dtype = dtype or torch.float32
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=dtype)
+    model = model.to(device or eval_device()).eval()
+    info = EvalModelInfo(next(model.parameters()).device, dtype, config.max_position_embeddings, trained)
+    return model, tokenizer, info
