@@ -118,7 +118,8 @@ def build_model(
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resume), dtype=torch.float32)
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
-    config = stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from)
+    config = stage_config(cfg, rope_theta, seq_len, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
+                          init_from=init_from)
     if source is not None:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
     else:

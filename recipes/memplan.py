@@ -162,8 +162,9 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     r = trace_step(prog)
     usable = int(hw.usable_gib * GIB)
     n = r["num_params"]
-    est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, prog.checkpointing, prog.mlp_tile,
-                   prog.loss_tile, world if prog.fsdp else 1, act_bytes=2, offload=prog.offload)
+    est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=prog.checkpointing,
+                   mlp_tile=prog.mlp_tile, loss_tile=prog.loss_tile, shard=world if prog.fsdp else 1, act_bytes=2,
+                   offload=prog.offload)
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": prog.checkpointing, "mlp_tile": prog.mlp_tile, "offload": prog.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",

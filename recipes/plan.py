@@ -271,7 +271,8 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
-        plans[name] = plan_stage(cfg, index, name, world, device_type, heads, prev_len, assume_gpu)
+        plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=heads,
+                                 prev_len=prev_len, assume_gpu=assume_gpu)
         prev_len = plans[name].stage.seq_len
     selected_stages(cfg)
     if check_data:

@@ -106,14 +106,14 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     """The stage's per-rank memory estimate (model/memory.py) against the device's, with a warning."""
     acc, tracker, s = ctx.accelerator, ctx.tracker, plan.stage
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
-                   plan.checkpointing, plan.mlp_tile, ctx.cfg.model.loss_tile_tokens,
-                   acc.num_processes if plan.fsdp else 1, act_bytes=2 if acc.mixed_precision == "bf16" else 4,
+                   ac=plan.checkpointing, mlp_tile=plan.mlp_tile, loss_tile=ctx.cfg.model.loss_tile_tokens,
+                   shard=acc.num_processes if plan.fsdp else 1, act_bytes=2 if acc.mixed_precision == "bf16" else 4,
                    offload=plan.offload)
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    tracker.info("stage %s: memory estimate per rank %.2f GiB (parameters %.2f, gradients %.2f, optimizer %.2f, "
-                 "activations %.2f at %d B/token, loss %.2f) of %.1f GiB (%s)", plan.name, est["total"],
-                 est["parameters"], est["gradients"], est["optimizer"], est["activations"],
-                 est["activation_bytes_per_token"], est["loss"], avail, where)
+    tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
+                 f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
+                 f"activations {est['activations']:.2f} at {int(est['activation_bytes_per_token'])} B/token, loss "
+                 f"{est['loss']:.2f}) of {avail:.1f} GiB ({where})")
     if plan.offload:
         tracker.info("stage %s: %.2f GiB of checkpointed layer inputs per rank offloaded to pinned host memory",
                      plan.name, est["host_activations"])
@@ -145,10 +145,11 @@ def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float)
         ctx.tracker.warning("stage %s: the memory trace failed (%s: %s); training goes on", plan.name,
                             type(e).__name__, e)
         return
-    ctx.tracker.info("stage %s: traced step per rank %.2f GiB (parameters %.2f, gradients %.2f, optimizer %.2f, "
-                     "activations %.2f; recipes/trace.py) against the analytic %.2f GiB (%+.0f%%)", plan.name,
-                     r["peak"] / gib, r["parameters"] / gib, r["gradients"] / gib, r["optimizer"] / gib,
-                     r["activations"] / gib, analytic_gib, 100 * (analytic_gib * gib - r["peak"]) / r["peak"])
+    g = {k: r[k] / gib for k in ("peak", "parameters", "gradients", "optimizer", "activations")}
+    ctx.tracker.info(f"stage {plan.name}: traced step per rank {g['peak']:.2f} GiB (parameters {g['parameters']:.2f}, "
+                     f"gradients {g['gradients']:.2f}, optimizer {g['optimizer']:.2f}, activations "
+                     f"{g['activations']:.2f}; recipes/trace.py) against the analytic {analytic_gib:.2f} GiB "
+                     f"({100 * (analytic_gib - g['peak']) / g['peak']:+.0f}%)")
 
 
 def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
@@ -157,8 +158,9 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
     dp_rank = dims.dp_rank(ctx.accelerator.process_index)
     with stage_input(plan.name):  # the data's own checks (too few sequences for eval_sequences, ...) as exit 2
         if cfg.data.streaming:
-            return streaming_stage(cfg.data, ctx.tokenizer, stage.seq_len, pad_id, stage.mixture,
-                                   stage.micro_batch_size, dp_rank, dims.dp, os.path.abspath(cfg.paths.cache_dir))
+            return streaming_stage(cfg.data, ctx.tokenizer, stage.seq_len, pad_id=pad_id, mixture=stage.mixture,
+                                   micro_batch_size=stage.micro_batch_size, dp_rank=dp_rank, dp=dims.dp,
+                                   cache_dir=os.path.abspath(cfg.paths.cache_dir))
         dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
                                               stage.long_docs)
         train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + plan.index)
@@ -181,8 +183,8 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
                      init_from=init_from, seed=cfg.train.seed, resume=resume)
     mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
-    cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, acc.device.type, plan.kernel, plan.balance,
-                    cfg.parallel.balance_chunks, mesh)
+    cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, device_type=acc.device.type, kernel=plan.kernel,
+                    balance=plan.balance, balance_chunks=cfg.parallel.balance_chunks, mesh=mesh)
     built = build_step(lm, step_spec(cfg, plan), cp)
     if plan.kernel == "torch_flash":
         activate_flash_impl(str(cfg.parallel.flash_impl))
@@ -192,7 +194,8 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
     loader, held_out, pack_stats = stage_data(ctx, plan, pad_id)
-    return StageRun(plan, lm, model, optimizer, scheduler, loader, held_out, pack_stats, built)
+    return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
+                    pack_stats=pack_stats, built=built)
 
 
 def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:
@@ -201,16 +204,16 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
         ctx.tracker.info("stage %s: from %s", plan.name,
                          init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     ac = plan.checkpointing != "none"
-    ctx.tracker.info("stage %s: model %s on %s (%s); activation checkpointing %s%s; MLP tile %s", plan.name,
-                     type(run.model.module).__name__, acc.device, acc.distributed_type,
-                     plan.checkpointing if ac else "off",
-                     "" if not (ac and cfg.model.offload_activations) else
-                     (", offloaded to host" if plan.offload else ", offload ignored on CPU"), plan.mlp_tile or "off")
+    offload = "" if not (ac and cfg.model.offload_activations) else \
+        (", offloaded to host" if plan.offload else ", offload ignored on CPU")
+    ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
+                     f"({acc.distributed_type}); activation checkpointing {plan.checkpointing if ac else 'off'}"
+                     f"{offload}; MLP tile {plan.mlp_tile or 'off'}")
     cp = describe_cp(cfg.parallel.cp_impl, plan.degrees, run.lm.config.num_key_value_heads) if plan.dims.cp > 1 else ""
-    ctx.tracker.info("stage %s: seq_len %d, rope_theta %g, %d steps x %d tokens (accumulation %d, dp %d, cp %d%s); "
-                     "packing %s", plan.name, s.seq_len, s.rope_theta, s.total_steps, s.batch_tokens, plan.accum,
-                     plan.dims.dp, plan.dims.cp, cp,
-                     {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()})
+    packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
+    ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
+                     f"{s.batch_tokens} tokens (accumulation {plan.accum}, dp {plan.dims.dp}, cp {plan.dims.cp}{cp}); "
+                     f"packing {packing}")
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
         ctx.tracker.info("stage %s: %s", plan.name, placement)

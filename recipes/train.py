@@ -126,7 +126,8 @@ def setup(cfg: Config, raw: DictConfig | None):
         if lock:
             lock.release()
         raise
-    ctx = RunContext(cfg, acc, tokenizer, corpus, tracker, recipe_dir, resolved, plans, lock)
+    ctx = RunContext(cfg, acc, tokenizer, corpus=corpus, tracker=tracker, recipe_dir=recipe_dir, cfg_dict=resolved,
+                     plans=plans, lock=lock)
     return ctx, stages, init_from
 
 
