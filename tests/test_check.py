@@ -5,11 +5,11 @@ windows and chunks cross document and CP-chunk boundaries): Mistral (one sliding
 tests/test_attention_patterns.py MODELS, pass under ring cp=2, with the one-device run also matching the model's
 own eager attention.
 
-The injected mistake: LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window (recipes/check.py's test hook) makes every CP
-method compute each layer without its sliding window while the one-device and eager runs keep it, as a CP method
-that ignored the layer's pattern would. The check must exit 1 and name layer 0, a sliding_attention layer, as the
-first layer whose output differs. Bad input (a missing checkpoint, a seq_len the CP layout cannot cut, attention
-longstride does not compute) exits 2 before any compute, naming the field.
+The injected mistake: LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window (recipes/check.py's test hook, injected by
+recipes/check_runs.py) makes every CP method compute each layer without its sliding window while the one-device
+and eager runs keep it, as a CP method that ignored the layer's pattern would. The check must exit 1 and name
+layer 0, a sliding_attention layer, as the first layer whose output differs. Bad input (a missing checkpoint, a
+seq_len the CP layout cannot cut, attention longstride does not compute) exits 2 before any compute, naming the field.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import transformers as T
 
 from longstride import cli
-from longstride.recipes import check
+from longstride.recipes import check, check_runs
 from tests.test_attention_patterns import MODELS
 
 WINDOW = 16  # sliding window / chunk: smaller than a CP chunk (128 tokens / 4 = 32) and than most documents
@@ -104,8 +104,8 @@ def test_bad_input_fails_before_compute_naming_the_field(corpus, tmp_path, capsy
     def computed(*args, **kwargs):
         raise AssertionError("bad input must fail before the data is read or a model is built")
 
-    monkeypatch.setattr(check, "stage_batch", computed)
-    monkeypatch.setattr(check, "load_model", computed)
+    monkeypatch.setattr(check, "stage_batch", computed)  # where the command reads the data
+    monkeypatch.setattr(check_runs, "load_model", computed)  # where every run builds its model
     gemma2 = tmp_path / "gemma2"
     T.Gemma2ForCausalLM(T.Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,

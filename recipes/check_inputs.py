@@ -1,0 +1,119 @@
+"""What `longstride check` runs on: the stage's first packed batch (its own tokenizer, mixture and packing), the
+stage's model in fp32, and how that model's decoder layers and parameters group by layer type (config.layer_types;
+"other" outside the decoder layers) for the runs (recipes/check_runs.py) and the table (recipes/check_report.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from longstride.recipes.check_job import Job
+
+
+def stage_batch(job: Job) -> tuple[dict, Job]:
+    """The stage's first micro-batch (a PackedBatch of job.rows x job.seq_len) and the job with the tokenizer's
+    sizes; the data pipeline's own errors name the stage."""
+    from longstride.data.corpus import build_corpus, build_tokenizer
+    from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
+    from longstride.data.stream import streaming_stage
+    from longstride.recipes.faults import stage_input
+
+    cfg, s = job.cfg, job.cfg.recipe.stages[job.stage]
+    index = list(cfg.recipe.stages).index(job.stage)
+    data = dataclasses.replace(cfg.data, num_workers=0)  # one batch: no loader workers
+    cache = os.path.abspath(cfg.paths.cache_dir)
+    with stage_input(job.stage):
+        tok = build_tokenizer(data, cache)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if data.streaming:
+            loader, _, _ = streaming_stage(data, tok, job.seq_len, pad_id=pad, mixture=s.mixture,
+                                           micro_batch_size=job.rows, dp_rank=0, dp=1, cache_dir=cache)
+        else:
+            dataset, _ = stage_sequences(data, build_corpus(data, tok, cache), job.seq_len, pad, s.mixture,
+                                         s.long_docs)
+            train, _ = split_holdout(dataset, data.eval_sequences, data.seed + index)
+            loader = stage_loader(train, job.rows, 0, 1, data, index)
+        batch = next(iter(loader))
+    job = dataclasses.replace(job, vocab=len(tok), eos=tok.eos_token_id, pad=pad)
+    check_vocab(job, batch)
+    return batch, job
+
+
+def load_model(job: Job, device: torch.device) -> torch.nn.Module:
+    """The stage's model as training builds it (its RoPE base, its config at the stage's length), in fp32; weights a
+    checkpoint lacks are initialised from train.seed, so every process holds the same model."""
+    from longstride.model.build import build_model
+
+    cfg, s = job.cfg, job.cfg.recipe.stages[job.stage]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        lm = build_model(cfg.model, s.rope_theta, s.seq_len, job.vocab, job.eos, job.pad, seed=cfg.train.seed)
+    return lm.float().eval().to(device)
+
+
+def check_vocab(job: Job, batch: dict) -> None:
+    """The batch's token ids against the model's vocabulary (read from its config, no weights)."""
+    from longstride.model.build import stage_config
+
+    s = job.cfg.recipe.stages[job.stage]
+    config = stage_config(job.cfg.model, s.rope_theta, s.seq_len, job.vocab, job.eos, job.pad)
+    vocab, top = config.get_text_config(decoder=True).vocab_size, int(batch["input_ids"].max())
+    if top >= vocab:
+        raise ValueError(f"data.tokenizer: the batch has token id {top} but the model's vocabulary is {vocab}; use the "
+                         "model's own tokenizer (data.tokenizer=<the checkpoint dir>)")
+
+
+def decoder_layers(lm) -> tuple[str, torch.nn.ModuleList]:
+    """(dotted name, module) of the model's list of decoder layers."""
+    for name, mod in lm.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(mod, torch.nn.ModuleList):
+            return name, mod
+    raise NotImplementedError(f"{type(lm).__name__} has no ModuleList of decoder layers named 'layers' to group by")
+
+
+def layer_types(lm, n: int) -> list[str]:
+    """Each decoder layer's type: config.layer_types; a config without them (Mistral) has one window for every
+    layer (sliding_attention) or none (full_attention)."""
+    cfg = lm.config.get_text_config(decoder=True)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if len(types) == n:
+        return types
+    return ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"] * n
+
+
+def param_groups(lm) -> dict[str, str]:
+    """Parameter name -> its decoder layer's type, "other" outside the decoder layers."""
+    prefix, layers = decoder_layers(lm)
+    types = layer_types(lm, len(layers))
+    out = {}
+    for name, _ in lm.named_parameters():
+        rest = name[len(prefix) + 1:].split(".", 1)[0] if name.startswith(prefix + ".") else ""
+        out[name] = types[int(rest)] if rest.isdigit() else "other"
+    return out
+
+
+def describe_layers(lm, seq_len: int) -> str:
+    """'sliding_attention: window 16 (layers 0, 2); full_attention (layers 1, 3)': what each layer type computes."""
+    from longstride.parallel.pattern import layer_pattern
+
+    cfg = lm.config.get_text_config(decoder=True)
+    _, layers = decoder_layers(lm)
+    seen: dict = {}
+    for i, (t, layer) in enumerate(zip(layer_types(lm, len(layers)), layers)):
+        attn, what = getattr(layer, "self_attn", None), []
+        if attn is not None:
+            p = layer_pattern(attn, getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None)
+            what += [f"{k} {v}" + (f" (>= seq_len {seq_len}: cuts nothing here)" if v >= seq_len else "")
+                     for k, v in (("window", p.window), ("chunk", p.chunk)) if v]
+            if isinstance(getattr(attn, "sinks", None), torch.nn.Parameter):
+                what.append("sinks")
+        seen.setdefault((t, ", ".join(what)), []).append(i)
+    return "; ".join(f"{t}{': ' + w if w else ''} (layers {', '.join(map(str, ix))})" for (t, w), ix in seen.items())
+
+
+def doc_spans(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each document run of one row."""
+    ids = doc_ids.tolist()
+    starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
+    return list(zip(starts, starts[1:] + [len(ids)]))
