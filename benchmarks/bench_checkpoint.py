@@ -1,8 +1,8 @@
 """What a checkpoint's save costs, per rank: bytes written and the process's peak host memory during
 the save (a step checkpoint; a stage's final HF directory, whose FSDP2 weights stream in files of at most
 1 GiB, and 128 MiB to show the bound), for SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152; 135M parameters) with
-AdamW state, on 2 gloo processes, through the training loop's own save (recipes/stage_state.py's pieces:
-Parallelized.save_state, the config and tokenizer's writer, recipes/checkpoint.save_checkpoint).
+AdamW state, on 2 gloo processes, through the training loop's own save (recipes/run/stage_state.py's pieces:
+Parallelized.save_state, the config and tokenizer's writer, recipes/checkpoint/format.writing_checkpoint).
 
 Each rank writes its own shard of the model and AdamW state (parallel/shards.py: FSDP2's shards; DCP splits
 DDP's replicas between the ranks), nothing is gathered. The figures of the save before it (the whole model
@@ -61,15 +61,15 @@ def _worker(rank, world, fsdp, kind, root, out):
     from longstride.model.config import ModelConfig
     from longstride.parallel.config import WorldMesh
     from longstride.parallel.parallelize import parallelize
-    from longstride.recipes.checkpoint import rng_state, save_checkpoint
-    from longstride.recipes.schema import OptimConfig
-    from longstride.recipes.step import StepSpec, build_optimizer, build_step
+    from longstride.recipes.checkpoint.format import rng_state, writing_checkpoint
+    from longstride.recipes.config.schema import OptimConfig
+    from longstride.recipes.run.step import StepSpec, build_optimizer, build_step
 
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True)
     lm = build_model(ModelConfig(**SHAPE), rope_theta=1e5, seq_len=256, vocab_size=SHAPE["vocab_size"], eos_id=0,
                      pad_id=1, seed=0)
-    step = build_step(lm, StepSpec(loss_tile=256))  # the training step's model and optimizer (recipes/step.py)
+    step = build_step(lm, StepSpec(loss_tile=256))  # the training step's model and optimizer (recipes/run/step.py)
     model = parallelize(step.module, lm.model.layers, fsdp, acc, WorldMesh("cpu", world) if fsdp else None)
     opt = build_optimizer(model, OptimConfig(), lr=1e-4)
     ids = torch.randint(2, SHAPE["vocab_size"], (1, 64))
@@ -83,15 +83,18 @@ def _worker(rank, world, fsdp, kind, root, out):
     if kind == "step":
         path = os.path.join(root, "s1", "step_000001")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
-                        save_model=lm.config.save_pretrained, save_all=lambda d: model.save_state(d, opt),
-                        trainer_state={"step": 1}, rank_state={"rng": rng_state()}, meta={"step": 1}, world_size=world)
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+                                trainer_state={"step": 1}, rank_state={"rng": rng_state()}, meta={"step": 1},
+                                world_size=world) as d:
+            model.save_state(d, opt)
+            if rank == 0:
+                lm.config.save_pretrained(d)
     else:  # a stage's final: the HF directory, written by the main rank (FSDP2: streamed, files of `kind` MiB)
         path = os.path.join(root, "s1", "final")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
-                        save_model=lambda d: None, save_all=lambda d: model.save_weights(lm, d, rank == 0, kind * MIB),
-                        trainer_state=None, rank_state=None, meta={"step": 1}, world_size=world)
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+                                trainer_state=None, rank_state=None, meta={"step": 1}, world_size=world) as d:
+            model.save_weights(lm, d, rank == 0, kind * MIB)
     peak = sampler.stop()
     mine = [f for f in os.listdir(path) if f == f"rank{rank}.pt" or f == f"__{rank}_0.distcp" or
             (rank == 0 and not f.startswith("__") and not f.startswith("rank"))]

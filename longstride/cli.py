@@ -50,21 +50,21 @@ def _convert(argv: list[str]) -> None:
 
 def _export(argv: list[str]) -> None:
     from longstride.overrides import run
-    from longstride.recipes.export import main
+    from longstride.recipes.checkpoint.export import main
 
     run("longstride export-hf", main, argv)
 
 
 def _plan(argv: list[str]) -> None:
     from longstride.overrides import run
-    from longstride.recipes.memplan import main
+    from longstride.recipes.memory.memplan import main
 
     run("longstride plan", main, argv)
 
 
 def _check(argv: list[str]) -> None:
     from longstride.overrides import run
-    from longstride.recipes.check import main
+    from longstride.recipes.check.command import main
 
     run("longstride check", main, argv)
 

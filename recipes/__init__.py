@@ -1,1 +1,1 @@
-"""Entry points: run a recipe's stages in order (`recipes.train`), one stage's loop (`recipes.stage`)."""
+"""Entry points: run a recipe's stages in order (`recipes.train`), one stage's loop (`recipes.run.stage`)."""

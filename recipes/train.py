@@ -20,11 +20,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from longstride.recipes.checkpoint import CheckpointError, final_dir, resume_from_stage, supersede_after, verified_final
-from longstride.recipes.faults import NonFiniteError, StageInputError, Stopped, die_with_parent
-from longstride.recipes.runlock import RunLock, check_identity
-from longstride.recipes.schema import Config, selected_stages, to_schema
-from longstride.recipes.tracking import Tracker
+from longstride.recipes.checkpoint.format import CheckpointError, final_dir, resume_from_stage, supersede_after, verified_final
+from longstride.recipes.run.faults import NonFiniteError, StageInputError, Stopped, die_with_parent
+from longstride.recipes.run.runlock import RunLock, check_identity
+from longstride.recipes.config.schema import Config, selected_stages, to_schema
+from longstride.recipes.run.tracking import Tracker
 
 
 def write_hydra_files(recipe_dir: str) -> None:
@@ -67,7 +67,7 @@ def make_accelerator(cfg: Config, world: int):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from longstride.recipes.plan import resolve_precision
+    from longstride.recipes.config.plan import resolve_precision
 
     if world > 1:
         die_with_parent()  # a killed launcher takes its workers with it
@@ -79,7 +79,7 @@ def make_accelerator(cfg: Config, world: int):
 
 def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: dict, tracker) -> None:
     """Main process: the restart decisions (train.resume_from, train.resume=false, a changed config; see
-    recipes/runlock.py), then the run's config files. What a restart supersedes is moved aside, never deleted."""
+    recipes/run/runlock.py), then the run's config files. What a restart supersedes is moved aside, never deleted."""
     names, resume_from = list(cfg.recipe.stages), cfg.train.resume_from
     if resume_from:
         resume_from_stage(resume_from, recipe_dir, names)
@@ -95,8 +95,8 @@ def setup(cfg: Config, raw: DictConfig | None):
     """Every check, then the tokenizer and corpus (once for all stages). Bad input fails here,
     before any model is built. Returns (context, stage names to run, first stage's init dir)."""
     from longstride.data.corpus import build_corpus, build_tokenizer
-    from longstride.recipes.plan import validate
-    from longstride.recipes.stage import RunContext
+    from longstride.recipes.config.plan import validate
+    from longstride.recipes.run.stage import RunContext
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
     plans = validate(cfg, world, "cpu" if use_cpu() else "cuda")
@@ -133,7 +133,7 @@ def setup(cfg: Config, raw: DictConfig | None):
 
 def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
     """The stages in order, each from the previous one's final checkpoint. Returns final dirs."""
-    from longstride.recipes.stage import train_stage
+    from longstride.recipes.run.stage import train_stage
 
     finals = []
     try:

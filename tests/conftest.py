@@ -37,7 +37,7 @@ def micro_overrides(root: Path, cache: Path) -> list[str]:
 
 
 def compose_cfg(overrides: list[str]):
-    from longstride.recipes.memplan import compose_training
+    from longstride.recipes.memory.memplan import compose_training
 
     return compose_training(overrides)
 
@@ -53,7 +53,7 @@ def micro(tmp_path, cache_dir) -> list[str]:
 
 
 def crash_after(step: int) -> dict:
-    """The environment of recipes/stage.py's test hook: SIGKILL after optimizer step `step` of a stage."""
+    """The environment of recipes/run/stage.py's test hook: SIGKILL after optimizer step `step` of a stage."""
     return {"LONGSTRIDE_TEST_CRASH_AT_STEP": str(step)}
 
 

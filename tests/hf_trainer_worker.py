@@ -53,7 +53,7 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
     from transformers import Trainer, TrainingArguments
 
     from longstride.parallel.attention import use_longstride_attention
-    from longstride.recipes.hf_trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
 
     losses = []
     data = packed_dataset(documents(), L, pad_id=1)

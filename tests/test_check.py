@@ -1,12 +1,12 @@
-"""`longstride check` (recipes/check.py) on tiny random models of transformers' own classes saved as checkpoints
+"""`longstride check` (recipes/check/command.py) on tiny random models of transformers' own classes saved as checkpoints
 with a tiny BPE tokenizer, on a corpus of short documents the test writes (several documents per packed row, so
 windows and chunks cross document and CP-chunk boundaries): Mistral (one sliding window for every layer), Gemma 3
 (local + global layers), GPT-OSS (sinks + windows) and Llama 4 (chunked + NoPE layers), the configs of
 tests/test_attention_patterns.py MODELS, pass under ring cp=2, with the one-device run also matching the model's
 own eager attention.
 
-The injected mistake: LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window (recipes/check.py's test hook, injected by
-recipes/check_runs.py) makes every CP method compute each layer without its sliding window while the one-device
+The injected mistake: LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window (recipes/check/command.py's test hook, injected by
+recipes/check/runs.py) makes every CP method compute each layer without its sliding window while the one-device
 and eager runs keep it, as a CP method that ignored the layer's pattern would. The check must exit 1 and name
 layer 0, a sliding_attention layer, as the first layer whose output differs. Bad input (a missing checkpoint, a
 seq_len the CP layout cannot cut, attention longstride does not compute) exits 2 before any compute, naming the field.
@@ -22,7 +22,7 @@ import torch
 import transformers as T
 
 from longstride import cli
-from longstride.recipes import check, check_runs
+from longstride.recipes.check import command as check, runs as check_runs
 from tests.test_attention_patterns import MODELS
 
 WINDOW = 16  # sliding window / chunk: smaller than a CP chunk (128 tokens / 4 = 32) and than most documents

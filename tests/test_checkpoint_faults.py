@@ -112,7 +112,7 @@ def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
 
 
 def test_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
-    from longstride.recipes.checkpoint import CheckpointError, load_training_state, write_manifest
+    from longstride.recipes.checkpoint.format import CheckpointError, load_training_state, write_manifest
 
     torch.save({"step": 3}, tmp_path / "trainer.pt")
     for r in range(2):
@@ -245,16 +245,17 @@ class _Payload:
 
 @pytest.mark.parametrize("victim", ["trainer.pt", "rank0.pt"])
 def test_checkpoint_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, victim):
-    from longstride.recipes.checkpoint import (CheckpointError, load_training_state, rng_state, save_checkpoint, verify,
-                                               write_manifest)
+    from longstride.recipes.checkpoint.format import (CheckpointError, load_training_state, rng_state, verify, write_manifest,
+                                                      writing_checkpoint)
 
     marker = tmp_path / "payload-ran"
     trainer = {"step": 3, "optimizer": {"state": {}}}
     rank = {"data": {"epoch": 0}, "rng": rng_state()}
     path = str(tmp_path / "s1" / "step_000003")
     os.makedirs(os.path.dirname(path))
-    save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
-                    trainer_state=trainer, rank_state=rank, meta={"step": 3})
+    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state=trainer, rank_state=rank,
+                            meta={"step": 3}):
+        pass
     # someone with write access to the directory swaps a file for one carrying a payload and rewrites the manifest
     (trainer if victim == "trainer.pt" else rank)["extra"] = _Payload(str(marker))
     torch.save(trainer if victim == "trainer.pt" else rank, os.path.join(path, victim))
@@ -270,7 +271,7 @@ def test_training_state_round_trips_with_weights_only(tmp_path):
 
     import numpy as np
 
-    from longstride.recipes.checkpoint import load_training_state, rng_state, save_checkpoint, set_rng_state
+    from longstride.recipes.checkpoint.format import load_training_state, rng_state, set_rng_state, writing_checkpoint
 
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
     np.random.standard_normal()  # a cached Gaussian in numpy's state
@@ -278,8 +279,9 @@ def test_training_state_round_trips_with_weights_only(tmp_path):
     expect = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
     path = str(tmp_path / "s1" / "step_000001")
     os.makedirs(os.path.dirname(path))
-    save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
-                    trainer_state={"step": 1}, rank_state={"rng": state}, meta={})
+    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 1},
+                            rank_state={"rng": state}, meta={}):
+        pass
     _, mine = load_training_state(path, rank=0, world=1, resplit=True)
     set_rng_state(mine["rng"])
     got = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
@@ -289,13 +291,14 @@ def test_training_state_round_trips_with_weights_only(tmp_path):
 def test_a_rank_state_a_resume_could_not_load_is_refused_at_the_save(tmp_path):
     import numpy as np
 
-    from longstride.recipes.checkpoint import CheckpointError, save_checkpoint
+    from longstride.recipes.checkpoint.format import CheckpointError, writing_checkpoint
 
     path = str(tmp_path / "s1" / "step_000002")
     os.makedirs(os.path.dirname(path))
     with pytest.raises(CheckpointError, match=r"rank0.pt would hold a '.*numpy.*' object"):
-        save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, save_model=lambda d: None,
-                        trainer_state={"step": 2}, rank_state={"data": {"pending": np.arange(3)}}, meta={})
+        with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 2},
+                                rank_state={"data": {"pending": np.arange(3)}}, meta={}):
+            pass
     assert not os.path.exists(path), "nothing that looks like a checkpoint is left"
 
 

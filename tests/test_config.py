@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from longstride.recipes.plan import validate
+from longstride.recipes.config.plan import validate
 from tests.conftest import CONFIGS, compose_cfg
 
 GROUPS = ["model", "data", "parallel", "optim", "logger", "paths", "train"]
@@ -188,11 +188,11 @@ def test_choice_typo_fails_at_composition_with_the_choices(key):
 
 def test_the_schema_imports_constants_not_runtime_modules():
     """Composing and typing a config needs no torch, transformers, datasets or accelerate: the schema imports
-    only the groups' dataclasses and choices (checks that need runtime modules live in recipes/plan.py)."""
+    only the groups' dataclasses and choices (checks that need runtime modules live in recipes/config/plan.py)."""
     import subprocess
     import sys
 
-    code = ("import sys, longstride.recipes.schema; "
+    code = ("import sys, longstride.recipes.config.schema; "
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
@@ -204,7 +204,7 @@ def test_a_cpu_launch_on_a_gpu_machine_plans_for_the_cpu(monkeypatch):
     torch_flash for a GPU it does not use."""
     import torch
 
-    from longstride.recipes.plan import resolve_precision
+    from longstride.recipes.config.plan import resolve_precision
     from longstride.recipes.train import use_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from benchmarks import extend_smollm2
-from longstride.recipes.plan import validate
+from longstride.recipes.config.plan import validate
 from longstride.recipes.train import run
 from tests.conftest import compose_cfg, micro_checkpoint
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from longstride.recipes.faults import NonFiniteError, NonFiniteGuard, check_finite_parameters
+from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, check_finite_parameters
 from tests.conftest import run_cli
 
 
@@ -80,7 +80,7 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
     import sys
     import time
 
-    from longstride.recipes.runlock import RunLock
+    from longstride.recipes.run.runlock import RunLock
     from tests.conftest import REPO
 
     long_run = micro + ["stage=s1_256", "recipe.stages.s1_256.steps=100000", "recipe.stages.s1_256.save_every=0"]
@@ -104,7 +104,7 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
 
 
 def test_metrics_rewind_to_the_resumed_step_and_drop_a_cut_line(tmp_path):
-    from longstride.recipes.tracking import rewind_metrics
+    from longstride.recipes.run.tracking import rewind_metrics
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)]
@@ -116,7 +116,7 @@ def test_metrics_rewind_to_the_resumed_step_and_drop_a_cut_line(tmp_path):
 
 
 def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
-    from longstride.recipes.tracking import wandb_run_id
+    from longstride.recipes.run.tracking import wandb_run_id
 
     first = wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False)
     assert first.startswith("tiny-s1_256-") and first == wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=True)
@@ -134,7 +134,7 @@ def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
     ("model.num_hidden_layers=0", "model.num_hidden_layers=0 must be >= 1"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
-    from longstride.recipes.plan import validate
+    from longstride.recipes.config.plan import validate
     from tests.conftest import compose_cfg
 
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -147,7 +147,7 @@ def test_out_of_range_values_are_named_before_compute(micro, override, message):
     (["stage=s2_2k", "train.resume_from=/x"], "drop stage="),
 ])
 def test_contradictory_restart_options(micro, overrides, message):
-    from longstride.recipes.plan import validate
+    from longstride.recipes.config.plan import validate
     from tests.conftest import compose_cfg
 
     with pytest.raises(ValueError, match=message):
@@ -155,7 +155,7 @@ def test_contradictory_restart_options(micro, overrides, message):
 
 
 def test_output_root_that_is_a_file(micro, tmp_path):
-    from longstride.recipes.plan import validate
+    from longstride.recipes.config.plan import validate
     from tests.conftest import compose_cfg
 
     (tmp_path / "afile").write_text("x")
@@ -327,7 +327,7 @@ def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path)
     model.rope_theta) resumes; a value both versions have and that differs is still refused."""
     import json
 
-    from longstride.recipes.runlock import check_identity
+    from longstride.recipes.run.runlock import check_identity
 
     resolved = {"model": {"hidden_size": 32}, "recipe": {"name": "tiny"}}
     assert check_identity(str(tmp_path), resolved, resume=True) is False  # first run: recorded

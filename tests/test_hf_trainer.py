@@ -1,5 +1,5 @@
 """The HF Trainer and TRL's SFTTrainer with longstride's packed batches and CP attention
-(recipes/hf_trainer.py): on 2 gloo processes with ring and with Ulysses CP, the per-step losses and the
+(recipes/hf/trainer.py): on 2 gloo processes with ring and with Ulysses CP, the per-step losses and the
 trained parameters equal one process's run of the same trainer and longstride's own loss and optimizer
 loop on the same batches."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from longstride.data.loader import ShardSampler
 from longstride.model.loss import ChunkedLossLM
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.cp import DocLayout
-from longstride.recipes.hf_trainer import _documents, packed_dataset
+from longstride.recipes.hf.trainer import _documents, packed_dataset
 from tests.conftest import REPO
 from tests.hf_trainer_worker import BATCH, L, LR, STEPS, documents, tiny_lm
 

@@ -1,4 +1,4 @@
-"""`longstride plan` (recipes/memplan.py): per-stage memory on named GPUs from a traced step, the longest
+"""`longstride plan` (recipes/memory/memplan.py): per-stage memory on named GPUs from a traced step, the longest
 sequence that fits, the smallest change for a stage that does not."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 from transformers import SmolLM3Config
 
-from longstride.recipes import memplan
-from longstride.recipes.trace import StepProgram, trace_step
+from longstride.recipes.memory import memplan
+from longstride.recipes.memory.trace import StepProgram, trace_step
 from tests.conftest import REPO
 
 TINY = SmolLM3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,

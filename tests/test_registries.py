@@ -14,7 +14,7 @@ from longstride.parallel import cp as cp_module
 from longstride.parallel.attention import longstride_attention
 from longstride.parallel.config import CPDegrees
 from longstride.parallel.cp import CPContext, cp_degrees, shard_for_cp
-from longstride.recipes.plan import validate
+from longstride.recipes.config.plan import validate
 from tests.conftest import compose_cfg
 
 

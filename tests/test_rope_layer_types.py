@@ -16,7 +16,7 @@ from longstride.eval.ppl import parse as parse_ppl
 from longstride.model.build import build_model, load_config_with_yarn
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.rope import rope_placement, rope_targets
-from longstride.recipes.plan import validate
+from longstride.recipes.config.plan import validate
 from tests.conftest import compose_cfg
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -81,7 +81,7 @@ def reference_cos(inv_freq: torch.Tensor, scale: float = 1.0, length: int = 16) 
 
 
 def stage(checkpoint: str, rope_theta: float, layer_types=None, yarn: float | None = None, seq_len: int = 256):
-    """The model a recipe stage builds from `checkpoint` (model/build.py, as recipes/stage.py calls it)."""
+    """The model a recipe stage builds from `checkpoint` (model/build.py, as recipes/run/stage.py calls it)."""
     cfg = ModelConfig(arch="checkpoint", checkpoint=checkpoint, rope_layer_types=layer_types,
                       yarn=YarnConfig(factor=yarn))
     return build_model(cfg, rope_theta, seq_len, vocab_size=64, eos_id=1, pad_id=0).eval()

@@ -49,16 +49,17 @@ def step_dir(tmp_path):
     from transformers import AutoTokenizer
 
     from longstride.parallel.parallelize import Parallelized
-    from longstride.recipes.checkpoint import save_checkpoint
+    from longstride.recipes.checkpoint.format import writing_checkpoint
 
     model, opt = trained(0)
     path = str(tmp_path / "s1" / "step_000002")
     os.makedirs(os.path.dirname(path))
     tok = AutoTokenizer.from_pretrained(REPO / "model" / "shipped" / "tiny_base_256")
-    save_checkpoint(path, rank=0, is_main=True, barrier=lambda: None,
-                    save_model=lambda d: (model.lm.config.save_pretrained(d), tok.save_pretrained(d)),
-                    save_all=lambda d: Parallelized(model, False, None).save_state(d, opt),
-                    trainer_state={"step": 2}, rank_state={"data": {}}, meta={"step": 2})
+    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 2},
+                            rank_state={"data": {}}, meta={"step": 2}) as d:
+        Parallelized(model, False, None).save_state(d, opt)
+        model.lm.config.save_pretrained(d)
+        tok.save_pretrained(d)
     return path, model, opt
 
 
@@ -83,8 +84,8 @@ def test_model_and_optimizer_round_trip_exactly_and_the_tie_is_stored_once(step_
 def test_export_hf_writes_the_same_weights_as_an_hf_directory(step_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from longstride.recipes.checkpoint import verify
-    from longstride.recipes.export import main
+    from longstride.recipes.checkpoint.format import verify
+    from longstride.recipes.checkpoint.export import main
 
     path, model, _ = step_dir
     out = str(tmp_path / "hf")
@@ -116,7 +117,7 @@ class _Payload:
 
 def test_shard_metadata_with_a_pickled_payload_is_refused_and_never_runs(step_dir, tmp_path):
     from longstride.parallel.parallelize import Parallelized
-    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked, verify, write_manifest
+    from longstride.recipes.checkpoint.format import CheckpointError, load_shards_checked, verify, write_manifest
 
     path, _, _ = step_dir
     marker = tmp_path / "payload-ran"
@@ -138,7 +139,7 @@ def test_a_non_tensor_shard_item_with_a_payload_is_refused_and_never_runs(tmp_pa
     import torch.distributed.checkpoint as dcp
 
     from longstride.parallel.parallelize import Parallelized
-    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked
+    from longstride.recipes.checkpoint.format import CheckpointError, load_shards_checked
 
     marker = tmp_path / "payload-ran"
     model, opt = trained(0)
@@ -214,7 +215,7 @@ def test_shard_metadata_naming_a_dotted_path_through_an_allowed_module_is_refuse
 
 def test_a_step_checkpoint_from_before_shards_is_refused_naming_what_to_do(tmp_path):
     from longstride.parallel.parallelize import Parallelized
-    from longstride.recipes.checkpoint import CheckpointError, load_shards_checked
+    from longstride.recipes.checkpoint.format import CheckpointError, load_shards_checked
 
     model, opt = tiny(0)
     model.lm.save_pretrained(tmp_path)  # the old layout: whole weights, no shards

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from longstride.recipes.checkpoint import MANIFEST, verify
+from longstride.recipes.checkpoint.format import MANIFEST, verify
 from tests.conftest import REPO, compose_cfg
 
 SHIPPED = REPO / "model" / "shipped" / "tiny_base_256"

@@ -1,4 +1,4 @@
-"""One training step, built in one place (recipes/step.py): the step `longstride plan` traces is the step a stage
+"""One training step, built in one place (recipes/run/step.py): the step `longstride plan` traces is the step a stage
 trains, with the same batch keys and the same optimizer parameter groups."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from longstride.data.batch import BATCH_KEYS, collate, packed_item
-from longstride.recipes.memplan import model_config, stage_program
-from longstride.recipes.plan import validate
-from longstride.recipes.step import build_optimizer, build_step, group_summary
-from longstride.recipes.trace import trace_step
+from longstride.recipes.memory.memplan import model_config
+from longstride.recipes.config.plan import validate
+from longstride.recipes.run.step import build_optimizer, build_step, group_summary
+from longstride.recipes.memory.trace import stage_program, trace_step
 from tests.conftest import REPO, compose_cfg
 
 
@@ -21,10 +21,10 @@ from tests.conftest import REPO, compose_cfg
 def test_the_traced_step_is_the_stage_step(weight_decay):
     cfg = compose_cfg(["recipe=tiny_extend", f"optim.weight_decay={weight_decay}"])
     plan = validate(cfg, world=2, check_data=False)["s2_2k"]
-    prog = stage_program(cfg, plan, world=2, docs=3, gpu=False, bf16=False)
+    prog = stage_program(cfg, plan, world=2, docs=3, config=model_config(cfg, plan.stage), gpu=False, bf16=False)
     traced = trace_step(prog)
-    # the stage's own step: recipes/stage.build_stage's calls on the model the stage trains
-    from longstride.recipes.stage import step_spec
+    # the stage's own step: recipes/run/stage.build_stage's calls on the model the stage trains
+    from longstride.recipes.run.stage import step_spec
 
     lm = AutoModelForCausalLM.from_config(model_config(cfg, plan.stage))
     step = build_step(lm, step_spec(cfg, plan))
@@ -41,7 +41,7 @@ OUTSIDE = {"retrieval_bare_loop.py": "a bare transformers loop, outside the reci
 
 def test_no_training_step_is_assembled_outside_the_builder():
     """The step's assembly (patch_model, ChunkedLossLM, AdamW, with use_longstride_attention) appears only in
-    recipes/step.py among the recipes and benchmarks. Switching a model to longstride's attention alone is not a
+    recipes/run/step.py among the recipes and benchmarks. Switching a model to longstride's attention alone is not a
     step (eval and `longstride check` compare attention that way)."""
     assembly = {"patch_model", "ChunkedLossLM", "AdamW"}
     found = []

@@ -245,7 +245,7 @@ def test_split_digits_gives_one_token_per_digit_in_every_context():
 
 
 def test_validation_checks_synthetic_sources_before_compute():
-    from longstride.recipes.plan import validate
+    from longstride.recipes.config.plan import validate
     from tests.conftest import compose_cfg
 
     validate(compose_cfg(["data=retrieval"]), 2)

@@ -1,4 +1,4 @@
-"""The GPU program checked without a GPU (recipes/trace.py, parallel/flash_contract.py).
+"""The GPU program checked without a GPU (recipes/memory/trace.py, parallel/flash_contract.py).
 
 Every CP method's training step (the real transformers model, longstride's patches, the chunked loss, AdamW)
 is traced for one rank of N under a fake process group, with torch's CUDA flash ops (`torch_flash`) on the
@@ -16,7 +16,7 @@ from longstride.parallel import heads, ulysses, varlen
 from longstride.parallel.config import CPDegrees, ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.flash_contract import ContractError
-from longstride.recipes.trace import StepProgram, trace_step
+from longstride.recipes.memory.trace import StepProgram, trace_step
 
 
 def _config(hidden, inter, layers, heads_, kv, head_dim, vocab, nope_every=0):

@@ -168,7 +168,7 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
     """FSDP2 over the dp x cp ranks (parameters and optimizer state sharded, forced on for CPU) with
     cp=2, full activation checkpointing and the layers tiled in 16-token tiles (tiled ops return their
     parameters' gradients through autograd, which FSDP2 reduces), killed after step 4 and rerun: the
-    losses still equal the plain one-process run's. Rank 0 also traces each stage's step (recipes/trace.py, in
+    losses still equal the plain one-process run's. Rank 0 also traces each stage's step (recipes/memory/trace.py, in
     a child process beside the real process group) and logs it beside the analytic estimate."""
     lean = ["model.activation_checkpointing=true", "model.mlp_tile_tokens=16", "train.trace_memory=true"]
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",

@@ -162,7 +162,7 @@ def test_kernel_errors_name_the_field_and_the_fix(cuda_kernels):
 
 
 def test_flash_impl_needs_torch_flash_and_its_package():
-    from longstride.recipes.plan import validate
+    from longstride.recipes.config.plan import validate
 
     with pytest.raises(ValueError, match=r"parallel.flash_impl=FA3 applies to parallel.kernel=torch_flash"):
         validate(compose_cfg(["parallel.flash_impl=FA3"]), 2)
@@ -201,7 +201,7 @@ def test_sdpa_per_document_repeats_gqa_heads_and_matches(emulated):
 
 
 def test_trainer_cp_reads_half_precision_from_training_arguments(cuda_kernels, monkeypatch):
-    from longstride.recipes.hf_trainer import setup_cp
+    from longstride.recipes.hf.trainer import setup_cp
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what TrainingArguments(bf16=True) sets
     assert setup_cp(1, 8, device_type="cuda").kernel == "torch_flash"

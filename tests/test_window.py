@@ -13,7 +13,7 @@ from longstride.parallel.config import CPDegrees
 from longstride.parallel.pattern import Pattern, chunk_docs
 from longstride.parallel.window import halo_plan
 from longstride.parallel.zigzag import zigzag
-from longstride.recipes.trace import StepProgram, trace_step
+from longstride.recipes.memory.trace import StepProgram, trace_step
 
 
 def test_a_windowed_layer_sends_its_halos_not_the_sequence():

@@ -18,7 +18,7 @@ from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.cp import CPContext, DocLayout
 from longstride.parallel.parallelize import parallelize
-from longstride.recipes.plan import validate
+from longstride.recipes.config.plan import validate
 from longstride.recipes.train import run
 from tests.conftest import compose_cfg, crash_after, micro_overrides, read_metrics, run_cli
 

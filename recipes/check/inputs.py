@@ -1,6 +1,6 @@
 """What `longstride check` runs on: the stage's first packed batch (its own tokenizer, mixture and packing), the
 stage's model in fp32, and how that model's decoder layers and parameters group by layer type (config.layer_types;
-"other" outside the decoder layers) for the runs (recipes/check_runs.py) and the table (recipes/check_report.py)."""
+"other" outside the decoder layers) for the runs (recipes/check/runs.py) and the table (recipes/check/report.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from longstride.recipes.check_job import Job
+from longstride.recipes.check.job import Job
 
 
 def stage_batch(job: Job) -> tuple[dict, Job]:
@@ -17,7 +17,7 @@ def stage_batch(job: Job) -> tuple[dict, Job]:
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
     from longstride.data.stream import streaming_stage
-    from longstride.recipes.faults import stage_input
+    from longstride.recipes.run.faults import stage_input
 
     cfg, s = job.cfg, job.cfg.recipe.stages[job.stage]
     index = list(cfg.recipe.stages).index(job.stage)

@@ -1,8 +1,8 @@
 """Ship a trained checkpoint into the repository: its HF files copied, a manifest of how it was made.
 
-    python -m longstride.recipes.ship outputs/tiny_base/s1_256/final model/shipped/tiny_base_256
+    python -m longstride.recipes.checkpoint.ship outputs/tiny_base/s1_256/final model/shipped/tiny_base_256
 
-The manifest (recipes/checkpoint.py's, so `verify` checks it) lists every file's size and SHA-256 and adds
+The manifest (recipes/checkpoint/format.py's, so `verify` checks it) lists every file's size and SHA-256 and adds
 the provenance: the run's recipe and overrides (from the run's config.yaml and run.json), the stage and
 its training seed, the commit, and the checkpoint's RULER scores at its trained length and 2x it
 (niah_single_1 and the in-format synth_kv), measured here on `num_samples` samples each.
@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 
-from longstride.recipes.checkpoint import MANIFEST, verify, write_manifest
+from longstride.recipes.checkpoint.format import MANIFEST, verify, write_manifest
 
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

@@ -4,10 +4,10 @@ The model stays a single-device transformers model; data and context parallelism
 outside (parallel/parallelize.py, parallel/cp.py). The loss of an optimizer step is the sum of token
 losses over all micro-batches and ranks divided by the global count of labelled tokens, so gradient
 accumulation and data parallelism give the same update as one big batch. Policies live in their own
-modules: faults (recipes/faults.py), checkpoints (recipes/stage_state.py, recipes/checkpoint.py),
-metrics (recipes/tracking.py).
+modules: faults (recipes/run/faults.py), checkpoints (recipes/run/stage_state.py, recipes/checkpoint/format.py),
+metrics (recipes/run/tracking.py).
 
-Test hook (recipes/faults.test_kill): LONGSTRIDE_TEST_CRASH_AT_STEP=N SIGKILLs the process after optimizer
+Test hook (recipes/run/faults.test_kill): LONGSTRIDE_TEST_CRASH_AT_STEP=N SIGKILLs the process after optimizer
 step N of every stage it runs (a hard crash, as an OOM killer or preemption would), for the resume tests.
 """
 from __future__ import annotations
@@ -32,26 +32,26 @@ from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
-from longstride.recipes.checkpoint import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
-from longstride.recipes.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
-from longstride.recipes.plan import StagePlan
-from longstride.recipes.schedule import build_scheduler
-from longstride.recipes.stage_state import restore_stage, save_stage
-from longstride.recipes.step import Step, StepSpec, build_optimizer, build_step, label_count, loss_sum
-from longstride.recipes.tracking import peak_memory_gib
+from longstride.recipes.checkpoint.format import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
+from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
+from longstride.recipes.config.plan import StagePlan
+from longstride.recipes.run.schedule import build_scheduler
+from longstride.recipes.run.stage_state import restore_stage, save_stage
+from longstride.recipes.run.step import Step, StepSpec, build_optimizer, build_step, label_count, loss_sum
+from longstride.recipes.run.tracking import peak_memory_gib
 
 
 @dataclass
 class RunContext:
-    cfg: object  # recipes.schema.Config
+    cfg: object  # recipes.config.schema.Config
     accelerator: object
     tokenizer: object
     corpus: object
     tracker: object
     recipe_dir: str
     cfg_dict: dict  # the resolved config, logged with every stage's run
-    plans: dict  # stage name -> recipes.plan.StagePlan, resolved once by validate
-    lock: object = None  # recipes.runlock.RunLock held by the main process for the run
+    plans: dict  # stage name -> recipes.config.plan.StagePlan, resolved once by validate
+    lock: object = None  # recipes.run.runlock.RunLock held by the main process for the run
     mesh: Optional[WorldMesh] = None  # the run's one device mesh, built by the first stage that needs it
 
     def world_mesh(self) -> WorldMesh:
@@ -75,7 +75,7 @@ class StageRun:
     loader: object
     held_out: object
     pack_stats: dict
-    built: Step  # the step's parts (recipes/step.py): its CP context and batch preparation
+    built: Step  # the step's parts (recipes/run/step.py): its CP context and batch preparation
     step: int = 0
     tokens_seen: int = 0
     val_start: Optional[float] = None
@@ -131,10 +131,9 @@ def _trace_on(choice: str, device_type: str) -> bool:
 
 
 def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float) -> None:
-    """The stage's step traced for this device (recipes/trace.py, in a child process) beside the analytic
+    """The stage's step traced for this device (recipes/memory/trace.py, in a child process) beside the analytic
     estimate; a trace that fails is a warning, never a stopped run."""
-    from longstride.recipes.memplan import stage_program
-    from longstride.recipes.trace import trace_in_child
+    from longstride.recipes.memory.trace import stage_program, trace_in_child
 
     acc, gib = ctx.accelerator, 2 ** 30
     prog = stage_program(ctx.cfg, plan, acc.num_processes, docs=4, config=lm.config,
@@ -148,7 +147,7 @@ def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float)
     g = {k: r[k] / gib for k in ("peak", "parameters", "gradients", "optimizer", "activations")}
     ctx.tracker.info(f"stage {plan.name}: traced step per rank {g['peak']:.2f} GiB (parameters {g['parameters']:.2f}, "
                      f"gradients {g['gradients']:.2f}, optimizer {g['optimizer']:.2f}, activations "
-                     f"{g['activations']:.2f}; recipes/trace.py) against the analytic {analytic_gib:.2f} GiB "
+                     f"{g['activations']:.2f}; recipes/memory/trace.py) against the analytic {analytic_gib:.2f} GiB "
                      f"({100 * (analytic_gib - g['peak']) / g['peak']:+.0f}%)")
 
 
@@ -169,7 +168,7 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
 
 
 def step_spec(cfg, plan: StagePlan) -> StepSpec:
-    """The stage's step as its plan resolved it (cfg: recipes.schema.Config)."""
+    """The stage's step as its plan resolved it (cfg: recipes.config.schema.Config)."""
     return StepSpec(plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm,
                     cfg.model.loss_tile_tokens, cfg.data.doc_masking)
 
@@ -227,7 +226,7 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
 
 def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good: Optional[str]) -> dict:
     """One optimizer step over plan.accum micro-batches; a non-finite loss or gradient norm skips the update
-    (recipes/faults.py). Returns the step's metrics."""
+    (recipes/run/faults.py). Returns the step's metrics."""
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
     micro = [run.prep(next(run.loader)) for _ in range(run.plan.accum)]

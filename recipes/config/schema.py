@@ -2,7 +2,7 @@
 
 Each group's dataclass lives with its package (model/config.py, data/config.py, parallel/config.py);
 the groups that belong to the recipe runner are here. The checks across fields, and each stage's
-resolved plan, are recipes/plan.py's.
+resolved plan, are recipes/config/plan.py's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from longstride.choices import Choice, WandbMode
 from longstride.data.config import DataConfig, LongDocConfig
 from longstride.model.config import ModelConfig
 from longstride.parallel.config import Balance, ParallelConfig
-from longstride.recipes.schedule import Schedule
+from longstride.recipes.run.schedule import Schedule
 
 
 class Precision(Choice):
@@ -90,7 +90,7 @@ class TrainConfig:
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
     resume_from: Optional[str] = None  # a step_NNNNNN or final dir of this run: continue from it (config changes allowed)
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
-    # each stage's step traced at its start (recipes/trace.py, seconds, in a child process of rank 0) and its
+    # each stage's step traced at its start (recipes/memory/trace.py, seconds, in a child process of rank 0) and its
     # per-rank memory logged beside the analytic estimate: auto = on GPUs, true, false
     trace_memory: str = "auto"
 

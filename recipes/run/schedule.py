@@ -1,4 +1,4 @@
-"""The optimizer's parameter groups (recipes/stage.py's step and the traced step of recipes/trace.py) and the
+"""The optimizer's parameter groups (recipes/run/stage.py's step and the traced step of recipes/memory/trace.py) and the
 learning-rate schedules, as multipliers of the stage's peak LR: warmup + cosine, WSD, constant."""
 from __future__ import annotations
 

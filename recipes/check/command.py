@@ -19,14 +19,14 @@ parameters outside the decoder layers ("other": embeddings, final norm, head). E
 compute. The model runs as transformers builds it, without the stage's memory savers (activation checkpointing,
 MLP tiles, the chunked loss: tests/test_cp_model.py checks those under CP).
 
-Test hook (STYLE rule 16; recipes/faults.py keeps the training loop's): LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window
+Test hook (STYLE rule 16; recipes/run/faults.py keeps the training loop's): LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window
 makes every CP method compute each layer without its sliding window while the one-device and eager runs keep it,
 the mistake tests/test_check.py asserts this command catches. Read once, when a CP rank starts
-(recipes/check_runs.inject_test_fault).
+(recipes/check/runs.inject_test_fault).
 
-The command's modules: recipes/check_job.py (the options, validated into a Job before any compute),
-recipes/check_inputs.py (the batch, the model, its layer types), recipes/check_runs.py (the three runs),
-recipes/check_report.py (the comparisons and the table); this one parses, runs them and prints.
+The command's modules: recipes/check/job.py (the options, validated into a Job before any compute),
+recipes/check/inputs.py (the batch, the model, its layer types), recipes/check/runs.py (the three runs),
+recipes/check/report.py (the comparisons and the table); this one parses, runs them and prints.
 """
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from longstride.overrides import parse, run
-from longstride.recipes.check_inputs import stage_batch
-from longstride.recipes.check_job import CheckConfig, Job, prepare
-from longstride.recipes.check_report import Report, report
-from longstride.recipes.check_runs import TEST_FAULT, cp_local, cp_run, references  # noqa: F401  (TEST_FAULT: the hook)
+from longstride.recipes.check.inputs import stage_batch
+from longstride.recipes.check.job import CheckConfig, Job, prepare
+from longstride.recipes.check.report import Report, report
+from longstride.recipes.check.runs import TEST_FAULT, cp_local, cp_run, references  # noqa: F401  (TEST_FAULT: the hook)
 
 
 def parse_args(argv: list[str]):
@@ -53,7 +53,7 @@ def parse_args(argv: list[str]):
 
     from longstride.model.build import check_checkpoint_dir
     from longstride.overrides import _reason
-    from longstride.recipes.memplan import compose_training
+    from longstride.recipes.memory.memplan import compose_training
 
     names = {f.name for f in dataclasses.fields(CheckConfig)} - {"overrides"}
     mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]

@@ -5,7 +5,7 @@ The Trainer's own context parallelism (accelerate's ParallelismConfig) accepts S
 mask only; this module brings longstride's instead: ring, Ulysses, UPipe or Ulysses x ring over any
 number of processes, each document attending to itself only, no L x L mask, no padding per document.
 
-    from longstride.recipes.hf_trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
 
     args = TrainingArguments(...)                     # initialises torch.distributed under a launcher
     cp = setup_cp(cp=2, heads=model.config.num_attention_heads)   # CP groups over the launched processes

@@ -6,7 +6,7 @@ Layout of a stage dir (every rank computes the same paths):
                                           parallel/shards.py) + trainer.pt + rank<r>.pt + config and tokenizer
                                           + stage.json + manifest.json
   outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json + manifest.json
-A step checkpoint becomes an HF dir with `longstride export-hf` (recipes/export.py).
+A step checkpoint becomes an HF dir with `longstride export-hf` (recipes/checkpoint/export.py).
 A checkpoint is written under `.tmp-<name>`: every rank writes and fsyncs its files, then the main
 rank writes manifest.json last (each file's size and SHA-256, the world size), fsyncs the directory
 and renames it into place, so a crash at any point never leaves a directory that looks complete.
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from longstride.parallel.shards import METADATA as SHARD_METADATA, UnsafeCheckpoint
-from longstride.recipes.faults import test_kill
+from longstride.recipes.run.faults import test_kill
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp-"
@@ -182,24 +182,25 @@ def disk_errors(path: str):
                               "space there and rerun to resume") from e
 
 
-def save_checkpoint(
+@contextlib.contextmanager
+def writing_checkpoint(
     path: str,
     *,
     rank: int,
     is_main: bool,
     barrier: Callable[[], None],
-    save_model: Callable[[str], None],
-    save_all: Optional[Callable[[str], None]] = None,
     trainer_state: Optional[dict],
     rank_state: Optional[dict],
     meta: dict,
     world_size: int = 1,
     manifest: Optional[dict] = None,
     keep_last: int = 0,
-) -> None:
-    """Collective: every rank calls it. `save_all(dir)` runs on every rank (each writes its shard of the model and
-    optimizer, or takes its part in gathering the weights), then `save_model(dir)` on the main rank only. A
-    failed write (a full disk) raises CheckpointError; the previous checkpoints are untouched."""
+):
+    """Collective: every rank enters it. Yields the directory being written: every rank writes its parts there (its
+    shard of the model and optimizer, or its part in gathering the weights; the main rank the model's config and
+    tokenizer); then this writes each rank's state, the trainer state and stage.json, the manifest last, and puts
+    the directory in place. A failed write (a full disk) raises CheckpointError; earlier checkpoints are untouched.
+    The writes flow one way: the caller writes its files, the format seals them."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, TMP_PREFIX + name)
     if is_main:
@@ -209,13 +210,11 @@ def save_checkpoint(
     barrier()
     rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
     with disk_errors(path):
-        if save_all is not None:
-            save_all(tmp)
+        yield tmp
         if rank_bytes is not None:
             with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
                 f.write(rank_bytes)
         if is_main:
-            save_model(tmp)
             if trainer_state is not None:
                 torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
             with open(os.path.join(tmp, "stage.json"), "w") as f:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from longstride.overrides import parse, run
 from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
-from longstride.recipes.checkpoint import verify, write_manifest
+from longstride.recipes.checkpoint.format import verify, write_manifest
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """One training step of one rank, traced without running it: every aten call a stage's step makes, on fake
-tensors, and the bytes it keeps alive. `longstride plan` (recipes/memplan.py) and the trace tests read it.
+tensors, and the bytes it keeps alive. `longstride plan` (recipes/memory/memplan.py) and the trace tests read it.
 
 The mode, and why: FakeTensorMode on the *cpu* device. Fake tensors carry shapes, dtypes, strides and devices
 and run torch's own meta kernels, so every aten call is checked against its schema and no memory is
@@ -18,7 +18,7 @@ a GPU, plus the parameters and buffers that exist before the step. It excludes t
 (fragmentation, cached blocks), NCCL buffers and the CUDA context, which the plan keeps as a reserve
 (configs/hardware/). Activation offload runs its CPU bookkeeping; what it moves to host memory is counted apart.
 
-    from longstride.recipes.trace import StepProgram, trace_step
+    from longstride.recipes.memory.trace import StepProgram, trace_step
     trace_step(StepProgram(config, seq_len=8192, world=8, cp=8, cp_impl="ring", degrees=CPDegrees(ring=8)))
 """
 from __future__ import annotations
@@ -43,8 +43,8 @@ from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import cp_context
 from longstride.parallel.flash_contract import FlashOpCheck
 from longstride.parallel.fsdp import apply_fsdp
-from longstride.recipes.schema import OptimConfig
-from longstride.recipes.step import Step, StepSpec, build_optimizer, build_step, group_summary, loss_sum
+from longstride.recipes.config.schema import OptimConfig
+from longstride.recipes.run.step import Step, StepSpec, build_optimizer, build_step, group_summary, loss_sum
 
 GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -81,9 +81,20 @@ class StepProgram:
         return replace(self, seq_len=seq_len)
 
     def spec(self) -> StepSpec:
-        """The step as recipes/step.py builds it, offload counted without a device."""
+        """The step as recipes/run/step.py builds it, offload counted without a device."""
         return StepSpec(self.checkpointing, self.offload, self.mlp_tile, self.lean_norms, self.loss_tile,
                         doc_masking=True, simulate_offload=True)
+
+
+def stage_program(cfg, plan, world: int, docs: int, config, gpu: bool = True, bf16: bool = True) -> StepProgram:
+    """The StepProgram of a planned stage (cfg: recipes.config.schema.Config, plan: its StagePlan) for a model
+    config (a training stage's loaded model's, or `longstride plan`'s read from the recipe)."""
+    s = plan.stage
+    return StepProgram(config, s.seq_len, micro_batch=s.micro_batch_size, world=world, cp=plan.dims.cp,
+                       cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=plan.kernel,
+                       checkpointing=plan.checkpointing, offload=plan.offload, mlp_tile=plan.mlp_tile,
+                       lean_norms=cfg.model.lean_rms_norm, loss_tile=cfg.model.loss_tile_tokens, fsdp=plan.fsdp,
+                       bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -183,7 +194,7 @@ def synthetic_batch(micro_batch: int, seq_len: int, docs: int) -> dict:
 
 
 def _build(prog: StepProgram, device: str, cp) -> Step:
-    """The traced step (recipes/step.py; for a plain program, transformers' own model with SDPA and no step
+    """The traced step (recipes/run/step.py; for a plain program, transformers' own model with SDPA and no step
     parts). On meta the parameters are bf16 when the program is (no autocast there), else fp32 (autocast or
     FSDP2 casts them)."""
     from transformers import AutoModelForCausalLM

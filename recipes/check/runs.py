@@ -3,7 +3,7 @@ logits, the summed loss, every decoder layer's output and every gradient (a Resu
 one document at a time, longstride's attention on one device (references), and the CP method over cp ranks
 (cp_run on each rank; cp_local starts them as local gloo processes).
 
-The test hook lives here (STYLE rule 16; documented in recipes/check.py): LONGSTRIDE_TEST_CHECK_FAULT=
+The test hook lives here (STYLE rule 16; documented in recipes/check/command.py): LONGSTRIDE_TEST_CHECK_FAULT=
 cp_drops_window, read once when a CP rank starts (inject_test_fault).
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from longstride.model.loss import IGNORE_INDEX
 from longstride.parallel.config import ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
-from longstride.recipes.check_inputs import decoder_layers, doc_spans, load_model
-from longstride.recipes.check_job import Job
+from longstride.recipes.check.inputs import decoder_layers, doc_spans, load_model
+from longstride.recipes.check.job import Job
 
 TEST_FAULT = "LONGSTRIDE_TEST_CHECK_FAULT"
 
@@ -165,7 +165,7 @@ def cp_run(rank: int, world: int, job: Job, batch: dict, device) -> Result:
     inject_test_fault()
     cfg = job.cfg
     lm = load_model(job, device)
-    # as training makes it (recipes/stage.py): balance=docs weighs each layer type's work
+    # as training makes it (recipes/run/stage.py): balance=docs weighs each layer type's work
     cp = cp_context(cfg.parallel.cp_impl, ParallelDims(world, 1, world), job.degrees, device_type=device.type,
                     kernel=job.cp_kernel, balance=job.balance, balance_chunks=cfg.parallel.balance_chunks,
                     patterns=model_patterns(lm))

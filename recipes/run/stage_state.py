@@ -1,15 +1,15 @@
 """A stage's checkpoints: what a save writes (a step checkpoint: the model and optimizer as per-rank
 shards, the scheduler and loop counters, each rank's data position and RNG, the config and tokenizer; a
 final: the HF model) and how a resume puts it back. The file format, the manifest and verification are
-recipes/checkpoint.py's, the shards parallel/shards.py's.
+recipes/checkpoint/format.py's, the shards parallel/shards.py's.
 """
 from __future__ import annotations
 
 from longstride.model.build import save_config
-from longstride.recipes.checkpoint import (load_shards_checked, load_training_state, rng_state, save_checkpoint,
-                                          set_rng_state)
-from longstride.recipes.faults import check_finite_parameters
-from longstride.recipes.runlock import fingerprint
+from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, rng_state, set_rng_state,
+                                                  writing_checkpoint)
+from longstride.recipes.run.faults import check_finite_parameters
+from longstride.recipes.run.runlock import fingerprint
 
 
 def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = None) -> None:
@@ -19,14 +19,8 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     check_finite_parameters(model.parameters(), path)
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
                "val_loss_start": run.val_start} if with_state else None
-    save_checkpoint(
+    with writing_checkpoint(
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
-        # a step checkpoint: per-rank shards, and the config and tokenizer that make it convertible to an HF dir;
-        # a final: the HF directory, its weights streamed from the shards under FSDP2
-        save_all=(lambda d: model.save_state(d, run.optimizer)) if with_state else
-        (lambda d: model.save_weights(run.lm, d, acc.is_main_process)),
-        save_model=(lambda d: (save_config(run.lm, d), ctx.tokenizer.save_pretrained(d))) if with_state
-        else ctx.tokenizer.save_pretrained,
         trainer_state=trainer,
         rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else None,
         meta={"recipe": ctx.cfg.recipe.name, "stage": plan.name, "step": run.step, "seq_len": plan.stage.seq_len,
@@ -35,7 +29,15 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
         world_size=acc.num_processes,
         manifest={"dp": plan.dims.dp, "cp": plan.dims.cp, "config": fingerprint(ctx.cfg_dict)},
         keep_last=ctx.cfg.train.keep_last if with_state else 0,
-    )
+    ) as directory:
+        if with_state:  # a step checkpoint: per-rank shards, and the config and tokenizer that make it an HF dir
+            model.save_state(directory, run.optimizer)
+        else:  # a final: the HF directory, its weights streamed from the shards under FSDP2
+            model.save_weights(run.lm, directory, acc.is_main_process)
+        if acc.is_main_process:
+            if with_state:
+                save_config(run.lm, directory)
+            ctx.tokenizer.save_pretrained(directory)
 
 
 def restore_stage(ctx, run, path: str) -> None:

@@ -1,6 +1,6 @@
 """`longstride check`'s verdict: the comparisons (1 device vs eager: the kernels; CP vs 1 device: the CP method), the
 worst relative error per row (logits, loss, layer outputs and gradients per layer type, "other"), the header saying
-what was checked, the table and the line naming what differs (recipes/check.py prints it)."""
+what was checked, the table and the line naming what differs (recipes/check/command.py prints it)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
-from longstride.recipes.check_inputs import decoder_layers, describe_layers, doc_spans, layer_types, param_groups
-from longstride.recipes.check_job import Job
-from longstride.recipes.check_runs import Result
+from longstride.recipes.check.inputs import decoder_layers, describe_layers, doc_spans, layer_types, param_groups
+from longstride.recipes.check.job import Job
+from longstride.recipes.check.runs import Result
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

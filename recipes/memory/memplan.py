@@ -4,7 +4,7 @@ sequence that fits, and for a stage that does not fit the smallest change that m
     longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1
     longstride plan recipe=tiny_extend hardware=a100_40g gpus_per_node=1 [any training override]
 
-Each stage's step is traced (recipes/trace.py: fake tensors, one rank of gpus_per_node x nodes under a fake
+Each stage's step is traced (recipes/memory/trace.py: fake tensors, one rank of gpus_per_node x nodes under a fake
 process group, bf16, torch's flash attention, the stage's CP, checkpointing, tiling, offload and FSDP2 as
 planned for that many GPUs) and counted as the CUDA caching allocator's allocated bytes. What a GPU also
 holds (the CUDA context, cuBLAS workspace, NCCL buffers) is the hardware's reserve, and the allocator's
@@ -28,12 +28,12 @@ from longstride.model.memory import estimate
 from longstride.overrides import parse, run
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
-from longstride.recipes.plan import seq_len_unit, validate
-from longstride.recipes.schema import to_schema
-from longstride.recipes.trace import StepProgram, trace_step
+from longstride.recipes.config.plan import seq_len_unit, validate
+from longstride.recipes.config.schema import to_schema
+from longstride.recipes.memory.trace import stage_program, trace_step
 
 GIB = 2 ** 30
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 @dataclass
@@ -87,16 +87,6 @@ def _tokenizer_size(data) -> int:
 
         return len(AutoTokenizer.from_pretrained(data.tokenizer))
     return data.vocab_size  # the BPE tokenizer training builds on the corpus
-
-
-def stage_program(cfg, plan, world: int, docs: int, config=None, gpu: bool = True, bf16: bool = True):
-    """The StepProgram of a planned stage; config: the model's (a training stage has it loaded), else read."""
-    s = plan.stage
-    return StepProgram(config or model_config(cfg, s), s.seq_len, micro_batch=s.micro_batch_size, world=world,
-                       cp=plan.dims.cp, cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=plan.kernel,
-                       checkpointing=plan.checkpointing, offload=plan.offload, mlp_tile=plan.mlp_tile,
-                       lean_norms=cfg.model.lean_rms_norm, loss_tile=cfg.model.loss_tile_tokens, fsdp=plan.fsdp,
-                       bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
 
 
 def peak_line(prog, first: dict, length: int) -> tuple[float, float, dict]:
@@ -158,7 +148,7 @@ def fixes(prog):
 
 def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     t0 = time.perf_counter()
-    prog = stage_program(cfg, plan, world, pc.docs)
+    prog = stage_program(cfg, plan, world, docs=pc.docs, config=model_config(cfg, plan.stage))
     r = trace_step(prog)
     usable = int(hw.usable_gib * GIB)
     n = r["num_params"]

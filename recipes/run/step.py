@@ -1,5 +1,5 @@
-"""One training step's parts, built in one place: the stage loop (recipes/stage.py), the memory tracer
-(recipes/trace.py, which `longstride plan` runs) and the benchmarks build their step here, so the step that is
+"""One training step's parts, built in one place: the stage loop (recipes/run/stage.py), the memory tracer
+(recipes/memory/trace.py, which `longstride plan` runs) and the benchmarks build their step here, so the step that is
 traced and measured is the step that trains.
 
     step = build_step(lm, StepSpec(...), cp)       # the model patched, longstride's attention on, the loss wrapped
@@ -23,14 +23,14 @@ from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.cp import CPContext, DocLayout, shard_for_cp
 from longstride.parallel.pattern import model_patterns
-from longstride.recipes.schedule import param_groups
+from longstride.recipes.run.schedule import param_groups
 
 STEP_KEYS = ("input_ids", "labels", "position_ids")  # what the loss forward reads of a PackedBatch
 
 
 @dataclass(frozen=True)
 class StepSpec:
-    """How a stage's step is built (recipes/plan.StagePlan resolves these per stage): activation checkpointing
+    """How a stage's step is built (recipes/config/plan.StagePlan resolves these per stage): activation checkpointing
     mode, offload of checkpointed inputs, MLP tile tokens (0: off), the lean RMSNorm backward, the loss's tile
     tokens, document masking; simulate_offload: count offloaded bytes without a device (the tracer)."""
 
@@ -89,7 +89,7 @@ def group_summary(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, optim, lr: float, **kw) -> torch.optim.AdamW:
-    """AdamW over the run's parameter groups (recipes/schedule.param_groups: no decay on norms, biases and
-    embeddings); optim: recipes.schema.OptimConfig; kw: AdamW's own options (fused=...)."""
+    """AdamW over the run's parameter groups (recipes/run/schedule.param_groups: no decay on norms, biases and
+    embeddings); optim: recipes.config.schema.OptimConfig; kw: AdamW's own options (fused=...)."""
     return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=lr, betas=tuple(optim.betas),
                              eps=optim.eps, **kw)

@@ -20,7 +20,7 @@ from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
-from longstride.recipes.schema import Config, StageConfig, selected_stages
+from longstride.recipes.config.schema import Config, StageConfig, selected_stages
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`longstride check`'s options (CheckConfig) and the Job they resolve to: every check of the command's input,
-made before any data is read or model built (recipes/check.py runs the job)."""
+made before any data is read or model built (recipes/check/command.py runs the job)."""
 from __future__ import annotations
 
 import math
@@ -24,7 +24,7 @@ class CheckConfig:
 class Job:
     """Everything a process of the check needs, resolved and validated (picklable: the gloo processes get it)."""
 
-    cfg: object  # recipes.schema.Config
+    cfg: object  # recipes.config.schema.Config
     stage: str
     seq_len: int
     rows: int
@@ -49,8 +49,8 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     """Every check of the command's input, before any data is read or model built. world: the processes a
     launcher started (1: none, the CP ranks are local gloo processes)."""
     from longstride.parallel.kernels import resolve_kernel
-    from longstride.recipes.plan import check_model_and_data, seq_len_unit
-    from longstride.recipes.schema import selected_stages
+    from longstride.recipes.config.plan import check_model_and_data, seq_len_unit
+    from longstride.recipes.config.schema import selected_stages
     from longstride.recipes.train import use_cpu
 
     names = list(cfg.recipe.stages)

@@ -1,0 +1,1 @@
+"""The checkpoint format (sharded step checkpoints, HF model directories, manifests), export and shipping."""

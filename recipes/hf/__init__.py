@@ -1,0 +1,1 @@
+"""The HF Trainer / TRL adapter: longstride's packed batches and context parallelism inside transformers' Trainer."""

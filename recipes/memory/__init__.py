@@ -1,0 +1,1 @@
+"""The memory planner: `longstride plan` and the traced step it runs."""
