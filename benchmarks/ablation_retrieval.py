@@ -96,7 +96,7 @@ def own_base(variant: str, smoke: bool) -> list[str]:
         with open(os.path.join(out, "train.log"), "w") as log:
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
         if not smoke:
-            subprocess.run([sys.executable, "-m", "longstride.recipes.ship", final, shipped], check=True)
+            subprocess.run([sys.executable, "-m", "longstride.recipes.checkpoint.ship", final, shipped], check=True)
     return [f"model.checkpoint={path}", f"data.tokenizer={path}"]
 
 

@@ -58,8 +58,8 @@ def _worker(rank, n, model_name, method, length, path):
     from longstride.model.build import build_model
     from longstride.parallel.config import CPDegrees, ParallelDims
     from longstride.parallel.cp import cp_context
-    from longstride.recipes.schema import OptimConfig
-    from longstride.recipes.step import StepSpec, build_optimizer, build_step, loss_sum
+    from longstride.recipes.config.schema import OptimConfig
+    from longstride.recipes.run.step import StepSpec, build_optimizer, build_step, loss_sum
 
     zero = proc_status_bytes("VmRSS")
     cfg, vocab = MODELS[model_name]
@@ -70,7 +70,7 @@ def _worker(rank, n, model_name, method, length, path):
 
         def loss_fn():
             return lm(input_ids=ids, labels=ids).loss
-    else:  # as a training stage builds its step (recipes/step.py)
+    else:  # as a training stage builds its step (recipes/run/step.py)
         cp = cp_context("ring", ParallelDims(n, 1, n), CPDegrees(ring=n), "cpu", "sdpa")
         step = build_step(lm, StepSpec("full", mlp_tile=MLP_TILE, loss_tile=LOSS_TILE), cp)
         local = step.prep(collate([packed_item([ids[0].numpy()], length, pad_id=1)]))

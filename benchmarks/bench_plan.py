@@ -1,4 +1,4 @@
-"""The traced memory of a training step (recipes/trace.py), checked against measured peaks, then used to
+"""The traced memory of a training step (recipes/memory/trace.py), checked against measured peaks, then used to
 estimate published configurations on GPUs nobody here has.
 
   --validate   the CPU program (CPU kernels, fp32, 1 byte rounding) traced for every point that
@@ -26,8 +26,8 @@ import time
 from benchmarks.common import RESULTS, print_table, write_results
 from longstride.parallel.config import CPDegrees, ParallelConfig
 from longstride.parallel.cp import cp_degrees
-from longstride.recipes.memplan import GIB, Hardware, hardware, peak_line
-from longstride.recipes.trace import StepProgram, trace_step
+from longstride.recipes.memory.memplan import GIB, Hardware, hardware, peak_line
+from longstride.recipes.memory.trace import StepProgram, trace_step
 
 
 def _validation_program(model: str, method: str, length: int) -> StepProgram:

@@ -91,9 +91,9 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
 
     from longstride.data.batch import packed_item
     from longstride.parallel.cp import CPContext
-    from longstride.recipes.schema import OptimConfig
-    from longstride.recipes.step import StepSpec, build_optimizer
-    from longstride.recipes.step import build_step as build_longstride_step
+    from longstride.recipes.config.schema import OptimConfig
+    from longstride.recipes.run.step import StepSpec, build_optimizer
+    from longstride.recipes.run.step import build_step as build_longstride_step
 
     L = doc.shape[1]
     cfg = LlamaConfig(**shape, max_position_embeddings=L, rope_theta=1e5)
@@ -109,7 +109,7 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     pos = torch.arange(L) if system == "hf_sdpa_causal" else torch.arange(L) - starts
     batch = {"input_ids": ids.to(device), "position_ids": pos[None].to(device)}
     model = lm
-    if system == "longstride":  # the training step (recipes/step.py), its batch from data.batch.packed_item
+    if system == "longstride":  # the training step (recipes/run/step.py), its batch from data.batch.packed_item
         spec = StepSpec("full" if lean else "none", offload=lean and device.type == "cuda",
                         mlp_tile=4096 if lean else 0, loss_tile=8192)
         step = build_longstride_step(lm, spec, CPContext(kernel="torch_flash" if device.type == "cuda" else "sdpa"))

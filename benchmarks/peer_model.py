@@ -37,8 +37,8 @@ import torch
 
 from benchmarks.common import RESULTS, proc_status_bytes, reset_peak_rss
 from longstride.model.config import ModelConfig
-from longstride.recipes.schema import OptimConfig
-from longstride.recipes.step import build_optimizer
+from longstride.recipes.config.schema import OptimConfig
+from longstride.recipes.run.step import build_optimizer
 
 # BENCH_PEERS_LAYERS: fewer layers, for a quick check of the rows' code paths only
 CONFIG = ModelConfig(hidden_size=576, intermediate_size=1536,
@@ -85,11 +85,11 @@ def _longstride(lm, length, rank, n, impl):
     from longstride.data.batch import collate, packed_item
     from longstride.parallel.config import ParallelConfig, ParallelDims
     from longstride.parallel.cp import cp_context, cp_degrees
-    from longstride.recipes.step import StepSpec, build_step, loss_sum
+    from longstride.recipes.run.step import StepSpec, build_step, loss_sum
 
     degrees = cp_degrees(ParallelConfig(cp_impl=impl), n, CONFIG.num_attention_heads)
     cp = cp_context(impl, ParallelDims(n, 1, n), degrees, "cpu", "sdpa")
-    # as a training stage builds its step (recipes/step.py): full checkpointing, tiled MLP, lean norms
+    # as a training stage builds its step (recipes/run/step.py): full checkpointing, tiled MLP, lean norms
     step = build_step(lm, StepSpec("full", mlp_tile=TILE, loss_tile=TILE, doc_masking=False), cp)
     local = step.prep(collate([packed_item([_tokens(length)[0][0].numpy()], length, pad_id=1)]))
     return lambda: loss_sum(step.module, local, "cpu") / length

@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from longstride.model.build import build_model
-    from longstride.recipes.schema import to_schema
+    from longstride.recipes.config.schema import to_schema
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=("copy", "kv"), default="copy")

@@ -80,7 +80,7 @@ def check_checkpoint_dir(path: str, field_name: str) -> None:
 
 def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,
                  init_from: Optional[str] = None) -> PretrainedConfig:
-    """The config a stage's model has (build_model's, and a traced step's: recipes/trace.py): from `init_from`
+    """The config a stage's model has (build_model's, and a traced step's: recipes/memory/trace.py): from `init_from`
     or `cfg.checkpoint`, else the model group's sizes; the stage's RoPE base and length set, YaRN applied when
     configured (both on the layer types `cfg.rope_layer_types` selects, model/rope.py), no KV cache."""
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)

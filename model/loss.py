@@ -31,7 +31,7 @@ def chunked_cross_entropy_sum(
     labels = labels.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     # every tile runs, also one without a target (its sum is 0): skipping it would read the labels on the host,
-    # a device sync per tile on a GPU, and a traced step (recipes/trace.py) has no values to read
+    # a device sync per tile on a GPU, and a traced step (recipes/memory/trace.py) has no values to read
     for start in range(0, hidden.shape[0], tile):
         h, y = hidden[start:start + tile], labels[start:start + tile]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

@@ -48,7 +48,7 @@ def computes_rms_norm(module: torch.nn.Module) -> bool:
     """Whether `module` is an RMSNorm of exactly the formula above: a 1-D `weight`, a float
     `variance_epsilon`, and on a probe input the same output as rms_norm (Gemma's (1 + w) form, or any other
     module, fails). The probe runs on the CPU with a real random weight swapped in for the module's own, so it
-    also decides for a model built without memory (meta or fake weights: recipes/trace.py); a local generator
+    also decides for a model built without memory (meta or fake weights: recipes/memory/trace.py); a local generator
     draws it, so the global RNG is untouched."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

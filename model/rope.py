@@ -77,7 +77,7 @@ def _rewrite(config: PretrainedConfig, targets: Optional[list[str]], change: Cal
 
 def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int,
                   layer_types: Optional[list[str]] = None, field: str = FIELD) -> PretrainedConfig:
-    """Write a stage's RoPE base (positive: recipes/plan.py checks it) into the layers `layer_types` selects
+    """Write a stage's RoPE base (positive: recipes/config/plan.py checks it) into the layers `layer_types` selects
     (rope_targets) and its context length into a config (in place, returned)."""
     text = config.get_text_config(decoder=True)
     targets = rope_targets(text, layer_types, field)

@@ -31,7 +31,7 @@ PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLaye
 
 
 def autocast_on(device_type: str) -> bool:
-    """Whether autocast is on for this device type; the meta device (a traced step, recipes/trace.py) has none."""
+    """Whether autocast is on for this device type; the meta device (a traced step, recipes/memory/trace.py) has none."""
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 

@@ -4,7 +4,7 @@ Each method is a module that states three things:
     degrees(cfg, cp, heads, where) -> CPDegrees      how a stage's cp splits (ring x Ulysses, UPipe's U)
     shard(batch, docs, cp) -> (local batch, plan)    this rank's share of a full PackedBatch, its ring plan
     attention(q, k, v, layout, scale) -> out         the attention every layer runs
-Adding a method is its module plus one entry in METHODS; validation (recipes/plan.py), the stage and
+Adding a method is its module plus one entry in METHODS; validation (recipes/config/plan.py), the stage and
 the attention function read them from here.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: s
                balance: str = "zigzag", balance_chunks: int = 8, mesh: Optional[WorldMesh] = None,
                patterns: tuple = ()) -> CPContext:
     """This rank's CPContext (dims: the stage's ParallelDims, degrees: cp_degrees(...)): the one factory, for
-    training, the HF Trainer path (recipes/hf_trainer.setup_cp) and CP prefill (eval/ruler/cp_prefill). Its
+    training, the HF Trainer path (recipes/hf/trainer.setup_cp) and CP prefill (eval/ruler/cp_prefill). Its
     process groups are a layout of `mesh` (the run's WorldMesh; one is built when none is given). Collective
     when cp > 1."""
     if dims.cp == 1:

@@ -5,7 +5,7 @@ else: an int64 cumulative-length tensor, fp32 inputs, a transposed log-sum-exp o
 device ones all pass there and fail (or silently misread) on a GPU. `FlashOpCheck` is a dispatch mode that
 holds every call of those ops to the checks of the CUDA entry points (FA2's mha_varlen_fwd / mha_varlen_bwd)
 and to how longstride calls them (no dropout, no debug mask, an explicit softmax scale), after torch's own
-dispatcher has parsed the call against the op's schema. A traced step (recipes/trace.py) runs under it;
+dispatcher has parsed the call against the op's schema. A traced step (recipes/memory/trace.py) runs under it;
 `check_layout` is shared with the CPU emulation of the kernels (parallel/varlen.emulate).
 """
 from __future__ import annotations

@@ -64,7 +64,7 @@ def head_schedule(heads: int, kv_heads: int, n: int, stage_heads: int = 0, devic
     """The stages of one attention call; stage_heads = U, 0 for all heads at once (plain Ulysses). Its index
     tensors live on `device` (the attention's: index_copy_ and index_select take no index from another
     device), made once per device; always real tensors, even when first asked for inside a fake-tensor trace
-    (recipes/trace.py), since the cache outlives it."""
+    (recipes/memory/trace.py), since the cache outlives it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
