@@ -3,7 +3,9 @@
 Each method is a module that states three things:
     degrees(cfg, cp, heads, where) -> CPDegrees      how a stage's cp splits (ring x Ulysses, UPipe's U)
     shard(batch, docs, cp) -> (local batch, plan)    this rank's share of a full PackedBatch, its ring plan
-    attention(q, k, v, layout, scale) -> out         the attention every layer runs
+    attention(q, k, v, layout, scale, pattern, sinks) -> out
+                                                     the attention every layer runs, with the layer's window or
+                                                     chunk and sinks (parallel/pattern.py), computed or refused
 Adding a method is its module plus one entry in METHODS; validation (recipes/config/plan.py), the stage and
 the attention function read them from here.
 """

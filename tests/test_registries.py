@@ -30,7 +30,7 @@ def test_a_new_cp_method_is_one_registry_entry(monkeypatch):
         half = batch["input_ids"].shape[1] // 2
         return {k: v[:, :half] for k, v in batch.items()}, "a plan"
 
-    def attention(q, k, v, layout, scale):
+    def attention(q, k, v, layout, scale, pattern, sinks):
         calls.append(("attention", layout.plan, layout.cp.method))
         return torch.zeros_like(q)
 
