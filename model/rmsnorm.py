@@ -17,6 +17,8 @@ import types
 
 import torch
 
+from longstride.model.real import real
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -50,12 +52,10 @@ def computes_rms_norm(module: torch.nn.Module) -> bool:
     module, fails). The probe runs on the CPU with a real random weight swapped in for the module's own, so it
     also decides for a model built without memory (meta or fake weights: recipes/memory/trace.py); a local generator
     draws it, so the global RNG is untouched."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     w, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if not isinstance(w, torch.nn.Parameter) or w.ndim != 1 or not isinstance(eps, float):
         return False
-    with unset_fake_temporarily():
+    with real():
         g = torch.Generator().manual_seed(0)
         probe = torch.randn(w.shape[0], generator=g).to(w.dtype)
         x = torch.randn(3, w.shape[0], generator=g).to(w.dtype)

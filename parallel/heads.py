@@ -23,6 +23,8 @@ from typing import Union
 
 import torch
 
+from longstride.model.real import real
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -65,9 +67,7 @@ def head_schedule(heads: int, kv_heads: int, n: int, stage_heads: int = 0, devic
     tensors live on `device` (the attention's: index_copy_ and index_select take no index from another
     device), made once per device; always real tensors, even when first asked for inside a fake-tensor trace
     (recipes/memory/trace.py), since the cache outlives it."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
+    with real():
         return _schedule(heads, kv_heads, n, stage_heads, torch.device(device or "cpu"))
 
 

@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from longstride.model.real import real
 from longstride.parallel.flash_contract import check_layout
 
 
@@ -71,9 +72,7 @@ class VarlenCall:
 
     def _lengths(self, device) -> dict:
         if device not in self._cu:  # a host-to-device copy waits for the device: once per batch, not per layer
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():  # real even inside a traced step: the call is cached (kernels.py)
+            with real():  # real even inside a traced step: the call is cached (kernels.py)
                 self._cu[device] = tuple(torch.tensor(c, dtype=torch.int32, device=device)
                                          for c in (self.cu_q, self.cu_k))
         cu_q, cu_k = self._cu[device]

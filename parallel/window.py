@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from longstride.model.real import real
 from longstride.parallel.blocks import RingPlan, ring_plan, run_starts
 from longstride.parallel.collectives import host_staged
 from longstride.parallel.kernels import varlen_kernel
@@ -56,9 +57,7 @@ class HaloPlan:
     def index(self, name: str, device) -> torch.Tensor:
         key = (name, device)
         if key not in self.derived:  # copied to the device once per batch, not per layer
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
+            with real():
                 self.derived[key] = torch.as_tensor(getattr(self, name), dtype=torch.long, device=device)
         return self.derived[key]
 

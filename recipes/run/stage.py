@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -33,25 +33,35 @@ from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
 from longstride.recipes.checkpoint.format import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
-from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.config.plan import StagePlan
+from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import restore_stage, save_stage
 from longstride.recipes.run.step import Step, StepSpec, build_optimizer, build_step, label_count, loss_sum
 from longstride.recipes.run.tracking import peak_memory_gib
 
+if TYPE_CHECKING:  # the types of the run's objects, for readers and checkers only
+    from accelerate import Accelerator
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
+
+    from longstride.data.corpus import Corpus
+    from longstride.recipes.config.schema import Config
+    from longstride.recipes.run.runlock import RunLock
+    from longstride.recipes.run.tracking import Tracker
+
 
 @dataclass
 class RunContext:
-    cfg: object  # recipes.config.schema.Config
-    accelerator: object
-    tokenizer: object
-    corpus: object
-    tracker: object
+    cfg: Config
+    accelerator: Accelerator
+    tokenizer: PreTrainedTokenizerBase
+    corpus: Optional[Corpus]  # None when the data streams
+    tracker: Tracker
     recipe_dir: str
     cfg_dict: dict  # the resolved config, logged with every stage's run
-    plans: dict  # stage name -> recipes.config.plan.StagePlan, resolved once by validate
-    lock: object = None  # recipes.run.runlock.RunLock held by the main process for the run
+    plans: dict[str, StagePlan]  # resolved once by validate
+    lock: Optional[RunLock] = None  # held by the main process for the run
     mesh: Optional[WorldMesh] = None  # the run's one device mesh, built by the first stage that needs it
 
     def world_mesh(self) -> WorldMesh:
@@ -71,9 +81,9 @@ class StageRun:
     lm: torch.nn.Module  # the single-device transformers model inside `model`
     model: Parallelized
     optimizer: torch.optim.Optimizer
-    scheduler: object
-    loader: object
-    held_out: object
+    scheduler: LRScheduler
+    loader: object  # data.pipeline's StatefulDataLoader or data.stream.StreamLoader: iterable, state_dict()
+    held_out: Sequence[dict]  # validation items (PackedBatch rows)
     pack_stats: dict
     built: Step  # the step's parts (recipes/run/step.py): its CP context and batch preparation
     step: int = 0
@@ -208,10 +218,11 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
                      f"({acc.distributed_type}); activation checkpointing {plan.checkpointing if ac else 'off'}"
                      f"{offload}; MLP tile {plan.mlp_tile or 'off'}")
-    cp = describe_cp(cfg.parallel.cp_impl, plan.degrees, run.lm.config.num_key_value_heads) if plan.dims.cp > 1 else ""
+    cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, run.lm.config.num_key_value_heads) if plan.dims.cp > 1 \
+        else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
     ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
-                     f"{s.batch_tokens} tokens (accumulation {plan.accum}, dp {plan.dims.dp}, cp {plan.dims.cp}{cp}); "
+                     f"{s.batch_tokens} tokens (accumulation {plan.accum}, dp {plan.dims.dp}, cp {plan.dims.cp}{cp_text}); "
                      f"packing {packing}")
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
