@@ -50,8 +50,8 @@ class CPContext:
     degrees: CPDegrees = CPDegrees()
     ring_rank: int = 0
     ulysses_rank: int = 0
-    comm: Optional[RingComm] = None
-    heads: Optional[HeadComm] = None
+    ring_comm: Optional[RingComm] = None
+    head_comm: Optional[HeadComm] = None
     kernel: str = "sdpa"
     balance: str = "zigzag"
     balance_chunks: int = 8
@@ -71,7 +71,7 @@ def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: s
     comm = RingComm(mesh.get_group("ring")) if degrees.ring > 1 else None
     heads = HeadComm(mesh.get_group("ulysses")) if degrees.ulysses > 1 else None
     return CPContext(impl, degrees, ring_rank=mesh.get_local_rank("ring"), ulysses_rank=mesh.get_local_rank("ulysses"),
-                     comm=comm, heads=heads, kernel=kernel, balance=str(balance), balance_chunks=balance_chunks,
+                     ring_comm=comm, head_comm=heads, kernel=kernel, balance=str(balance), balance_chunks=balance_chunks,
                      patterns=patterns)
 
 

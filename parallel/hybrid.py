@@ -22,5 +22,5 @@ def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
 
 def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None):
     """Ulysses over the ring-local sequence; with parallel.ulysses=1 (no Ulysses group) the plain ring."""
-    impl = ring.attention if layout.cp.heads is None else ulysses.attention
+    impl = ring.attention if layout.cp.head_comm is None else ulysses.attention
     return impl(q, k, v, layout, scale, pattern=pattern, sinks=sinks)

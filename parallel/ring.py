@@ -239,5 +239,5 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
 
 def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None) -> torch.Tensor:
     """layout: the batch's DocLayout (parallel/cp.py); pattern, sinks: the layer's (parallel/pattern.py)."""
-    return ring_attention(q, k, v, layout.plan, kernel=layout.cp.kernel, scale=scale, comm=layout.cp.comm,
+    return ring_attention(q, k, v, layout.plan, kernel=layout.cp.kernel, scale=scale, comm=layout.cp.ring_comm,
                           pattern=pattern, sinks=sinks)

@@ -219,5 +219,5 @@ def shard(batch: dict, docs: Optional[torch.Tensor], cp) -> tuple[dict, RingPlan
 
 def attention(q, k, v, layout, scale: float, pattern: Pattern = CAUSAL, sinks=None) -> torch.Tensor:
     cp = layout.cp
-    return ulysses_attention(q, k, v, layout.plan, kernel=cp.kernel, scale=scale, ring=cp.comm, heads=cp.heads,
+    return ulysses_attention(q, k, v, layout.plan, kernel=cp.kernel, scale=scale, ring=cp.ring_comm, heads=cp.head_comm,
                              stage_heads=cp.degrees.stage_heads, pattern=pattern, sinks=sinks)

@@ -28,13 +28,13 @@ def _worker(rank, world):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         apply_fsdp(model, list(model), "cpu", world, mesh=mesh)
         assert len(built) == 1, f"{len(built)} meshes built in one run"
-        assert again.comm.group is ring.comm.group, "a stage with a split seen before made new process groups"
-        assert dp_only.method is None and dp_only.comm is None
+        assert again.ring_comm.group is ring.ring_comm.group, "a stage with a split seen before made new process groups"
+        assert dp_only.method is None and dp_only.ring_comm is None
         assert (ring.ring_rank, uly.ulysses_rank) == (rank, rank)
         t = torch.tensor([float(rank + 1)])
-        dist.all_reduce(t, group=ring.comm.group)
+        dist.all_reduce(t, group=ring.ring_comm.group)
         u = torch.tensor([float(rank + 1)])
-        dist.all_reduce(u, group=uly.heads.group)
+        dist.all_reduce(u, group=uly.head_comm.group)
         assert t.item() == u.item() == world * (world + 1) / 2
         assert model[0].weight.to_local().shape == (4 // world, 4), "FSDP2 shards over the world mesh"
     finally:

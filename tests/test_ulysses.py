@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, ring: int, path: str, kernel: str = "sdpa") -
                 plan = ring_plan(None if doc is None else doc[rows], q.shape[0], L, ring, cp.ring_rank)
                 ql, kl, vl = (local_share(x, ring, cp.ring_rank, uly, cp.ulysses_rank).requires_grad_(True)
                               for x in (q, k, v))
-                out = ulysses_attention(ql, kl, vl, plan, kernel, D ** -0.5, cp.comm, cp.heads, U)
+                out = ulysses_attention(ql, kl, vl, plan, kernel, D ** -0.5, cp.ring_comm, cp.head_comm, U)
                 out.backward(local_share(dout, ring, cp.ring_rank, uly, cp.ulysses_rank))
                 got = [out.detach(), ql.grad, kl.grad, vl.grad]
                 results[h, hkv, U, lname, _key(rows, dtype)] = [full_sequence(gather_cat(x), ring, uly) for x in got]
@@ -155,10 +155,10 @@ def test_degrees_and_their_errors():
 def test_shard_for_cp_gives_each_rank_its_ring_share_then_its_ulysses_piece():
     batch = {"input_ids": torch.arange(2 * 16).view(2, 16)}
     batch["doc_ids"] = torch.zeros_like(batch["input_ids"])
-    cp = CPContext("hybrid", CPDegrees(2, 2), ring_rank=1, ulysses_rank=1, heads=HeadComm(None))
+    cp = CPContext("hybrid", CPDegrees(2, 2), ring_rank=1, ulysses_rank=1, head_comm=HeadComm(None))
     local, layout = shard_for_cp(batch, True, cp)
     # ring rank 1 of 2 holds chunks 1 and 2 of 4 (positions 4..11); its Ulysses rank 1 the second half
     assert local["input_ids"][0].tolist() == [8, 9, 10, 11]
     assert layout.plan.n == 2 and layout.cp is cp
     with pytest.raises(ValueError, match="does not split into 3 Ulysses pieces"):
-        shard_for_cp(batch, True, CPContext("hybrid", CPDegrees(2, 3), heads=HeadComm(None)))
+        shard_for_cp(batch, True, CPContext("hybrid", CPDegrees(2, 3), head_comm=HeadComm(None)))

@@ -34,11 +34,11 @@ def _worker(rank: int, world: int, ring: int, path: str) -> None:
             share = lambda x: local_share(x, ring, cp.ring_rank, uly, cp.ulysses_rank)  # noqa: E731
             ql, kl, vl = (share(x).requires_grad_(True) for x in (q, k, v))
             if uly == 1:
-                out = ring_attention(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.comm)
+                out = ring_attention(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.ring_comm)
                 with torch.no_grad():
-                    lse = ring_forward(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.comm)[1]
+                    lse = ring_forward(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.ring_comm)[1]
             else:
-                out = ulysses_attention(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.comm, cp.heads, U)
+                out = ulysses_attention(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.ring_comm, cp.head_comm, U)
                 lse = None
             out.backward(share(dout))
             got = [out.detach(), ql.grad, kl.grad, vl.grad] + ([lse] if lse is not None else [])

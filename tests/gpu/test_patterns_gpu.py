@@ -59,7 +59,7 @@ def _ring_worker(rank: int, n: int, path: str) -> None:
             q, k, v, dout = (x.to(CUDA, torch.bfloat16) for x in inputs(H, HKV, torch.float64))
             plan = ring_plan(doc, q.shape[0], q.shape[2], n, rank)
             ql, kl, vl = (shard(x, n, rank, dim=2).requires_grad_(True) for x in (q, k, v))
-            out = ring_attention(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.comm, pattern)
+            out = ring_attention(ql, kl, vl, plan, "torch_flash", D ** -0.5, cp.ring_comm, pattern)
             out.backward(shard(dout, n, rank, dim=2))
             results[pname, lname] = [unshard(gather_cat(x.cpu()), dim=2) for x in (out.detach(), ql.grad, kl.grad,
                                                                                     vl.grad)]
