@@ -139,7 +139,7 @@ def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float, window=Non
     if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
         return fwd(q, k, v, scale, True, window)
     out = seq_major(q)
-    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, L, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)  # fp64 stays fp64
     for b, row in enumerate(bounds):
         for s, e in row:
             o, l = fwd(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale, True, window)
@@ -285,7 +285,7 @@ def _banded_fwd(fwd):
     def run(q, k, v, scale, causal, window=None):
         if not causal or _plain(q, k, window):
             return fwd(q, k, v, scale, causal)
-        out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
         for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
             out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask)
         return out, lse

@@ -87,7 +87,7 @@ class VarlenCall:
         """dout/out: (B, H, L, D) like q, lse: (B, H, L) fp32 (merged) -> packed dq, dk, dv."""
         g = lambda x: gather(x, self.q_ranges)  # noqa: E731
         flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
-        packed_lse = _take(flat_lse, self.q_ranges, dim=1).float()
+        packed_lse = _take(flat_lse, self.q_ranges, dim=1).to(torch.promote_types(q.dtype, torch.float32))
         return kernel.backward(g(dout), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
                                packed_lse.contiguous(), **self._lengths(q.device), scale=scale, causal=self.causal,
                                window=self.window)
@@ -221,7 +221,8 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
 
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
         out = torch.empty_like(q)
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        # fp32 as the CUDA kernels give it; fp64 inputs (the CPU reference tests) keep an fp64 log-sum-exp
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lengths = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
         for sq, sk in pieces(q, k, lengths, v):
             o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal, window)
@@ -230,7 +231,8 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
         return out, lse
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
-        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, lse.shape
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.promote_types(q.dtype, torch.float32), \
+            (lse.shape, lse.dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lengths = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
         for sq, sk in pieces(q, k, lengths, v, out, dout):

@@ -81,3 +81,52 @@ def test_the_traced_gpu_step_runs_windowed_layers_as_they_run(cp):
     assert r["flash_calls"] > 0 and r["windowed_flash_calls"] == r["flash_calls"], r
     cfg.sliding_window = None
     assert trace_step(prog)["windowed_flash_calls"] == 0
+
+
+def _halo_rows_worker(rank: int, n: int, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from longstride.parallel.blocks import ring_plan
+    from longstride.parallel.config import ParallelDims
+    from longstride.parallel.cp import cp_context
+    from longstride.parallel.ring import ring_attention
+    from longstride.parallel.spawn import gather_cat
+    from longstride.parallel.zigzag import shard, unshard
+    from tests.test_ring import D, inputs, layouts
+
+    cp = cp_context("ring", ParallelDims(n, 1, n), CPDegrees(ring=n), "cpu", "sdpa")
+    out = {}
+    for window in (5, 23):
+        for lname, doc in layouts().items():
+            q, k, v, dout = inputs(8, 2, torch.float64)
+            plan = ring_plan(doc, q.shape[0], q.shape[2], n, rank)
+            ql, kl, vl = (shard(x, n, rank, dim=2).requires_grad_(True) for x in (q, k, v))
+            o = ring_attention(ql, kl, vl, plan, "sdpa", D ** -0.5, cp.ring_comm, Pattern(window=window))
+            o.backward(shard(dout, n, rank, dim=2))
+            out[window, lname] = [unshard(gather_cat(x), dim=2) for x in (o.detach(), ql.grad, kl.grad, vl.grad)]
+    dist.barrier()
+    if rank == 0:
+        torch.save(out, path)
+
+
+def test_the_halo_with_several_rows_of_different_documents(tmp_path):
+    """Rows with different documents (halos of different lengths per row), 3 ranks, fp64: the ring's halo equals
+    the one-device windowed attention, outputs and gradients."""
+    import torch
+
+    from longstride.parallel.kernels import doc_attention
+    from longstride.parallel.spawn import run_gloo
+    from tests.test_ring import D, inputs, layouts
+
+    path = str(tmp_path / "halo.pt")
+    run_gloo(_halo_rows_worker, 3, path)
+    got = torch.load(path)
+    for (window, lname), parts in got.items():
+        doc = layouts()[lname]
+        q, k, v, dout = (x.requires_grad_(True) for x in inputs(8, 2, torch.float64))
+        o = doc_attention(q, k, v, doc, D ** -0.5, kernel="math", pattern=Pattern(window=window))
+        o.backward(dout)
+        for name, g, r in zip(("out", "dq", "dk", "dv"), parts, (o.detach(), q.grad, k.grad, v.grad)):
+            err = ((g - r).abs().max() / r.abs().max()).item()
+            assert err <= 1e-9, f"window {window} {lname} {name}: {err:.1e}"
