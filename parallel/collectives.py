@@ -53,11 +53,12 @@ class CopyIn:
         self.device_buf.copy_(self.host_buf)
 
 
-def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, group) -> None:
-    """dist.all_to_all_single, staged through host memory where the group cannot move device tensors."""
+def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, group, recv_splits=None, send_splits=None) -> None:
+    """dist.all_to_all_single (even splits, or the given rows per rank), staged through host memory where the
+    group cannot move device tensors."""
     if not host_staged(group, send):
-        dist.all_to_all_single(recv, send, group=group)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         return
     host = torch.empty(recv.shape, dtype=recv.dtype)
-    dist.all_to_all_single(host, send.cpu(), group=group)
+    dist.all_to_all_single(host, send.cpu(), recv_splits, send_splits, group=group)
     recv.copy_(host)

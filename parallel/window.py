@@ -25,11 +25,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from longstride.model.real import real
 from longstride.parallel.blocks import RingPlan, ring_plan, run_starts
-from longstride.parallel.collectives import host_staged
+from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.kernels import varlen_kernel
 from longstride.parallel.pattern import Pattern, chunk_docs, doc_starts
 from longstride.parallel.varlen import VarlenCall, flat
@@ -156,23 +155,19 @@ def _extended(docs, a: Assignment, rank: int, halo: dict, sources, recv_splits: 
 def _exchange(x: torch.Tensor, send_splits: list, recv_splits: list, comm) -> torch.Tensor:
     """x: (S, ...) tokens grouped by destination -> (R, ...) tokens grouped by source (one all-to-all)."""
     recv = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    if comm is None:  # one rank: nothing travels
-        return recv
-    group = comm.group
-    if host_staged(group, x):  # gloo moves host memory
-        host = torch.empty(recv.shape, dtype=recv.dtype)
-        dist.all_to_all_single(host, x.cpu(), recv_splits, send_splits, group=group)
-        return recv.copy_(host)
-    dist.all_to_all_single(recv, x.contiguous(), recv_splits, send_splits, group=group)
+    if comm is not None:  # one rank: nothing travels
+        all_to_all_single(recv, x.contiguous(), comm.group, recv_splits, send_splits)
     return recv
 
 
 def _extended_kv(k, v, plan: HaloPlan, comm):
-    """(E, 2 * Hkv, D) keys and values of the extended buffer: the local tokens and the received halos."""
+    """Keys and values of the extended buffer (the local tokens and the received halos), each (1, Hkv, E, D)."""
     kv = torch.cat([flat(k), flat(v)], dim=1)  # (B * Lloc, 2 * Hkv, D): K and V in one message
     halo = _exchange(kv.index_select(0, plan.index("send_idx", kv.device)), plan.send_splits, plan.recv_splits,
                      comm)
-    return torch.cat([kv, halo]).index_select(0, plan.index("ext_src", kv.device))
+    ext = torch.cat([kv, halo]).index_select(0, plan.index("ext_src", kv.device))
+    hkv = k.shape[1]
+    return _as_bhld(ext[:, :hkv], 1), _as_bhld(ext[:, hkv:], 1)
 
 
 def _as_bhld(x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -182,9 +177,7 @@ def _as_bhld(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def halo_forward(q, k, v, plan: HaloPlan, kernel: str, scale: float, comm):
     B, H, L, D = q.shape
-    ext = _extended_kv(k, v, plan, comm)
-    hkv = k.shape[1]
-    ek, ev = (_as_bhld(x, 1) for x in (ext[:, :hkv], ext[:, hkv:]))
+    ek, ev = _extended_kv(k, v, plan, comm)
     out, lse = plan.call.forward(varlen_kernel(kernel), q, ek, ev, scale)
     return _as_bhld(out, B), lse.view(H, B, L).transpose(0, 1)
 
@@ -193,10 +186,9 @@ def halo_backward(dout, q, k, v, out, lse, plan: HaloPlan, kernel: str, scale: f
     """K/V's halos are exchanged again (as the ring sends K/V round again), and their dK/dV sent back."""
     B, hkv = q.shape[0], k.shape[1]
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # (a broadcast gradient, such as sum()'s)
-    ext = _extended_kv(k, v, plan, comm)
-    ek, ev = (_as_bhld(x, 1) for x in (ext[:, :hkv], ext[:, hkv:]))
+    ek, ev = _extended_kv(k, v, plan, comm)
     dq, dk, dv = plan.call.backward(varlen_kernel(kernel), dout, q, ek, ev, out=out, lse=lse, scale=scale)
-    del ext, ek, ev
+    del ek, ev
     acc_dtype = torch.promote_types(k.dtype, torch.float32)
     dext = torch.cat([dk, dv], dim=1).to(acc_dtype)
     acc = dext.new_zeros((B * plan.local + sum(plan.recv_splits), *dext.shape[1:]))
