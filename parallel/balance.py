@@ -26,8 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from longstride.parallel.blocks import run_starts
-from longstride.parallel.pattern import Pattern
+from longstride.parallel.pattern import Pattern, doc_starts
 from longstride.parallel.zigzag import Assignment, zigzag
 
 
@@ -40,8 +39,7 @@ def token_work(docs: np.ndarray, patterns: tuple = ()) -> np.ndarray:
     idx = np.arange(L)
     work = np.zeros(L, dtype=np.int64)
     for row in docs:
-        start = run_starts(row)
-        pos = idx - np.repeat(start, np.diff(np.r_[start, L]))  # position inside the document
+        pos = idx - doc_starts(row)  # position inside the document
         for p, layers in patterns or ((Pattern(), 1),):
             keys = pos % p.chunk + 1 if p.chunk else pos + 1
             work += layers * (np.minimum(keys, p.window) if p.window else keys)

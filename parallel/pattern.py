@@ -23,6 +23,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from longstride.parallel.blocks import run_starts
+
 # layer types (config.layer_types) whose attention longstride computes
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -52,17 +54,23 @@ class Pattern:
 CAUSAL = Pattern()
 
 
+def layer_types(cfg, n: Optional[int] = None) -> list[str]:
+    """Each of the n (default: the config's) decoder layers' type, from a text config: config.layer_types, or
+    for a config without them (Mistral) one window on every layer (sliding_attention) or none (full_attention)."""
+    n = (getattr(cfg, "num_hidden_layers", 0) or 0) if n is None else n
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if len(types) == n:
+        return types
+    return ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"] * n
+
+
 def model_patterns(model) -> tuple:
     """((Pattern, number of layers), ...) of a transformers model's decoder layers, from its config: what the
-    CP balancer weighs (parallel/balance.py). Empty when the config does not say (counted as causal)."""
+    CP balancer weighs (parallel/balance.py)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n = getattr(cfg, "num_hidden_layers", 0) or 0
     window = getattr(cfg, "sliding_window", None)
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if not types:  # Mistral-style: one window for every layer
-        types = ["sliding_attention" if window else "full_attention"] * n
     counts: dict = {}
-    for t in types:
+    for t in layer_types(cfg):
         p = Pattern(window if t == "sliding_attention" else None,
                     getattr(cfg, "attention_chunk_size", None) if t == "chunked_attention" else None)
         counts[p] = counts.get(p, 0) + 1
@@ -106,7 +114,7 @@ def chunk_docs(docs: Optional[np.ndarray], chunk: Optional[int], shape: tuple) -
 
 def doc_starts(row: np.ndarray) -> np.ndarray:
     """row: (L,) document ids -> each token's document start."""
-    starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+    starts = run_starts(row)
     return starts[np.searchsorted(starts, np.arange(len(row)), side="right") - 1]
 
 

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from longstride.parallel.pattern import layer_types as pattern_layer_types
 from longstride.recipes.check.job import Job
 
 
@@ -73,13 +74,8 @@ def decoder_layers(lm) -> tuple[str, torch.nn.ModuleList]:
 
 
 def layer_types(lm, n: int) -> list[str]:
-    """Each decoder layer's type: config.layer_types; a config without them (Mistral) has one window for every
-    layer (sliding_attention) or none (full_attention)."""
-    cfg = lm.config.get_text_config(decoder=True)
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if len(types) == n:
-        return types
-    return ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"] * n
+    """Each of the n decoder layers' type (parallel/pattern.layer_types)."""
+    return pattern_layer_types(lm.config.get_text_config(decoder=True), n)
 
 
 def param_groups(lm) -> dict[str, str]:
