@@ -90,10 +90,35 @@ def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, caps
     assert len(same) == 4 and all(len(v) == 2 and v[0] == v[1] for v in same), "one sample set for every checkpoint"
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert len(saved["records"]) == 2 * 2 * 2 + 2 and (tmp_path / "compare.png").stat().st_size > 0
-    assert saved["rows"][2]["yarn"] == 2.0
+    assert saved["rows"][2]["yarn"] == 2.0 and saved["complete"] is True
     only_yarn = main([f"checkpoints=[{base},{stage}]", "tasks=[synth_kv]", "yarn=[2]", "yarn_lengths=[2048]",
                       "plain_rows=false", "num_samples=1", f"out={tmp_path}/yarn", "threads=1"])
     assert [r["label"] for r in only_yarn["rows"]] == ["stage + YaRN x2"] and len(only_yarn["records"]) == 1
+
+
+def test_compare_cut_short_keeps_the_rows_it_scored(two, tmp_path, monkeypatch):
+    """The second checkpoint runs out of memory as it loads (a device window's cap would kill it likewise): the
+    first row's scores are already on disk, marked incomplete."""
+    import longstride.eval.ruler.compare as compare
+
+    base, stage = two
+    loads = []
+
+    def load_then_fail(checkpoint, *args, **kwargs):
+        loads.append(checkpoint)
+        if len(loads) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected at the second checkpoint)")
+        return load_eval_model(checkpoint, *args, **kwargs)
+
+    load_eval_model = compare.load_eval_model
+    monkeypatch.setattr(compare, "load_eval_model", load_then_fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        main([f"checkpoints=[{base},{stage}]", "tasks=[synth_kv]", "lengths=[256]", "yarn=[2]",
+              "yarn_lengths=[2048]", "num_samples=2", f"out={tmp_path}", "threads=1"])
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["complete"] is False and [r["label"] for r in saved["rows"]] == ["base"]
+    assert saved["rows"][0]["samples"] == {"synth_kv": {"256": 2}} and len(saved["records"]) == 2
+    assert (tmp_path / "compare.png").stat().st_size > 0
 
 
 def test_run_folder_gives_base_then_stages_and_names_a_missing_stage(two, tmp_path):

@@ -7,7 +7,8 @@ samples, with YaRN at eval time on the last stage: one table (checkpoint x lengt
 Every checkpoint is scored on the same samples (they are made once per tokenizer), lengths past a
 checkpoint's trained length included (that is the point: the drop beyond it). Rows: each checkpoint
 without YaRN at `lengths`, then the last one with each YaRN factor at `yarn_lengths`. Writes
-<out>/compare.json (scores, sample counts, every prediction) and <out>/compare.png.
+<out>/compare.json (scores, sample counts, every prediction) and <out>/compare.png after each row, the rows
+scored so far (`"complete": false` until the last).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -192,13 +193,13 @@ class Scored:
 
 
 def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, skipped: list[str],
-               t0: float) -> Scored:
-    """Each row's checkpoint loaded in turn and scored on the samples of its tokenizer (made once per
-    tokenizer, at every length of every row; a task too long for a length is noted in `skipped`)."""
+               t0: float, out: Scored) -> Iterator[int]:
+    """Each row's checkpoint loaded in turn and scored into `out` on the samples of its tokenizer (made once per
+    tokenizer, at every length of every row; a task too long for a length is noted in `skipped`); yields each
+    row's index once it is scored."""
     all_lengths = sorted({L for r in rows for L in r.lengths})
     groups_by_tok: dict[str, dict] = {}  # tokenizer digest -> {"tok": tokenizer, "groups": {(task, length): samples}}
     digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
-    out = Scored()
     for i, r in enumerate(rows):
         model, tok, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
                                         dtype=DTYPES[cfg.dtype])
@@ -220,7 +221,7 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
                 out.counts[i].setdefault(task, {})[L] = len(part)
         print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         del model
-    return out
+        yield i
 
 
 def save(out: str, result: dict, rows: list[Row], scores: dict, tasks: list[str], title: str) -> None:
@@ -249,18 +250,21 @@ def main(argv: list[str]) -> dict:
     rows = plan_rows(cfg, named)
     hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
     hf_logging.disable_progress_bar()
-    t0 = time.perf_counter()
-    scored = score_rows(cfg, rows, tasks, qa, skipped, t0)
-    print(format_tables(rows, scored.scores, scored.counts, tasks))
     name = os.path.basename(os.path.normpath(cfg.run)) if cfg.run else \
         "-".join(os.path.normpath(named[-1][1]).split(os.sep)[-2:])
     out = cfg.out or os.path.join("outputs", "eval", f"compare-{name}")
-    result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
-              "rows": [{**asdict(r), "scores": scored.scores[i], "samples": scored.counts[i]}
-                       for i, r in enumerate(rows)],
-              "records": scored.records}
-    save(out, result, rows, scored.scores, tasks,
-         f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell")
+    title = f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell"
+    t0, scored = time.perf_counter(), Scored()
+    for i in score_rows(cfg, rows, tasks, qa, skipped, t0, scored):
+        # saved after every row: a run cut short (a device window's cap) keeps the rows it scored
+        done = rows[:i + 1]
+        result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
+                  "complete": len(done) == len(rows),
+                  "rows": [{**asdict(r), "scores": scored.scores[j], "samples": scored.counts[j]}
+                           for j, r in enumerate(done)],
+                  "records": scored.records}
+        save(out, result, done, scored.scores, tasks, title)
+    print(format_tables(rows, scored.scores, scored.counts, tasks))
     print(f"eval.compare: {len(scored.records)} samples in {result['seconds']:.0f} s; results in {out}/compare.json "
           f"and compare.png")
     return result
