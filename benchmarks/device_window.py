@@ -232,6 +232,19 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
     return rows
 
 
+def _gpu_recipe(read) -> dict | None:
+    """The GPU recipe's gpu_recipe.json; cut short during RULER, with the rows each RULER pass had saved."""
+    recipe = json.loads(read("gpu_recipe/gpu_recipe.json") or "null")
+    passes = {n: json.loads(read(f"gpu_recipe/{n}/compare.json")) for n in ("compare", "compare_rest")
+              if read(f"gpu_recipe/{n}/compare.json")}
+    if recipe is None and not passes:
+        return None
+    recipe = recipe or {"cut_short": "before gpu_recipe.json was written"}
+    if "ruler" not in recipe and passes:
+        recipe["ruler_partial"] = {n: {"complete": c.get("complete"), "rows": c["rows"]} for n, c in passes.items()}
+    return recipe
+
+
 def collect(folder: str, dest: str, tag: str) -> list[str]:
     """A window's returned files (summary.json, results.tgz, window.log in `folder`) -> JSON results under
     `dest` named `<tag>_<what>.json`, each naming the device, torch and CUDA (read from the env step's log)."""
@@ -262,15 +275,20 @@ def collect(folder: str, dest: str, tag: str) -> list[str]:
                                         "16K/32K; tiny_extend: the main job): median tokens/s after the first "
                                         "step, CUDA max_memory_allocated, the traced plan's peak",
                                 "rows": _stage_rows(tar, names)})
+        recipe = _gpu_recipe(read)
+        if recipe:
+            write("gpu_recipe", recipe)
+        for name, what in (("main_job_compare/compare.png", "main_job_compare"), ("gpu_recipe/ruler.png",
+                                                                                 "gpu_recipe_ruler")):
+            if read(name):
+                path = os.path.join(dest, f"{tag}_{what}.png")
+                with open(path, "wb") as f:
+                    f.write(read(name))
+                written.append(path)
         if read("main_job_compare/compare.json"):
             cmp = json.loads(read("main_job_compare/compare.json"))
             cmp.pop("records", None)
             write("main_job_compare", cmp)
-            if read("main_job_compare/compare.png"):
-                path = os.path.join(dest, f"{tag}_main_job_compare.png")
-                with open(path, "wb") as f:
-                    f.write(read("main_job_compare/compare.png"))
-                written.append(path)
     return written
 
 

@@ -4,9 +4,11 @@ niah_multikey_1, vt at 4K-64K; the last stage with YaRN x2 at 128K) and held-out
 
     python -m benchmarks.gpu_recipe --out DIR               # one GPU; the device window's step `gpu_recipe`
     python -m benchmarks.gpu_recipe --rehearsal --out DIR   # the same recipe and commands, lengths / 16, tiny, on CPU
+    python -m benchmarks.gpu_recipe --tiny --out DIR        # the recipe's lengths and token budgets, a tiny model
 
 Writes DIR/gpu_recipe.json (each stage's wall time, tokens and tokens/s, the RULER table, perplexity, the device),
-DIR/compare/compare.png and the stage logs; checkpoints stay under DIR/runs.
+DIR/ruler.png and the stage logs; checkpoints stay under DIR/runs. RULER runs niah_single_1 first, then the other
+tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the acceptance task.
 """
 from __future__ import annotations
 
@@ -22,20 +24,24 @@ from datetime import datetime
 
 from benchmarks.common import REPO, child_env
 RECIPE = "gpu_extend_64k"
-TASKS = "[niah_single_1,niah_single_2,niah_multikey_1,vt]"
+TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"]  # the first is the acceptance task
 LENGTHS = [4096, 8192, 16384, 32768, 65536]
 PPL_LENGTHS = [4096, 16384, 32768]
+SCORED = ["s1_4k", "s2_32k", "s3_64k"]  # the base (s0_copy is its first part, not scored) and each extension
 HELD_OUT = "test/test_[t-z]*.py"  # the recipe's data.sources.stdlib.exclude
-# The rehearsal: lengths / 16 (256 -> 2K -> 4K), a tiny model, a few steps, fewer synthetic documents.
+# A tiny model (smollm3_tiny's widths) in place of the recipe's 110M one.
+TINY = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_hidden_layers=4", "model.num_attention_heads=4",
+        "model.num_key_value_heads=2", "model.head_dim=32", "model.loss_tile_tokens=1024"]
+# The rehearsal: the tiny model, lengths / 16 (256 -> 2K -> 4K), a few steps, fewer synthetic documents.
 REHEARSAL = [
-    "model.hidden_size=128", "model.intermediate_size=384", "model.num_hidden_layers=4", "model.num_attention_heads=4",
-    "model.num_key_value_heads=2", "model.head_dim=32", "model.loss_tile_tokens=1024", "data.num_proc=1",
+    *TINY, "data.num_proc=1",
     *(f"data.sources.{s}.synthetic.num_docs={n}" for s, n in (("copy_short", 400), ("retrieval_short", 400),
                                                                ("retrieval_mid", 100), ("retrieval_long", 60),
                                                                ("retrieval_32k", 20), ("retrieval_64k", 10))),
-    "data.sources.retrieval_32k.synthetic.min_words=300", "data.sources.retrieval_32k.synthetic.max_words=1200",
-    "data.sources.retrieval_64k.synthetic.min_words=1250", "data.sources.retrieval_64k.synthetic.max_words=2400",
-    *(f"recipe.stages.{s}.{k}" for s, L, steps in (("s1_4k", 256, 4), ("s2_32k", 2048, 2), ("s3_64k", 4096, 2))
+    "data.sources.retrieval_32k.synthetic.min_words=210", "data.sources.retrieval_32k.synthetic.max_words=750",
+    "data.sources.retrieval_64k.synthetic.min_words=780", "data.sources.retrieval_64k.synthetic.max_words=1500",
+    *(f"recipe.stages.{s}.{k}" for s, L, steps in (("s0_copy", 256, 4), ("s1_4k", 256, 4), ("s2_32k", 2048, 2),
+                                                    ("s3_64k", 4096, 2))
       for k in (f"seq_len={L}", f"batch_tokens={4 * L if L == 256 else L}", f"steps={steps}", "warmup_steps=1",
                 "save_every=0", f"micro_batch_size={4 if L == 256 else 1}")),
 ]
@@ -99,63 +105,99 @@ def run(cmd: list[str], log_path: str, env: dict) -> str:
     return text
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--rehearsal", action="store_true", help="lengths / 16, a tiny model, a few steps, on CPU")
-    p.add_argument("--samples", type=int, default=10, help="RULER samples per task and length")
-    args = p.parse_args(argv)
-    import torch
+def train_command(args, cuda: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "longstride.recipes.train", f"recipe={RECIPE}", f"paths.output_root={args.out}/runs",
+           "logger.progress_bar=false", *(REHEARSAL if args.rehearsal else TINY if args.tiny else []),
+           *([] if args.rehearsal else [f"data.num_proc={min(8, os.cpu_count() or 1)}"])]
+    if cuda and not args.rehearsal:
+        cmd[1:3] = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml", "-m",
+                    "longstride.recipes.train"]
+    return cmd
 
+
+def ruler(args, scale: int, dtype: str, env: dict) -> list[dict]:
+    """RULER on the base and each stage's final checkpoint (SCORED), two passes on the same samples: niah_single_1 first (the
+    acceptance task: a window cut short keeps it), then the other tasks; -> the rows with both passes' scores."""
+    lengths = sorted({max(L // scale, 512) for L in LENGTHS})
+    finals = [os.path.join(args.out, "runs", RECIPE, stage, "final") for stage in SCORED]
+    rows: dict[str, dict] = {}
+    for name, tasks in (("compare", TASKS[:1]), ("compare_rest", TASKS[1:])):
+        run([sys.executable, "-m", "longstride.cli", "eval", "compare", f"checkpoints=[{','.join(finals)}]",
+             f"tasks=[{','.join(tasks)}]", f"lengths=[{','.join(map(str, lengths))}]", "yarn=[2]",
+             f"yarn_lengths=[{2 * LENGTHS[-1] // scale}]", f"num_samples={args.samples}", f"dtype={dtype}",
+             f"out={args.out}/{name}"], os.path.join(args.out, f"{name}.log"), env)
+        with open(os.path.join(args.out, name, "compare.json")) as f:
+            for r in json.load(f)["rows"]:
+                row = rows.setdefault(r["label"], {k: r[k] for k in ("label", "checkpoint", "yarn", "trained",
+                                                                      "rope_theta", "lengths")})
+                for k in ("scores", "samples"):  # JSON's string lengths back to ints
+                    row.setdefault(k, {}).update({t: {int(L): v for L, v in c.items()} for t, c in r[k].items()})
+    return list(rows.values())
+
+
+def plot_ruler(out: str, rows: list[dict], samples: int) -> None:
+    """One figure of every task (compare's plot) from the merged rows."""
+    from longstride.eval.ruler.compare import Row, plot
+
+    try:
+        plot(os.path.join(out, "ruler.png"), [Row(**{k: r[k] for k in Row.__dataclass_fields__}) for r in rows],
+             {i: r["scores"] for i, r in enumerate(rows)}, TASKS, f"{RECIPE}: RULER score vs context length, "
+             f"{samples} samples per cell")
+    except ImportError:
+        print("matplotlib not installed: no ruler.png (pip install 'longstride[eval]')")
+
+
+def perplexity(args, rows: list[dict], scale: int, env: dict) -> list[dict]:
     from longstride.data.files import stdlib_root
 
-    out, t0 = os.path.abspath(args.out), time.perf_counter()
-    os.makedirs(out, exist_ok=True)
-    env = child_env()
-    scale = 16 if args.rehearsal else 1
-    train = [sys.executable, "-m", "longstride.recipes.train", f"recipe={RECIPE}", f"paths.output_root={out}/runs",
-             "logger.progress_bar=false", *(REHEARSAL if args.rehearsal else [])]
-    if torch.cuda.is_available() and not args.rehearsal:
-        train[1:3] = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml", "-m",
-                      "longstride.recipes.train"]
-    result = {"recipe": RECIPE, "rehearsal": args.rehearsal, "device": torch.cuda.get_device_name(0)
-              if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda}
-    log = run(train, os.path.join(out, "train.log"), env)
-    result["train_seconds"] = round(time.perf_counter() - t0, 1)
-    result["stages"] = stage_rows(os.path.join(out, "runs", RECIPE), log)
-    save(out, result)  # after each phase: a window cut short keeps what was measured
-    lengths = [max(L // scale, 512) for L in LENGTHS] if args.rehearsal else LENGTHS
-    t = time.perf_counter()
-    run([sys.executable, "-m", "longstride.cli", "eval", "compare", f"run={out}/runs/{RECIPE}", f"tasks={TASKS}",
-         f"lengths=[{','.join(map(str, sorted(set(lengths))))}]", "yarn=[2]",
-         f"yarn_lengths=[{2 * LENGTHS[-1] // scale}]", f"num_samples={args.samples}",
-         f"dtype={'bfloat16' if torch.cuda.is_available() else 'float32'}", f"out={out}/compare"],
-        os.path.join(out, "eval.log"), env)
-    with open(os.path.join(out, "compare", "compare.json")) as f:
-        cmp = json.load(f)
-    result["ruler"] = [{k: r[k] for k in ("label", "yarn", "trained", "rope_theta", "scores", "samples")}
-                       for r in cmp["rows"]]
-    result["ruler_seconds"] = round(time.perf_counter() - t, 1)
-    save(out, result)
-    t, result["ppl"] = time.perf_counter(), []
-    for row in cmp["rows"]:
+    found = []
+    for row in rows:
         if row["yarn"]:
             continue
-        ppl_out = os.path.join(out, "ppl", row["label"].split(" ")[0])
+        ppl_out = os.path.join(args.out, "ppl", row["label"].split(" ")[0])
         os.makedirs(os.path.dirname(ppl_out), exist_ok=True)
         run([sys.executable, "-m", "longstride.cli", "eval", "ppl", f"checkpoint={row['checkpoint']}",
              f"lengths=[{','.join(str(L // scale) for L in PPL_LENGTHS)}]", f"docs_dir={stdlib_root()}",
              f"glob='{HELD_OUT}'", "max_docs=4", f"out={ppl_out}"], f"{ppl_out}.log", env)
         with open(os.path.join(ppl_out, "ppl.json")) as f:
-            result["ppl"].append({"checkpoint": row["label"], **json.load(f)})
+            found.append({"checkpoint": row["label"], **json.load(f)})
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--rehearsal", action="store_true", help="lengths / 16, a tiny model, a few steps, on CPU")
+    p.add_argument("--tiny", action="store_true", help="the recipe's lengths, steps and tokens with a tiny model "
+                   "(smollm3_tiny's widths; on CPU: whether the token budget teaches retrieval stage by stage)")
+    p.add_argument("--samples", type=int, default=10, help="RULER samples per task and length")
+    args = p.parse_args(argv)
+    import torch
+
+    args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()
+    os.makedirs(args.out, exist_ok=True)
+    env, scale = child_env(), 16 if args.rehearsal else 1
+    result = {"recipe": RECIPE, "rehearsal": args.rehearsal, "tiny": args.tiny, "device": torch.cuda.get_device_name(0)
+              if cuda else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda}
+    log = run(train_command(args, cuda), os.path.join(args.out, "train.log"), env)
+    result["train_seconds"] = round(time.perf_counter() - t0, 1)
+    result["stages"] = stage_rows(os.path.join(args.out, "runs", RECIPE), log)
+    save(args.out, result)  # after each phase: a window cut short keeps what was measured
+    t = time.perf_counter()
+    result["ruler"] = ruler(args, scale, "bfloat16" if cuda else "float32", env)
+    result["ruler_seconds"] = round(time.perf_counter() - t, 1)
+    plot_ruler(args.out, result["ruler"], args.samples)
+    save(args.out, result)
+    t = time.perf_counter()
+    result["ppl"] = perplexity(args, result["ruler"], scale, env)
     result["ppl_seconds"] = round(time.perf_counter() - t, 1)
     result["total_seconds"] = round(time.perf_counter() - t0, 1)
-    save(out, result)
+    save(args.out, result)
     for r in result["stages"]:
         print(f"{r['stage']:<8} {r['seq_len']:>6} tokens {r['tokens']:>10,} in {r['seconds']} s "
               f"({r['tokens_per_s_median']:,.0f} tokens/s median), val loss {r['val_loss']}")
     print(f"total {result['total_seconds']} s (train {result['train_seconds']}, RULER {result['ruler_seconds']}, "
-          f"ppl {result['ppl_seconds']}); {out}/gpu_recipe.json")
+          f"ppl {result['ppl_seconds']}); {args.out}/gpu_recipe.json")
     return 0
 
 

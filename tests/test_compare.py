@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from longstride.eval.ruler.compare import main, run_checkpoints
+from longstride.eval.ruler.compare import checkpoint_label, main, run_checkpoints
 from longstride.eval.ruler.fit import make_sample
 from longstride.eval.ruler.generate import batches, greedy_generate
 from longstride.eval.ruler.tasks import ALL_TASKS, NOISE
@@ -133,6 +133,7 @@ def test_run_folder_gives_base_then_stages_and_names_a_missing_stage(two, tmp_pa
     shutil.copytree(stage, run / "s3_4k" / "final")
     assert run_checkpoints(str(run)) == [("base (base)", str(base)), ("s2_2k", str(run / "s2_2k" / "final")),
                                          ("s3_4k", str(run / "s3_4k" / "final"))]
+    assert checkpoint_label(str(run / "s2_2k" / "final")) == "s2_2k" and checkpoint_label(f"{base}/") == "base"
 
 
 def test_bad_input_is_named(two, tmp_path):

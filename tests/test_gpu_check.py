@@ -56,12 +56,12 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     assert [r["label"] for r in compare["rows"]] == ["base (tiny_base_256)", "s2_2k", "s3_4k", "s3_4k + YaRN x2"]
     assert all(r["samples"] for r in compare["rows"])  # every row scored samples
     assert "main_job" in (out / "window.log").read_text()
-    # the GPU recipe's CPU rehearsal (issue: the recipe at scale): three stages at 256 -> 2K -> 4K, every checkpoint
-    # scored on the four RULER tasks and YaRN x2, perplexity per stage
+    # the GPU recipe's CPU rehearsal (issue: the recipe at scale): the base's two stages at 256, then 2K and 4K; the
+    # base and each extension scored on the four RULER tasks and YaRN x2, perplexity per stage
     with tarfile.open(out / "results.tgz") as tar:
         recipe = json.load(tar.extractfile("gpu_recipe/gpu_recipe.json"))
     assert recipe["rehearsal"] and [(r["stage"], r["seq_len"]) for r in recipe["stages"]] == [
-        ("s1_4k", 256), ("s2_32k", 2048), ("s3_64k", 4096)]
+        ("s0_copy", 256), ("s1_4k", 256), ("s2_32k", 2048), ("s3_64k", 4096)]
     assert all(r["tokens"] > 0 and r["seconds"] > 0 and len(r["val_loss"]) == 2 for r in recipe["stages"])
     assert [r["label"] for r in recipe["ruler"]] == ["s1_4k", "s2_32k", "s3_64k", "s3_64k + YaRN x2"]
     assert set(recipe["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt"}
@@ -71,7 +71,10 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     written = device_window.collect(str(out), str(tmp_path / "collected"), "t")
     assert {os.path.basename(p) for p in written} >= {"t_window.json", "t_tests.json", "t_kernel_figures.json",
                                                      "t_throughput.json", "t_recipe_stages.json",
-                                                     "t_main_job_compare.json", "t_main_job_compare.png"}
+                                                     "t_main_job_compare.json", "t_main_job_compare.png",
+                                                     "t_gpu_recipe.json", "t_gpu_recipe_ruler.png"}
+    collected = json.loads((tmp_path / "collected" / "t_gpu_recipe.json").read_text())
+    assert collected["ruler"] == recipe["ruler"] and collected["device"] == "cpu"
     stages = json.loads((tmp_path / "collected" / "t_recipe_stages.json").read_text())
     assert stages["device"] == "cpu" and stages["versions"].startswith("torch")
     by = {(r["recipe"], r["stage"]): r for r in stages["rows"]}
@@ -92,3 +95,29 @@ def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_pat
     assert skipped and all("left, needs" in s["why"] for s in skipped)
     assert (out / "results.tgz").stat().st_size > 0 and "===== env" in (out / "window.log").read_text()
     assert "gpu_recipe" not in [s["step"] for s in steps]  # a window of its own: only when --only names it
+
+
+def test_collect_keeps_a_gpu_recipe_cut_short_during_ruler(tmp_path):
+    """A window whose gpu_recipe step was killed at its cap while scoring: gpu_recipe.json has the stages only,
+    the first RULER pass saved its rows; --collect returns both, the rows marked incomplete."""
+    import io
+    import tarfile
+
+    from benchmarks import device_window
+
+    files = {"env.log": "torch 2.11 cuda 13.0\ndevice NVIDIA H100 80GB HBM3",
+             "gpu_recipe/gpu_recipe.json": json.dumps({"recipe": "gpu_extend_64k", "stages": [{"stage": "s1_4k"}]}),
+             "gpu_recipe/compare/compare.json": json.dumps({"complete": False, "rows": [{"label": "s1_4k",
+                                                                                        "scores": {}}]})}
+    with tarfile.open(tmp_path / "results.tgz", "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": [{"step": "gpu_recipe", "status": "timed out"}]}))
+    written = device_window.collect(str(tmp_path), str(tmp_path / "collected"), "t")
+    assert str(tmp_path / "collected" / "t_gpu_recipe.json") in written
+    got = json.loads((tmp_path / "collected" / "t_gpu_recipe.json").read_text())
+    assert got["device"] == "NVIDIA H100 80GB HBM3" and got["stages"] == [{"stage": "s1_4k"}]
+    assert got["ruler_partial"] == {"compare": {"complete": False, "rows": [{"label": "s1_4k", "scores": {}}]}}

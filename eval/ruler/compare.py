@@ -86,6 +86,12 @@ def run_checkpoints(run: str) -> list[tuple[str, str]]:
     return out
 
 
+def checkpoint_label(checkpoint: str) -> str:
+    """A checkpoint's row label: its folder's name, or its stage's for a stage's final/ (outputs/<recipe>/s2_2k/final)."""
+    parts = os.path.normpath(checkpoint).split(os.sep)
+    return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
+
+
 def tokenizer_digest(checkpoint: str) -> str:
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
@@ -117,8 +123,7 @@ def check(cfg: CompareConfig) -> list[tuple[str, str]]:
     if bool(cfg.run) == bool(cfg.checkpoints):
         raise ValueError("give run=DIR (a training run's folder, e.g. outputs/tiny_extend) or checkpoints=[A,B,...], "
                          "not both")
-    named = run_checkpoints(cfg.run) if cfg.run else \
-        [(os.path.basename(os.path.normpath(c)), c) for c in cfg.checkpoints]
+    named = run_checkpoints(cfg.run) if cfg.run else [(checkpoint_label(c), c) for c in cfg.checkpoints]
     for i, (_, ckpt) in enumerate(named):
         field_name = f"checkpoints[{i}]" if cfg.checkpoints else "run's checkpoint"
         check_checkpoint_dir(ckpt, field_name)
