@@ -108,7 +108,7 @@ def run(cmd: list[str], log_path: str, env: dict) -> str:
 def train_command(args, cuda: bool) -> list[str]:
     cmd = [sys.executable, "-m", "longstride.recipes.train", f"recipe={RECIPE}", f"paths.output_root={args.out}/runs",
            "logger.progress_bar=false", *(REHEARSAL if args.rehearsal else TINY if args.tiny else []),
-           *([] if args.rehearsal else [f"data.num_proc={min(8, os.cpu_count() or 1)}"])]
+           *([] if args.rehearsal else [f"data.num_proc={min(8, os.cpu_count() or 1)}"]), *args.overrides]
     if cuda and not args.rehearsal:
         cmd[1:3] = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml", "-m",
                     "longstride.recipes.train"]
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="the recipe's lengths, steps and tokens with a tiny model "
                    "(smollm3_tiny's widths; on CPU: whether the token budget teaches retrieval stage by stage)")
     p.add_argument("--samples", type=int, default=10, help="RULER samples per task and length")
+    p.add_argument("overrides", nargs="*", help="more training overrides, e.g. train.resume_from=s1_4k")
     args = p.parse_args(argv)
     import torch
 
