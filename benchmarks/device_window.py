@@ -235,8 +235,8 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
 def _gpu_recipe(read) -> dict | None:
     """The GPU recipe's gpu_recipe.json; cut short during RULER, with the rows each RULER pass had saved."""
     recipe = json.loads(read("gpu_recipe/gpu_recipe.json") or "null")
-    passes = {n: json.loads(read(f"gpu_recipe/{n}/compare.json")) for n in ("compare", "compare_rest")
-              if read(f"gpu_recipe/{n}/compare.json")}
+    passes = {n: json.loads(text) for n in ("compare", "compare_rest")
+              if (text := read(f"gpu_recipe/{n}/compare.json"))}
     if recipe is None and not passes:
         return None
     recipe = recipe or {"cut_short": "before gpu_recipe.json was written"}

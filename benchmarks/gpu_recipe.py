@@ -29,9 +29,20 @@ LENGTHS = [4096, 8192, 16384, 32768, 65536]
 PPL_LENGTHS = [4096, 16384, 32768]
 SCORED = ["s1_4k", "s2_32k", "s3_64k"]  # the base (s0_copy is its first part, not scored) and each extension
 HELD_OUT = "test/test_[t-z]*.py"  # the recipe's data.sources.stdlib.exclude
-# A tiny model (smollm3_tiny's widths) in place of the recipe's 110M one.
-TINY = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_hidden_layers=4", "model.num_attention_heads=4",
-        "model.num_key_value_heads=2", "model.head_dim=32", "model.loss_tile_tokens=1024"]
+
+
+def tiny_model() -> list[str]:
+    """Overrides that put configs/model/smollm3_tiny.yaml's widths in place of the recipe's 110M model (whose own
+    model: block, head_dim included, would otherwise win over a model=smollm3_tiny choice)."""
+    from omegaconf import OmegaConf
+
+    tiny = OmegaConf.load(os.path.join(REPO, "configs", "model", "smollm3_tiny.yaml"))
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "loss_tile_tokens")
+    return [f"model.{k}={tiny[k]}" for k in keys] + [f"model.head_dim={tiny.hidden_size // tiny.num_attention_heads}"]
+
+
+TINY = tiny_model()
 # The rehearsal: the tiny model, lengths / 16 (256 -> 2K -> 4K), a few steps, fewer synthetic documents.
 REHEARSAL = [
     *TINY, "data.num_proc=1",
@@ -116,8 +127,9 @@ def train_command(args, cuda: bool) -> list[str]:
 
 
 def ruler(args, scale: int, dtype: str, env: dict) -> list[dict]:
-    """RULER on the base and each stage's final checkpoint (SCORED), two passes on the same samples: niah_single_1 first (the
-    acceptance task: a window cut short keeps it), then the other tasks; -> the rows with both passes' scores."""
+    """RULER on the base and each stage's final checkpoint (SCORED), two passes on the same samples: niah_single_1
+    first (the acceptance task: a window cut short keeps it), then the other tasks; -> the rows with both passes'
+    scores."""
     lengths = sorted({max(L // scale, 512) for L in LENGTHS})
     finals = [os.path.join(args.out, "runs", RECIPE, stage, "final") for stage in SCORED]
     rows: dict[str, dict] = {}
@@ -139,12 +151,9 @@ def plot_ruler(out: str, rows: list[dict], samples: int) -> None:
     """One figure of every task (compare's plot) from the merged rows."""
     from longstride.eval.ruler.compare import Row, plot
 
-    try:
-        plot(os.path.join(out, "ruler.png"), [Row(**{k: r[k] for k in Row.__dataclass_fields__}) for r in rows],
-             {i: r["scores"] for i, r in enumerate(rows)}, TASKS, f"{RECIPE}: RULER score vs context length, "
-             f"{samples} samples per cell")
-    except ImportError:
-        print("matplotlib not installed: no ruler.png (pip install 'longstride[eval]')")
+    plot(os.path.join(out, "ruler.png"), [Row(**{k: r[k] for k in Row.__dataclass_fields__}) for r in rows],
+         {i: r["scores"] for i, r in enumerate(rows)}, TASKS, f"{RECIPE}: RULER score vs context length, "
+         f"{samples} samples per cell")
 
 
 def perplexity(args, rows: list[dict], scale: int, env: dict) -> list[dict]:

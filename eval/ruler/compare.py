@@ -87,7 +87,8 @@ def run_checkpoints(run: str) -> list[tuple[str, str]]:
 
 
 def checkpoint_label(checkpoint: str) -> str:
-    """A checkpoint's row label: its folder's name, or its stage's for a stage's final/ (outputs/<recipe>/s2_2k/final)."""
+    """A checkpoint's row label: its folder's name, or its stage's for a stage's final/
+    (outputs/<recipe>/s2_2k/final -> s2_2k)."""
     parts = os.path.normpath(checkpoint).split(os.sep)
     return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
 
@@ -156,8 +157,11 @@ def format_tables(rows: list[Row], scores: dict, counts: dict, tasks: list[str])
 
 
 def plot(path: str, rows: list[Row], scores: dict, tasks: list[str], title: str) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        note(f"matplotlib not installed; no {os.path.basename(path)} (pip install 'longstride[eval]')")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -234,10 +238,7 @@ def save(out: str, result: dict, rows: list[Row], scores: dict, tasks: list[str]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.json"), "w") as f:
         json.dump(result, f, indent=1)
-    try:
-        plot(os.path.join(out, "compare.png"), rows, scores, tasks, title)
-    except ImportError:
-        note("matplotlib not installed; no plot (pip install 'longstride[eval]')")
+    plot(os.path.join(out, "compare.png"), rows, scores, tasks, title)
 
 
 def main(argv: list[str]) -> dict:
