@@ -99,6 +99,28 @@ def test_samples_hold_their_answers_fit_exactly_and_repeat(tok, name):
     tok.chat_template = None
 
 
+@pytest.mark.parametrize("name", ["niah_single_2", "niah_multikey_1", "niah_multivalue", "vt"])
+def test_haystack_search_finds_the_largest_fitting_size_in_few_tokenizations(tok, name, monkeypatch):
+    """The size make_sample finds for a task whose tokens grow with its size is the largest that fits (checked
+    by tokenizing every size around it), first sample without a guess, the next ones from the previous size;
+    a guessed sample costs 2-4 full tokenizations (with the GPU recipe's tokenizer at 3K and 64K tokens: 2.0-4.1
+    a sample by task, where the galloping search before it took 2.0-6.0), the first one at most 12 (was 30+)."""
+    sizes = []
+    render = Sampler.render
+    monkeypatch.setattr(Sampler, "render", lambda self, units: sizes.append(units) or render(self, units))
+    length, guess, counts = 3000, None, []
+    for i in range(6):
+        sizes.clear()
+        s = make_sample(TASKS[name], length, i, tok, guess=guess)
+        counts.append(len([u for u in sizes if u > 1]))
+        guess = s.units
+        sampler = Sampler(TASKS[name], length, 42, i)
+        fit = [len(prompt_ids(tok, r.content, r.answer_prefix, True)) + s.max_new_tokens <= length
+               for r in (sampler.render(u) for u in range(s.units - 3, s.units + 4))]
+        assert fit == [True] * 4 + [False] * 3, (name, i, s.units, fit)
+    assert counts[0] <= 12 and sum(counts[1:]) / len(counts[1:]) <= 4.5, counts
+
+
 def test_without_chat_template_and_qa_sample(tok, squad):
     qa = load_qa("squad", squad)
     assert len(qa.questions) == 60 and len(qa.docs) == 60, "unanswerable questions are dropped"
@@ -154,14 +176,20 @@ def test_chunked_batched_generation_equals_one_by_one(checkpoint, tok):
     assert whole[0].startswith(tok.decode([int(first)]))
 
 
-def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits():
+@pytest.mark.parametrize("path", ["cpu flash", "lower-right sdpa"])
+def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits(path, monkeypatch):
     """A prompt prefilled in chunks from the cached prefix it shares with another prompt gives the KV cache and
     last-token logits of one forward of the whole prompt through transformers' own attention: hybrid RoPE/NoPE
-    layers, YaRN, grouped K/V heads; the first prompt's too."""
+    layers, YaRN, grouped K/V heads; the first prompt's too. Both prefill paths: the CPU's two flash calls and
+    the GPU's one SDPA call with torch's lower-right causal bias (here on CPU, where torch materialises it)."""
     from transformers import DynamicCache
 
     from longstride.eval.hf_adapter import buffer_cache, cache_kw, put_row, row_prefix
+    from longstride.eval.ruler import generate
     from longstride.eval.ruler.generate import _prefill, shared_prefix
+
+    if path == "lower-right sdpa":
+        monkeypatch.setattr(generate, "_prefill_cpu", generate._prefill_lower_right)
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig, YarnConfig
 

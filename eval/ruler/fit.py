@@ -3,14 +3,15 @@ chat template, plus the task's new-token budget fits the target length.
 
 The prompt is the user turn through the chat template (when the tokenizer has one and chat is on)
 followed by the task's answer prefix, so the model continues the prefix; without a template it is
-the user text and the prefix as plain text. The haystack size is found by doubling then binary
-search over `Sampler.render(units)`, or, given a guess (the size another sample of the same task and
-length found), by galloping out from the guess then binary search: the same size, since a larger
-haystack never has fewer tokens, in 2 or 3 tokenizations instead of about 15. Every size tried is
-tokenized in full.
+the user text and the prefix as plain text. Where a larger haystack never has fewer tokens
+(`Sampler.monotone`), the size is found by aiming over `Sampler.render(units)` with the average tokens a
+unit (tokens grow about linearly with size), starting from a guess when given (the size another sample of the same task and
+length found): 2-4 full tokenizations a guessed sample, about 10 for the first (tests/test_ruler.py). Otherwise (sizes whose
+words are redrawn) by doubling then binary search. Every size tried is tokenized in full.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,41 +47,72 @@ def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 4
                 haystack: Optional[str] = None, qa: Optional[QAData] = None, guess: Optional[int] = None) -> Sample:
     sampler = Sampler(task, length, seed, index, haystack, qa)
     budget = length - task.max_new_tokens
-    tried: dict[int, tuple] = {}
+    tried: dict[int, tuple] = {}  # size -> (prompt ids, rendered)
+    tokens: dict[int, int] = {}  # size -> prompt tokens
 
     def fits(units: int) -> bool:
         if units not in tried:
             r = sampler.render(units)
-            ids = prompt_ids(tokenizer, r.content, r.answer_prefix, chat)
-            tried[units] = (len(ids) <= budget, ids, r)
-        return tried[units][0]
+            tried[units] = (prompt_ids(tokenizer, r.content, r.answer_prefix, chat), r)
+            tokens[units] = len(tried[units][0])
+        return tokens[units] <= budget
 
     lo = sampler.min_units
     if not fits(lo):
-        raise DoesNotFit(f"{task.name} does not fit in {length} tokens: its fixed parts take {len(tried[lo][1])} "
+        raise DoesNotFit(f"{task.name} does not fit in {length} tokens: its fixed parts take {tokens[lo]} "
                          f"prompt tokens + {task.max_new_tokens} new tokens; use lengths >= "
-                         f"{len(tried[lo][1]) + task.max_new_tokens}")
+                         f"{tokens[lo] + task.max_new_tokens}")
     # Each unit is at least one token, so the answer is below `length` units (or the task's cap).
     cap = min(sampler.cap or length, length)
-    if guess is not None and sampler.monotone and lo < guess <= cap:
-        if fits(guess):
-            lo, step = guess, 1
-            while lo + step <= cap and fits(lo + step):
-                lo, step = lo + step, step * 2
-            hi = min(lo + step, cap + 1)
-        else:
-            hi, step = guess, 1
-            while hi - step > lo and not fits(hi - step):
-                hi, step = hi - step, step * 2
-            lo = max(hi - step, lo)
+    if sampler.monotone:
+        lo = _largest_fitting(fits, tokens, lo, cap, budget, guess)
     else:
-        hi = lo
-        while hi < cap and fits(min(hi * 2, cap)):
-            hi = min(hi * 2, cap)
-        lo, hi = hi, min(hi * 2, cap) if hi < cap else cap + 1
+        lo = _doubled(fits, lo, cap)
+    ids, r = tried[lo]
+    return Sample(task.name, length, index, prompt_ids=ids, answers=r.answers, units=lo, depth=r.depth,
+                  max_new_tokens=task.max_new_tokens, metric=task.metric)
+
+
+def _largest_fitting(fits, tokens: dict, lo: int, cap: int, budget: int, guess: Optional[int]) -> int:
+    """The largest size up to `cap` that fits, for a token count that never falls as the size grows (`lo`
+    fits; `tokens`: size -> prompt tokens of every size tried). Each aim steps from the size tried nearest the
+    budget by its distance over the average tokens a unit (from the smallest size to it: units are alike, so
+    it is nearly exact) and tries the size it lands on with its neighbour on the far side, which brackets the
+    answer when the aim was right; after six aims, halving (doubling while no size is known not to fit). The
+    first point: `guess`, else a small size."""
+    hi, first = cap + 1, lo  # hi: the smallest size known not to fit (cap + 1: none known yet)
+    x = guess if guess is not None and lo < guess <= cap else min(cap, lo + 16)
+    if x > lo:
+        lo, hi = (x, hi) if fits(x) else (lo, x)
+    for aim in range(64):
+        if hi - lo <= 1:
+            return lo
+        near = min((u for u in tokens if u != first), key=lambda u: abs(tokens[u] - budget))
+        per_unit = (tokens[near] - tokens[first]) / (near - first)
+        if aim < 6 and per_unit > 0:
+            x = near + math.floor((budget - tokens[near]) / per_unit)
+        else:
+            x = (lo + hi) // 2 if hi <= cap else min(cap, 2 * lo)
+        x = min(max(x, lo + 1), hi - 1)
+        if fits(x):
+            lo = x
+            if x + 1 < hi:
+                lo, hi = (x + 1, hi) if fits(x + 1) else (lo, x + 1)
+        else:
+            hi = x
+            if x - 1 > lo:
+                lo, hi = (x - 1, hi) if fits(x - 1) else (lo, x - 1)
+    raise AssertionError("the haystack search did not converge")  # six aims, then halving: far under 64 rounds
+
+
+def _doubled(fits, lo: int, cap: int) -> int:
+    """The same for a token count that may dip as the size grows: doubling, then binary search (the largest
+    fitting size it finds; sizes are redrawn, so no guess or line applies)."""
+    hi = lo
+    while hi < cap and fits(min(hi * 2, cap)):
+        hi = min(hi * 2, cap)
+    lo, hi = hi, min(hi * 2, cap) if hi < cap else cap + 1
     while hi - lo > 1:  # lo fits; hi does not (or is past the cap)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    _, ids, r = tried[lo]
-    return Sample(task.name, length, index, prompt_ids=ids, answers=r.answers, units=lo, depth=r.depth,
-                  max_new_tokens=task.max_new_tokens, metric=task.metric)
+    return lo

@@ -5,10 +5,11 @@ Prefix caching, always on. A batch's prompts are prefilled in lexicographic orde
 starting from the KV cache of its longest common token prefix with the prompt before it (the most it shares
 with any earlier one: the total prefilled is the token trie's size), so only the rest of it is run. RULER's
 prompts share much: every niah_single_1 prompt of a length is the same noise haystack up to its needle.
-Each prompt is run alone (no padding), `prefill_chunk` tokens per forward; on CPU its tokens attend to the
-cached ones and causally to each other with no mask (`prefill_attention`: the dense block over the cache and
-the causal block, each one CPU flash call, merged by their log-sum-exp as ring attention merges its blocks),
-and the last layer computes only the last token's row, the one whose logits are kept. The cache and logits
+Each prompt is run alone (no padding), `prefill_chunk` tokens per forward; its tokens attend to the cached
+ones and causally to each other with no mask tensor (`prefill_attention`: on CPU the dense block over the cache
+and the causal block, each one CPU flash call, merged by their log-sum-exp as ring attention merges its blocks;
+on a GPU one SDPA call with torch's lower-right causal bias, which runs the flash kernel), and the last layer
+computes only the last token's row, the one whose logits are kept. The cache and logits
 are the full forward's to fp32 rounding (tests/test_ruler.py).
 
 The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
@@ -35,13 +36,14 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from longstride.eval.hf_adapter import (SDPA_MASK, DynamicCache, attention_implementation, buffer_cache,
                                         buffer_columns, buffered, cache_kw, full_attention_layers, keep_rows,
                                         new_cache, plain_layers, put_row, row_prefix)
 from longstride.eval.ruler.score import sample_score
 from longstride.parallel.attention import no_mask
-from longstride.parallel.kernels import block_forward
+from longstride.parallel.kernels import block_forward, expand_kv
 from longstride.parallel.ring import merge
 
 PREFILL_ATTENTION = "longstride_prefill"
@@ -93,19 +95,41 @@ def prefill_attention(module, query, key, value, attention_mask, scaling=None, d
     """One unpadded prompt's new tokens attending to its cached ones and causally to each other, with no mask:
     query: (1, H, s, D), key/value: (1, Hkv, c + s, D), the first c cached -> ((1, s, H, D), None). The last
     layer computes the last token's row only (the others are zero): a prefill keeps the logits of its last
-    token alone, and decoding reads the layer's keys and values, which are in the cache already."""
+    token alone, and decoding reads the layer's keys and values, which are in the cache already. On CPU two
+    CPU flash calls (`_prefill_cpu`); on other devices one SDPA call with a lower-right causal mask
+    (`_prefill_lower_right`)."""
     _full_attention_only("prefill_attention", dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    last = module.layer_idx == module.config.num_hidden_layers - 1
+    run = _prefill_cpu if query.device.type == "cpu" else _prefill_lower_right
+    if not last:
+        return run(query, key, value, scale).transpose(1, 2).contiguous(), None
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[-1])
+    out[:, -1:] = run(query[:, :, -1:], key, value, scale, causal=False).transpose(1, 2)
+    return out, None
+
+
+def _prefill_cpu(query, key, value, scale, causal=True):
+    """(1, H, s, D) attending to the cache's first c keys densely and its last s causally: the two blocks are
+    each one CPU flash call, merged by their log-sum-exp as ring attention merges its blocks."""
+    if not causal:
+        return block_forward("sdpa", query, key, value, scale)[0]
     s, c = query.shape[2], key.shape[2] - query.shape[2]
-    if module.layer_idx == module.config.num_hidden_layers - 1:
-        out = query.new_zeros(query.shape[0], s, query.shape[1], query.shape[-1])
-        out[:, -1:] = block_forward("sdpa", query[:, :, -1:], key, value, scale)[0].transpose(1, 2)
-        return out, None
     out, lse = block_forward("sdpa", query, key[:, :, c:], value[:, :, c:], scale, [(0, s)])
     if c:
         out = out.float()
         merge(out, lse, *block_forward("sdpa", query, key[:, :, :c], value[:, :, :c], scale))
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return out.to(query.dtype)
+
+
+def _prefill_lower_right(query, key, value, scale, causal=True):
+    """The same in one SDPA call: query i of s attends to keys 0 .. c + i (torch's lower-right causal bias, which
+    a GPU runs as the flash kernel, or the memory-efficient one, with no mask tensor; K/V heads repeated for the
+    query heads that read them, as the flash path takes no grouped heads)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = expand_kv(key, groups), expand_kv(value, groups)
+    mask = causal_lower_right(query.shape[2], key.shape[2]) if causal else None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -126,8 +150,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def cpu_kernels(device: torch.device) -> bool:
-    """Whether prefill and decode run this module's CPU attention (`prefill_attention`, `decode_attention`);
-    elsewhere (a GPU) the model's own attention runs with transformers' masks."""
+    """Whether decoding runs this module's CPU attention (`decode_attention`); elsewhere (a GPU) the model's own
+    attention runs with transformers' masks."""
     return device.type == "cpu"
 
 _ATTENTION = {PREFILL_ATTENTION: (prefill_attention, no_mask), DECODE_ATTENTION: (decode_attention, SDPA_MASK)}
@@ -142,15 +166,15 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
              cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, torch.Tensor]:
     """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones): its KV cache
     and the logits of its last token. With `cache` holding the prompt's first tokens already (a shared prefix,
-    or a context-parallel prefill), only the rest is run. On CPU, with full attention in every layer, the
-    forward runs `prefill_attention` (no mask); elsewhere the model's own attention with its mask."""
+    or a context-parallel prefill), only the rest is run. With full attention in every layer, the forward runs
+    `prefill_attention` (no mask); with sliding-window or other special layers, the model's own attention with
+    its mask."""
     cache = cache if cache is not None else new_cache(model)
     start = cache.get_seq_length()
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    unmasked = cpu_kernels(device) and plain_layers(cache)
-    with _attention(model, PREFILL_ATTENTION if unmasked else None):
+    with _attention(model, PREFILL_ATTENTION if plain_layers(cache) else None):
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     return cache, logits[0, -1]
