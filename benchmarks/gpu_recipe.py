@@ -5,10 +5,12 @@ niah_multikey_1, vt at 4K-64K; the last stage with YaRN x2 at 128K) and held-out
     python -m benchmarks.gpu_recipe --out DIR               # one GPU; the device window's step `gpu_recipe`
     python -m benchmarks.gpu_recipe --rehearsal --out DIR   # the same recipe and commands, lengths / 16, tiny, on CPU
     python -m benchmarks.gpu_recipe --tiny --out DIR        # the recipe's lengths and token budgets, a tiny model
+    python -m benchmarks.gpu_recipe --cost --out DIR        # RULER's prefill tokens and FLOPs, counted on CPU
 
 Writes DIR/gpu_recipe.json (each stage's wall time, tokens and tokens/s, the RULER table, perplexity, the device),
 DIR/ruler.png and the stage logs; checkpoints stay under DIR/runs. RULER runs niah_single_1 first, then the other
-tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the acceptance task.
+tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the acceptance task;
+`--samples` (niah_single_1) and `--rest-samples` (the others) set the samples a cell.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ LENGTHS = [4096, 8192, 16384, 32768, 65536]
 PPL_LENGTHS = [4096, 16384, 32768]
 SCORED = ["s1_4k", "s2_32k", "s3_64k"]  # the base (s0_copy is its first part, not scored) and each extension
 HELD_OUT = "test/test_[t-z]*.py"  # the recipe's data.sources.stdlib.exclude
+# RULER's decode batch (KV cache tokens): 11 rows of 128K, so each length's samples (10 and fewer) are one batch and
+# every prompt is prefilled from the prefix it shares with the one before (prefix sharing is within a batch; at the
+# default 131072 a 64K or 128K prompt is a batch of its own). The 110M model's bf16 KV cache: 33 GB at most.
+BATCH_TOKENS = 11 * 131072
 
 
 def tiny_model() -> list[str]:
@@ -117,27 +123,37 @@ def run(cmd: list[str], log_path: str, env: dict) -> str:
 
 
 def train_command(args, cuda: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "longstride.recipes.train", f"recipe={RECIPE}", f"paths.output_root={args.out}/runs",
-           "logger.progress_bar=false", *(REHEARSAL if args.rehearsal else TINY if args.tiny else []),
-           *([] if args.rehearsal else [f"data.num_proc={min(8, os.cpu_count() or 1)}"]), *args.overrides]
-    if cuda and not args.rehearsal:
-        cmd[1:3] = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml", "-m",
-                    "longstride.recipes.train"]
-    return cmd
+    """The training command: on a GPU through accelerate (configs/accelerate/gpu1.yaml) and without step
+    checkpoints: a window's machine is fresh each time, so nothing could resume from them, and each costs seconds
+    (the 110M model's 1.3 GB of weights and AdamW state written and hashed: 5.6 s on this CPU machine's disk).
+    Each stage's final (weights, 0.4 GB) is still written: the next stage and RULER load it."""
+    gpu = cuda and not args.rehearsal
+    launch = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml"] if gpu else []
+    return [sys.executable, *launch, "-m", "longstride.recipes.train", f"recipe={RECIPE}",
+            f"paths.output_root={args.out}/runs", "logger.progress_bar=false",
+            *(REHEARSAL if args.rehearsal else TINY if args.tiny else []),
+            *([] if args.rehearsal else [f"data.num_proc={min(8, os.cpu_count() or 1)}"]),
+            *([f"recipe.stages.{s}.save_every=0" for s in stages()] if gpu else []), *args.overrides]
+
+
+def stages() -> list[str]:
+    from omegaconf import OmegaConf
+
+    return list(OmegaConf.load(os.path.join(REPO, "configs", "recipe", f"{RECIPE}.yaml")).recipe.stages)
 
 
 def ruler(args, scale: int, dtype: str, env: dict) -> list[dict]:
-    """RULER on the base and each stage's final checkpoint (SCORED), two passes on the same samples: niah_single_1
-    first (the acceptance task: a window cut short keeps it), then the other tasks; -> the rows with both passes'
-    scores."""
+    """RULER on the base and each stage's final checkpoint (SCORED), two passes, each checkpoint on the same
+    samples: niah_single_1 first (the acceptance task: a window cut short keeps it; `--samples` a cell), then
+    the other tasks (`--rest-samples`); -> the rows with both passes' scores."""
     lengths = sorted({max(L // scale, 512) for L in LENGTHS})
     finals = [os.path.join(args.out, "runs", RECIPE, stage, "final") for stage in SCORED]
     rows: dict[str, dict] = {}
-    for name, tasks in (("compare", TASKS[:1]), ("compare_rest", TASKS[1:])):
+    for name, tasks, samples in (("compare", TASKS[:1], args.samples), ("compare_rest", TASKS[1:], args.rest_samples)):
         run([sys.executable, "-m", "longstride.cli", "eval", "compare", f"checkpoints=[{','.join(finals)}]",
              f"tasks=[{','.join(tasks)}]", f"lengths=[{','.join(map(str, lengths))}]", "yarn=[2]",
-             f"yarn_lengths=[{2 * LENGTHS[-1] // scale}]", f"num_samples={args.samples}", f"dtype={dtype}",
-             f"out={args.out}/{name}"], os.path.join(args.out, f"{name}.log"), env)
+             f"yarn_lengths=[{2 * LENGTHS[-1] // scale}]", f"num_samples={samples}", f"dtype={dtype}",
+             f"batch_tokens={BATCH_TOKENS}", f"out={args.out}/{name}"], os.path.join(args.out, f"{name}.log"), env)
         with open(os.path.join(args.out, name, "compare.json")) as f:
             for r in json.load(f)["rows"]:
                 row = rows.setdefault(r["label"], {k: r[k] for k in ("label", "checkpoint", "yarn", "trained",
@@ -147,13 +163,53 @@ def ruler(args, scale: int, dtype: str, env: dict) -> list[dict]:
     return list(rows.values())
 
 
-def plot_ruler(out: str, rows: list[dict], samples: int) -> None:
+def ruler_cost(args) -> dict:
+    """RULER's prefill as the GPU run does it, counted without a model: the real samples (the shipped tokenizer,
+    every pass, row and length), batched and prefix-shared as eval/ruler/generate.py does (BATCH_TOKENS), ->
+    tokens prefilled and FLOPs per pass (2 a weight per token, 4 x heads x head_dim a cached key per token and
+    layer; the last-token LM head left out)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from longstride.eval.ruler.compare import CompareConfig
+    from longstride.eval.ruler.generate import prefill_batches, shared_prefix
+    from longstride.eval.ruler.run import make_groups
+
+    m = OmegaConf.load(os.path.join(REPO, "configs", "recipe", f"{RECIPE}.yaml")).model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    per_token = 2 * m.num_hidden_layers * (2 * m.hidden_size * (q + kv) + 3 * m.hidden_size * m.intermediate_size)
+    per_key = 4 * q * m.num_hidden_layers
+    tok = AutoTokenizer.from_pretrained(os.path.join(REPO, "model", "shipped", "tiny_base_256"))
+    rows = [*([LENGTHS] * len(SCORED)), [2 * LENGTHS[-1]]]  # each checkpoint at LENGTHS, the last with YaRN x2
+    decode = CompareConfig()  # compare's decode settings: answer room max_new_tokens x (1 + draft), batch_size
+    out = {"batch_tokens": BATCH_TOKENS, "flop_per_token": per_token, "flop_per_token_per_key": per_key}
+    for name, tasks, n in (("compare", TASKS[:1], args.samples), ("compare_rest", TASKS[1:], args.rest_samples)):
+        made = make_groups(CompareConfig(num_samples=n), tasks, sorted({L for r in rows for L in r}), tok,
+                           range(n), {}, [])
+        tokens = flop = 0
+        for lengths in rows:
+            for task, L, samples in made:
+                if L not in lengths:
+                    continue
+                prompts, room = [x.prompt_ids for x in samples], samples[0].max_new_tokens * (1 + decode.draft)
+                for batch in prefill_batches(prompts, room, decode.batch_size, BATCH_TOKENS):
+                    before = None
+                    for p in (prompts[i] for i in batch):
+                        shared = shared_prefix(before, p) if before else 0
+                        tokens += len(p) - shared
+                        flop += per_token * (len(p) - shared) + per_key * (len(p) ** 2 - shared ** 2) / 2
+                        before = p
+        out[name] = {"tasks": tasks, "samples": n, "tokens": tokens, "pflop": round(flop / 1e15, 2)}
+    return out
+
+
+def plot_ruler(out: str, rows: list[dict], samples: int, rest_samples: int) -> None:
     """One figure of every task (compare's plot) from the merged rows."""
     from longstride.eval.ruler.compare import Row, plot
 
     plot(os.path.join(out, "ruler.png"), [Row(**{k: r[k] for k in Row.__dataclass_fields__}) for r in rows],
          {i: r["scores"] for i, r in enumerate(rows)}, TASKS, f"{RECIPE}: RULER score vs context length, "
-         f"{samples} samples per cell")
+         f"{samples} samples per cell ({TASKS[0]}), {rest_samples} (the others)")
 
 
 def perplexity(args, rows: list[dict], scale: int, env: dict) -> list[dict]:
@@ -179,7 +235,10 @@ def main(argv=None) -> int:
     p.add_argument("--rehearsal", action="store_true", help="lengths / 16, a tiny model, a few steps, on CPU")
     p.add_argument("--tiny", action="store_true", help="the recipe's lengths, steps and tokens with a tiny model "
                    "(smollm3_tiny's widths; on CPU: whether the token budget teaches retrieval stage by stage)")
-    p.add_argument("--samples", type=int, default=10, help="RULER samples per task and length")
+    p.add_argument("--samples", type=int, default=10, help="RULER samples per length of niah_single_1")
+    p.add_argument("--rest-samples", type=int, default=5, help="RULER samples per length of the other tasks")
+    p.add_argument("--cost", action="store_true", help="count RULER's prefill tokens and FLOPs from the samples "
+                   "(no model, CPU) into DIR/ruler_cost.json")
     p.add_argument("overrides", nargs="*", help="more training overrides, e.g. train.resume_from=s1_4k")
     args = p.parse_args(argv)
     import torch
@@ -187,6 +246,12 @@ def main(argv=None) -> int:
     args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
     env, scale = child_env(), 16 if args.rehearsal else 1
+    if args.cost:
+        cost = ruler_cost(args)
+        with open(os.path.join(args.out, "ruler_cost.json"), "w") as f:
+            json.dump(cost, f, indent=1)
+        print(json.dumps(cost))
+        return 0
     result = {"recipe": RECIPE, "rehearsal": args.rehearsal, "tiny": args.tiny, "device": torch.cuda.get_device_name(0)
               if cuda else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda}
     log = run(train_command(args, cuda), os.path.join(args.out, "train.log"), env)
@@ -196,7 +261,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     result["ruler"] = ruler(args, scale, "bfloat16" if cuda else "float32", env)
     result["ruler_seconds"] = round(time.perf_counter() - t, 1)
-    plot_ruler(args.out, result["ruler"], args.samples)
+    plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
     save(args.out, result)
     t = time.perf_counter()
     result["ppl"] = perplexity(args, result["ruler"], scale, env)

@@ -121,3 +121,25 @@ def test_collect_keeps_a_gpu_recipe_cut_short_during_ruler(tmp_path):
     got = json.loads((tmp_path / "collected" / "t_gpu_recipe.json").read_text())
     assert got["device"] == "NVIDIA H100 80GB HBM3" and got["stages"] == [{"stage": "s1_4k"}]
     assert got["ruler_partial"] == {"compare": {"complete": False, "rows": [{"label": "s1_4k", "scores": {}}]}}
+
+
+def test_gpu_recipe_gpu_command_composes_and_validates_for_one_gpu():
+    """The GPU run's training command (accelerate on configs/accelerate/gpu1.yaml, no step checkpoints) is the
+    recipe with overrides that exist: composed as training composes it and validated for one CUDA rank (the plan
+    a GPU run makes first), every stage without step checkpoints."""
+    import argparse
+
+    from benchmarks.gpu_recipe import RECIPE, stages, train_command
+    from longstride.recipes.config.plan import validate
+    from longstride.recipes.memory.memplan import compose_training
+
+    cmd = train_command(argparse.Namespace(out="/o", rehearsal=False, tiny=False, overrides=[]), cuda=True)
+    assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml"]
+    overrides = cmd[cmd.index("longstride.recipes.train") + 1:]
+    cfg = compose_training(overrides)
+    assert cfg.recipe.name == RECIPE and list(cfg.recipe.stages) == stages() == ["s0_copy", "s1_4k", "s2_32k",
+                                                                                  "s3_64k"]
+    assert all(cfg.recipe.stages[s].save_every == 0 for s in stages())
+    plans = validate(cfg, world=1, device_type="cuda", assume_gpu=True, check_data=False)
+    assert [p.stage.seq_len for p in plans.values()] == [4096, 4096, 32768, 65536]
+    assert all(p.kernel == "torch_flash" for p in plans.values())

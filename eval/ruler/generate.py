@@ -225,11 +225,17 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
                       metric=metric, draft=draft)
     answers: list[str] = [""] * len(prompts)
     room = max_new_tokens * (1 + draft)  # answer columns: each step's rejected draft columns stay as holes
-    for rows in batches([len(p) + room for p in prompts], batch_size, batch_tokens):
-        rows = sorted(rows, key=lambda i: prompts[i])  # lexicographic: the row before shares the longest prefix
+    for rows in prefill_batches(prompts, room, batch_size, batch_tokens):
         for i, text in _generate_batch(g, rows, room).items():
             answers[i] = text
     return answers
+
+
+def prefill_batches(prompts: list[list[int]], room: int, batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """greedy_generate's batches (`batches` of prompt + `room` answer columns), each in the order its prompts are
+    prefilled: lexicographic, so the prompt before shares the longest prefix (`shared_prefix`)."""
+    return [sorted(rows, key=lambda i: prompts[i])
+            for rows in batches([len(p) + room for p in prompts], batch_size, batch_tokens)]
 
 
 def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]:
