@@ -7,7 +7,8 @@ niah_multikey_1, vt at 4K-64K; the last stage with YaRN x2 at 128K) and held-out
     python -m benchmarks.gpu_recipe --tiny --out DIR        # the recipe's lengths and token budgets, a tiny model
     python -m benchmarks.gpu_recipe --cost --out DIR        # RULER's prefill tokens and FLOPs, counted on CPU
 
-Writes DIR/gpu_recipe.json (each stage's wall time, tokens and tokens/s, the RULER table, perplexity, the device),
+Writes DIR/gpu_recipe.json (each stage's wall time, tokens, tokens/s and loss curve, the RULER table, perplexity,
+the device),
 DIR/ruler.png and the stage logs; checkpoints stay under DIR/runs. RULER runs niah_single_1 first, then the other
 tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the acceptance task;
 `--samples` (niah_single_1) and `--rest-samples` (the others) set the samples a cell.
@@ -77,10 +78,18 @@ def stage_times(log: str) -> dict[str, float]:
     return out
 
 
+def loss_curve(steps: list[dict], points: int = 24) -> list[list]:
+    """[step, mean training loss] over each of `points` equal runs of steps (the last may be shorter): where a
+    stage's loss fell (in-context copying forms as a sudden drop) at a glance, without the whole log."""
+    width = -(-len(steps) // points)
+    runs = [steps[i:i + width] for i in range(0, len(steps), width)]
+    return [[run[-1]["step"], round(statistics.fmean(r["loss"] for r in run), 3)] for run in runs]
+
+
 def stage_summary(records: list[dict]) -> dict | None:
     """One stage's metrics.jsonl records -> its length, base, steps, tokens, median tokens/s of the steps after
-    the first (the first carries warm-up), last loss, validation losses (before, after) and peak memory with how
-    it was measured; None for a stage cut short before its first step. The device window's --collect reads its
+    the first (the first carries warm-up), last loss and the loss curve, validation losses (before, after) and
+    peak memory with how it was measured; None for a stage cut short before its first step. The device window's --collect reads its
     runs' stages with it too."""
     steps = [r for r in records if "loss" in r]
     if not steps:
@@ -90,7 +99,8 @@ def stage_summary(records: list[dict]) -> dict | None:
     return {"seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"], "steps": len(steps),
             "tokens": steps[-1]["tokens_seen"],
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps[1:] or steps),
-            "final_loss": steps[-1]["loss"], "val_loss": [r["val_loss"] for r in records if "val_loss" in r][-2:],
+            "final_loss": steps[-1]["loss"], "loss_curve": loss_curve(steps),
+            "val_loss": [r["val_loss"] for r in records if "val_loss" in r][-2:],
             "peak_gib": max(r[f"peak_mem_gib_{method}"] for r in steps) if method else None, "peak_method": method}
 
 

@@ -143,3 +143,16 @@ def test_gpu_recipe_gpu_command_composes_and_validates_for_one_gpu():
     plans = validate(cfg, world=1, device_type="cuda", assume_gpu=True, check_data=False)
     assert [p.stage.seq_len for p in plans.values()] == [4096, 4096, 32768, 65536]
     assert all(p.kernel == "torch_flash" for p in plans.values())
+
+
+def test_stage_summary_keeps_where_the_loss_fell():
+    """600 steps whose loss drops from 3 to 0.3 at step 450 (copying forming): the summary's 24-point curve shows
+    the drop in the run that holds step 450, the means around it exact."""
+    from benchmarks.gpu_recipe import stage_summary
+
+    records = [{"step": 0, "val_loss": 5.0}] + [
+        {"step": i, "loss": 3.0 if i < 450 else 0.3, "tokens_per_s": 1e5, "tokens_seen": 16384 * i, "seq_len": 4096,
+         "rope_theta": 1e5} for i in range(1, 601)]
+    curve = stage_summary(records)["loss_curve"]
+    assert len(curve) == 24 and [c[0] for c in curve[:2]] == [25, 50] and curve[-1] == [600, 0.3]
+    assert curve[16] == [425, 3.0] and curve[17] == [450, 3.0 - 2.7 / 25] and curve[18] == [475, 0.3]
