@@ -8,9 +8,9 @@ niah_multikey_1, vt at 4K-64K; the last stage with YaRN x2 at 128K) and held-out
     python -m benchmarks.gpu_recipe --cost --out DIR        # RULER's prefill tokens and FLOPs, counted on CPU
 
 Writes DIR/gpu_recipe.json (each stage's wall time, tokens, tokens/s and loss curve, the RULER table, perplexity,
-the device),
-DIR/ruler.png and the stage logs; checkpoints stay under DIR/runs. RULER runs niah_single_1 first, then the other
-tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the acceptance task;
+the device), DIR/ruler.png and the stage logs; checkpoints stay under DIR/runs. RULER runs niah_single_1 first,
+then the other tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the
+acceptance task;
 `--samples` (niah_single_1) and `--rest-samples` (the others) set the samples a cell.
 """
 from __future__ import annotations
