@@ -70,7 +70,8 @@ def steps(work: str) -> list[Step]:
                    "'| datasets', datasets.__version__); print('device', torch.cuda.get_device_name(0) "
                    "if torch.cuda.is_available() else 'cpu')")
     gpu_tests = py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=200",
-                   "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_cp_gpu.py", f"--junitxml={work}/gpu_tests.xml")
+                   "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_cp_gpu.py", "tests/gpu/test_patterns_gpu.py",
+                   "tests/gpu/test_prefill_gpu.py", f"--junitxml={work}/gpu_tests.xml")
     train_tests = py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=200",
                      "tests/gpu/test_train_gpu.py", f"--junitxml={work}/gpu_train_tests.xml")
     figures = py("-m", "benchmarks.gpu_kernel_figures", "--out", f"{work}/kernels")
@@ -91,7 +92,7 @@ def steps(work: str) -> list[Step]:
     main_smoke = ["bash", "-c", f"{shlex.join(smoke_train)} && {shlex.join(compare)} num_samples=1 lengths=[512]"]
     return [
         Step("env", 60, 10, env, env),
-        Step("gpu_tests", 120, 40, gpu_tests, gpu_tests),
+        Step("gpu_tests", 180, 40, gpu_tests, gpu_tests),
         Step("kernel_figures", 90, 30, figures, [*figures, "--smoke"]),
         Step("recipe_step", 150, 60, probe, probe_smoke),
         Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),

@@ -79,7 +79,7 @@ def stage_times(log: str) -> dict[str, float]:
 
 
 def loss_curve(steps: list[dict], points: int = 24) -> list[list]:
-    """[step, mean training loss] over each of `points` equal runs of steps (the last may be shorter): where a
+    """[step, mean training loss] over at most `points` equal runs of steps (the last may be shorter): where a
     stage's loss fell (in-context copying forms as a sudden drop) at a glance, without the whole log."""
     width = -(-len(steps) // points)
     runs = [steps[i:i + width] for i in range(0, len(steps), width)]
@@ -89,8 +89,8 @@ def loss_curve(steps: list[dict], points: int = 24) -> list[list]:
 def stage_summary(records: list[dict]) -> dict | None:
     """One stage's metrics.jsonl records -> its length, base, steps, tokens, median tokens/s of the steps after
     the first (the first carries warm-up), last loss and the loss curve, validation losses (before, after) and
-    peak memory with how it was measured; None for a stage cut short before its first step. The device window's --collect reads its
-    runs' stages with it too."""
+    peak memory with how it was measured; None for a stage cut short before its first step. The device window's
+    --collect reads its runs' stages with it too."""
     steps = [r for r in records if "loss" in r]
     if not steps:
         return None
@@ -152,17 +152,22 @@ def stages() -> list[str]:
     return list(OmegaConf.load(os.path.join(REPO, "configs", "recipe", f"{RECIPE}.yaml")).recipe.stages)
 
 
+def ruler_lengths(scale: int) -> tuple[list[int], int]:
+    """RULER's lengths for every checkpoint and the YaRN x2 row's length (the rehearsal's: / 16, at least 512)."""
+    return sorted({max(L // scale, 512) for L in LENGTHS}), 2 * LENGTHS[-1] // scale
+
+
 def ruler(args, scale: int, dtype: str, env: dict) -> list[dict]:
     """RULER on the base and each stage's final checkpoint (SCORED), two passes, each checkpoint on the same
     samples: niah_single_1 first (the acceptance task: a window cut short keeps it; `--samples` a cell), then
     the other tasks (`--rest-samples`); -> the rows with both passes' scores."""
-    lengths = sorted({max(L // scale, 512) for L in LENGTHS})
+    lengths, yarn_length = ruler_lengths(scale)
     finals = [os.path.join(args.out, "runs", RECIPE, stage, "final") for stage in SCORED]
     rows: dict[str, dict] = {}
     for name, tasks, samples in (("compare", TASKS[:1], args.samples), ("compare_rest", TASKS[1:], args.rest_samples)):
         run([sys.executable, "-m", "longstride.cli", "eval", "compare", f"checkpoints=[{','.join(finals)}]",
              f"tasks=[{','.join(tasks)}]", f"lengths=[{','.join(map(str, lengths))}]", "yarn=[2]",
-             f"yarn_lengths=[{2 * LENGTHS[-1] // scale}]", f"num_samples={samples}", f"dtype={dtype}",
+             f"yarn_lengths=[{yarn_length}]", f"num_samples={samples}", f"dtype={dtype}",
              f"batch_tokens={BATCH_TOKENS}", f"out={args.out}/{name}"], os.path.join(args.out, f"{name}.log"), env)
         with open(os.path.join(args.out, name, "compare.json")) as f:
             for r in json.load(f)["rows"]:
@@ -177,7 +182,8 @@ def ruler_cost(args) -> dict:
     """RULER's prefill as the GPU run does it, counted without a model: the real samples (the shipped tokenizer,
     every pass, row and length), batched and prefix-shared as eval/ruler/generate.py does (BATCH_TOKENS), ->
     tokens prefilled and FLOPs per pass (2 a weight per token, 4 x heads x head_dim a cached key per token and
-    layer; the last-token LM head left out)."""
+    layer; the last-token LM head left out, and the last layer counted in full though it computes one row: the
+    attention is over-counted by one layer in 30)."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -190,7 +196,8 @@ def ruler_cost(args) -> dict:
     per_token = 2 * m.num_hidden_layers * (2 * m.hidden_size * (q + kv) + 3 * m.hidden_size * m.intermediate_size)
     per_key = 4 * q * m.num_hidden_layers
     tok = AutoTokenizer.from_pretrained(os.path.join(REPO, "model", "shipped", "tiny_base_256"))
-    rows = [*([LENGTHS] * len(SCORED)), [2 * LENGTHS[-1]]]  # each checkpoint at LENGTHS, the last with YaRN x2
+    lengths, yarn_length = ruler_lengths(1)
+    rows = [*([lengths] * len(SCORED)), [yarn_length]]  # compare's rows: each checkpoint, then the last with YaRN x2
     decode = CompareConfig()  # compare's decode settings: answer room max_new_tokens x (1 + draft), batch_size
     out = {"batch_tokens": BATCH_TOKENS, "flop_per_token": per_token, "flop_per_token_per_key": per_key}
     for name, tasks, n in (("compare", TASKS[:1], args.samples), ("compare_rest", TASKS[1:], args.rest_samples)):
@@ -251,6 +258,8 @@ def main(argv=None) -> int:
                    "(no model, CPU) into DIR/ruler_cost.json")
     p.add_argument("overrides", nargs="*", help="more training overrides, e.g. train.resume_from=s1_4k")
     args = p.parse_args(argv)
+    if args.cost and (args.rehearsal or args.tiny):
+        p.error("--cost counts the GPU run's RULER (the recipe's tokenizer and lengths); drop --rehearsal/--tiny")
     import torch
 
     args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()

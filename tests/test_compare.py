@@ -181,8 +181,9 @@ def test_answers_end_once_scored_with_the_same_scores(two):
 def test_prompt_lookup_drafts_give_the_one_token_answers_in_fewer_forwards(attention, monkeypatch):
     """The shipped base model repeats itself past 256 tokens (the regime drafts are for). Prompts of three lengths
     in one batch (left padding), with and without early ends: the answers with drafts are the one-token-a-step
-    answers, in fewer forwards. With this module's CPU attention, and with the model's own SDPA and eager
-    attention under transformers' 2-D mask with the rejected drafts' holes (the path a GPU runs)."""
+    answers, in fewer forwards. With this module's CPU attention, and as a GPU runs: the prefill's lower-right
+    causal SDPA call, then the model's own SDPA or eager attention under transformers' 2-D mask with the rejected
+    drafts' holes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import longstride.eval.ruler.generate as generate
@@ -193,6 +194,7 @@ def test_prompt_lookup_drafts_give_the_one_token_answers_in_fewer_forwards(atten
     model = AutoModelForCausalLM.from_pretrained(shipped).eval()
     if attention != "cpu_kernels":
         monkeypatch.setattr(generate, "cpu_kernels", lambda device: False)
+        monkeypatch.setattr(generate, "_prefill_cpu", generate._prefill_lower_right)
         model.set_attn_implementation(attention)
     samples = [make_sample(ALL_TASKS["niah_single_1"], L, i, tok) for i, L in enumerate((512, 512, 600, 700, 700))]
     prompts, refs = [s.prompt_ids for s in samples], [s.answers for s in samples]

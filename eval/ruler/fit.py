@@ -5,8 +5,9 @@ The prompt is the user turn through the chat template (when the tokenizer has on
 followed by the task's answer prefix, so the model continues the prefix; without a template it is
 the user text and the prefix as plain text. Where a larger haystack never has fewer tokens
 (`Sampler.monotone`), the size is found by aiming over `Sampler.render(units)` with the average tokens a
-unit (tokens grow about linearly with size), starting from a guess when given (the size another sample of the same task and
-length found): 2-4 full tokenizations a guessed sample, about 10 for the first (tests/test_ruler.py). Otherwise (sizes whose
+unit (tokens grow about linearly with size), from a guess when given (the size another sample of the same task
+and length found): 3-4 full tokenizations a guessed sample on average, up to about 7, and about 10 for a
+length's first (tests/test_ruler.py; the galloping search before it took 5-6 and 30). Otherwise (sizes whose
 words are redrawn) by doubling then binary search. Every size tried is tokenized in full.
 """
 from __future__ import annotations
