@@ -146,10 +146,15 @@ def train_command(args, cuda: bool) -> list[str]:
             *([f"recipe.stages.{s}.save_every=0" for s in stages()] if gpu else []), *args.overrides]
 
 
-def stages() -> list[str]:
+def recipe_yaml():
+    """configs/recipe/<RECIPE>.yaml as written (its stages and model block)."""
     from omegaconf import OmegaConf
 
-    return list(OmegaConf.load(os.path.join(REPO, "configs", "recipe", f"{RECIPE}.yaml")).recipe.stages)
+    return OmegaConf.load(os.path.join(REPO, "configs", "recipe", f"{RECIPE}.yaml"))
+
+
+def stages() -> list[str]:
+    return list(recipe_yaml().recipe.stages)
 
 
 def ruler_lengths(scale: int) -> tuple[list[int], int]:
@@ -184,38 +189,33 @@ def ruler_cost(args) -> dict:
     tokens prefilled and FLOPs per pass (2 a weight per token, 4 x heads x head_dim a cached key per token and
     layer; the last-token LM head left out, and the last layer counted in full though it computes one row: the
     attention is over-counted by one layer in 30)."""
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
     from longstride.eval.ruler.compare import CompareConfig
     from longstride.eval.ruler.generate import prefill_batches, shared_prefix
     from longstride.eval.ruler.run import make_groups
 
-    m = OmegaConf.load(os.path.join(REPO, "configs", "recipe", f"{RECIPE}.yaml")).model
+    m = recipe_yaml().model
     q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     per_token = 2 * m.num_hidden_layers * (2 * m.hidden_size * (q + kv) + 3 * m.hidden_size * m.intermediate_size)
     per_key = 4 * q * m.num_hidden_layers
     tok = AutoTokenizer.from_pretrained(os.path.join(REPO, "model", "shipped", "tiny_base_256"))
     lengths, yarn_length = ruler_lengths(1)
-    rows = [*([lengths] * len(SCORED)), [yarn_length]]  # compare's rows: each checkpoint, then the last with YaRN x2
+    # compare's rows: each checkpoint at `lengths`, then the last with YaRN x2: how many rows score each length
+    rows_at = {L: len(SCORED) for L in lengths} | {yarn_length: 1}
     decode = CompareConfig()  # compare's decode settings: answer room max_new_tokens x (1 + draft), batch_size
     out = {"batch_tokens": BATCH_TOKENS, "flop_per_token": per_token, "flop_per_token_per_key": per_key}
     for name, tasks, n in (("compare", TASKS[:1], args.samples), ("compare_rest", TASKS[1:], args.rest_samples)):
-        made = make_groups(CompareConfig(num_samples=n), tasks, sorted({L for r in rows for L in r}), tok,
-                           range(n), {}, [])
         tokens = flop = 0
-        for lengths in rows:
-            for task, L, samples in made:
-                if L not in lengths:
-                    continue
-                prompts, room = [x.prompt_ids for x in samples], samples[0].max_new_tokens * (1 + decode.draft)
-                for batch in prefill_batches(prompts, room, decode.batch_size, BATCH_TOKENS):
-                    before = None
-                    for p in (prompts[i] for i in batch):
-                        shared = shared_prefix(before, p) if before else 0
-                        tokens += len(p) - shared
-                        flop += per_token * (len(p) - shared) + per_key * (len(p) ** 2 - shared ** 2) / 2
-                        before = p
+        for _, L, samples in make_groups(CompareConfig(num_samples=n), tasks, sorted(rows_at), tok, range(n), {}, []):
+            prompts, room = [x.prompt_ids for x in samples], samples[0].max_new_tokens * (1 + decode.draft)
+            for batch in prefill_batches(prompts, room, decode.batch_size, BATCH_TOKENS):
+                before = None
+                for p in (prompts[i] for i in batch):
+                    shared = shared_prefix(before, p) if before else 0
+                    tokens += rows_at[L] * (len(p) - shared)
+                    flop += rows_at[L] * (per_token * (len(p) - shared) + per_key * (len(p) ** 2 - shared ** 2) / 2)
+                    before = p
         out[name] = {"tasks": tasks, "samples": n, "tokens": tokens, "pflop": round(flop / 1e15, 2)}
     return out
 

@@ -9,9 +9,8 @@ Each prompt is run alone (no padding), `prefill_chunk` tokens per forward; its t
 ones and causally to each other with no mask tensor (`prefill_attention`: on CPU the dense block over the cache
 and the causal block, each one CPU flash call, merged by their log-sum-exp as ring attention merges its blocks;
 on a GPU one SDPA call with torch's lower-right causal bias: the flash kernel in bf16/fp16, the memory-efficient
-one in fp32), and the last layer
-computes only the last token's row, the one whose logits are kept. The cache and logits
-are the full forward's to fp32 rounding (tests/test_ruler.py).
+one in fp32), and the last layer computes only the last token's row, the one whose logits are kept. The cache and
+logits are the full forward's to fp32 rounding (tests/test_ruler.py).
 
 The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
 to the longest prompt, and the rows are decoded one token per forward for all of them together
