@@ -237,7 +237,10 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
 
 
 def _gpu_recipe(read) -> dict | None:
-    """The GPU recipe's gpu_recipe.json; cut short during RULER, with the rows each RULER pass had saved."""
+    """The GPU recipe's gpu_recipe.json; cut short during RULER, with the rows each RULER pass had saved and the
+    acceptance checks on them."""
+    from benchmarks.gpu_recipe import acceptance
+
     recipe = json.loads(read("gpu_recipe/gpu_recipe.json") or "null")
     passes = {n: json.loads(text) for n in ("compare", "compare_rest")
               if (text := read(f"gpu_recipe/{n}/compare.json"))}
@@ -246,6 +249,8 @@ def _gpu_recipe(read) -> dict | None:
     recipe = recipe or {"cut_short": "before gpu_recipe.json was written"}
     if "ruler" not in recipe and passes:
         recipe["ruler_partial"] = {n: {"complete": c.get("complete"), "rows": c["rows"]} for n, c in passes.items()}
+        if "compare" in passes:  # the acceptance task's pass: the verdict on what it scored
+            recipe["acceptance"] = acceptance({**recipe, "ruler": passes["compare"]["rows"]})
     return recipe
 
 
