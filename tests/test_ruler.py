@@ -149,6 +149,32 @@ def test_haystack_search_edge_cases_against_a_scan():
         assert _largest_fitting(fits, tokens, lo, cap, budget, guess) == truth, (case, lo, cap, budget, guess)
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_prompt_ids_are_the_tokenizers_own_ids(tok, chat):
+    """The search's fast tokenization gives exactly the ids of the tokenizer's own call, for every task's prompt
+    with and without a chat template; a tokenizer whose call would change its Rust tokenizer (truncation set in
+    tokenizer.json, special tokens split) takes the call itself, so its prompts are whole and split the same."""
+    import copy
+
+    from longstride.eval.ruler.fit import encode
+
+    tok.chat_template = CHAT if chat else None
+    for name in SYNTHETIC:
+        r = Sampler(TASKS[name], 1024, 42, 0).render(8)
+        text = (tok.apply_chat_template([{"role": "user", "content": r.content}], tokenize=False,
+                                        add_generation_prompt=True) if chat else r.content) + r.answer_prefix
+        assert prompt_ids(tok, r.content, r.answer_prefix, chat) == tok(
+            text, add_special_tokens=not chat)["input_ids"], name
+    tok.chat_template = None
+    text = r.content + tok.eos_token
+    truncating = copy.deepcopy(tok)
+    truncating.backend_tokenizer.enable_truncation(32)
+    assert len(encode(truncating, text, True)) > 32 and encode(truncating, text, True) == tok(text)["input_ids"]
+    splitting = copy.deepcopy(tok)
+    splitting.split_special_tokens = True
+    assert encode(splitting, text, True) == splitting(text)["input_ids"] != tok(text)["input_ids"]
+
+
 def test_without_chat_template_and_qa_sample(tok, squad):
     qa = load_qa("squad", squad)
     assert len(qa.questions) == 60 and len(qa.docs) == 60, "unanswerable questions are dropped"

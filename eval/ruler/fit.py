@@ -36,12 +36,24 @@ class Sample:
     metric: str
 
 
+def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer(text)["input_ids"]`, through the Rust tokenizer's path without character offsets where the
+    tokenizer has one and the call would not change it (no truncation, padding or special-token splitting set):
+    the same ids in about half the time, which the search's full tokenizations of 64K-128K-token prompts spend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and hasattr(backend, "encode_batch_fast") and backend.truncation is None
+            and backend.padding is None and not getattr(tokenizer, "split_special_tokens", False)
+            and not getattr(backend, "encode_special_tokens", False)):
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def prompt_ids(tokenizer, content: str, answer_prefix: str, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
-        return tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"]
-    return tokenizer(content + answer_prefix)["input_ids"]
+        return encode(tokenizer, text + answer_prefix, add_special_tokens=False)
+    return encode(tokenizer, content + answer_prefix, add_special_tokens=True)
 
 
 def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 42, chat: bool = True,
