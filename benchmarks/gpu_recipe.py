@@ -11,7 +11,8 @@ Writes DIR/gpu_recipe.json (each stage's wall time, tokens, tokens/s and loss cu
 the device, and issue 44's acceptance checks judged on them), DIR/ruler.png and the stage logs; checkpoints stay under DIR/runs. RULER runs niah_single_1 first,
 then the other tasks (DIR/compare/, DIR/compare_rest/, each saved row by row), so a run cut short keeps the
 acceptance task;
-`--samples` (niah_single_1) and `--rest-samples` (the others) set the samples a cell.
+`--samples` (niah_single_1) and `--rest-samples` (the others) set the samples a cell. A stage that fails (out of
+memory, NaN) ends training there: the stages that finished are still scored, the error kept, and the exit code is 1.
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ def stage_summary(records: list[dict]) -> dict | None:
 
 def stage_rows(run: str, log: str) -> list[dict]:
     times, rows = stage_times(log), []
+    if not os.path.isdir(run):  # training failed before its first stage
+        return rows
     for stage in sorted(d for d in os.listdir(run) if os.path.isdir(os.path.join(run, d))):  # s1_, s2_, ...
         path = os.path.join(run, stage, "metrics.jsonl")
         if not os.path.exists(path):
@@ -210,11 +213,15 @@ def ruler(args, scale: int, dtype: str, env: dict) -> list[dict]:
     samples: niah_single_1 first (the acceptance task: a window cut short keeps it; `--samples` a cell), then
     the other tasks (`--rest-samples`); -> the rows with both passes' scores."""
     lengths, yarn_length = ruler_lengths(scale)
-    finals = [os.path.join(args.out, "runs", RECIPE, stage, "final") for stage in SCORED]
+    finals = [f for f in (os.path.join(args.out, "runs", RECIPE, stage, "final") for stage in SCORED)
+              if os.path.isdir(f)]  # a training run that failed partway: the stages it finished
+    if not finals:
+        return []
+    yarn = "yarn=[2]" if finals[-1].endswith(os.path.join(SCORED[-1], "final")) else "yarn=[]"  # YaRN on s3_64k only
     rows: dict[str, dict] = {}
     for name, tasks, samples in (("compare", TASKS[:1], args.samples), ("compare_rest", TASKS[1:], args.rest_samples)):
         run([sys.executable, "-m", "longstride.cli", "eval", "compare", f"checkpoints=[{','.join(finals)}]",
-             f"tasks=[{','.join(tasks)}]", f"lengths=[{','.join(map(str, lengths))}]", "yarn=[2]",
+             f"tasks=[{','.join(tasks)}]", f"lengths=[{','.join(map(str, lengths))}]", yarn,
              f"yarn_lengths=[{yarn_length}]", f"num_samples={samples}", f"dtype={dtype}",
              f"batch_tokens={BATCH_TOKENS}", f"out={args.out}/{name}"], os.path.join(args.out, f"{name}.log"), env)
         with open(os.path.join(args.out, name, "compare.json")) as f:
@@ -316,14 +323,21 @@ def main(argv=None) -> int:
         return 0
     result = {"recipe": RECIPE, "rehearsal": args.rehearsal, "tiny": args.tiny, "device": torch.cuda.get_device_name(0)
               if cuda else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda}
-    log = run(train_command(args, cuda), os.path.join(args.out, "train.log"), env)
+    try:
+        log = run(train_command(args, cuda), os.path.join(args.out, "train.log"), env)
+    except RuntimeError as e:  # a stage failed (out of memory, NaN, ...): score the stages that finished
+        result["train_error"] = str(e)
+        print(f"training failed; RULER and perplexity on the stages that finished:\n{e}", flush=True)
+        with open(os.path.join(args.out, "train.log")) as f:
+            log = f.read()
     result["train_seconds"] = round(time.perf_counter() - t0, 1)
     result["stages"] = stage_rows(os.path.join(args.out, "runs", RECIPE), log)
     save(args.out, result)  # after each phase: a window cut short keeps what was measured
     t = time.perf_counter()
     result["ruler"] = ruler(args, scale, "bfloat16" if cuda else "float32", env)
     result["ruler_seconds"] = round(time.perf_counter() - t, 1)
-    plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
+    if result["ruler"]:
+        plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
     save(args.out, result)
     t = time.perf_counter()
     result["ppl"] = perplexity(args, result["ruler"], scale, env)
@@ -338,7 +352,7 @@ def main(argv=None) -> int:
         print(f"{mark:<12} {c['check']}: {c['value']} (needs {c['need']}{'' if c['required'] else ', a goal'})")
     print(f"total {result['total_seconds']} s (train {result['train_seconds']}, RULER {result['ruler_seconds']}, "
           f"ppl {result['ppl_seconds']}); {args.out}/gpu_recipe.json")
-    return 0
+    return 1 if "train_error" in result else 0
 
 
 if __name__ == "__main__":

@@ -205,3 +205,21 @@ def test_stage_summary_keeps_where_the_loss_fell():
     curve = stage_summary(records)["loss_curve"]
     assert len(curve) == 24 and [c[0] for c in curve[:2]] == [25, 50] and curve[-1] == [600, 0.3]
     assert curve[16] == [425, 3.0] and curve[17] == [450, 3.0 - 2.7 / 25] and curve[18] == [475, 0.3]
+
+
+def test_gpu_recipe_scores_the_stages_that_finished_when_a_later_stage_fails(tmp_path):
+    """A real failure partway (the rehearsal): s2_32k's lr of 1e30 makes its second step non-finite and
+    train.max_nonfinite_steps=1 stops the run there. The command still scores the base that finished (without the
+    YaRN row, which is s3_64k's), keeps the error, judges the acceptance on what it measured and exits 1."""
+    from benchmarks import gpu_recipe
+
+    rc = gpu_recipe.main(["--rehearsal", "--samples", "1", "--rest-samples", "1", "--out", str(tmp_path),
+                          "recipe.stages.s2_32k.lr=1e30", "train.max_nonfinite_steps=1"])
+    got = json.loads((tmp_path / "gpu_recipe.json").read_text())
+    assert rc == 1 and "non-finite for 1 steps in a row" in got["train_error"]
+    assert [r["stage"] for r in got["stages"]] == ["s0_copy", "s1_4k", "s2_32k"]
+    assert got["stages"][1]["seconds"] and got["stages"][2]["seconds"] is None  # s2_32k never ended
+    assert [r["label"] for r in got["ruler"]] == ["s1_4k"] and [p["checkpoint"] for p in got["ppl"]] == ["s1_4k"]
+    verdict = {c["check"]: c["ok"] for c in got["acceptance"]}
+    assert verdict["s1_4k niah_single_1 at 512"] is not None and verdict["s2_32k niah_single_1 at 2048"] is None
+    assert verdict["stages timed, with tokens/s"] is False and (tmp_path / "ruler.png").exists()
