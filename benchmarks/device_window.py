@@ -101,7 +101,7 @@ def steps(work: str) -> list[Step]:
         # the recipe at real scale (benchmarks/gpu_recipe.py): about 9 minutes, a window of its own
         # (--only env,gpu_recipe); the smoke runs its CPU rehearsal
         # RULER: 10 samples a cell of niah_single_1 (the acceptance task, first), 5 of the others (cut first if the
-        # window runs short; about 27 PFLOP of prefill in all, counted from the samples: benchmarks/README.md)
+        # window runs short; about 34 PFLOP of prefill in all, counted from the samples: benchmarks/README.md)
         Step("gpu_recipe", 540, 300, py("-m", "benchmarks.gpu_recipe", "--samples", "10", "--rest-samples", "5",
                                         "--out", f"{work}/gpu_recipe"),
              py("-m", "benchmarks.gpu_recipe", "--rehearsal", "--samples", "1", "--rest-samples", "1", "--out",

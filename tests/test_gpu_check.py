@@ -64,7 +64,9 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
         ("s0_copy", 256), ("s1_4k", 256), ("s2_32k", 2048), ("s3_64k", 4096)]
     assert all(r["tokens"] > 0 and r["seconds"] > 0 and len(r["val_loss"]) == 2 for r in recipe["stages"])
     assert [r["label"] for r in recipe["ruler"]] == ["s1_4k", "s2_32k", "s3_64k", "s3_64k + YaRN x2"]
-    assert set(recipe["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt"}
+    assert set(recipe["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt", "synth_kv"}
+    assert set(recipe["in_format"]) == {"s1_4k at 512", "s1_4k at 2048", "s2_32k at 2048", "s3_64k at 4096"}
+    assert all(v is not None for v in recipe["in_format"].values())  # synth_kv scored where the acceptance reads
     assert [p["checkpoint"] for p in recipe["ppl"]] == ["s1_4k", "s2_32k", "s3_64k"]
     assert all(r["ppl"] > 1 for p in recipe["ppl"] for r in p["results"])
     # --collect: the returned files as the JSON committed under benchmarks/results/gpu/
@@ -136,19 +138,22 @@ def _recipe_result(**scores) -> dict:
     return {"device": "NVIDIA H100 80GB HBM3", "rehearsal": False, "total_seconds": 500.0,
             "stages": [{"stage": s, "seconds": 60.0, "tokens_per_s_median": 1e5} for s in stages()],
             "ruler": [{"label": label, "scores": {"niah_single_1": {str(L): v for L, v in cells.items()},
-                                                  "vt": {"4096": 100.0}}} for label, cells in base.items()]}
+                                                  "synth_kv": {"32768": 90.0}}} for label, cells in base.items()]}
 
 
 def test_gpu_recipe_acceptance_judges_each_threshold_of_the_issue():
     """Every acceptance check of issue 44 on a result that meets each threshold exactly (the YaRN goal missed:
     reported, not required), then each broken alone by a score just past it; a slow CPU run; a cut-short run's
     unmeasured checks."""
+    from benchmarks import gpu_recipe
     from benchmarks.gpu_recipe import acceptance
 
     def verdict(result):
         return {c["check"]: c["ok"] for c in acceptance(result)}
 
     good = verdict(_recipe_result())
+    assert gpu_recipe.in_format(_recipe_result()) == {"s1_4k at 4096": None, "s1_4k at 32768": 90.0,
+                                                      "s2_32k at 32768": 90.0, "s3_64k at 65536": None}
     goal = "s3_64k + YaRN x2 at 131072 (goal)"
     assert good.pop(goal) is False and all(good.values()) and len(good) == 10
     for scores, failing in [({"s1_4k": {4096: 79.0, 32768: 20.0}}, "s1_4k niah_single_1 at 4096"),
