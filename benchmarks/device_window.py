@@ -236,21 +236,25 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
     return rows
 
 
-def _gpu_recipe(read) -> dict | None:
-    """The GPU recipe's gpu_recipe.json; cut short during RULER, with the rows each RULER pass had saved and the
-    acceptance checks on them."""
-    from benchmarks.gpu_recipe import acceptance
+def _gpu_recipe(read, step: dict | None) -> dict | None:
+    """The GPU recipe's gpu_recipe.json with the rows every RULER pass saved merged in (a run cut short: the rows
+    its passes had saved, also under ruler_partial when gpu_recipe.json has none), and the acceptance and in-format
+    diagnosis judged on them; step: the window's summary row of the gpu_recipe step (cut_at_s when it was killed at
+    its cap)."""
+    from benchmarks.gpu_recipe import acceptance, in_format, merge_rows
 
     recipe = json.loads(read("gpu_recipe/gpu_recipe.json") or "null")
-    passes = {n: json.loads(text) for n in ("compare", "compare_rest")
+    passes = {n: json.loads(text) for n in ("compare", "compare_rest", "compare_in_format")
               if (text := read(f"gpu_recipe/{n}/compare.json"))}
     if recipe is None and not passes:
         return None
     recipe = recipe or {"cut_short": "before gpu_recipe.json was written"}
     if "ruler" not in recipe and passes:
         recipe["ruler_partial"] = {n: {"complete": c.get("complete"), "rows": c["rows"]} for n, c in passes.items()}
-        if "compare" in passes:  # the acceptance task's pass: the verdict on what it scored
-            recipe["acceptance"] = acceptance({**recipe, "ruler": passes["compare"]["rows"]})
+    recipe["ruler"] = merge_rows(recipe.get("ruler") or [], *(c["rows"] for c in passes.values()))
+    if step and str(step.get("status", "")).startswith("timed out") and "total_seconds" not in recipe:
+        recipe["cut_at_s"] = step.get("seconds")
+    recipe["acceptance"], recipe["in_format"] = acceptance(recipe), in_format(recipe)
     return recipe
 
 
@@ -284,7 +288,8 @@ def collect(folder: str, dest: str, tag: str) -> list[str]:
                                         "16K/32K; tiny_extend: the main job): median tokens/s after the first "
                                         "step, CUDA max_memory_allocated, the traced plan's peak",
                                 "rows": _stage_rows(tar, names)})
-        recipe = _gpu_recipe(read)
+        step = next((r for r in summary.get("steps", []) if r.get("step") == "gpu_recipe"), None)
+        recipe = _gpu_recipe(read, step)
         if recipe:
             write("gpu_recipe", recipe)
         for name, what in (("main_job_compare/compare.png", "main_job_compare"), ("gpu_recipe/ruler.png",

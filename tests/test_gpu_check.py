@@ -117,7 +117,8 @@ def test_collect_keeps_a_gpu_recipe_cut_short_during_ruler(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    (tmp_path / "summary.json").write_text(json.dumps({"steps": [{"step": "gpu_recipe", "status": "timed out"}]}))
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": [{"step": "gpu_recipe", "status": "timed out at 540 s",
+                                                                  "seconds": 540.3}]}))
     written = device_window.collect(str(tmp_path), str(tmp_path / "collected"), "t")
     assert str(tmp_path / "collected" / "t_gpu_recipe.json") in written
     got = json.loads((tmp_path / "collected" / "t_gpu_recipe.json").read_text())
@@ -126,6 +127,8 @@ def test_collect_keeps_a_gpu_recipe_cut_short_during_ruler(tmp_path):
         {"label": "s1_4k", "scores": {"niah_single_1": {"4096": 90.0}}}]}}
     verdict = {c["check"]: c["ok"] for c in got["acceptance"]}  # judged on what the cut-short pass scored
     assert verdict["s1_4k niah_single_1 at 4096"] is True and verdict["s1_4k niah_single_1 at 32768"] is None
+    assert verdict["the whole command's seconds"] is False  # killed at the window's cap: it ran 540.3 s
+    assert got["ruler"][0]["scores"] == {"niah_single_1": {"4096": 90.0}}
 
 
 def _recipe_result(**scores) -> dict:
@@ -167,6 +170,12 @@ def test_gpu_recipe_acceptance_judges_each_threshold_of_the_issue():
                              "s3_64k niah_single_1 at 65536")]:
         got = verdict(_recipe_result(**scores))
         assert [c for c, ok in got.items() if ok is False and c != goal] == [failing], (scores, got)
+    rehearsal = _recipe_result(**{"s1_4k": {512: 80.0, 2048: 20.0}, "s2_32k": {2048: 50.0, 4096: 20.0},
+                                  "s3_64k": {4096: 50.0}, "s3_64k + YaRN x2": {8192: 40.0}})
+    rehearsal["rehearsal"] = True  # lengths / 16, at least 512: the same thresholds at its own lengths
+    got = verdict(rehearsal)
+    assert "s1_4k niah_single_1 at 512" in got and got.pop("s3_64k + YaRN x2 at 8192 (goal)") is False
+    assert all(got.values()) and len(got) == 10
     slow = _recipe_result()
     slow["total_seconds"], slow["device"] = 541.0, "cpu"
     slow["stages"] = slow["stages"][:-1]

@@ -150,29 +150,48 @@ def test_haystack_search_edge_cases_against_a_scan():
 
 
 @pytest.mark.parametrize("chat", [True, False])
-def test_prompt_ids_are_the_tokenizers_own_ids(tok, chat):
+def test_prompt_ids_are_the_tokenizers_own_ids(tok, chat, monkeypatch):
     """The search's fast tokenization gives exactly the ids of the tokenizer's own call, for every task's prompt
-    with and without a chat template; a tokenizer whose call would change its Rust tokenizer (truncation set in
-    tokenizer.json, special tokens split) takes the call itself, so its prompts are whole and split the same."""
+    with and without a chat template, on a tokenizer with a BOS post-processor, a normalizer and its chat tags as
+    special tokens; a tokenizer whose call would change its Rust tokenizer (truncation set in tokenizer.json,
+    special tokens split) or a subclass that encodes its own way takes the call itself."""
     import copy
+
+    from tokenizers import normalizers, processors
 
     from longstride.eval.ruler.fit import encode
 
-    tok.chat_template = CHAT if chat else None
+    rich = copy.deepcopy(tok)
+    rich.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    rich.backend_tokenizer.normalizer = normalizers.NFKC()
+    bos = rich.convert_tokens_to_ids(rich.eos_token)
+    rich.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{rich.eos_token} $A", special_tokens=[(rich.eos_token, bos)])
+    monkeypatch.setattr(rich, "chat_template", CHAT if chat else None)
     for name in SYNTHETIC:
         r = Sampler(TASKS[name], 1024, 42, 0).render(8)
-        text = (tok.apply_chat_template([{"role": "user", "content": r.content}], tokenize=False,
-                                        add_generation_prompt=True) if chat else r.content) + r.answer_prefix
-        assert prompt_ids(tok, r.content, r.answer_prefix, chat) == tok(
-            text, add_special_tokens=not chat)["input_ids"], name
-    tok.chat_template = None
+        text = (rich.apply_chat_template([{"role": "user", "content": r.content}], tokenize=False,
+                                         add_generation_prompt=True) if chat else r.content) + r.answer_prefix
+        want = rich(text, add_special_tokens=not chat)["input_ids"]
+        assert prompt_ids(rich, r.content, r.answer_prefix, chat) == want, name
+        assert (want[0] == bos) != chat and (rich.convert_tokens_to_ids("<|user|>") in want) == chat
     text = r.content + tok.eos_token
     truncating = copy.deepcopy(tok)
     truncating.backend_tokenizer.enable_truncation(32)
-    assert len(encode(truncating, text, True)) > 32 and encode(truncating, text, True) == tok(text)["input_ids"]
+    got = encode(truncating, text, True)
+    assert len(got) > 32 and got == tok(text)["input_ids"]
     splitting = copy.deepcopy(tok)
     splitting.split_special_tokens = True
-    assert encode(splitting, text, True) == splitting(text)["input_ids"] != tok(text)["input_ids"]
+    got = encode(splitting, text, True)
+    assert got == splitting(text)["input_ids"] != tok(text)["input_ids"]
+
+    class Marked(type(tok)):  # a subclass with its own encoding (as CodeLlama's splits at <FILL_ME>)
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(text.replace("e", "E"), *args, **kwargs)
+
+    marked = copy.deepcopy(tok)
+    marked.__class__ = Marked
+    assert encode(marked, text, True) == marked(text)["input_ids"] != tok(text)["input_ids"]
 
 
 def test_without_chat_template_and_qa_sample(tok, squad):

@@ -38,10 +38,17 @@ class Sample:
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """`tokenizer(text)["input_ids"]`, through the Rust tokenizer's path without character offsets where the
-    tokenizer has one and the call would not change it (no truncation, padding or special-token splitting set):
-    the same ids in about half the time, which the search's full tokenizations of 64K-128K-token prompts spend."""
+    tokenizer is transformers' plain TokenizersBackend (no subclass encoding its own way) and the call would not
+    change its Rust tokenizer (no truncation, padding or special-token splitting set): the same ids in about half
+    the time, which the search's full tokenizations of 64K-128K-token prompts spend."""
+    from transformers import TokenizersBackend
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is not None and hasattr(backend, "encode_batch_fast") and backend.truncation is None
+    own_call = (isinstance(tokenizer, TokenizersBackend)  # a subclass that encodes its own way takes its call
+                and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
+                and type(tokenizer).__call__ is PreTrainedTokenizerBase.__call__)
+    if (own_call and hasattr(backend, "encode_batch_fast") and backend.truncation is None
             and backend.padding is None and not getattr(tokenizer, "split_special_tokens", False)
             and not getattr(backend, "encode_special_tokens", False)):
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
