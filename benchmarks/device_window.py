@@ -241,7 +241,7 @@ def _gpu_recipe(read, step: dict | None) -> dict | None:
     its passes had saved, also under ruler_partial when gpu_recipe.json has none), and the acceptance and in-format
     diagnosis judged on them; step: the window's summary row of the gpu_recipe step (cut_at_s when it was killed at
     its cap)."""
-    from benchmarks.gpu_recipe import acceptance, in_format, merge_rows
+    from benchmarks.gpu_recipe import judge, merge_rows
 
     recipe = json.loads(read("gpu_recipe/gpu_recipe.json") or "null")
     passes = {n: json.loads(text) for n in ("compare", "compare_rest", "compare_in_format")
@@ -254,8 +254,7 @@ def _gpu_recipe(read, step: dict | None) -> dict | None:
     recipe["ruler"] = merge_rows(recipe.get("ruler") or [], *(c["rows"] for c in passes.values()))
     if step and str(step.get("status", "")).startswith("timed out") and "total_seconds" not in recipe:
         recipe["cut_at_s"] = step.get("seconds")
-    recipe["acceptance"], recipe["in_format"] = acceptance(recipe), in_format(recipe)
-    return recipe
+    return judge(recipe)
 
 
 def collect(folder: str, dest: str, tag: str) -> list[str]:

@@ -128,7 +128,7 @@ def stage_rows(run: str, log: str) -> list[dict]:
 
 
 def save(out: str, result: dict) -> None:
-    result["acceptance"], result["in_format"] = acceptance(result), in_format(result)
+    judge(result)
     with open(os.path.join(out, "gpu_recipe.json"), "w") as f:
         json.dump(result, f, indent=1)
 
@@ -162,6 +162,13 @@ def train_command(args, cuda: bool) -> list[str]:
 # YaRN x2 at 128K reported (goal >= 50); the command under 9 minutes on a GPU, each stage's time and tokens/s.
 BASE_AT_4K, STAGE_BAR, STAGE_GAIN, YARN_GOAL, LIMIT_S = 80, 50, 30, 50, 540
 EXTENSIONS = [("s2_32k", 32768, "s1_4k"), ("s3_64k", 65536, "s2_32k")]  # (stage, its trained length, the one before)
+
+
+def judge(result: dict) -> dict:
+    """Sets the result's acceptance checks and in-format diagnosis from its rows (gpu_recipe.json as saved, or a
+    window's files merged by --collect); -> the result."""
+    result["acceptance"], result["in_format"] = acceptance(result), in_format(result)
+    return result
 
 
 def acceptance(result: dict) -> list[dict]:
@@ -207,9 +214,14 @@ def in_format(result: dict) -> dict:
 
 
 def _lengths(result: dict):
-    """A length of the GPU run -> the run's own (the rehearsal's: / 16, at least 512: ruler_lengths' rule)."""
+    """A length of the GPU run -> the run's own (scaled())."""
     scale = 16 if result.get("rehearsal") else 1
-    return lambda L: max(L // scale, 512)
+    return lambda L: scaled(L, scale)
+
+
+def scaled(length: int, scale: int) -> int:
+    """A GPU-run RULER length at the rehearsal's scale (/ 16, at least 512); scale 1: the length itself."""
+    return max(length // scale, 512)
 
 
 def _table(result: dict, task: str) -> dict:
@@ -230,7 +242,7 @@ def stages() -> list[str]:
 
 def ruler_lengths(scale: int) -> tuple[list[int], int]:
     """RULER's lengths for every checkpoint and the YaRN x2 row's length (the rehearsal's: / 16, at least 512)."""
-    return sorted({max(L // scale, 512) for L in LENGTHS}), 2 * LENGTHS[-1] // scale
+    return sorted({scaled(L, scale) for L in LENGTHS}), scaled(2 * LENGTHS[-1], scale)
 
 
 def passes(args) -> list[tuple[str, list[str], int]]:
