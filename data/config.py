@@ -33,6 +33,9 @@ class SyntheticConfig:
     # to every config's {copy: 1.0}
     kinds: Dict[str, float] = field(default_factory=dict)
     corpus_share: float = 0.5  # share of filler pieces taken from standard-library lines (rest: sentences)
+    # share of documents whose filler is one line of a few sentences repeated (the passkey layout: the answer
+    # must come from the one line that differs, against the filler's copy prior); 0 = none
+    repeat_share: float = 0.0
     loss_on: LossOn = LossOn.all
 
 

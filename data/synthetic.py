@@ -12,6 +12,9 @@ The wording, the keys (made-up words and this file's own word lists) and the fil
 own sentences and lines of the Python standard library) are not RULER's (eval/ruler/tasks.py),
 so a RULER score after training on these measures transfer, not a memorised prompt.
 
+A share of documents (`repeat_share`) can have a monotone filler: one line of a few sentences repeated
+(the passkey layout), a strong copy prior that the answer must overrule (varied filler never asks it).
+
 `Spec` separates what a document asks from how much filler surrounds it, as RULER's samplers do:
 `draw(rng, kind)` fixes keys, values, depths and questions; `render(spec, filler)` lays them out.
 """
@@ -48,6 +51,8 @@ SENTENCES = (
     "The postman whistles as he sorts the letters.", "Thunder rolls far away over the eastern hills.",
     "A violin is being tuned in the room next door.", "The tide leaves ribbons of kelp along the beach.",
 )
+MONOTONE = ("The road is long.", "The water is cold.", "The door is open.", "The bread is warm.",
+            "The hill is steep.", "The night is still.", "On and on we walk.", "Round it goes again.")
 FIRST = ("amber", "cobalt", "silent", "northern", "hollow", "crimson", "rapid", "golden", "misty", "iron",
          "lunar", "velvet", "frozen", "copper", "quiet", "scarlet", "distant", "bright", "stony", "hidden")
 SECOND = ("harbor", "lantern", "falcon", "meadow", "compass", "glacier", "orchard", "anchor", "beacon", "canyon",
@@ -182,11 +187,20 @@ def filler_runs(rng: random.Random, corpus_share: float):
             yield [rng.choice(SENTENCES) for _ in range(rng.randint(3, 8))]
 
 
-def filler(rng: random.Random, words: int, corpus_share: float) -> list[str]:
+def monotone_runs(rng: random.Random):
+    """Endless copies of one line: 2-5 short sentences (this file's own) drawn once."""
+    line = " ".join(rng.sample(SENTENCES + MONOTONE, rng.randint(2, 5)))
+    while True:
+        yield [line]
+
+
+def filler(rng: random.Random, words: int, corpus_share: float, repeat_share: float = 0.0) -> list[str]:
     """Filler pieces (sentences or lines) up to the first that brings the total to `words` words: a
-    short document stays short, even though runs hold 3-12 pieces."""
+    short document stays short, even though runs hold 3-12 pieces. With probability `repeat_share` the
+    pieces are one line repeated (monotone_runs); at 0 the generator draws exactly as it always did."""
+    monotone = repeat_share > 0 and rng.random() < repeat_share
     pieces, count = [], 0
-    for run in filler_runs(rng, corpus_share):
+    for run in monotone_runs(rng) if monotone else filler_runs(rng, corpus_share):
         for piece in run:
             if count >= words:
                 return pieces
@@ -212,7 +226,7 @@ def render(spec: Spec, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
 
 
 def document_parts(seed: int, index: int, min_words: int, max_words: int, kinds: dict,
-                   corpus_share: float) -> tuple[str, str]:
+                   corpus_share: float, repeat_share: float = 0.0) -> tuple[str, str]:
     """Document `index` of a synthetic source as (body, questions): filler of a log-uniform length in
     [min_words, max_words] with one drawn spec's facts planted, then its questions and answers."""
     rng = random.Random(f"longstride-synthetic/{seed}/{index}")
@@ -220,23 +234,24 @@ def document_parts(seed: int, index: int, min_words: int, max_words: int, kinds:
     kind = rng.choices(names, weights=[kinds[k] for k in names])[0]
     spec = draw(rng, kind)
     words = int(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
-    body, qa = render(spec, filler(rng, words, corpus_share))
+    body, qa = render(spec, filler(rng, words, corpus_share, repeat_share))
     return body, "".join(f"\n{prompt} {answer}" for prompt, answer in qa)
 
 
-def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float) -> str:
+def document(seed: int, index: int, min_words: int, max_words: int, kinds: dict, corpus_share: float,
+             repeat_share: float = 0.0) -> str:
     """Document `index` as one text: body then questions (document_parts)."""
-    return "".join(document_parts(seed, index, min_words, max_words, kinds, corpus_share))
+    return "".join(document_parts(seed, index, min_words, max_words, kinds, corpus_share, repeat_share))
 
 
 # The synthetic source kind (data.sources.<name>.kind=synthetic): its checks and its rows as a dataset
 
 
 def rows(seed: int, start: int, stop: int, min_words: int, max_words: int, kinds: dict, corpus_share: float,
-         loss_on: str):
+         loss_on: str, repeat_share: float = 0.0):
     """loss_on=qa rows also carry `loss_from`, the character where loss targets start (data/tokenizer.py)."""
     for i in range(start, stop):
-        body, qa = document_parts(seed, i, min_words, max_words, kinds, corpus_share)
+        body, qa = document_parts(seed, i, min_words, max_words, kinds, corpus_share, repeat_share)
         yield {"text": body + qa, "skip": "", **({"loss_from": len(body)} if loss_on == LossOn.qa else {})}
 
 
@@ -248,8 +263,9 @@ def check_source(src: SourceConfig, field: str) -> None:
     if s.num_docs < 1 or not 1 <= s.min_words <= s.max_words:
         raise ValueError(f"{field}.synthetic: need num_docs >= 1 and 1 <= min_words <= max_words "
                          f"(got {s.num_docs}, {s.min_words}, {s.max_words})")
-    if not 0 <= s.corpus_share <= 1:
-        raise ValueError(f"{field}.synthetic.corpus_share={s.corpus_share} must be in [0, 1]")
+    for name in ("corpus_share", "repeat_share"):
+        if not 0 <= getattr(s, name) <= 1:
+            raise ValueError(f"{field}.synthetic.{name}={getattr(s, name)} must be in [0, 1]")
     if s.loss_on not in LossOn.names():  # composed configs are checked by OmegaConf already
         raise ValueError(f"{field}.synthetic.loss_on={s.loss_on!r}: use one of {LossOn.names()} (all: every token "
                          "a loss target; qa: only the questions and answers)")
@@ -264,7 +280,7 @@ def _row_kwargs(src: SourceConfig, field: str) -> dict:
     s = src.synthetic
     stop = s.num_docs if src.max_docs is None else min(s.num_docs, src.max_docs)
     return dict(seed=s.seed, start=0, stop=stop, min_words=s.min_words, max_words=s.max_words,
-                kinds=kinds_of(src), corpus_share=s.corpus_share, loss_on=str(s.loss_on))
+                kinds=kinds_of(src), corpus_share=s.corpus_share, loss_on=str(s.loss_on), repeat_share=s.repeat_share)
 
 
 def load_synthetic(src: SourceConfig, cache_dir: str, num_proc: int, field: str) -> datasets.Dataset:

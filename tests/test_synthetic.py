@@ -30,8 +30,8 @@ FACT = [form(f) for f in synthetic.FACT_FORMS]
 QUESTION = [(form(q), form(a)) for q, a in synthetic.QUESTION_FORMS]
 
 
-def doc(i: int, seed: int = 0, words=(20, 400), share: float = 0.5) -> str:
-    return synthetic.document(seed, i, words[0], words[1], KINDS, share)
+def doc(i: int, seed: int = 0, words=(20, 400), share: float = 0.5, repeat: float = 0.0) -> str:
+    return synthetic.document(seed, i, words[0], words[1], KINDS, share, repeat)
 
 
 def facts_of(body: list[str]) -> dict:
@@ -59,13 +59,19 @@ def chain_holders(lines: list[str], value: str) -> list[str]:
     return holders
 
 
-@pytest.mark.parametrize("index", range(60))
-def test_every_answer_is_where_the_document_says(index):
-    lines = doc(index).split("\n")
+def split_qa(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(body, questions and answers) of a document's lines."""
     is_question = lambda line: line.startswith(synthetic.CHAIN_QUESTION[0][:20]) or any(  # noqa: E731
         q.match(line) for q, _ in QUESTION)
     qa_start = next(i for i, line in enumerate(lines) if is_question(line))
-    body, tail = lines[:qa_start], lines[qa_start:]
+    return lines[:qa_start], lines[qa_start:]
+
+
+@pytest.mark.parametrize("repeat", [0.0, 1.0])
+@pytest.mark.parametrize("index", range(60))
+def test_every_answer_is_where_the_document_says(index, repeat):
+    lines = doc(index, repeat=repeat).split("\n")
+    body, tail = split_qa(lines)
     assert len(tail) % 2 == 0 and tail, tail
     for question, answer_line in zip(tail[::2], tail[1::2]):
         m = re.match(r"Question: which names end up holding (\d+)\?$", question)
@@ -90,6 +96,31 @@ def test_facts_sit_at_their_depths():
         for fact, depth in zip(spec.facts, spec.depths):
             before = sum(1 for line in lines[:lines.index(fact)] if line.startswith("filler"))
             assert before == round(200 * depth / 100), (depth, before)
+
+
+def test_monotone_documents_repeat_one_line_around_their_facts():
+    """repeat_share=1: the body is one line of 2-5 of the generator's sentences, repeated, with the facts
+    planted in it; repeat_share=0.3: about that share of documents is monotone, the rest varied."""
+    sentences = set(synthetic.SENTENCES + synthetic.MONOTONE)
+    for i in range(40):
+        body, _ = split_qa(doc(i, words=(200, 400), repeat=1.0).split("\n"))
+        line = max(set(body), key=body.count)
+        facts = [b for b in body if b != line]  # a document plants 1-6 facts (multikey) or 2-5 (chain)
+        assert body.count(line) >= 4 and 1 <= len(facts) <= 6, (i, facts)  # 200+ words, lines of 5-45 words
+        assert all(any(f.match(b) for f in FACT) or re.match(r".*\b[A-Z]{4}\b", b) for b in facts), facts
+        parts = re.findall(r"[^.]+\.", line)
+        assert 2 <= len(parts) <= 5 and {p.strip() for p in parts} <= sentences
+    monotone = [len(set(split_qa(doc(i, words=(200, 400), repeat=0.3).split("\n"))[0])) < 10 for i in range(400)]
+    assert 0.22 < np.mean(monotone) < 0.38
+
+
+def test_documents_without_repeat_share_are_unchanged():
+    """The default (repeat_share 0) draws exactly as before it existed: the digest of 40 documents, taken with
+    the generator before repeat_share was added (it feeds the main job, whose README table rests on them)."""
+    import hashlib
+
+    text = "".join(synthetic.document(0, i, 20, 400, KINDS, 0.5) for i in range(40))
+    assert hashlib.sha256(text.encode()).hexdigest() == "04a07cd7e973afeb1957ad8a4d2413ddd40f7ba17dc026baa2a47b854e99a21c"
 
 
 def test_a_document_depends_on_seed_and_index_only():
@@ -150,6 +181,7 @@ def test_resume_through_the_loader_is_exact(cache_dir, tok):
                                         (dict(kinds={"kv": 0.0}), "kinds"),
                                         (dict(min_words=50, max_words=10), "min_words"),
                                         (dict(corpus_share=1.5), "corpus_share"),
+                                        (dict(repeat_share=-0.1), "repeat_share"),
                                         (dict(loss_on="answers"), "loss_on")])
 def test_bad_synthetic_settings_name_the_field(cache_dir, bad, field):
     with pytest.raises(ValueError, match=rf"data.sources.r.synthetic.*{field}|{field}.*data.sources.r"):
