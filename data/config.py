@@ -33,8 +33,9 @@ class SyntheticConfig:
     # to every config's {copy: 1.0}
     kinds: Dict[str, float] = field(default_factory=dict)
     corpus_share: float = 0.5  # share of filler pieces taken from standard-library lines (rest: sentences)
-    # share of documents whose filler is one line of a few sentences repeated (the passkey layout: the answer
-    # must come from the one line that differs, against the filler's copy prior); 0 = none
+    # share of documents whose filler is one line of 2-5 of the generator's sentences repeated (the passkey layout:
+    # the facts are the only lines that differ, and the answers must overrule the filler's copy prior; corpus_share
+    # does not apply to it); the other documents are the same as at 0
     repeat_share: float = 0.0
     loss_on: LossOn = LossOn.all
 

@@ -12,8 +12,8 @@ The wording, the keys (made-up words and this file's own word lists) and the fil
 own sentences and lines of the Python standard library) are not RULER's (eval/ruler/tasks.py),
 so a RULER score after training on these measures transfer, not a memorised prompt.
 
-A share of documents (`repeat_share`) can have a monotone filler: one line of a few sentences repeated
-(the passkey layout), a strong copy prior that the answer must overrule (varied filler never asks it).
+A share of documents (`repeat_share`) has a monotone filler instead: one line of a few of the sentences
+repeated (the passkey layout), a strong copy prior that the answer must overrule (varied filler never asks it).
 
 `Spec` separates what a document asks from how much filler surrounds it, as RULER's samplers do:
 `draw(rng, kind)` fixes keys, values, depths and questions; `render(spec, filler)` lays them out.
@@ -194,13 +194,12 @@ def monotone_runs(rng: random.Random):
         yield [line]
 
 
-def filler(rng: random.Random, words: int, corpus_share: float, repeat_share: float = 0.0) -> list[str]:
+def filler(rng: random.Random, words: int, corpus_share: float, monotone: random.Random | None = None) -> list[str]:
     """Filler pieces (sentences or lines) up to the first that brings the total to `words` words: a
-    short document stays short, even though runs hold 3-12 pieces. With probability `repeat_share` the
-    pieces are one line repeated (monotone_runs); at 0 the generator draws exactly as it always did."""
-    monotone = repeat_share > 0 and rng.random() < repeat_share
+    short document stays short, even though runs hold 3-12 pieces. Given `monotone` (a generator of its
+    own), the pieces are one line repeated (monotone_runs), and `rng` is not drawn from."""
     pieces, count = [], 0
-    for run in monotone_runs(rng) if monotone else filler_runs(rng, corpus_share):
+    for run in monotone_runs(monotone) if monotone else filler_runs(rng, corpus_share):
         for piece in run:
             if count >= words:
                 return pieces
@@ -234,7 +233,8 @@ def document_parts(seed: int, index: int, min_words: int, max_words: int, kinds:
     kind = rng.choices(names, weights=[kinds[k] for k in names])[0]
     spec = draw(rng, kind)
     words = int(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
-    body, qa = render(spec, filler(rng, words, corpus_share, repeat_share))
+    coin = random.Random(f"longstride-synthetic/{seed}/{index}/repeat")  # its own draws: varied documents stay as at 0
+    body, qa = render(spec, filler(rng, words, corpus_share, coin if coin.random() < repeat_share else None))
     return body, "".join(f"\n{prompt} {answer}" for prompt, answer in qa)
 
 

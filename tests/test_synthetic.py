@@ -2,6 +2,7 @@
 depend on (seed, index) alone, exact resume through the loader, mixture shares, the in-format eval."""
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 
@@ -27,6 +28,8 @@ def form(template: str) -> re.Pattern:
 
 
 FACT = [form(f) for f in synthetic.FACT_FORMS]
+CHAIN_FACT = re.compile(r"([A-Z]{4} starts with the value \d+|Set [A-Z]{4} to \d+|[A-Z]{4} takes whatever [A-Z]{4} holds"
+                        r"|Let [A-Z]{4} equal [A-Z]{4})\.$")
 QUESTION = [(form(q), form(a)) for q, a in synthetic.QUESTION_FORMS]
 
 
@@ -107,18 +110,32 @@ def test_monotone_documents_repeat_one_line_around_their_facts():
         line = max(set(body), key=body.count)
         facts = [b for b in body if b != line]  # a document plants 1-6 facts (multikey) or 2-5 (chain)
         assert body.count(line) >= 4 and 1 <= len(facts) <= 6, (i, facts)  # 200+ words, lines of 5-45 words
-        assert all(any(f.match(b) for f in FACT) or re.match(r".*\b[A-Z]{4}\b", b) for b in facts), facts
+        assert all(any(f.match(b) for f in FACT) or CHAIN_FACT.match(b) for b in facts), facts
         parts = re.findall(r"[^.]+\.", line)
         assert 2 <= len(parts) <= 5 and {p.strip() for p in parts} <= sentences
-    monotone = [len(set(split_qa(doc(i, words=(200, 400), repeat=0.3).split("\n"))[0])) < 10 for i in range(400)]
+    docs = [doc(i, words=(200, 400), repeat=0.3) for i in range(400)]
+    monotone = [len(set(split_qa(d.split("\n"))[0])) < 10 for d in docs]
     assert 0.22 < np.mean(monotone) < 0.38
+    varied = [i for i, m in enumerate(monotone) if not m]
+    assert all(docs[i] == doc(i, words=(200, 400)) for i in varied)  # the coin has its own generator
+
+
+def test_sources_pass_repeat_share_to_their_documents(cache_dir):
+    """Loaded and streamed sources make monotone documents at repeat_share=1, and the cached dataset is another."""
+    def monotone(text):  # a varied body of 200+ words has 15 or more distinct lines
+        return len(set(split_qa(text.split("\n"))[0])) < 10
+
+    src = synth(num_docs=12, min_words=200, max_words=300, repeat_share=1.0, loss_on="qa")
+    loaded = load_source(src, str(cache_dir), field="data.sources.r")
+    streamed = list(stream_source(src, str(cache_dir), field="data.sources.r"))
+    assert all(monotone(r["text"]) for r in loaded) and [r["text"] for r in streamed] == loaded["text"]
+    plain = load_source(synth(num_docs=12, min_words=200, max_words=300, loss_on="qa"), str(cache_dir), field="x")
+    assert not any(monotone(r["text"]) for r in plain) and plain.cache_files != loaded.cache_files
 
 
 def test_documents_without_repeat_share_are_unchanged():
     """The default (repeat_share 0) draws exactly as before it existed: the digest of 40 documents, taken with
     the generator before repeat_share was added (it feeds the main job, whose README table rests on them)."""
-    import hashlib
-
     text = "".join(synthetic.document(0, i, 20, 400, KINDS, 0.5) for i in range(40))
     assert hashlib.sha256(text.encode()).hexdigest() == "04a07cd7e973afeb1957ad8a4d2413ddd40f7ba17dc026baa2a47b854e99a21c"
 
@@ -182,6 +199,7 @@ def test_resume_through_the_loader_is_exact(cache_dir, tok):
                                         (dict(min_words=50, max_words=10), "min_words"),
                                         (dict(corpus_share=1.5), "corpus_share"),
                                         (dict(repeat_share=-0.1), "repeat_share"),
+                                        (dict(repeat_share=1.5), "repeat_share"),
                                         (dict(loss_on="answers"), "loss_on")])
 def test_bad_synthetic_settings_name_the_field(cache_dir, bad, field):
     with pytest.raises(ValueError, match=rf"data.sources.r.synthetic.*{field}|{field}.*data.sources.r"):
