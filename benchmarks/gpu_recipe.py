@@ -59,6 +59,7 @@ def tiny_model() -> list[str]:
 
 TINY = tiny_model()
 # The rehearsal: the tiny model, lengths / 16 (256 -> 2K -> 4K), a few steps, fewer synthetic documents.
+REHEARSAL_SCALE = 16
 REHEARSAL = [
     *TINY, "data.num_proc=1",
     *(f"data.sources.{s}.synthetic.num_docs={n}" for s, n in (("copy_short", 400), ("retrieval_short", 400),
@@ -215,7 +216,7 @@ def in_format(result: dict) -> dict:
 
 def _lengths(result: dict):
     """A length of the GPU run -> the run's own (scaled())."""
-    scale = 16 if result.get("rehearsal") else 1
+    scale = REHEARSAL_SCALE if result.get("rehearsal") else 1
     return lambda L: scaled(L, scale)
 
 
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
 
     args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
-    env, scale = child_env(), 16 if args.rehearsal else 1
+    env, scale = child_env(), REHEARSAL_SCALE if args.rehearsal else 1
     if args.cost:
         cost = ruler_cost(args)
         with open(os.path.join(args.out, "ruler_cost.json"), "w") as f:

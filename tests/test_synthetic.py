@@ -70,6 +70,11 @@ def split_qa(lines: list[str]) -> tuple[list[str], list[str]]:
     return lines[:qa_start], lines[qa_start:]
 
 
+def is_monotone(text: str) -> bool:
+    """A document of 200+ filler words whose body is one repeated line (a varied one has 15+ distinct lines)."""
+    return len(set(split_qa(text.split("\n"))[0])) < 10
+
+
 @pytest.mark.parametrize("repeat", [0.0, 1.0])
 @pytest.mark.parametrize("index", range(60))
 def test_every_answer_is_where_the_document_says(index, repeat):
@@ -114,7 +119,7 @@ def test_monotone_documents_repeat_one_line_around_their_facts():
         parts = re.findall(r"[^.]+\.", line)
         assert 2 <= len(parts) <= 5 and {p.strip() for p in parts} <= sentences
     docs = [doc(i, words=(200, 400), repeat=0.3) for i in range(400)]
-    monotone = [len(set(split_qa(d.split("\n"))[0])) < 10 for d in docs]
+    monotone = [is_monotone(d) for d in docs]
     assert 0.22 < np.mean(monotone) < 0.38
     varied = [i for i, m in enumerate(monotone) if not m]
     assert all(docs[i] == doc(i, words=(200, 400)) for i in varied)  # the coin has its own generator
@@ -122,15 +127,12 @@ def test_monotone_documents_repeat_one_line_around_their_facts():
 
 def test_sources_pass_repeat_share_to_their_documents(cache_dir):
     """Loaded and streamed sources make monotone documents at repeat_share=1, and the cached dataset is another."""
-    def monotone(text):  # a varied body of 200+ words has 15 or more distinct lines
-        return len(set(split_qa(text.split("\n"))[0])) < 10
-
     src = synth(num_docs=12, min_words=200, max_words=300, repeat_share=1.0, loss_on="qa")
     loaded = load_source(src, str(cache_dir), field="data.sources.r")
     streamed = list(stream_source(src, str(cache_dir), field="data.sources.r"))
-    assert all(monotone(r["text"]) for r in loaded) and [r["text"] for r in streamed] == loaded["text"]
+    assert all(is_monotone(r["text"]) for r in loaded) and [r["text"] for r in streamed] == loaded["text"]
     plain = load_source(synth(num_docs=12, min_words=200, max_words=300, loss_on="qa"), str(cache_dir), field="x")
-    assert not any(monotone(r["text"]) for r in plain) and plain.cache_files != loaded.cache_files
+    assert not any(is_monotone(r["text"]) for r in plain) and plain.cache_files != loaded.cache_files
 
 
 def test_documents_without_repeat_share_are_unchanged():
