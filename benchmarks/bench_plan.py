@@ -28,6 +28,7 @@ from longstride.parallel.config import CPDegrees, ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.recipes.memory.memplan import GIB, Hardware, hardware, peak_line
 from longstride.recipes.memory.trace import StepProgram, trace_step
+from longstride.recipes.run.step import StepSpec
 
 
 def _validation_program(model: str, method: str, length: int) -> StepProgram:
@@ -38,10 +39,10 @@ def _validation_program(model: str, method: str, length: int) -> StepProgram:
     config = smollm3_config(cfg, vocab, 0, 1, length, 1e5)
     common = {"kernel": "sdpa", "bf16": False, "gpu": False, "docs": 1}
     if method == "plain":
-        return StepProgram(config, length, plain=True, checkpointing="none", **common)
+        return StepProgram(config, length, plain=True, step=StepSpec("none"), **common)
     n = 2 if method == "cp2" else 1
-    return StepProgram(config, length, world=n, cp=n, degrees=CPDegrees(ring=n), checkpointing="full",
-                       mlp_tile=MLP_TILE, loss_tile=LOSS_TILE, **common)
+    return StepProgram(config, length, world=n, cp=n, degrees=CPDegrees(ring=n),
+                       step=StepSpec("full", mlp_tile=MLP_TILE, loss_tile=LOSS_TILE), **common)
 
 
 def validate() -> list[dict]:
@@ -84,10 +85,10 @@ def qwen3_8b():
                        rope_theta=1e6, tie_word_embeddings=False, use_cache=False)
 
 
-LEAN = {"checkpointing": "full", "mlp_tile": 8192, "loss_tile": 4096, "offload": True}
+LEAN = {"step": StepSpec("full", offload=True, mlp_tile=8192, loss_tile=4096)}
 # (name, model, GPUs, program settings, the peers' measured figure, the peers' length to report a peak at)
 PUBLISHED = [
-    ("Llama-3.1-8B, 1 GPU, plain transformers", llama31_8b, 1, {"plain": True, "checkpointing": "none"},
+    ("Llama-3.1-8B, 1 GPU, plain transformers", llama31_8b, 1, {"plain": True, "step": StepSpec("none")},
      "ALST (ZeRO-3 with CPU offload of weights and optimizer): 500K", None),
     ("Llama-3.1-8B, 1 GPU, longstride (tiles, full checkpointing, offload)", llama31_8b, 1, LEAN,
      "ALST: 500K", None),

@@ -12,6 +12,7 @@ from transformers import SmolLM3Config
 
 from longstride.recipes.memory import memplan
 from longstride.recipes.memory.trace import StepProgram, trace_step
+from longstride.recipes.run.step import StepSpec
 from tests.conftest import REPO
 
 TINY = SmolLM3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -41,7 +42,7 @@ def test_unknown_hardware_lists_the_known_ones():
 
 
 def test_the_longest_length_is_found_on_the_trace():
-    prog = StepProgram(TINY, 1024, mlp_tile=256, loss_tile=256, docs=1)
+    prog = StepProgram(TINY, 1024, step=StepSpec("full", mlp_tile=256, loss_tile=256), docs=1)
     first = trace_step(prog)
     usable = trace_step(prog.at(3 * 1024))["peak"]  # room for three times the stage's length, not more
     length, checked, points = memplan.longest(prog, usable, first)
@@ -50,7 +51,7 @@ def test_the_longest_length_is_found_on_the_trace():
 
 
 def test_a_stage_that_does_not_fit_gets_the_smallest_change():
-    prog = StepProgram(TINY, 4096, world=4, checkpointing="none", mlp_tile=0, loss_tile=256, docs=1)
+    prog = StepProgram(TINY, 4096, world=4, step=StepSpec("none", mlp_tile=0, loss_tile=256), docs=1)
     changes = dict(memplan.fixes(prog))
     assert list(changes)[:2] == ["mlp_tile_tokens=1024", "model.activation_checkpointing=true"]
     assert "cp=2" in changes and "cp=4" in changes

@@ -24,10 +24,8 @@ def test_the_traced_step_is_the_stage_step(weight_decay):
     prog = stage_program(cfg, plan, world=2, docs=3, config=model_config(cfg, plan.stage), gpu=False, bf16=False)
     traced = trace_step(prog)
     # the stage's own step: recipes/run/stage.build_stage's calls on the model the stage trains
-    from longstride.recipes.run.stage import step_spec
-
     lm = AutoModelForCausalLM.from_config(model_config(cfg, plan.stage))
-    step = build_step(lm, step_spec(cfg, plan))
+    step = build_step(lm, plan.step)
     real = group_summary(build_optimizer(step.lm, cfg.optim, plan.stage.lr))
     assert traced["optimizer_groups"] == real
     assert real[0]["weight_decay"] == weight_decay and real[1]["weight_decay"] == 0.0

@@ -17,6 +17,7 @@ from longstride.parallel.config import CPDegrees, ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.flash_contract import ContractError
 from longstride.recipes.memory.trace import StepProgram, trace_step
+from longstride.recipes.run.step import StepSpec
 
 
 def _config(hidden, inter, layers, heads_, kv, head_dim, vocab, nope_every=0):
@@ -35,15 +36,16 @@ CASES = [("tiny", "none", 1), ("tiny", "ring", 2), ("tiny", "ring", 3), ("tiny",
          ("smollm2", "ulysses", 3), ("smollm2", "upipe", 3), ("smollm2", "hybrid", 6)]
 
 
-def program(shape: str, method: str, cp: int, **kw) -> StepProgram:
+def program(shape: str, method: str, cp: int, **step) -> StepProgram:
     config, length = SHAPES[shape]
     heads_ = config.num_attention_heads
     par = ParallelConfig(cp_impl="ring" if method == "none" else method,
                          ulysses=cp // 2 if method == "hybrid" else 0,
                          upipe_heads=heads_ // 2 if method == "upipe" and heads_ % 2 == 0 else 0)
     degrees = cp_degrees(par, cp, heads_) if cp > 1 else CPDegrees()
-    kw = {"checkpointing": "full", "mlp_tile": 128, "loss_tile": 256, "docs": 3, **kw}
-    return StepProgram(config, seq_len=length, world=cp, cp=cp, cp_impl=par.cp_impl, degrees=degrees, **kw)
+    spec = StepSpec(**{"checkpointing": "full", "mlp_tile": 128, "loss_tile": 256, **step})
+    return StepProgram(config, seq_len=length, world=cp, cp=cp, cp_impl=par.cp_impl, degrees=degrees, step=spec,
+                       docs=3)
 
 
 def gpu_trace(prog: StepProgram, rank: int = 0) -> dict:
@@ -72,7 +74,7 @@ def test_gpu_step_traces_with_offload_and_selective_checkpointing():
 def test_memory_trace_is_linear_in_length_with_flash_attention():
     """Full checkpointing, tiles and a flash kernel keep no L x L term: the activations of 2L are twice L's."""
     config, _ = SHAPES["tiny"]
-    base = StepProgram(config, seq_len=1024, mlp_tile=256, loss_tile=256, docs=1)
+    base = StepProgram(config, seq_len=1024, step=StepSpec("full", mlp_tile=256, loss_tile=256), docs=1)
     a1, a2 = (trace_step(base.at(L))["activations"] for L in (1024, 2048))
     assert a2 == pytest.approx(2 * a1, rel=0.02)
 

@@ -14,6 +14,7 @@ from longstride.parallel.pattern import Pattern, chunk_docs
 from longstride.parallel.window import halo_plan
 from longstride.parallel.zigzag import zigzag
 from longstride.recipes.memory.trace import StepProgram, trace_step
+from longstride.recipes.run.step import StepSpec
 
 
 def test_a_windowed_layer_sends_its_halos_not_the_sequence():
@@ -76,7 +77,7 @@ def test_the_traced_gpu_step_runs_windowed_layers_as_they_run(cp):
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_cache=False, pad_token_id=0,
                           bos_token_id=0, eos_token_id=0, sliding_window=256)
     prog = StepProgram(cfg, 2048, world=cp, cp=cp, degrees=CPDegrees(ring=cp) if cp > 1 else CPDegrees(),
-                       loss_tile=512, docs=2)
+                       step=StepSpec("full", loss_tile=512), docs=2)
     r = trace_step(prog)
     assert r["flash_calls"] > 0 and r["windowed_flash_calls"] == r["flash_calls"], r
     cfg.sliding_window = None

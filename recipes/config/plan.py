@@ -21,13 +21,15 @@ from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
 from longstride.recipes.config.schema import Config, StageConfig, selected_stages
+from longstride.recipes.run.step import StepSpec
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """One stage as it will run on this launch: its config, the dp x cp split, how cp splits (degrees), the
-    attention kernel, FSDP2 or DDP, activation checkpointing (none | full | selective) and its offload,
-    the MLP tile (0: off), the ring's chunk assignment rule and the micro-batches per optimizer step."""
+    attention kernel, FSDP2 or DDP, how its step is built (activation checkpointing and its offload, the MLP and
+    loss tiles, document masking: recipes/run/step.StepSpec), the ring's chunk assignment rule and the
+    micro-batches per optimizer step."""
 
     name: str
     index: int
@@ -36,9 +38,7 @@ class StagePlan:
     degrees: CPDegrees
     kernel: str
     fsdp: bool
-    checkpointing: str
-    offload: bool
-    mlp_tile: int
+    step: StepSpec
     balance: str
     accum: int
 
@@ -253,9 +253,11 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
                          f"stage runs {kernel}; use parallel.flash_impl=FA2")
     return StagePlan(
         name, index, s, dims, degrees, kernel=kernel,
-        fsdp=use_fsdp(par.fsdp, device_type, world), checkpointing=m.checkpoint_mode if ac else "none",
-        offload=bool(ac and m.offload_activations and device_type == "cuda"),
-        mlp_tile=m.mlp_tile_tokens if s.mlp_tile_tokens is None else s.mlp_tile_tokens,
+        fsdp=use_fsdp(par.fsdp, device_type, world),
+        step=StepSpec(checkpointing=m.checkpoint_mode if ac else "none",
+                      offload=bool(ac and m.offload_activations and device_type == "cuda"),
+                      mlp_tile=m.mlp_tile_tokens if s.mlp_tile_tokens is None else s.mlp_tile_tokens,
+                      lean_norms=m.lean_rms_norm, loss_tile=m.loss_tile_tokens, doc_masking=cfg.data.doc_masking),
         balance=str(par.balance if s.balance is None else s.balance), accum=s.batch_tokens // per_step)
 
 

@@ -129,13 +129,14 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
 def fixes(prog):
     """Single changes in order of cost: tiling, checkpointing, offload, then each larger cp within the world.
     Yields (what to set, the changed program)."""
-    if not prog.mlp_tile:
+    step = prog.step
+    if not step.mlp_tile:
         tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
-        yield f"mlp_tile_tokens={tile}", replace(prog, mlp_tile=tile)
-    if prog.checkpointing == "none":
-        yield "model.activation_checkpointing=true", replace(prog, checkpointing="full")
-    if prog.checkpointing != "none" and not prog.offload:
-        yield "model.offload_activations=true", replace(prog, offload=True)
+        yield f"mlp_tile_tokens={tile}", prog.with_step(mlp_tile=tile)
+    if step.checkpointing == "none":
+        yield "model.activation_checkpointing=true", prog.with_step(checkpointing="full")
+    if step.checkpointing != "none" and not step.offload:
+        yield "model.offload_activations=true", prog.with_step(offload=True)
     cp = prog.cp * 2
     while cp <= prog.world and prog.world % cp == 0:
         try:
@@ -151,12 +152,12 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     prog = stage_program(cfg, plan, world, docs=pc.docs, config=model_config(cfg, plan.stage))
     r = trace_step(prog)
     usable = int(hw.usable_gib * GIB)
-    n = r["num_params"]
-    est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=prog.checkpointing,
-                   mlp_tile=prog.mlp_tile, loss_tile=prog.loss_tile, shard=world if prog.fsdp else 1, act_bytes=2,
-                   offload=prog.offload)
+    n, step = r["num_params"], prog.step
+    est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
+                   mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1, act_bytes=2,
+                   offload=step.offload)
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
-           "checkpointing": prog.checkpointing, "mlp_tile": prog.mlp_tile, "offload": prog.offload,
+           "checkpointing": step.checkpointing, "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",
                                                                 "activations", "peak", "host")},
            "analytic": est["total"] * GIB, "usable": usable, "fits": r["peak"] <= usable}

@@ -52,9 +52,10 @@ GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multipl
 @dataclass(frozen=True)
 class StepProgram:
     """What one rank runs in one training step. config: the transformers model config (RoPE base, YaRN set);
-    kernel: torch_flash (the GPU program) or sdpa (the CPU one); plain: transformers' own step instead
-    (its SDPA attention, loss from full logits through labels=, no longstride patch), the usual baseline;
-    docs: documents per sequence; gpu: count as a GPU allocator does (512-byte blocks)."""
+    kernel: torch_flash (the GPU program) or sdpa (the CPU one); step: how the step is built (checkpointing, offload,
+    tiles; recipes/run/step.StepSpec); plain: transformers' own step instead (its SDPA attention, loss from full
+    logits through labels=, no longstride patch), the usual baseline; docs: documents per sequence; gpu: count as
+    a GPU allocator does (512-byte blocks)."""
 
     config: object
     seq_len: int
@@ -64,11 +65,7 @@ class StepProgram:
     cp_impl: str = "ring"
     degrees: CPDegrees = CPDegrees()
     kernel: str = "torch_flash"
-    checkpointing: str = "full"
-    offload: bool = False
-    mlp_tile: int = 0
-    lean_norms: bool = True
-    loss_tile: int = 1024
+    step: StepSpec = StepSpec(checkpointing="full")
     fsdp: bool = False
     bf16: bool = True
     gpu: bool = True
@@ -80,10 +77,13 @@ class StepProgram:
     def at(self, seq_len: int) -> "StepProgram":
         return replace(self, seq_len=seq_len)
 
+    def with_step(self, **changes) -> "StepProgram":
+        """This program with its step changed (e.g. mlp_tile=1024)."""
+        return replace(self, step=replace(self.step, **changes))
+
     def spec(self) -> StepSpec:
-        """The step as recipes/run/step.py builds it, offload counted without a device."""
-        return StepSpec(self.checkpointing, self.offload, self.mlp_tile, self.lean_norms, self.loss_tile,
-                        doc_masking=True, simulate_offload=True)
+        """The step as recipes/run/step.py builds it, documents masked, offload counted without a device."""
+        return replace(self.step, doc_masking=True, simulate_offload=True)
 
 
 def stage_program(cfg, plan, world: int, docs: int, config, gpu: bool = True, bf16: bool = True) -> StepProgram:
@@ -91,10 +91,8 @@ def stage_program(cfg, plan, world: int, docs: int, config, gpu: bool = True, bf
     config (a training stage's loaded model's, or `longstride plan`'s read from the recipe)."""
     s = plan.stage
     return StepProgram(config, s.seq_len, micro_batch=s.micro_batch_size, world=world, cp=plan.dims.cp,
-                       cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=plan.kernel,
-                       checkpointing=plan.checkpointing, offload=plan.offload, mlp_tile=plan.mlp_tile,
-                       lean_norms=cfg.model.lean_rms_norm, loss_tile=cfg.model.loss_tile_tokens, fsdp=plan.fsdp,
-                       bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
+                       cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=plan.kernel, step=plan.step,
+                       fsdp=plan.fsdp, bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
 
 
 class LiveBytes(TorchDispatchMode):

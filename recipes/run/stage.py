@@ -37,7 +37,7 @@ from longstride.recipes.config.plan import StagePlan
 from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import restore_stage, save_stage
-from longstride.recipes.run.step import Step, StepSpec, build_optimizer, build_step, label_count, loss_sum
+from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum
 from longstride.recipes.run.tracking import peak_memory_gib
 
 if TYPE_CHECKING:  # the types of the run's objects, for readers and checkers only
@@ -114,17 +114,17 @@ def validation_loss(ctx: RunContext, run: StageRun) -> float:
 
 def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     """The stage's per-rank memory estimate (model/memory.py) against the device's, with a warning."""
-    acc, tracker, s = ctx.accelerator, ctx.tracker, plan.stage
+    acc, tracker, s, spec = ctx.accelerator, ctx.tracker, plan.stage, plan.step
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
-                   ac=plan.checkpointing, mlp_tile=plan.mlp_tile, loss_tile=ctx.cfg.model.loss_tile_tokens,
+                   ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
                    shard=acc.num_processes if plan.fsdp else 1, act_bytes=2 if acc.mixed_precision == "bf16" else 4,
-                   offload=plan.offload)
+                   offload=spec.offload)
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
                  f"activations {est['activations']:.2f} at {int(est['activation_bytes_per_token'])} B/token, loss "
                  f"{est['loss']:.2f}) of {avail:.1f} GiB ({where})")
-    if plan.offload:
+    if spec.offload:
         tracker.info("stage %s: %.2f GiB of checkpointed layer inputs per rank offloaded to pinned host memory",
                      plan.name, est["host_activations"])
     if acc.is_main_process and _trace_on(ctx.cfg.train.trace_memory, acc.device.type):
@@ -177,12 +177,6 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
             pack_stats
 
 
-def step_spec(cfg, plan: StagePlan) -> StepSpec:
-    """The stage's step as its plan resolved it (cfg: recipes.config.schema.Config)."""
-    return StepSpec(plan.checkpointing, plan.offload, plan.mlp_tile, cfg.model.lean_rms_norm,
-                    cfg.model.loss_tile_tokens, cfg.data.doc_masking)
-
-
 def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resume: Optional[str] = None) -> StageRun:
     """The stage's model (from `init_from`, the config's checkpoint, or scratch; resuming, from the step
     checkpoint's config, its weights then restored from the shards) patched and parallelized, its optimizer,
@@ -194,7 +188,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, device_type=acc.device.type, kernel=plan.kernel,
                     balance=plan.balance, balance_chunks=cfg.parallel.balance_chunks, mesh=mesh)
-    built = build_step(lm, step_spec(cfg, plan), cp)
+    built = build_step(lm, plan.step, cp)
     if plan.kernel == "torch_flash":
         activate_flash_impl(str(cfg.parallel.flash_impl))
     log_memory_estimate(ctx, plan, lm)
@@ -212,12 +206,13 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     if not resumed:
         ctx.tracker.info("stage %s: from %s", plan.name,
                          init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
-    ac = plan.checkpointing != "none"
+    spec = plan.step
+    ac = spec.checkpointing != "none"
     offload = "" if not (ac and cfg.model.offload_activations) else \
-        (", offloaded to host" if plan.offload else ", offload ignored on CPU")
+        (", offloaded to host" if spec.offload else ", offload ignored on CPU")
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
-                     f"({acc.distributed_type}); activation checkpointing {plan.checkpointing if ac else 'off'}"
-                     f"{offload}; MLP tile {plan.mlp_tile or 'off'}")
+                     f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
+                     f"{offload}; MLP tile {spec.mlp_tile or 'off'}")
     cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, run.lm.config.num_key_value_heads) if plan.dims.cp > 1 \
         else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
