@@ -1,13 +1,13 @@
-"""parallel/spawn.run_gloo: every rank's result reaches the caller, and a rank that fails fails the call (a finished
-rank leaves through os._exit, so nothing but its files and its exit status comes back)."""
+"""parallel/spawn.run_gloo: every rank's result reaches the caller, and a rank that fails fails the call with its own
+traceback, not the peer's broken connection (a finished rank leaves through os._exit, so nothing but its files and
+its exit status comes back)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing import ProcessRaisedException
 
-from longstride.parallel.spawn import run_gloo
+from longstride.parallel.spawn import RankFailed, run_gloo
 
 
 def _sum_ranks(rank, world, out):
@@ -16,9 +16,10 @@ def _sum_ranks(rank, world, out):
     torch.save(x, f"{out}.{rank}")
 
 
-def _rank1_fails(rank, world):
+def _rank1_fails_while_rank0_waits(rank, world):
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here until rank 1's death breaks the connection, then raises too
 
 
 def test_every_rank_writes_its_result(tmp_path):
@@ -26,6 +27,7 @@ def test_every_rank_writes_its_result(tmp_path):
     assert [torch.load(tmp_path / f"sum.{r}").item() for r in range(2)] == [3.0, 3.0]
 
 
-def test_a_failing_rank_fails_the_call():
-    with pytest.raises(ProcessRaisedException, match="rank 1 fails on purpose"):
-        run_gloo(_rank1_fails, 2)
+@pytest.mark.parametrize("attempt", range(3))  # the peer's error races the cause's; each attempt must name the cause
+def test_a_failing_rank_fails_the_call_with_its_own_traceback(attempt):
+    with pytest.raises(RankFailed, match=r"(?s)^rank 1 failed .*rank 1 fails on purpose"):
+        run_gloo(_rank1_fails_while_rank0_waits, 2)
