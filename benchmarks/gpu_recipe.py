@@ -144,6 +144,31 @@ def run(cmd: list[str], log_path: str, env: dict) -> str:
     return text
 
 
+def call(command: str, main, argv: list[str], log_path: str):
+    """An eval command's main(argv) in this process, its output written to log_path -> what main returned. Every
+    RULER pass and perplexity share one interpreter (and one CUDA context): each child process of its own spent
+    about 5 s importing before any work (measured on this CPU machine), six times a run. An error raises
+    RuntimeError with the end of the log, as a child that failed does."""
+    import contextlib
+    import gc
+    import traceback
+
+    import torch
+
+    print("$ longstride eval", command, " ".join(argv), flush=True)
+    with open(log_path, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            return main(argv)
+        except Exception:
+            traceback.print_exc()
+        finally:
+            gc.collect()  # the pass's model and cache, before the next pass loads its own
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    with open(log_path) as f:
+        raise RuntimeError(f"longstride eval {command} failed; the end of {log_path}:\n{f.read()[-3000:]}")
+
+
 def train_command(args, cuda: bool) -> list[str]:
     """The training command: on a GPU through accelerate (configs/accelerate/gpu1.yaml) and without step
     checkpoints: a window's machine is fresh each time, so nothing could resume from them, and each costs seconds
@@ -266,7 +291,7 @@ def merge_rows(*passes_rows: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-def ruler(args, scale: int, dtype: str, env: dict, chosen: list[tuple[str, list[str], int]]) -> list[dict]:
+def ruler(args, scale: int, dtype: str, chosen: list[tuple[str, list[str], int]]) -> list[dict]:
     """The `chosen` passes (passes()) on the base and each stage's final checkpoint (SCORED) that exists (a
     training run that failed partway: the stages it finished); YaRN x2 on s3_64k only -> their rows, merged."""
     lengths, yarn_length = ruler_lengths(scale)
@@ -275,14 +300,15 @@ def ruler(args, scale: int, dtype: str, env: dict, chosen: list[tuple[str, list[
     if not finals:
         return []
     yarn = "yarn=[2]" if finals[-1].endswith(os.path.join(SCORED[-1], "final")) else "yarn=[]"
+    from longstride.eval.ruler.compare import main as compare
+
     found = []
     for name, tasks, samples in chosen:
-        run([sys.executable, "-m", "longstride.cli", "eval", "compare", f"checkpoints=[{','.join(finals)}]",
-             f"tasks=[{','.join(tasks)}]", f"lengths=[{','.join(map(str, lengths))}]", yarn,
-             f"yarn_lengths=[{yarn_length}]", f"num_samples={samples}", f"dtype={dtype}",
-             f"batch_tokens={BATCH_TOKENS}", f"out={args.out}/{name}"], os.path.join(args.out, f"{name}.log"), env)
-        with open(os.path.join(args.out, name, "compare.json")) as f:
-            found.append(json.load(f)["rows"])
+        found.append(call("compare", compare, [
+            f"checkpoints=[{','.join(finals)}]", f"tasks=[{','.join(tasks)}]",
+            f"lengths=[{','.join(map(str, lengths))}]", yarn, f"yarn_lengths=[{yarn_length}]",
+            f"num_samples={samples}", f"dtype={dtype}", f"batch_tokens={BATCH_TOKENS}", f"out={args.out}/{name}"],
+            os.path.join(args.out, f"{name}.log"))["rows"])
     return merge_rows(*found)
 
 
@@ -333,8 +359,9 @@ def plot_ruler(out: str, rows: list[dict], samples: int, rest_samples: int) -> N
          f"{samples} samples per cell ({TASKS[0]}), {rest_samples} (the others)")
 
 
-def perplexity(args, rows: list[dict], scale: int, env: dict) -> list[dict]:
+def perplexity(args, rows: list[dict], scale: int) -> list[dict]:
     from longstride.data.files import stdlib_root
+    from longstride.eval.ppl import main as ppl
 
     found = []
     for row in rows:
@@ -342,9 +369,9 @@ def perplexity(args, rows: list[dict], scale: int, env: dict) -> list[dict]:
             continue
         ppl_out = os.path.join(args.out, "ppl", row["label"].split(" ")[0])
         os.makedirs(os.path.dirname(ppl_out), exist_ok=True)
-        run([sys.executable, "-m", "longstride.cli", "eval", "ppl", f"checkpoint={row['checkpoint']}",
-             f"lengths=[{','.join(str(L // scale) for L in PPL_LENGTHS)}]", f"docs_dir={stdlib_root()}",
-             f"glob='{HELD_OUT}'", "max_docs=4", f"out={ppl_out}"], f"{ppl_out}.log", env)
+        call("ppl", ppl, [f"checkpoint={row['checkpoint']}", f"lengths=[{','.join(str(L // scale) for L in PPL_LENGTHS)}]",
+                          f"docs_dir={stdlib_root()}", f"glob='{HELD_OUT}'", "max_docs=4", f"out={ppl_out}"],
+             f"{ppl_out}.log")
         with open(os.path.join(ppl_out, "ppl.json")) as f:
             found.append({"checkpoint": row["label"], **json.load(f)})
     return found
@@ -369,6 +396,8 @@ def main(argv=None) -> int:
     args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
     env, scale = child_env(), REHEARSAL_SCALE if args.rehearsal else 1
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # the eval runs in this process: offline here too
+        os.environ.setdefault(k, "1")
     if args.cost:
         cost = ruler_cost(args)
         with open(os.path.join(args.out, "ruler_cost.json"), "w") as f:
@@ -388,17 +417,17 @@ def main(argv=None) -> int:
     result["stages"] = stage_rows(os.path.join(args.out, "runs", RECIPE), log)
     save(args.out, result)  # after each phase: a window cut short keeps what was measured
     t, dtype = time.perf_counter(), "bfloat16" if cuda else "float32"
-    result["ruler"] = ruler(args, scale, dtype, env, passes(args)[:2])
+    result["ruler"] = ruler(args, scale, dtype, passes(args)[:2])
     result["ruler_seconds"] = round(time.perf_counter() - t, 1)
     if result["ruler"]:
         plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
     save(args.out, result)
     t = time.perf_counter()
-    result["ppl"] = perplexity(args, result["ruler"], scale, env)
+    result["ppl"] = perplexity(args, result["ruler"], scale)
     result["ppl_seconds"] = round(time.perf_counter() - t, 1)
     save(args.out, result)
     t = time.perf_counter()  # the diagnosis last: a window cut short loses it first
-    result["ruler"] = merge_rows(result["ruler"], ruler(args, scale, dtype, env, passes(args)[2:]))
+    result["ruler"] = merge_rows(result["ruler"], ruler(args, scale, dtype, passes(args)[2:]))
     result["in_format_seconds"] = round(time.perf_counter() - t, 1)
     if result["ruler"]:
         plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
