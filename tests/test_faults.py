@@ -214,7 +214,7 @@ def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(m
 
     from tests.conftest import micro_overrides, read_metrics
 
-    long = ["stage=s1_256", "recipe.stages.s1_256.steps=200", "recipe.stages.s1_256.save_every=0"]
+    long = ["stage=s1_256", "recipe.stages.s1_256.steps=60", "recipe.stages.s1_256.save_every=0"]
     proc = start(micro + long)
     stage_dir = tmp_path / "out" / "tiny" / "s1_256"
     wait_for_step(stage_dir, 10, proc)
