@@ -147,21 +147,32 @@ def run(cmd: list[str], log_path: str, env: dict) -> str:
 def call(command: str, main, argv: list[str], log_path: str):
     """An eval command's main(argv) in this process, its output written to log_path -> what main returned. Every
     RULER pass and perplexity share one interpreter (and one CUDA context): each child process of its own spent
-    about 5 s importing before any work (measured on this CPU machine), six times a run. An error raises
-    RuntimeError with the end of the log, as a child that failed does."""
+    about 5 s importing before any work (measured on this CPU machine), six times a run. transformers' log goes to
+    the same file (its handler holds the stderr it was created with), and its verbosity and progress bar are put
+    back after each call, as a fresh process would have them. An error raises RuntimeError with the end of the
+    log, as a child that failed did."""
     import contextlib
     import gc
+    import logging
     import traceback
 
     import torch
+    from transformers.utils import logging as hf_logging
 
     print("$ longstride eval", command, " ".join(argv), flush=True)
-    with open(log_path, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    handlers = [h for h in logging.getLogger("transformers").handlers if isinstance(h, logging.StreamHandler)]
+    with open(log_path, "w", buffering=1) as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        streams = [h.setStream(f) for h in handlers]
         try:
             return main(argv)
         except Exception:
             traceback.print_exc()
         finally:
+            for h, stream in zip(handlers, streams):
+                h.setStream(stream)
+            hf_logging.set_verbosity(verbosity)
+            (hf_logging.enable_progress_bar if bar else hf_logging.disable_progress_bar)()
             gc.collect()  # the pass's model and cache, before the next pass loads its own
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -396,8 +407,9 @@ def main(argv=None) -> int:
     args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
     env, scale = child_env(), REHEARSAL_SCALE if args.rehearsal else 1
-    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # the eval runs in this process: offline here too
-        os.environ.setdefault(k, "1")
+    # the eval runs in this process: offline here as in the children (huggingface_hub reads these when first
+    # imported, which under `python -m` is after this line)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     if args.cost:
         cost = ruler_cost(args)
         with open(os.path.join(args.out, "ruler_cost.json"), "w") as f:

@@ -2,8 +2,10 @@
 and the CPU benchmarks simulate a context-parallel group with it on one machine."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -17,6 +19,18 @@ class RankFailed(RuntimeError):
     """A rank's function raised; the message is that rank's traceback (the first rank to fail, when several did)."""
 
 
+def _record_failure(workdir: str, rank: int) -> None:
+    """The raising rank's traceback in failed.<rank>, and that file linked as `first` unless a rank got there
+    before it: written aside, then renamed and linked, so a rank terminated midway leaves no partial file, and the
+    link (which fails if `first` exists) orders the ranks whatever the filesystem's timestamp resolution."""
+    tmp = f"{workdir}/.failed.{rank}"
+    with open(tmp, "w") as f:
+        f.write(traceback.format_exc())
+    os.replace(tmp, f"{workdir}/failed.{rank}")
+    with contextlib.suppress(FileExistsError):
+        os.link(f"{workdir}/failed.{rank}", f"{workdir}/first")
+
+
 def _entry(rank: int, n: int, workdir: str, fn, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=n)
@@ -24,10 +38,11 @@ def _entry(rank: int, n: int, workdir: str, fn, args) -> None:
         try:
             fn(rank, n, *args)
         except BaseException:
-            # Written before this rank closes its connections, so before any peer can fail because of it: the
-            # first file written is the cause, whichever process the spawn happens to see exit first.
-            with open(f"{workdir}/failed.{rank}", "w") as f:
-                f.write(traceback.format_exc())
+            # Recorded before this rank's process group is destroyed and before it exits: a peer blocked in a
+            # collective with it fails only once its connections close, so an exception raised in Python is
+            # recorded first. (An error inside a gloo op that itself closes the connection, such as a timeout,
+            # may let the peer record first.)
+            _record_failure(workdir, rank)
             raise
         dist.barrier()
     finally:
@@ -41,22 +56,37 @@ def _entry(rank: int, n: int, workdir: str, fn, args) -> None:
     os._exit(0)
 
 
+def _failure(workdir: str, processes) -> RankFailed | None:
+    """What failed, from the ranks' records and exit codes: ranks killed by a signal without raising (SIGTERM
+    aside: the spawn terminates the survivors with it), then the traceback of the first rank that raised; None if
+    neither (the spawn's own error says what there is)."""
+    failed = {int(p.rsplit(".", 1)[1]): p for p in glob.glob(os.path.join(workdir, "failed.*"))}
+    lines = [f"rank {i} died from {signal.Signals(-p.exitcode).name} without raising"
+             for i, p in enumerate(processes) if p.exitcode is not None and p.exitcode < 0
+             and p.exitcode != -signal.SIGTERM and i not in failed]
+    first = os.path.join(workdir, "first")
+    if os.path.exists(first):
+        rank = next(r for r, p in failed.items() if os.path.samefile(p, first))
+        others = ", ".join(str(r) for r in sorted(failed) if r != rank) or "none"
+        with open(first) as f:
+            lines.append(f"rank {rank} raised first (ranks that raised after it: {others}):\n{f.read()}")
+    return RankFailed("\n".join(lines)) if lines else None
+
+
 def run_gloo(fn, n: int, *args) -> None:
-    """fn(rank, world, *args) on n processes; raises RankFailed with the first failing rank's traceback if fn
-    raised on any rank, or the spawn's own error if a process died without raising."""
+    """fn(rank, world, *args) on n processes. If a rank failed, raises RankFailed naming the ranks killed by a
+    signal and the traceback of the first rank that raised: the peers it left waiting in a collective fail too,
+    and the spawn reports whichever process it saw exit first."""
     with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_entry, args=(n, d, fn, args), nprocs=n, join=False, start_method="spawn")
         try:
-            mp.spawn(_entry, args=(n, d, fn, args), nprocs=n, join=True)
+            while not ctx.join():
+                pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            failed = sorted(glob.glob(os.path.join(d, "failed.*")), key=lambda p: os.stat(p).st_mtime_ns)
-            if not failed:
+            failure = _failure(d, ctx.processes)
+            if failure is None:
                 raise
-            first = failed[0]
-            with open(first) as f:
-                cause = f.read()
-            others = ", ".join(p.rsplit(".", 1)[1] for p in failed[1:]) or "none"
-            raise RankFailed(f"rank {first.rsplit('.', 1)[1]} failed (ranks that failed after it: {others}):\n"
-                             f"{cause}") from e
+            raise failure from e
 
 
 def gather_cat(x: torch.Tensor) -> list[torch.Tensor]:

@@ -1,7 +1,10 @@
 """parallel/spawn.run_gloo: every rank's result reaches the caller, and a rank that fails fails the call with its own
-traceback, not the peer's broken connection (a finished rank leaves through os._exit, so nothing but its files and
-its exit status comes back)."""
+traceback or signal, not the peer's broken connection (a finished rank leaves through os._exit, so nothing but its
+files and its exit status comes back)."""
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
@@ -22,6 +25,12 @@ def _rank1_fails_while_rank0_waits(rank, world):
     dist.all_reduce(torch.ones(1))  # rank 0 blocks here until rank 1's death breaks the connection, then raises too
 
 
+def _rank1_killed_while_rank0_waits(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # an out-of-memory kill, a segfault: nothing raised, nothing recorded
+    dist.all_reduce(torch.ones(1))
+
+
 def test_every_rank_writes_its_result(tmp_path):
     run_gloo(_sum_ranks, 2, str(tmp_path / "sum"))
     assert [torch.load(tmp_path / f"sum.{r}").item() for r in range(2)] == [3.0, 3.0]
@@ -29,5 +38,11 @@ def test_every_rank_writes_its_result(tmp_path):
 
 @pytest.mark.parametrize("attempt", range(3))  # the peer's error races the cause's; each attempt must name the cause
 def test_a_failing_rank_fails_the_call_with_its_own_traceback(attempt):
-    with pytest.raises(RankFailed, match=r"(?s)^rank 1 failed .*rank 1 fails on purpose"):
+    with pytest.raises(RankFailed, match=r"(?s)^rank 1 raised first .*rank 1 fails on purpose"):
         run_gloo(_rank1_fails_while_rank0_waits, 2)
+
+
+@pytest.mark.parametrize("attempt", range(2))
+def test_a_killed_rank_is_named_with_its_signal(attempt):
+    with pytest.raises(RankFailed, match=r"^rank 1 died from SIGKILL without raising"):
+        run_gloo(_rank1_killed_while_rank0_waits, 2)
