@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 
 
 class RankFailed(RuntimeError):
-    """A rank's function raised; the message is that rank's traceback (the first rank to fail, when several did)."""
+    """A rank failed: the message names the ranks killed by a signal without raising, then gives the traceback of
+    the first rank that raised."""
 
 
 def _record_failure(workdir: str, rank: int) -> None:
