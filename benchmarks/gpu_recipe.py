@@ -19,13 +19,17 @@ kept, and the exit code is 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import logging
 import os
 import re
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from datetime import datetime
 
 from benchmarks.common import REPO, child_env
@@ -151,11 +155,6 @@ def call(command: str, main, argv: list[str], log_path: str):
     the same file (its handler holds the stderr it was created with), and its verbosity and progress bar are put
     back after each call, as a fresh process would have them. An error raises RuntimeError with the end of the
     log, as a child that failed did."""
-    import contextlib
-    import gc
-    import logging
-    import traceback
-
     import torch
     from transformers.utils import logging as hf_logging
 
