@@ -166,7 +166,9 @@ def test_output_root_that_is_a_file(micro, tmp_path):
 def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
     one = micro + ["stage=s1_256"]
     assert run_cli(one).returncode == 0
-    assert run_cli(one + ["logger.log_every=2", "train.keep_last=5"]).returncode == 0  # what is watched: same run
+    # what is watched, and how often it is saved: the same run
+    assert run_cli(one + ["logger.log_every=2", "train.keep_last=5", "recipe.stages.s1_256.save_every=1",
+                          "train.trace_memory=true"]).returncode == 0
     r = run_cli(one + ["recipe.stages.s1_256.lr=0.01", "model.nope_interval=0"])
     assert r.returncode == 2, r.stderr[-2000:]
     assert "holds a run with another config: model.nope_interval (was 2, now 0); recipe.stages.s1_256.lr " \
@@ -315,10 +317,12 @@ def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path)
     proc.communicate(timeout=300)
     # the survivor sees its peer's socket close: no waiting for the 1800 s collective timeout
     assert proc.returncode != 0 and time.time() - t0 < 90 and all(gone(w) for w in workers)
-    resumed = start(two, launcher=True)
+    # resumed at another checkpoint interval (not part of the run's identity): the same losses, saved every 7
+    resumed = start([o.replace("save_every=10", "save_every=7") for o in two], launcher=True)
     out, _ = resumed.communicate(timeout=600)
     resumed_at = re.search(r"resuming from \S*step_(\d+)", out)
     assert resumed.returncode == 0 and resumed_at and 20 <= int(resumed_at.group(1)) < 80, out[-2000:]
+    assert (stage_dir / "step_000077").is_dir(), sorted(p.name for p in stage_dir.iterdir())
     clean = start([o.replace(str(tmp_path / "out"), str(tmp_path / "clean")) for o in two], launcher=True)
     assert clean.communicate(timeout=600) and clean.returncode == 0
     a, b = read_metrics(stage_dir), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")

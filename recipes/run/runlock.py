@@ -8,6 +8,7 @@ who took the lock (pid, host, start time, command) for the message a second run 
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -48,9 +49,12 @@ class RunLock:
             self.fd = None
 
 
-# Keys that change how a run is watched or where it writes, not what it computes.
-NOT_IDENTITY = ("logger", "paths", "stage", "train.keep_last", "train.max_nonfinite_steps",
-                "train.resume", "train.resume_from", "train.collective_timeout_s", "data.num_workers", "data.num_proc")
+# Keys that change how a run is watched, where and how often it writes, not what it computes (fnmatch patterns;
+# a key matches its own pattern and everything under it). A resumed run may checkpoint at another interval: the
+# loader and the schedule resume from the step, whichever steps were saved.
+NOT_IDENTITY = ("logger", "paths", "stage", "train.keep_last", "train.max_nonfinite_steps", "train.trace_memory",
+                "train.resume", "train.resume_from", "train.collective_timeout_s", "data.num_workers", "data.num_proc",
+                "recipe.stages.*.save_every")
 
 
 def flatten(node, prefix: str = "") -> dict:
@@ -62,7 +66,7 @@ def flatten(node, prefix: str = "") -> dict:
 def identity(resolved: dict) -> dict:
     """The resolved config's keys that decide what a run computes."""
     return {k: v for k, v in flatten(resolved).items()
-            if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)}
+            if not any(fnmatch.fnmatchcase(k, n) or fnmatch.fnmatchcase(k, n + ".*") for n in NOT_IDENTITY)}
 
 
 def fingerprint(resolved: dict) -> str:
