@@ -241,7 +241,8 @@ def _gpu_recipe(read, step: dict | None) -> dict | None:
     its passes had saved, also under ruler_partial when gpu_recipe.json has none), and the acceptance and in-format
     diagnosis judged on them; step: the window's summary row of the gpu_recipe step (cut_at_s when it was killed at
     its cap)."""
-    from benchmarks.gpu_recipe import judge, merge_rows
+    from benchmarks.gpu_recipe import merge_rows
+    from benchmarks.gpu_recipe_acceptance import judge
 
     recipe = json.loads(read("gpu_recipe/gpu_recipe.json") or "null")
     passes = {n: json.loads(text) for n in ("compare", "compare_rest", "compare_in_format")

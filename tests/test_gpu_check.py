@@ -136,7 +136,7 @@ def _recipe_result(**scores) -> dict:
     base = {"s1_4k": {4096: 80.0, 32768: 20.0}, "s2_32k": {32768: 50.0, 65536: 20.0}, "s3_64k": {65536: 50.0},
             "s3_64k + YaRN x2": {131072: 40.0}}  # every threshold met exactly
     base.update(scores)
-    from benchmarks.gpu_recipe import stages
+    from benchmarks.gpu_recipe_acceptance import stages
 
     return {"device": "NVIDIA H100 80GB HBM3", "rehearsal": False, "total_seconds": 500.0,
             "stages": [{"stage": s, "seconds": 60.0, "tokens_per_s_median": 1e5} for s in stages()],
@@ -148,14 +148,13 @@ def test_gpu_recipe_acceptance_judges_each_threshold_of_the_issue():
     """Every acceptance check of issue 44 on a result that meets each threshold exactly (the YaRN goal missed:
     reported, not required), then each broken alone by a score just past it; a slow CPU run; a cut-short run's
     unmeasured checks."""
-    from benchmarks import gpu_recipe
-    from benchmarks.gpu_recipe import acceptance
+    from benchmarks.gpu_recipe_acceptance import acceptance, in_format
 
     def verdict(result):
         return {c["check"]: c["ok"] for c in acceptance(result)}
 
     good = verdict(_recipe_result())
-    assert gpu_recipe.in_format(_recipe_result()) == {"s1_4k at 4096": None, "s1_4k at 32768": 90.0,
+    assert in_format(_recipe_result()) == {"s1_4k at 4096": None, "s1_4k at 32768": 90.0,
                                                       "s2_32k at 32768": 90.0, "s3_64k at 65536": None}
     goal = "s3_64k + YaRN x2 at 131072 (goal)"
     assert good.pop(goal) is False and all(good.values()) and len(good) == 10
