@@ -176,14 +176,19 @@ def train_command(args, cuda: bool) -> list[str]:
     """The training command: on a GPU through accelerate (configs/accelerate/gpu1.yaml) and without step
     checkpoints: a window's machine is fresh each time, so nothing could resume from them, and each costs seconds
     (the 110M model's 1.3 GB of weights and AdamW state written and hashed: 5.6 s on this CPU machine's disk).
-    Each stage's final (weights, 0.4 GB) is still written: the next stage and RULER load it."""
+    Each stage's final (weights, 0.4 GB) is still written: the next stage and RULER load it. Nor is each stage's
+    step traced for memory at its start (train.trace_memory's auto on a GPU): the trace blocks training for a
+    child process's start and the trace, about 6.5 s a stage on this CPU (4.5 s of imports), and it is the same
+    fake-tensor program `longstride plan recipe=gpu_extend_64k hardware=h100_80g gpus_per_node=1` traces on any
+    machine, so the measured peaks are compared with the plan's figures without it."""
     gpu = cuda and not args.rehearsal
     launch = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml"] if gpu else []
     return [sys.executable, *launch, "-m", "longstride.recipes.train", f"recipe={RECIPE}",
             f"paths.output_root={args.out}/runs", "logger.progress_bar=false",
             *(REHEARSAL if args.rehearsal else TINY if args.tiny else []),
             *([] if args.rehearsal else [f"data.num_proc={min(8, os.cpu_count() or 1)}"]),
-            *([f"recipe.stages.{s}.save_every=0" for s in stages()] if gpu else []), *args.overrides]
+            *([f"recipe.stages.{s}.save_every=0" for s in stages()] + ["train.trace_memory=false"] if gpu else []),
+            *args.overrides]
 
 
 def ruler_lengths(scale: int) -> tuple[list[int], int]:

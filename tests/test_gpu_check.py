@@ -186,14 +186,15 @@ def test_gpu_recipe_acceptance_judges_each_threshold_of_the_issue():
 
 
 def test_gpu_recipe_gpu_command_composes_and_validates_for_one_gpu():
-    """The GPU run's training command (accelerate on configs/accelerate/gpu1.yaml, no step checkpoints) is the
-    recipe with overrides that exist: composed as training composes it and validated for one CUDA rank (the plan
-    a GPU run makes first), every stage without step checkpoints."""
+    """The GPU run's training command (accelerate on configs/accelerate/gpu1.yaml, no step checkpoints, no memory
+    trace) is the recipe with overrides that exist: composed as training composes it and validated for one CUDA
+    rank (the plan a GPU run makes first), every stage without step checkpoints."""
     import argparse
 
     from benchmarks.gpu_recipe import RECIPE, stages, train_command
     from longstride.recipes.config.plan import validate
     from longstride.recipes.memory.memplan import compose_training
+    from longstride.recipes.run.stage import _trace_on
 
     cmd = train_command(argparse.Namespace(out="/o", rehearsal=False, tiny=False, overrides=[]), cuda=True)
     assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml"]
@@ -202,6 +203,7 @@ def test_gpu_recipe_gpu_command_composes_and_validates_for_one_gpu():
     assert cfg.recipe.name == RECIPE and list(cfg.recipe.stages) == stages() == ["s0_copy", "s1_4k", "s2_32k",
                                                                                   "s3_64k"]
     assert all(cfg.recipe.stages[s].save_every == 0 for s in stages())
+    assert not _trace_on(cfg.train.trace_memory, "cuda")  # the stage loop's own decision, on a GPU
     plans = validate(cfg, world=1, device_type="cuda", assume_gpu=True, check_data=False)
     assert [p.stage.seq_len for p in plans.values()] == [4096, 4096, 32768, 65536]
     assert all(p.kernel == "torch_flash" for p in plans.values())
