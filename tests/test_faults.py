@@ -347,6 +347,29 @@ def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path)
         check_identity(str(tmp_path), {"model": {"hidden_size": 64}, "recipe": {"name": "tiny"}}, resume=True)
 
 
+def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path):
+    """The main job's base, `${shipped:tiny_base_256}`, resolves to this checkout's absolute path; the run records
+    it by name, so a run recorded by an older longstride (the relative model/shipped/...) or from another clone
+    resumes, and another base is still refused."""
+    import json
+
+    from longstride.recipes.config.schema import SHIPPED
+    from longstride.recipes.run.runlock import check_identity
+
+    def resolved(path):
+        return {"model": {"checkpoint": path}, "data": {"tokenizer": path}}
+
+    here = os.path.join(SHIPPED, "tiny_base_256")
+    assert check_identity(str(tmp_path), resolved(here), resume=True) is False
+    recorded = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert recorded["model.checkpoint"] == recorded["data.tokenizer"] == "${shipped:tiny_base_256}"
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"model.checkpoint": "model/shipped/tiny_base_256",
+                                                              "data.tokenizer": "model/shipped/tiny_base_256"}}))
+    assert check_identity(str(tmp_path), resolved(here), resume=True) is False
+    with pytest.raises(ValueError, match=r"model.checkpoint \(was \$\{shipped:tiny_base_256\}, now "):
+        check_identity(str(tmp_path), resolved(str(tmp_path / "mine")), resume=True)
+
+
 def _from_main_worker(rank: int, world: int, path: str) -> None:
     import torch
 

@@ -79,8 +79,8 @@ def test_the_command_that_made_it_still_composes(folder):
 
 def test_main_job_extends_the_shipped_base():
     cfg = compose_cfg(["recipe=tiny_extend"])
-    assert cfg.model.arch == "checkpoint" and cfg.model.checkpoint == "model/shipped/tiny_base_256"
-    assert cfg.data.tokenizer == "model/shipped/tiny_base_256"
+    shipped = str(SHIPPED)  # ${shipped:tiny_base_256}: the same folder from any working directory
+    assert cfg.model.arch == "checkpoint" and cfg.model.checkpoint == shipped and cfg.data.tokenizer == shipped
     stages = cfg.recipe.stages
     assert [s.seq_len for s in stages.values()] == [2048, 4096] and all(s.cp == 2 for s in stages.values())
     assert [s.rope_theta for s in stages.values()] == [4e5, 1e6]

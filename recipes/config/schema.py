@@ -6,6 +6,7 @@ resolved plan, are recipes/config/plan.py's.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Dict, List, Optional
 
@@ -13,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+import longstride.model
 from longstride.choices import Choice, WandbMode
 from longstride.data.config import DataConfig, LongDocConfig
 from longstride.model.config import ModelConfig
@@ -111,6 +113,11 @@ class Config:
 # The root schema is the base of configs/config.yaml, so Hydra types every field while composing:
 # any schema field can be overridden from the command line, and a typo fails at once.
 ConfigStore.instance().store(name="longstride_schema", node=Config)
+
+# The models shipped with the package (model/shipped/, installed with it): `${shipped:tiny_base_256}` in a config
+# is that folder's absolute path, so a recipe that starts from one runs from any working directory.
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(longstride.model.__file__)), "shipped")
+OmegaConf.register_new_resolver("shipped", lambda name: os.path.join(SHIPPED, name), replace=True)
 
 
 def unknown_keys(node, path: str = "") -> list[str]:

@@ -65,8 +65,21 @@ def flatten(node, prefix: str = "") -> dict:
 
 def identity(resolved: dict) -> dict:
     """The resolved config's keys that decide what a run computes."""
-    return {k: v for k, v in flatten(resolved).items()
+    return {k: shipped_name(v) for k, v in flatten(resolved).items()
             if not any(fnmatch.fnmatchcase(k, n) or fnmatch.fnmatchcase(k, n + ".*") for n in NOT_IDENTITY)}
+
+
+def shipped_name(value):
+    """A shipped model's folder as `${shipped:NAME}` (the checkout-independent name it is configured by), whether
+    resolved to this checkout's absolute path or recorded by an older longstride as model/shipped/NAME; any other
+    value unchanged. A run of the main job so resumes from another clone or after the configs' change."""
+    from longstride.recipes.config.schema import SHIPPED
+
+    if isinstance(value, str):
+        for prefix in (SHIPPED + os.sep, "model/shipped/"):
+            if value.startswith(prefix) and "/" not in value[len(prefix):].rstrip("/"):
+                return "${shipped:" + value[len(prefix):].rstrip("/") + "}"
+    return value
 
 
 def fingerprint(resolved: dict) -> str:
@@ -86,7 +99,7 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     if os.path.isfile(path):
         with open(path) as f:
             recorded = json.load(f)
-        theirs = recorded["config"]
+        theirs = {k: shipped_name(v) for k, v in recorded["config"].items()}
         # keys on one side only come from another longstride version's schema (a field added or removed), which
         # this run's code cannot read differently: only values both sides have are compared
         changed = sorted(k for k in set(theirs) & set(mine) if theirs[k] != mine[k])
