@@ -209,11 +209,15 @@ def _junit(xml: bytes) -> list[dict]:
 
 
 LOGS = {"gpu_probe": "recipe_step.log", "tiny_extend": "main_job.log", "gpu_extend_64k": "gpu_recipe/train.log"}
+# Recipes whose GPU run does not trace its stages (gpu_recipe.train_command: the trace would block the timed
+# command): their traced peaks are the plan committed here, the same fake-tensor program traced on CPU
+PLANS = {"gpu_extend_64k": "benchmarks/results/plan/gpu_extend_64k-h100_80g-1.json"}
 
 
 def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
     """Per stage of each recipe run in the window: gpu_recipe.stage_summary of its metrics, and the traced plan's
-    and the analytic estimate's peak read from that recipe's own log, with the trace's error on a GPU."""
+    and the analytic estimate's peak read from that recipe's own log (or its committed plan, PLANS, at the same
+    seq_len), with the trace's error on a GPU."""
     import re
 
     from benchmarks.gpu_recipe import stage_summary
@@ -228,12 +232,25 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
         row = {"recipe": recipe, "stage": stage, **summary}
         log = tar.extractfile(LOGS[recipe]).read().decode() if LOGS.get(recipe) in names else ""
         traced = re.search(rf"stage {stage}: traced step per rank ([\d.]+) GiB .*? against the analytic ([\d.]+)", log)
-        if traced:
+        figures = (float(traced[1]), float(traced[2])) if traced else _planned(recipe, stage, row["seq_len"])
+        if figures:
             peak = row["peak_gib"] if row["peak_method"] == "cuda_max_allocated" else None
-            row.update(peak_gib_traced=float(traced[1]), peak_gib_analytic=float(traced[2]),
-                       traced_error=(float(traced[1]) - peak) / peak if peak else None)
+            row.update(peak_gib_traced=figures[0], peak_gib_analytic=figures[1],
+                       traced_error=(figures[0] - peak) / peak if peak else None)
+            if not traced:
+                row["traced_from"] = PLANS[recipe]
         rows.append(row)
     return rows
+
+
+def _planned(recipe: str, stage: str, seq_len: int) -> tuple[float, float] | None:
+    """(traced peak, analytic) GiB of a stage in its recipe's committed plan (PLANS), if it plans that length."""
+    if recipe not in PLANS:
+        return None
+    with open(os.path.join(REPO, PLANS[recipe])) as f:
+        planned = {s["stage"]: s for s in json.load(f)["stages"]}
+    s = planned.get(stage)
+    return (round(s["peak"] / 2 ** 30, 2), round(s["analytic"] / 2 ** 30, 2)) if s and s["seq_len"] == seq_len else None
 
 
 def _gpu_recipe(read, step: dict | None) -> dict | None:

@@ -84,6 +84,22 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
             ("gpu_extend_64k", "s3_64k")} <= set(by)
     assert all(r["tokens_per_s_median"] > 0 for r in by.values())
     assert by["gpu_probe", "s2_32k"]["peak_gib_traced"] > 0  # read from gpu_probe's own log (trace_memory=true)
+    assert "peak_gib_traced" not in by["gpu_extend_64k", "s3_64k"]  # the rehearsal's 4K is not the plan's 64K
+
+
+def test_the_gpu_recipe_reads_its_traced_peaks_from_the_committed_plan():
+    """The GPU recipe's run does not trace (gpu_recipe.train_command); --collect compares its measured peaks with
+    the committed plan of the same recipe (longstride plan ... out=benchmarks/results/plan/...), stage by stage,
+    only at the length the plan traced."""
+    from benchmarks import device_window
+    from benchmarks.gpu_recipe_acceptance import stages
+
+    planned = {s: device_window._planned("gpu_extend_64k", s, L)
+               for s, L in zip(stages(), (4096, 4096, 32768, 65536))}
+    assert planned["s3_64k"] == (49.49, 52.89) and planned["s2_32k"] == (25.63, 27.44)
+    assert all(traced < analytic for traced, analytic in planned.values())
+    assert device_window._planned("gpu_extend_64k", "s3_64k", 4096) is None
+    assert device_window._planned("gpu_probe", "s2_32k", 32768) is None  # traced in its own run
 
 
 def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_path):
@@ -225,11 +241,12 @@ def test_stage_summary_keeps_where_the_loss_fell():
 def test_gpu_recipe_scores_the_stages_that_finished_when_a_later_stage_fails(tmp_path):
     """A real failure partway (the rehearsal): s2_32k's lr of 1e30 makes its second step non-finite and
     train.max_nonfinite_steps=1 stops the run there. The command still scores the base that finished (without the
-    YaRN row, which is s3_64k's), keeps the error, judges the acceptance on what it measured and exits 1."""
+    YaRN row, which is s3_64k's), keeps the error, judges the acceptance on what it measured and exits 1. With a
+    limit of 1 s, long past when RULER's required passes end, the in-format diagnosis is skipped, saying why."""
     from benchmarks import gpu_recipe
 
     rc = gpu_recipe.main(["--rehearsal", "--samples", "1", "--rest-samples", "1", "--out", str(tmp_path),
-                          "recipe.stages.s2_32k.lr=1e30", "train.max_nonfinite_steps=1"])
+                          "--limit-s", "1", "recipe.stages.s2_32k.lr=1e30", "train.max_nonfinite_steps=1"])
     got = json.loads((tmp_path / "gpu_recipe.json").read_text())
     assert rc == 1 and "non-finite for 1 steps in a row" in got["train_error"]
     assert [r["stage"] for r in got["stages"]] == ["s0_copy", "s1_4k", "s2_32k"]
@@ -238,3 +255,6 @@ def test_gpu_recipe_scores_the_stages_that_finished_when_a_later_stage_fails(tmp
     verdict = {c["check"]: c["ok"] for c in got["acceptance"]}
     assert verdict["s1_4k niah_single_1 at 512"] is not None and verdict["s2_32k niah_single_1 at 2048"] is None
     assert verdict["stages timed, with tokens/s"] is False and (tmp_path / "ruler.png").exists()
+    assert got["in_format_skipped"].startswith("an estimated ") and "left of --limit-s 1" in got["in_format_skipped"]
+    assert set(got["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt"}
+    assert not (tmp_path / "compare_in_format").exists()
