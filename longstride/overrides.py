@@ -97,6 +97,9 @@ def _reason(e: BaseException) -> str:
 
 def run(command: str, main: Callable[[list[str]], object], argv: Optional[list[str]] = None) -> None:
     """main(argv) with ValueErrors shown as one line and exit status 2."""
+    from longstride.process import skip_exit_collection
+
+    skip_exit_collection()
     try:
         main(sys.argv[1:] if argv is None else argv)
     except ValueError as e:

@@ -20,6 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from longstride.process import skip_exit_collection
 from longstride.recipes.checkpoint.format import CheckpointError, final_dir, resume_from_stage, supersede_after, verified_final
 from longstride.recipes.run.faults import NonFiniteError, StageInputError, Stopped, die_with_parent
 from longstride.recipes.run.runlock import RunLock, check_identity
@@ -153,6 +154,7 @@ def run(cfg: Config, raw: DictConfig | None = None) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(raw: DictConfig) -> None:
+    skip_exit_collection()
     try:
         prepared = setup(to_schema(raw), raw)
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
