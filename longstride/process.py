@@ -15,5 +15,12 @@ def skip_exit_collection() -> None:
     """Freeze every object at exit, before the interpreter's final collection, so that it examines none of them.
     What a command writes is closed by then (each file in a `with`, metrics.jsonl flushed every step and closed at
     the stage's end, wandb finished in `finally`); only finalizers of objects caught in reference cycles would be
-    skipped, and the operating system reclaims their memory."""
-    atexit.register(gc.freeze)
+    skipped, and the operating system reclaims their memory. Registered once however often it is called (a test
+    or a Hydra multirun calls a command's main more than once in one process)."""
+    global _registered
+    if not _registered:
+        atexit.register(gc.freeze)
+        _registered = True
+
+
+_registered = False

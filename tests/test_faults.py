@@ -354,7 +354,7 @@ def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path)
     import json
 
     from longstride.recipes.config.schema import SHIPPED
-    from longstride.recipes.run.runlock import check_identity
+    from longstride.recipes.run.runlock import check_identity, identity
 
     def resolved(path):
         return {"model": {"checkpoint": path}, "data": {"tokenizer": path}}
@@ -368,6 +368,8 @@ def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path)
     assert check_identity(str(tmp_path), resolved(here), resume=True) is False
     with pytest.raises(ValueError, match=r"model.checkpoint \(was \$\{shipped:tiny_base_256\}, now "):
         check_identity(str(tmp_path), resolved(str(tmp_path / "mine")), resume=True)
+    # a folder of the user's own that only looks like it (relative to another working directory) keeps its path
+    assert identity(resolved("model/shipped/tiny_base_256"))["model.checkpoint"] == "model/shipped/tiny_base_256"
 
 
 def _from_main_worker(rank: int, world: int, path: str) -> None:

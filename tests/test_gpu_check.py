@@ -30,34 +30,65 @@ def test_gpu_check_smoke_writes_every_part(tmp_path):
     assert ruler["rows"] == [] and "no checkpoint" in ruler["skipped"]
 
 
-def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
-    """The device window's --smoke: the same steps as on a GPU, tiny, on CPU (gpu_recipe, a window of its own, only
-    when named); every step passes and its results come back in the three files a lent machine returns."""
+def _smoke(tmp_path, names: list[str]) -> tuple:
+    """The window's --smoke with `names` (env first): every step passes and its results come back in the three
+    files a lent machine returns -> (out folder, results.tgz's names, its summary rows)."""
     import tarfile
 
     from benchmarks import device_window
 
     out = tmp_path / "out"
-    names = [s.name for s in device_window.steps(str(tmp_path))]
     assert device_window.main(["--smoke", "--out", str(out), "--budget", "600", "--only", ",".join(names)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [s["step"] for s in summary["steps"]] == names
     assert all(s["status"] == "passed" for s in summary["steps"]), summary
     with tarfile.open(out / "results.tgz") as tar:
-        names = set(tar.getnames())
+        return out, set(tar.getnames()), summary["steps"]
+
+
+def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
+    """The device window's --smoke: the same steps as on a GPU, tiny, on CPU (gpu_recipe, a window of its own, is
+    the next test's); every step passes and its results come back in the three files a lent machine returns."""
+    import tarfile
+
+    from benchmarks import device_window
+
+    names = [s.name for s in device_window.steps(str(tmp_path)) if not s.when_named]
+    out, packed, _ = _smoke(tmp_path, names)
+    with tarfile.open(out / "results.tgz") as tar:
         figures = json.load(tar.extractfile("kernels/kernel_figures.json"))
         compare = json.load(tar.extractfile("main_job_compare/compare.json"))
-    assert {"throughput/throughput.json", "runs/gpu_probe/s2_32k/metrics.jsonl", "gpu_tests.xml"} <= names
-    assert not any("/step_" in n for n in names)  # step checkpoints stay behind; the tiny finals come back
-    assert "runs/tiny_extend/s3_4k/final/model.safetensors" in names
+    assert {"throughput/throughput.json", "runs/gpu_probe/s2_32k/metrics.jsonl", "gpu_tests.xml"} <= packed
+    assert not any("/step_" in n for n in packed)  # step checkpoints stay behind; the tiny finals come back
+    assert "runs/tiny_extend/s3_4k/final/model.safetensors" in packed
     assert figures["rows"] and not figures["failed"]
     for r in figures["rows"]:  # bf16 against the fp32 reference: the CPU flash op's rounding, no more
         assert not r["nan"] and max(r[f"{n}_rel_err"] for n in ("out", "dq", "dk", "dv")) < 1e-2, r
     assert [r["label"] for r in compare["rows"]] == ["base (tiny_base_256)", "s2_2k", "s3_4k", "s3_4k + YaRN x2"]
     assert all(r["samples"] for r in compare["rows"])  # every row scored samples
     assert "main_job" in (out / "window.log").read_text()
-    # the GPU recipe's CPU rehearsal (issue: the recipe at scale): the base's two stages at 256, then 2K and 4K; the
-    # base and each extension scored on the four RULER tasks and YaRN x2, perplexity per stage
+    # --collect: the returned files as the JSON committed under benchmarks/results/gpu/
+    written = device_window.collect(str(out), str(tmp_path / "collected"), "t")
+    assert {os.path.basename(p) for p in written} >= {"t_window.json", "t_tests.json", "t_kernel_figures.json",
+                                                     "t_throughput.json", "t_recipe_stages.json",
+                                                     "t_main_job_compare.json", "t_main_job_compare.png"}
+    stages = json.loads((tmp_path / "collected" / "t_recipe_stages.json").read_text())
+    assert stages["device"] == "cpu" and stages["versions"].startswith("torch")
+    by = {(r["recipe"], r["stage"]): r for r in stages["rows"]}
+    assert {("gpu_probe", "s1_16k"), ("gpu_probe", "s2_32k"), ("tiny_extend", "s3_4k")} <= set(by)
+    assert all(r["tokens_per_s_median"] > 0 for r in by.values())
+    assert by["gpu_probe", "s2_32k"]["peak_gib_traced"] > 0  # read from gpu_probe's own log (trace_memory=true)
+
+
+def test_device_window_smoke_runs_the_gpu_recipe_window(tmp_path):
+    """The window of its own (--only env,gpu_recipe), smoked: the GPU recipe's CPU rehearsal (issue: the recipe at
+    scale): the base's two stages at 256, then 2K and 4K; the base and each extension scored on the four RULER
+    tasks and YaRN x2, perplexity per stage; --collect turns it into the committed JSON and plot."""
+    import tarfile
+
+    from benchmarks import device_window
+
+    out, _, _ = _smoke(tmp_path, ["env", "gpu_recipe"])
     with tarfile.open(out / "results.tgz") as tar:
         recipe = json.load(tar.extractfile("gpu_recipe/gpu_recipe.json"))
     assert recipe["rehearsal"] and [(r["stage"], r["seq_len"]) for r in recipe["stages"]] == [
@@ -69,37 +100,15 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     assert all(v is not None for v in recipe["in_format"].values())  # synth_kv scored where the acceptance reads
     assert [p["checkpoint"] for p in recipe["ppl"]] == ["s1_4k", "s2_32k", "s3_64k"]
     assert all(r["ppl"] > 1 for p in recipe["ppl"] for r in p["results"])
-    # --collect: the returned files as the JSON committed under benchmarks/results/gpu/
     written = device_window.collect(str(out), str(tmp_path / "collected"), "t")
-    assert {os.path.basename(p) for p in written} >= {"t_window.json", "t_tests.json", "t_kernel_figures.json",
-                                                     "t_throughput.json", "t_recipe_stages.json",
-                                                     "t_main_job_compare.json", "t_main_job_compare.png",
-                                                     "t_gpu_recipe.json", "t_gpu_recipe_ruler.png"}
+    assert {os.path.basename(p) for p in written} >= {"t_window.json", "t_recipe_stages.json", "t_gpu_recipe.json",
+                                                     "t_gpu_recipe_ruler.png"}
     collected = json.loads((tmp_path / "collected" / "t_gpu_recipe.json").read_text())
     assert collected["ruler"] == recipe["ruler"] and collected["device"] == "cpu"
     stages = json.loads((tmp_path / "collected" / "t_recipe_stages.json").read_text())
-    assert stages["device"] == "cpu" and stages["versions"].startswith("torch")
     by = {(r["recipe"], r["stage"]): r for r in stages["rows"]}
-    assert {("gpu_probe", "s1_16k"), ("gpu_probe", "s2_32k"), ("tiny_extend", "s3_4k"),
-            ("gpu_extend_64k", "s3_64k")} <= set(by)
-    assert all(r["tokens_per_s_median"] > 0 for r in by.values())
-    assert by["gpu_probe", "s2_32k"]["peak_gib_traced"] > 0  # read from gpu_probe's own log (trace_memory=true)
+    assert by["gpu_extend_64k", "s3_64k"]["tokens_per_s_median"] > 0
     assert "peak_gib_traced" not in by["gpu_extend_64k", "s3_64k"]  # the rehearsal's 4K is not the plan's 64K
-
-
-def test_the_gpu_recipe_reads_its_traced_peaks_from_the_committed_plan():
-    """The GPU recipe's run does not trace (gpu_recipe.train_command); --collect compares its measured peaks with
-    the committed plan of the same recipe (longstride plan ... out=benchmarks/results/plan/...), stage by stage,
-    only at the length the plan traced."""
-    from benchmarks import device_window
-    from benchmarks.gpu_recipe_acceptance import stages
-
-    planned = {s: device_window._planned("gpu_extend_64k", s, L)
-               for s, L in zip(stages(), (4096, 4096, 32768, 65536))}
-    assert planned["s3_64k"] == (49.49, 52.89) and planned["s2_32k"] == (25.63, 27.44)
-    assert all(traced < analytic for traced, analytic in planned.values())
-    assert device_window._planned("gpu_extend_64k", "s3_64k", 4096) is None
-    assert device_window._planned("gpu_probe", "s2_32k", 32768) is None  # traced in its own run
 
 
 def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_path):

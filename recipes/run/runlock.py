@@ -69,16 +69,18 @@ def identity(resolved: dict) -> dict:
             if not any(fnmatch.fnmatchcase(k, n) or fnmatch.fnmatchcase(k, n + ".*") for n in NOT_IDENTITY)}
 
 
-def shipped_name(value):
-    """A shipped model's folder as `${shipped:NAME}` (the checkout-independent name it is configured by), whether
-    resolved to this checkout's absolute path or recorded by an older longstride as model/shipped/NAME; any other
-    value unchanged. A run of the main job so resumes from another clone or after the configs' change."""
+def shipped_name(value, recorded: bool = False):
+    """A shipped model's folder as `${shipped:NAME}` (the checkout-independent name it is configured by): this
+    checkout's absolute path of it, and in a recorded run.json also the relative model/shipped/NAME an older
+    longstride recorded (whose runs started from the repository root); any other value unchanged. A run of the main
+    job so resumes from another clone or after the configs' change."""
     from longstride.recipes.config.schema import SHIPPED
 
     if isinstance(value, str):
-        for prefix in (SHIPPED + os.sep, "model/shipped/"):
-            if value.startswith(prefix) and "/" not in value[len(prefix):].rstrip("/"):
-                return "${shipped:" + value[len(prefix):].rstrip("/") + "}"
+        for prefix in (SHIPPED + os.sep, *(("model/shipped/",) if recorded else ())):
+            name = value[len(prefix):].rstrip("/") if value.startswith(prefix) else ""
+            if name and "/" not in name:
+                return "${shipped:" + name + "}"
     return value
 
 
@@ -99,7 +101,7 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     if os.path.isfile(path):
         with open(path) as f:
             recorded = json.load(f)
-        theirs = {k: shipped_name(v) for k, v in recorded["config"].items()}
+        theirs = {k: shipped_name(v, recorded=True) for k, v in recorded["config"].items()}
         # keys on one side only come from another longstride version's schema (a field added or removed), which
         # this run's code cannot read differently: only values both sides have are compared
         changed = sorted(k for k in set(theirs) & set(mine) if theirs[k] != mine[k])
