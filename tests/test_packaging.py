@@ -21,14 +21,16 @@ SOURCES = ["pyproject.toml", "README.md", *FOLDERS]  # what the build reads: not
 
 
 def expected_files() -> set[str]:
-    """What the wheel must hold: every module, every config, the shipped models and corpus."""
+    """What the wheel must hold: every module, every file of configs/ (the launchers' too), the shipped models and
+    corpus."""
     want = set()
     for folder, package in FOLDERS.items():
         for path in (REPO / folder).rglob("*"):
             rel = path.relative_to(REPO / folder)
             if "__pycache__" in rel.parts or not path.is_file():
                 continue
-            if path.suffix in (".py", ".yaml") or (folder in ("model", "data") and rel.parts[0] == "shipped"):
+            shipped = folder in ("model", "data") and rel.parts[0] == "shipped"
+            if path.suffix == ".py" or folder == "configs" or shipped:
                 want.add(f"{package}/{rel.as_posix()}")
     return want
 
