@@ -350,6 +350,7 @@ def main(argv=None) -> int:
     save(args.out, result)  # after each phase: a window cut short keeps what was measured
     t, dtype = time.perf_counter(), "bfloat16" if cuda else "float32"
     result["ruler"] = ruler(args, scale, dtype, passes(args)[:1])
+    save(args.out, result)  # the acceptance task's scores, before the other tasks
     t_rest = time.perf_counter()
     result["ruler"] = merge_rows(result["ruler"], ruler(args, scale, dtype, passes(args)[1:2]))
     rest_s = time.perf_counter() - t_rest

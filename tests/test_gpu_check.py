@@ -111,6 +111,21 @@ def test_device_window_smoke_runs_the_gpu_recipe_window(tmp_path):
     assert "peak_gib_traced" not in by["gpu_extend_64k", "s3_64k"]  # the rehearsal's 4K is not the plan's 64K
 
 
+def test_the_gpu_recipe_reads_its_traced_peaks_from_the_committed_plan():
+    """The GPU recipe's run does not trace (gpu_recipe.train_command); --collect compares its measured peaks with
+    the committed plan of the same recipe (longstride plan ... out=benchmarks/results/plan/...), stage by stage,
+    only at the length the plan traced."""
+    from benchmarks import device_window
+    from benchmarks.gpu_recipe_acceptance import stages
+
+    planned = {s: device_window._planned("gpu_extend_64k", s, L)
+               for s, L in zip(stages(), (4096, 4096, 32768, 65536))}
+    assert planned["s3_64k"] == (49.49, 52.89) and planned["s2_32k"] == (25.63, 27.44)
+    assert all(traced < analytic for traced, analytic in planned.values())
+    assert device_window._planned("gpu_extend_64k", "s3_64k", 4096) is None
+    assert device_window._planned("gpu_probe", "s2_32k", 32768) is None  # traced in its own run
+
+
 def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_path):
     from benchmarks import device_window
 
