@@ -21,6 +21,7 @@ The package is imported from the checkout (longstride/__init__.py maps its subpa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -245,12 +246,17 @@ def _stage_rows(tar: tarfile.TarFile, names: set[str]) -> list[dict]:
 
 def _planned(recipe: str, stage: str, seq_len: int) -> tuple[float, float] | None:
     """(traced peak, analytic) GiB of a stage in its recipe's committed plan (PLANS), if it plans that length."""
-    if recipe not in PLANS:
-        return None
-    with open(os.path.join(REPO, PLANS[recipe])) as f:
-        planned = {s["stage"]: s for s in json.load(f)["stages"]}
-    s = planned.get(stage)
+    s = _plan_stages(recipe).get(stage)
     return (round(s["peak"] / 2 ** 30, 2), round(s["analytic"] / 2 ** 30, 2)) if s and s["seq_len"] == seq_len else None
+
+
+@functools.lru_cache(maxsize=None)
+def _plan_stages(recipe: str) -> dict:
+    """stage -> its row in the recipe's committed plan (read once), {} for a recipe without one."""
+    if recipe not in PLANS:
+        return {}
+    with open(os.path.join(REPO, PLANS[recipe])) as f:
+        return {s["stage"]: s for s in json.load(f)["stages"]}
 
 
 def _gpu_recipe(read, step: dict | None) -> dict | None:
