@@ -31,6 +31,26 @@ def _rank1_killed_while_rank0_waits(rank, world):
     dist.all_reduce(torch.ones(1))
 
 
+def _write_env(rank, world, out, name):
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{os.environ.get(name)} {os.getcwd()} {torch.get_num_threads()}")
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_and_directory_at_each_call(tmp_path, monkeypatch, method):
+    """The fork server outlives a call and was started with the first call's environment: a later call's
+    environment (tests and `longstride check` pass settings to the ranks through it) must still reach its ranks."""
+    from longstride.parallel import spawn
+
+    monkeypatch.setenv("LONGSTRIDE_SPAWN", method)
+    assert spawn._start_method(_write_env) == method
+    for value in ("first", "second"):
+        monkeypatch.setenv("LONGSTRIDE_TEST_SPAWN_VALUE", value)
+        monkeypatch.chdir(tmp_path)
+        run_gloo(_write_env, 2, str(tmp_path / value), "LONGSTRIDE_TEST_SPAWN_VALUE")
+        assert [(tmp_path / f"{value}.{r}").read_text() for r in range(2)] == [f"{value} {tmp_path} 1"] * 2
+
+
 def test_every_rank_writes_its_result(tmp_path):
     run_gloo(_sum_ranks, 2, str(tmp_path / "sum"))
     assert [torch.load(tmp_path / f"sum.{r}").item() for r in range(2)] == [3.0, 3.0]
