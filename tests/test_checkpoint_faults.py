@@ -53,8 +53,29 @@ def damage(ck, how: str) -> str:
     return name
 
 
-@pytest.mark.parametrize("how", ["truncate", "empty", "garble", "delete_trainer", "delete_rank", "config",
-                                 "no_manifest"])
+DAMAGE = ["truncate", "empty", "garble", "delete_trainer", "delete_rank", "config", "no_manifest"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_every_kind_of_damage_is_found_naming_the_file_and_the_older_checkpoint_is_picked(killed_and_clean, tmp_path,
+                                                                                         how):
+    """What a resume checks before it loads anything (recipes/checkpoint/format.py), on the killed run's real
+    checkpoints; the next test resumes through it end to end."""
+    import shutil
+
+    from longstride.recipes.checkpoint.format import latest_checkpoint
+
+    s2 = tmp_path / "s2_2k"
+    shutil.copytree(killed_and_clean / "killed" / "tiny" / "s2_2k", s2)
+    assert latest_checkpoint(str(s2)) == str(s2 / "step_000004"), "intact before the damage"
+    name = damage(s2 / "step_000004", how)
+    warned = []
+    assert latest_checkpoint(str(s2), warned.append) == str(s2 / "step_000002")
+    assert len(warned) == 1 and f"checkpoint {s2 / 'step_000004'} is damaged" in warned[0] and name in warned[0]
+
+
+# a shard's bytes, and a write that never finished: the two ways a resume meets a damaged checkpoint in practice
+@pytest.mark.parametrize("how", ["truncate", "no_manifest"])
 def test_resume_falls_back_past_a_damaged_checkpoint_and_matches_the_clean_run(killed_and_clean, cache_dir, tmp_path,
                                                                                 how):
     import shutil
