@@ -1,10 +1,13 @@
 """Runs a function on n local gloo processes (file rendezvous): the parity tests, `longstride check` and the CPU
 benchmarks simulate a context-parallel group with it on one machine.
 
-The processes start from a fork server (where the platform has one) that has imported torch, transformers and the
-function's module once, so a rank starts in a fraction of a second instead of importing them again (about 3 s on
-a 2-core machine). Each rank still gets the caller's current environment, working directory and sys.path, as a
-spawned one would."""
+On a Linux machine without a GPU the processes start from a fork server that has imported torch and transformers
+once, so a rank starts in a fraction of a second instead of importing them again (about 3 s on a 2-core machine).
+Each rank still gets the caller's current environment, working directory and sys.path, as a spawned one would,
+and exits when its caller dies. What libraries read only while being imported (OMP_NUM_THREADS, MKL_*, HF_HOME)
+comes from the environment of the call that started the server: set those before the first call. Elsewhere (a
+GPU, whose ranks must not fork from a process that may have touched CUDA; macOS) each rank is a fresh
+interpreter, as is every rank under LONGSTRIDE_SPAWN=spawn."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +17,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 
 import torch
@@ -38,10 +42,19 @@ def _record_failure(workdir: str, rank: int) -> None:
         os.link(f"{workdir}/failed.{rank}", f"{workdir}/first")
 
 
+def _exit_with(parent) -> None:
+    parent.join()  # returns when the caller's end of the pipe closes: it exited or was killed
+    os._exit(1)
+
+
 def _entry(rank: int, n: int, workdir: str, fn, args, env: dict) -> None:
     # the fork server was started with the environment of the first call; this call's is the one that counts
     os.environ.clear()
     os.environ.update(env)
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid != os.getppid():  # forked by the server, not by the caller: torch's
+        # parent-death signal would reach this rank when the server dies, not when the caller does
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=n)
     try:
@@ -83,18 +96,18 @@ def _failure(workdir: str, processes) -> RankFailed | None:
     return RankFailed("\n".join(lines)) if lines else None
 
 
-PRELOAD = ["torch", "torch.distributed", "transformers"]
+PRELOAD = ["torch", "torch.distributed", "transformers"]  # never the caller's module: it may touch CUDA at import
 
 
-def _start_method(fn) -> str:
-    """'forkserver' where the platform has one (its first start imports PRELOAD and fn's module; later calls
-    reuse it), else 'spawn'. LONGSTRIDE_SPAWN=spawn forces a fresh interpreter per rank."""
+def _start_method() -> str:
+    """'forkserver' on Linux without CUDA (its first start imports PRELOAD; later calls reuse it), else 'spawn'.
+    LONGSTRIDE_SPAWN=spawn forces a fresh interpreter per rank."""
     chosen = os.environ.get("LONGSTRIDE_SPAWN", "forkserver")
     if chosen not in ("forkserver", "spawn"):
         raise ValueError(f"LONGSTRIDE_SPAWN={chosen!r}: use 'forkserver' (the default) or 'spawn'")
-    if chosen == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+    if chosen == "spawn" or not sys.platform.startswith("linux") or torch.cuda.is_available():
         return "spawn"
-    multiprocessing.set_forkserver_preload([*PRELOAD, fn.__module__])  # read only when the server starts
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read only when the server starts
     return "forkserver"
 
 
@@ -104,7 +117,7 @@ def run_gloo(fn, n: int, *args) -> None:
     and the spawn reports whichever process it saw exit first."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_entry, args=(n, d, fn, args, dict(os.environ)), nprocs=n, join=False,
-                                 start_method=_start_method(fn))
+                                 start_method=_start_method())
         try:
             while not ctx.join():
                 pass

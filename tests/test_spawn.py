@@ -3,8 +3,10 @@ traceback or signal, not the peer's broken connection (a finished rank leaves th
 files and its exit status comes back)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ def _rank1_killed_while_rank0_waits(rank, world):
 
 def _write_env(rank, world, out, name):
     with open(f"{out}.{rank}", "w") as f:
-        f.write(f"{os.environ.get(name)} {os.getcwd()} {torch.get_num_threads()}")
+        f.write(f"{os.environ.get(name)} {os.getcwd()} {torch.get_num_threads()} {os.getppid()}")
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
@@ -43,12 +45,66 @@ def test_ranks_see_the_callers_environment_and_directory_at_each_call(tmp_path, 
     from longstride.parallel import spawn
 
     monkeypatch.setenv("LONGSTRIDE_SPAWN", method)
-    assert spawn._start_method(_write_env) == method
+    assert spawn._start_method() == method
     for value in ("first", "second"):
         monkeypatch.setenv("LONGSTRIDE_TEST_SPAWN_VALUE", value)
         monkeypatch.chdir(tmp_path)
         run_gloo(_write_env, 2, str(tmp_path / value), "LONGSTRIDE_TEST_SPAWN_VALUE")
-        assert [(tmp_path / f"{value}.{r}").read_text() for r in range(2)] == [f"{value} {tmp_path} 1"] * 2
+        got = [(tmp_path / f"{value}.{r}").read_text().split() for r in range(2)]
+        assert [g[:3] for g in got] == [[value, str(tmp_path), "1"]] * 2
+        assert all((int(g[3]) == os.getpid()) == (method == "spawn") for g in got), "forked by the server"
+
+
+def test_a_bad_start_method_is_named(monkeypatch):
+    from longstride.parallel import spawn
+
+    monkeypatch.setenv("LONGSTRIDE_SPAWN", "fork")
+    with pytest.raises(ValueError, match="LONGSTRIDE_SPAWN='fork': use 'forkserver'"):
+        spawn._start_method()
+
+
+CALLER = """
+import os, sys, time
+from longstride.parallel.spawn import run_gloo
+from tests.test_spawn import _sleep_forever
+run_gloo(_sleep_forever, 2, sys.argv[1])
+"""
+
+
+def _sleep_forever(rank, world, out):
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_exit_when_their_caller_is_killed(tmp_path, method):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.test_faults import gone
+
+    env = {**os.environ, "LONGSTRIDE_SPAWN": method}
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, str(tmp_path / "pid")], cwd=REPO, env=env)
+    pids = []
+    try:
+        deadline = time.time() + 120
+        while len(pids) < 2 and time.time() < deadline and caller.poll() is None:
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
+            time.sleep(0.1)
+        assert len(pids) == 2, caller.poll()
+        caller.kill()  # SIGKILL: nothing of the caller runs, only the ranks' own watch can end them
+        caller.wait()
+        deadline = time.time() + 30
+        while not all(gone(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert all(gone(p) for p in pids), "ranks outlived their caller"
+    finally:
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
 
 
 def test_every_rank_writes_its_result(tmp_path):
