@@ -51,10 +51,9 @@ def _entry(rank: int, n: int, workdir: str, fn, args, env: dict) -> None:
     # the fork server was started with the environment of the first call; this call's is the one that counts
     os.environ.clear()
     os.environ.update(env)
-    parent = multiprocessing.parent_process()
-    if parent is not None and parent.pid != os.getppid():  # forked by the server, not by the caller: torch's
-        # parent-death signal would reach this rank when the server dies, not when the caller does
-        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    # torch sets a parent-death SIGINT, but a rank forked by the server has the server as its parent, and a
+    # SIGINT can be ignored or handled: the rank watches its caller itself, whatever started it
+    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process(),), daemon=True).start()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=n)
     try:
