@@ -1,8 +1,9 @@
 """Runs a function on n local gloo processes (file rendezvous): the parity tests, `longstride check` and the CPU
 benchmarks simulate a context-parallel group with it on one machine.
 
-On a Linux machine without a GPU the processes start from a fork server that has imported torch and transformers
-once, so a rank starts in a fraction of a second instead of importing them again (about 3 s on a 2-core machine).
+On a Linux machine without a GPU the processes start from a fork server that has imported torch, transformers and
+the first caller's module once, so a rank starts in a fraction of a second instead of importing them again (about
+3 s on a 2-core machine).
 Each rank still gets the caller's current environment, working directory and sys.path, as a spawned one would,
 and exits when its caller dies. What libraries read only while being imported (OMP_NUM_THREADS, MKL_*, HF_HOME)
 comes from the environment of the call that started the server: set those before the first call. Elsewhere (a
@@ -95,18 +96,23 @@ def _failure(workdir: str, processes) -> RankFailed | None:
     return RankFailed("\n".join(lines)) if lines else None
 
 
-PRELOAD = ["torch", "torch.distributed", "transformers"]  # never the caller's module: it may touch CUDA at import
+PRELOAD = ["torch", "torch.distributed", "transformers"]
 
 
-def _start_method() -> str:
-    """'forkserver' on Linux without CUDA (its first start imports PRELOAD; later calls reuse it), else 'spawn'.
-    LONGSTRIDE_SPAWN=spawn forces a fresh interpreter per rank."""
+def _start_method(fn) -> str:
+    """'forkserver' on Linux without CUDA, else 'spawn'; LONGSTRIDE_SPAWN=spawn forces a fresh interpreter per
+    rank. The server's first start imports PRELOAD and fn's module (the models and modules a test or check
+    builds: most of a rank's start); later calls reuse it, and import their own function's module in each rank.
+    Never on a GPU machine: a module imported in the server might touch CUDA, and no forked rank could then use
+    it."""
     chosen = os.environ.get("LONGSTRIDE_SPAWN", "forkserver")
     if chosen not in ("forkserver", "spawn"):
         raise ValueError(f"LONGSTRIDE_SPAWN={chosen!r}: use 'forkserver' (the default) or 'spawn'")
     if chosen == "spawn" or not sys.platform.startswith("linux") or torch.cuda.is_available():
         return "spawn"
-    multiprocessing.set_forkserver_preload(PRELOAD)  # read only when the server starts
+    # fn's module imported without error here, so it imports in the server; a script's __main__ does not
+    own = [fn.__module__] if fn.__module__ in sys.modules and fn.__module__ != "__main__" else []
+    multiprocessing.set_forkserver_preload([*PRELOAD, *own])  # read only when the server starts
     return "forkserver"
 
 
@@ -116,7 +122,7 @@ def run_gloo(fn, n: int, *args) -> None:
     and the spawn reports whichever process it saw exit first."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_entry, args=(n, d, fn, args, dict(os.environ)), nprocs=n, join=False,
-                                 start_method=_start_method())
+                                 start_method=_start_method(fn))
         try:
             while not ctx.join():
                 pass

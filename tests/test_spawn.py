@@ -45,7 +45,7 @@ def test_ranks_see_the_callers_environment_and_directory_at_each_call(tmp_path, 
     from longstride.parallel import spawn
 
     monkeypatch.setenv("LONGSTRIDE_SPAWN", method)
-    assert spawn._start_method() == method
+    assert spawn._start_method(_write_env) == method
     for value in ("first", "second"):
         monkeypatch.setenv("LONGSTRIDE_TEST_SPAWN_VALUE", value)
         monkeypatch.chdir(tmp_path)
@@ -60,7 +60,7 @@ def test_a_bad_start_method_is_named(monkeypatch):
 
     monkeypatch.setenv("LONGSTRIDE_SPAWN", "fork")
     with pytest.raises(ValueError, match="LONGSTRIDE_SPAWN='fork': use 'forkserver'"):
-        spawn._start_method()
+        spawn._start_method(_write_env)
 
 
 CALLER = """
