@@ -131,6 +131,10 @@ def run_gloo(fn, n: int, *args) -> None:
             if failure is None:
                 raise
             raise failure from e
+        finally:  # interrupted (Ctrl-C, a test's timeout): no rank is left running, nor the caller's exit waiting
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
 
 
 def gather_cat(x: torch.Tensor) -> list[torch.Tensor]:
