@@ -8,7 +8,8 @@ Each rank still gets the caller's current environment, working directory and sys
 and exits when its caller dies. What libraries read only while being imported (OMP_NUM_THREADS, MKL_*, HF_HOME)
 comes from the environment of the call that started the server: set those before the first call. Elsewhere (a
 GPU, whose ranks must not fork from a process that may have touched CUDA; macOS) each rank is a fresh
-interpreter, as is every rank under LONGSTRIDE_SPAWN=spawn."""
+interpreter, as is every rank under LONGSTRIDE_SPAWN=spawn, and every rank of a process whose server died (a
+module it preloads raised there; a warning says so once)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -116,13 +118,30 @@ def _start_method(fn) -> str:
     return "forkserver"
 
 
+_SERVER_FAILED = []  # why this process's fork server died, once it has: later calls spawn
+
+
+def _start(fn, n: int, workdir: str, args):
+    method = "spawn" if _SERVER_FAILED else _start_method(fn)
+    try:
+        return mp.start_processes(_entry, args=(n, workdir, fn, args, dict(os.environ)), nprocs=n, join=False,
+                                  start_method=method)
+    except (EOFError, ConnectionError) as e:
+        if method != "forkserver":
+            raise
+        # the server died before forking a rank: a module it preloads raised while being imported there
+        _SERVER_FAILED.append(repr(e))
+        warnings.warn(f"the gloo ranks' fork server died ({e!r}: a module it imports raised); this process starts "
+                      "its ranks with spawn from now on (LONGSTRIDE_SPAWN=spawn does so from the start)")
+        return _start(fn, n, workdir, args)
+
+
 def run_gloo(fn, n: int, *args) -> None:
     """fn(rank, world, *args) on n processes. If a rank failed, raises RankFailed naming the ranks killed by a
     signal and the traceback of the first rank that raised: the peers it left waiting in a collective fail too,
     and the spawn reports whichever process it saw exit first."""
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(n, d, fn, args, dict(os.environ)), nprocs=n, join=False,
-                                 start_method=_start_method(fn))
+        ctx = _start(fn, n, d, args)
         try:
             while not ctx.join():
                 pass

@@ -128,3 +128,40 @@ def test_a_failing_rank_fails_the_call_with_its_own_traceback(attempt):
 def test_a_killed_rank_is_named_with_its_signal(attempt):
     with pytest.raises(RankFailed, match=r"^rank 1 died from SIGKILL without raising"):
         run_gloo(_rank1_killed_while_rank0_waits, 2)
+
+
+FAULTY = """
+import sys
+import torch
+import torch.distributed as dist
+if sys.argv[:1] == ["-c"]:  # the fork server runs as `python -c ...`; the caller and its ranks do not
+    raise RuntimeError("raises in the fork server only")
+def work(rank, world, out):
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    open(f"{out}.{rank}", "w").write(str(x.item()))
+"""
+
+FAULTY_CALLER = """
+from faulty import work
+from longstride.parallel.spawn import run_gloo
+if __name__ == "__main__":
+    run_gloo(work, 2, "first")
+    run_gloo(work, 2, "second")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or torch.cuda.is_available(), reason="the fork server's fault")
+def test_a_fork_server_killed_by_an_import_falls_back_to_spawn_once_and_says_so(tmp_path):
+    """A module the server preloads raises there (not an ImportError, which it ignores): the server dies before
+    forking a rank. The call and the next still run, spawned, with one warning."""
+    import subprocess
+
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    (tmp_path / "caller.py").write_text(FAULTY_CALLER)
+    r = subprocess.run([sys.executable, "caller.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "LONGSTRIDE_SPAWN": "forkserver"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "raises in the fork server only" in r.stderr  # the fault happened
+    assert r.stderr.count("the gloo ranks' fork server died (EOFError") == 1, r.stderr[-3000:]
+    assert [(tmp_path / f"{call}.{rank}").read_text() for call in ("first", "second") for rank in (0, 1)] == ["2.0"] * 4
