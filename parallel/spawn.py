@@ -118,11 +118,12 @@ def _start_method(fn) -> str:
     return "forkserver"
 
 
-_SERVER_FAILED = []  # why this process's fork server died, once it has: later calls spawn
+_server_died = False  # this process's fork server died: its later calls spawn
 
 
 def _start(fn, n: int, workdir: str, args):
-    method = "spawn" if _SERVER_FAILED else _start_method(fn)
+    global _server_died
+    method = "spawn" if _server_died else _start_method(fn)
     try:
         return mp.start_processes(_entry, args=(n, workdir, fn, args, dict(os.environ)), nprocs=n, join=False,
                                   start_method=method)
@@ -130,7 +131,7 @@ def _start(fn, n: int, workdir: str, args):
         if method != "forkserver":
             raise
         # the server died before forking a rank: a module it preloads raised while being imported there
-        _SERVER_FAILED.append(repr(e))
+        _server_died = True
         warnings.warn(f"the gloo ranks' fork server died ({e!r}: a module it imports raised); this process starts "
                       "its ranks with spawn from now on (LONGSTRIDE_SPAWN=spawn does so from the start)")
         return _start(fn, n, workdir, args)

@@ -89,7 +89,7 @@ def test_ranks_exit_when_their_caller_is_killed(tmp_path, method):
     import subprocess
 
     from tests.conftest import REPO
-    from tests.test_faults import gone
+    from tests.test_faults import all_gone
 
     env = {**os.environ, "LONGSTRIDE_SPAWN": method}
     caller = subprocess.Popen([sys.executable, "-c", CALLER, str(tmp_path / "pid")], cwd=REPO, env=env)
@@ -102,10 +102,7 @@ def test_ranks_exit_when_their_caller_is_killed(tmp_path, method):
         assert len(pids) == 2, caller.poll()
         caller.kill()  # SIGKILL: nothing of the caller runs, only the ranks' own watch can end them
         caller.wait()
-        deadline = time.time() + 30
-        while not all(gone(p) for p in pids) and time.time() < deadline:
-            time.sleep(0.1)
-        assert all(gone(p) for p in pids), "ranks outlived their caller"
+        assert all_gone(pids, 30), "ranks outlived their caller"
     finally:
         caller.kill()
         for p in pids:
