@@ -64,7 +64,8 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
     config = AutoConfig.from_pretrained(checkpoint)
     trained = config.max_position_embeddings
     if yarn.factor:
-        apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field)
+        apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field, stretch=True,
+                   yarn_field="yarn")
     return config, trained
 
 

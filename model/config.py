@@ -26,7 +26,8 @@ class YarnConfig:
     """YaRN extrapolation (arXiv:2309.00071), applied through transformers' own `rope_parameters`."""
 
     factor: Optional[float] = None  # None = YaRN off
-    original_max_position_embeddings: Optional[int] = None  # None = the model's current max positions
+    # None = the model's max positions; a RoPE that is already yarn keeps its own (model/rope.py apply_yarn)
+    original_max_position_embeddings: Optional[int] = None
 
 
 @dataclass

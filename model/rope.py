@@ -12,6 +12,7 @@ same with plain `AutoModelForCausalLM.from_pretrained`.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 from transformers import PretrainedConfig
@@ -87,24 +88,70 @@ def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: in
 
 
 def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_embeddings: Optional[int] = None,
-               layer_types: Optional[list[str]] = None, field: str = FIELD) -> PretrainedConfig:
-    """Switch the layers `layer_types` selects (rope_targets) to YaRN with `factor` (in place, returned): their
-    RoPE base is kept, and max positions become factor x the original window."""
+               layer_types: Optional[list[str]] = None, field: str = FIELD, stretch: bool = False,
+               yarn_field: str = "model.yarn") -> PretrainedConfig:
+    """Switch the layers `layer_types` selects (rope_targets) to YaRN with `factor` (in place, returned), their RoPE
+    base kept. Plain RoPE (rope_type default) becomes YaRN x factor over `original_max_position_embeddings` (None:
+    the model's max positions). RoPE that is already YaRN keeps its own original window: `stretch` (eval's
+    yarn.factor: "reach factor x further than the checkpoint") multiplies its factor by `factor`; otherwise (a
+    stage's model.yarn: "YaRN x factor", which each stage writes again on the previous stage's checkpoint) its
+    factor must already be `factor`. Any other scaling (linear, llama3, longrope,
+    dynamic, ...) is refused naming `yarn_field`: YaRN would replace it, not extend it. Max positions become the
+    largest original window x factor, never fewer than before."""
     if factor is None or factor <= 1.0:
-        raise ValueError(f"yarn.factor={factor} must be > 1 (for example 2 to go from 64K to 128K)")
+        raise ValueError(f"{yarn_field}.factor={factor} must be > 1 (for example 2 to go from 64K to 128K)")
     text = config.get_text_config(decoder=True)
     targets = rope_targets(text, layer_types, field)
-    entries = [text.rope_parameters or {}] if targets is None else [text.rope_parameters[t] for t in targets]
-    saved = [e["original_max_position_embeddings"] for e in entries if e.get("original_max_position_embeddings")]
-    original = int(original_max_position_embeddings or (saved and saved[0]) or text.max_position_embeddings)
+    entries = {None: text.rope_parameters or {}} if targets is None else {t: text.rope_parameters[t] for t in targets}
+    plans = {key: _yarn_plan(type(text).__name__, key, entry, factor, original_max_position_embeddings,
+                             int(text.max_position_embeddings), stretch, yarn_field)
+             for key, entry in entries.items()}
 
-    def to_yarn(params: dict) -> None:
-        params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
+    def to_yarn(params: dict, key=None) -> None:
+        new_factor, original = plans[key]
+        params.pop("attention_factor", None)  # _yarn_plan refused a non-default one: transformers recomputes it
+        params.update(rope_type="yarn", factor=float(new_factor), original_max_position_embeddings=original)
         params.setdefault("rope_theta", getattr(text, "default_theta", 10000.0))
 
-    _rewrite(text, targets, to_yarn)
-    text.max_position_embeddings = int(original * factor)
+    if targets is None:
+        _rewrite(text, None, to_yarn)
+    else:
+        for key in targets:
+            _rewrite(text, [key], lambda params, key=key: to_yarn(params, key))
+    text.max_position_embeddings = max(int(text.max_position_embeddings),
+                                       *(int(original * f) for f, original in plans.values()))
     return config
+
+
+def _yarn_plan(name: str, key: Optional[str], entry: dict, factor: float, original: Optional[int], max_positions: int,
+               stretch: bool, yarn_field: str) -> tuple[float, int]:
+    """(the YaRN factor, the original window) that one rope_parameters entry gets; a ValueError naming `yarn_field`
+    where the entry's RoPE is scaled otherwise, or is YaRN in a way that a new factor would misstate."""
+    where = f"{name}'s RoPE" + (f" for {key} layers" if key else "")
+    kind = entry.get("rope_type") or "default"
+    if kind == "default":
+        return factor, int(original or max_positions)
+    if kind != "yarn":
+        raise ValueError(
+            f"{yarn_field}.factor={factor:g}: {where} is already scaled (rope_type={kind}, factor "
+            f"{entry.get('factor')}), and YaRN would replace that scaling rather than extend it; longstride applies "
+            f"YaRN to plain RoPE (rope_type default) or extends a RoPE that is already yarn. Drop {yarn_field}.factor")
+    old_factor, saved = float(entry.get("factor") or 1.0), int(entry.get("original_max_position_embeddings")
+                                                               or max_positions)
+    if original and int(original) != saved:
+        raise ValueError(f"{yarn_field}.original_max_position_embeddings={original}: {where} is already yarn over "
+                         f"{saved} positions, which it keeps; drop {yarn_field}.original_max_position_embeddings")
+    default_attention = 0.1 * math.log(old_factor) + 1.0 if old_factor > 1 else 1.0
+    attention = entry.get("attention_factor")
+    if attention is not None and abs(float(attention) - default_attention) > 1e-4:
+        raise ValueError(f"{yarn_field}.factor={factor:g}: {where} is yarn with its own attention_factor {attention} "
+                         f"(not YaRN's 0.1 ln(factor) + 1 = {default_attention:.4f}), which cannot be carried to a new "
+                         f"factor; drop {yarn_field}.factor")
+    if not stretch and old_factor != factor:
+        raise ValueError(f"{yarn_field}.factor={factor:g}: {where} is already yarn x{old_factor:g} over {saved} "
+                         f"positions; a stage keeps it (set {yarn_field}.factor={old_factor:g}) or drops "
+                         f"{yarn_field}.factor, and eval's yarn.factor stretches it further")
+    return (old_factor * factor if stretch else factor), saved
 
 
 def rope_placement(config: PretrainedConfig, layer_types: Optional[list[str]], field: str = FIELD) -> Optional[str]:

@@ -33,11 +33,13 @@ UNSUPPORTED_KWARGS = {"softcap": "logit soft-capping"}
 UNSUPPORTED_CONFIG = {"attn_logit_softcapping": "logit soft-capping"}
 
 
-def unsupported_attention(model: torch.nn.Module, longest: int | None = None) -> list[str]:
+def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> list[str]:
     """What in `model` longstride's attention would not compute: layer types other than full, sliding-window and
     chunked attention (parallel/pattern.py), soft-capped attention, chunked layers without a chunk size,
-    attention modules without a causal mask. Empty for Llama, Qwen3, SmolLM3, Mistral, Qwen2, Gemma 3, OLMo 3,
-    GPT-OSS, Llama 4's text model and the like. `longest` is kept for callers that plan a stage's length."""
+    attention modules without a causal mask, a value head size other than the query's, attention dropout in a
+    model being trained; and with `split_longest` (the longest sequence a stage splits over context-parallel
+    ranks, 0: none), what reads a token's position from the tokens one rank holds (position_dependent). Empty
+    for Llama, Qwen3, SmolLM3, Mistral, Qwen2, Gemma 3, OLMo 3, GPT-OSS, Llama 4's text model and the like."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])
@@ -50,16 +52,50 @@ def unsupported_attention(model: torch.nn.Module, longest: int | None = None) ->
     for field, what in UNSUPPORTED_CONFIG.items():
         if getattr(cfg, field, None):
             found.append(f"config.{field}={getattr(cfg, field)} ({what})")
+    v_dim, qk_dim = getattr(cfg, "v_head_dim", None), getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
+    if v_dim and qk_dim and v_dim != qk_dim:
+        found.append(f"config.v_head_dim={v_dim} differs from the query/key head size {qk_dim} (multi-head latent "
+                     "attention: the kernels take one head size)")
+    if model.training and getattr(cfg, "attention_dropout", 0.0):
+        found.append(f"config.attention_dropout={cfg.attention_dropout} (attention dropout while training; set "
+                     "it to 0.0 in the checkpoint's config.json to train without it)")
     for name, mod in model.named_modules():
         if (name.endswith("attn") or name.endswith("attention")) and getattr(mod, "is_causal", True) is False:
             found.append(f"{name}.is_causal=False (bidirectional attention)")
+    return found + (position_dependent(cfg, split_longest) if split_longest else [])
+
+
+def position_dependent(cfg, split_longest: int) -> list[str]:
+    """What a model computes from the largest position, or the count, of the tokens one process holds, where
+    context parallelism hands each rank only its share of a `split_longest`-token sequence (so ranks would
+    disagree with each other and with one process): RoPE that picks its frequencies from the batch's largest
+    position (longrope: Phi-3; dynamic NTK) once a sequence passes their original window, and Llama 4's query
+    temperature on NoPE layers, which transformers takes from 0..n-1 over the tokens a process holds, from
+    floor_scale positions on. Shorter stages compute neither, so they pass."""
+    found = []
+    params = getattr(cfg, "rope_parameters", None) or {}
+    entries = params.items() if any(isinstance(v, dict) or v is None for v in params.values()) else [(None, params)]
+    for key, entry in entries:
+        kind = (entry or {}).get("rope_type")
+        window = (entry or {}).get("original_max_position_embeddings") or getattr(cfg, "max_position_embeddings", 0)
+        if kind in ("longrope", "dynamic") and split_longest > int(window or 0):
+            found.append(f"config.rope_parameters{f'[{key!r}]' if key else ''} rope_type={kind} picks its "
+                         f"frequencies from the batch's largest position, past {window} positions, and a "
+                         f"context-parallel rank sees only its own (a {split_longest}-token stage with cp > 1; "
+                         f"train stages over {window} tokens with cp=1)")
+    floor = getattr(cfg, "floor_scale", None)
+    if getattr(cfg, "attn_temperature_tuning", False) and floor and split_longest >= int(floor):
+        found.append(f"config.attn_temperature_tuning=True scales NoPE layers' queries by position from "
+                     f"floor_scale={floor} on, counting the tokens a process holds, which under context parallelism "
+                     f"are not the sequence's (a {split_longest}-token stage with cp > 1; train stages of "
+                     f"{floor} tokens or more with cp=1)")
     return found
 
 
-def check_supported(model: torch.nn.Module, longest: int | None = None) -> None:
+def check_supported(model: torch.nn.Module, split_longest: int = 0) -> None:
     """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
     field); causal, windowed, chunked and sink attention pass."""
-    found = unsupported_attention(model, longest)
+    found = unsupported_attention(model, split_longest)
     if found:
         shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
         raise NotImplementedError(
@@ -82,6 +118,9 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         if kwargs.get(key_name) is not None:
             raise NotImplementedError(f"{where} asks for {what} ({key_name}), which longstride's attention does not "
                                       "implement; refused rather than dropped")
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"{where}: value heads of size {value.shape[-1]} against query heads of size "
+                                  f"{query.shape[-1]}; longstride's kernels take one head size")
     layout = doc_layout or DocLayout(None)
     # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
     longest = key.shape[2] * (layout.cp.degrees.cp if layout.cp.method else 1)

@@ -83,3 +83,94 @@ def test_a_recipe_on_a_soft_capped_checkpoint_fails_before_any_data(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"model.checkpoint={ckpt}" in proc.stderr and "attn_logit_softcapping" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_mla_value_heads_and_training_dropout_are_refused():
+    """DeepSeek-V3's latent attention has value heads of another size than its query/key heads, which the kernels
+    cannot take (it used to fail deep inside the CPU flash op); attention dropout is refused in a model being
+    trained and accepted in one being evaluated (eval mode drops nothing)."""
+    ds = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(**{**SMALL, "head_dim": None}, kv_lora_rank=16, q_lora_rank=16,
+                                                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                                    n_routed_experts=2, num_experts_per_tok=1,
+                                                    first_k_dense_replace=2))
+    with pytest.raises(NotImplementedError, match=r"config.v_head_dim=6 differs from the query/key head size 12"):
+        use_longstride_attention(ds)
+    q, k, v = torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 6)
+    with pytest.raises(NotImplementedError, match="value heads of size 6 against query heads of size 12"):
+        longstride_attention(torch.nn.Module(), q, k, v, None)
+    qwen = T.Qwen3ForCausalLM(T.Qwen3Config(**SMALL, attention_dropout=0.1))
+    assert unsupported_attention(qwen) == ["config.attention_dropout=0.1 (attention dropout while training; set it "
+                                           "to 0.0 in the checkpoint's config.json to train without it)"]
+    assert unsupported_attention(qwen.eval()) == []
+
+
+def _phi3_longrope():
+    factors = [1.0] * 2  # head_dim 8, partial rotary 0.5: 2 frequencies
+    return T.Phi3Config(**SMALL, max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2,
+                        partial_rotary_factor=0.5, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                                    "short_factor": factors, "long_factor": factors,
+                                                                    "original_max_position_embeddings": 64})
+
+
+@pytest.mark.parametrize("name, make, cls, threshold, what", [
+    ("phi3_longrope", _phi3_longrope, T.Phi3ForCausalLM, 65, "rope_type=longrope"),
+    ("llama_dynamic", lambda: T.LlamaConfig(**SMALL, max_position_embeddings=64, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), T.LlamaForCausalLM, 65, "rope_type=dynamic"),
+    ("llama4_temperature", lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
+                                                      attention_chunk_size=16, floor_scale=32,
+                                                      attn_temperature_tuning=True),
+     T.Llama4ForCausalLM, 32, "attn_temperature_tuning=True")])
+def test_what_reads_positions_from_a_rank_s_own_tokens_is_refused_under_cp_past_its_threshold(
+        name, make, cls, threshold, what):
+    """longrope and dynamic RoPE pick their frequencies from the largest position in the batch, and Llama 4's
+    query temperature counts the tokens a process holds: under context parallelism each rank sees only its share,
+    so a stage that splits sequences past the point where these start to act is refused; shorter split stages,
+    and any unsplit stage, pass."""
+    model = cls(make())
+    assert unsupported_attention(model) == [] and unsupported_attention(model, threshold - 1) == []
+    found = unsupported_attention(model, threshold)
+    assert len(found) == 1 and what in found[0] and "with cp > 1" in found[0], found
+
+
+def test_llama4_temperature_under_cp_really_differs():
+    """The fault the refusal above guards against, caused: the queries Llama 4's NoPE layer hands attention, with
+    transformers' temperature computed on the tokens it is given, differ between a whole sequence's second half
+    and that half given alone (what a second CP rank holds) once positions pass floor_scale."""
+    model = T.Llama4ForCausalLM(T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
+                                                   attention_chunk_size=64, floor_scale=8,
+                                                   attn_temperature_tuning=True, no_rope_layers=[0, 0])).eval()
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(query)
+        return query.transpose(1, 2), None
+
+    T.AttentionInterface.register("query_spy", spy)
+    model.set_attn_implementation("query_spy")
+    attn, hidden = model.model.layers[0].self_attn, torch.randn(1, 32, SMALL["hidden_size"])
+    assert not attn.use_rope
+    with torch.no_grad():
+        attn(hidden, None, None)
+        attn(hidden[:, 16:], None, None)
+        attn.attn_temperature_tuning = False  # the control: without the temperature the halves agree
+        attn(hidden, None, None)
+        attn(hidden[:, 16:], None, None)
+    whole, half, plain_whole, plain_half = seen
+    assert not torch.allclose(whole[:, :, 16:], half, atol=1e-4)
+    torch.testing.assert_close(plain_whole[:, :, 16:], plain_half)
+
+
+def test_a_recipe_splitting_longrope_past_its_window_is_refused_at_validation(tmp_path):
+    """The recipe check sees the stages: Phi-3's longrope is refused for a stage split over 2 CP ranks past its
+    original window, naming the checkpoint, and accepted when that stage runs on one rank."""
+    from longstride.recipes.config.plan import validate
+    from tests.conftest import compose_cfg
+
+    _phi3 = T.Phi3ForCausalLM(_phi3_longrope())
+    _phi3.save_pretrained(tmp_path / "phi3")
+    base = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'phi3'}", "data.tokenizer=/no/tokenizer"]
+    with pytest.raises(ValueError, match=rf"model.checkpoint={tmp_path / 'phi3'}: .*rope_type=longrope .*a 4096-tok"):
+        validate(compose_cfg([*base, "recipe.stages.x4.cp=2"]), world=2)
+    with pytest.raises(ValueError, match=r"data.tokenizer"):  # one rank per sequence: passes on to the next check
+        validate(compose_cfg(base), world=1)

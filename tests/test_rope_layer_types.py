@@ -219,3 +219,62 @@ def test_the_stage_log_says_where_the_default_put_the_base(gemma):
     line = rope_placement(model.config, None)
     assert "written to ['full_attention'] only (model.rope_layer_types=null" in line
     assert "full_attention default base 5000000.0; sliding_attention default base 10000.0" in line
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory) -> dict:
+    """Checkpoints whose RoPE is already scaled, as real ones ship: Llama 3.1's llama3 scaling, a yarn x8 model
+    whose saved attention_factor is YaRN's default (OLMo 3's long-context checkpoints), Gemma 3's linear x8 on
+    its global layers."""
+    long = {**SHAPE, "max_position_embeddings": 8 * TRAINED}
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": TRAINED}
+    yarn8 = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": TRAINED,
+             "attention_factor": 0.1 * math.log(8.0) + 1.0}
+    root = tmp_path_factory.mktemp("scaled")
+    return {
+        "llama3": save_tiny(root / "llama3", LlamaForCausalLM, LlamaConfig(**long, rope_parameters=llama3)),
+        "yarn8": save_tiny(root / "yarn8", LlamaForCausalLM, LlamaConfig(**long, rope_parameters=yarn8)),
+        "gemma_linear": save_tiny(root / "gemma", Gemma3ForCausalLM, Gemma3TextConfig(
+            **long, layer_types=TYPES, sliding_window=8192, rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    }
+
+
+@pytest.mark.parametrize("which, kind", [("llama3", "llama3"), ("gemma_linear", "linear")])
+def test_yarn_over_another_scaling_is_refused_naming_it(scaled, which, kind):
+    """YaRN would replace llama3 or linear scaling (the model then runs RoPE it was never trained with, at every
+    length): refused at eval and in a stage, naming the field and the scaling."""
+    with pytest.raises(ValueError, match=rf"^yarn.factor=2: .*already scaled \(rope_type={kind}, factor 8.0\)"):
+        load_config_with_yarn(scaled[which], YarnConfig(factor=2.0))
+    with pytest.raises(ValueError, match=rf"^model.yarn.factor=2: .*rope_type={kind}"):
+        stage(scaled[which], 5e5, yarn=2.0, seq_len=8 * TRAINED)
+    config, trained = load_config_with_yarn(scaled[which], YarnConfig())  # no YaRN: the checkpoint as it is
+    assert trained == config.max_position_embeddings == 8 * TRAINED
+
+
+def test_eval_yarn_on_a_yarn_checkpoint_stretches_it_further(scaled):
+    """Eval's yarn.factor=2 on a yarn x8 checkpoint: YaRN x16 over the same original window, the stale attention
+    factor recomputed, max positions doubled (not cut to original x 2). The rotary embedding equals
+    transformers' own YaRN x16."""
+    config, trained = load_config_with_yarn(scaled["yarn8"], YarnConfig(factor=2.0))
+    assert trained == 8 * TRAINED and config.max_position_embeddings == 16 * TRAINED
+    assert config.rope_parameters == {"rope_type": "yarn", "rope_theta": 5e5, "factor": 16.0,
+                                      "original_max_position_embeddings": TRAINED}
+    model = LlamaForCausalLM(config).eval()
+    inv_freq, scale = yarn_reference(5e5, 16.0)
+    assert scale == pytest.approx(0.1 * math.log(16.0) + 1.0)
+    cos, _ = model.model.rotary_emb(torch.zeros(1, 300, SHAPE["hidden_size"]), torch.arange(300)[None])
+    torch.testing.assert_close(cos, reference_cos(inv_freq, scale, length=300), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"already yarn over 128 positions, which it keeps"):
+        load_config_with_yarn(scaled["yarn8"], YarnConfig(factor=2.0, original_max_position_embeddings=512))
+
+
+def test_a_stage_keeps_a_yarn_checkpoint_s_factor_and_refuses_another(scaled):
+    """A stage's model.yarn is written again on each stage's starting checkpoint: the same factor leaves it as it
+    is; another factor is refused rather than silently replacing the checkpoint's."""
+    model = stage(scaled["yarn8"], 5e5, yarn=8.0, seq_len=4 * TRAINED)
+    assert model.config.rope_parameters["factor"] == 8.0 and model.config.max_position_embeddings == 8 * TRAINED
+    with pytest.raises(ValueError, match=r"^model.yarn.factor=2: .*already yarn x8 over 128 positions"):
+        stage(scaled["yarn8"], 5e5, yarn=2.0, seq_len=4 * TRAINED)

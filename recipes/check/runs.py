@@ -132,7 +132,8 @@ def references(job: Job, batch: dict, device) -> tuple[Optional[Result], Result,
     from longstride.parallel.attention import check_supported
 
     lm = load_model(job, device)
-    check_supported(lm)  # before any compute: attention longstride does not implement is refused, naming it
+    # before any compute: attention longstride does not implement, also split over job.cp ranks, is refused
+    check_supported(lm, job.seq_len if job.cp > 1 else 0)
     doc_masking = job.cfg.data.doc_masking
     eager = run_eager(lm, batch, doc_masking, device).cpu() if job.eager else None
     one = run_longstride(lm, batch, doc_masking, CPContext(kernel=job.kernel), device).cpu()

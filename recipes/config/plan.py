@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from longstride.data.sources import check_source
 from longstride.model.build import check_checkpoint_dir
 from longstride.model.config import ModelConfig
-from longstride.model.rope import rope_targets
+from longstride.model.rope import apply_yarn, rope_targets
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
@@ -117,7 +117,7 @@ def _check_run(cfg: Config) -> None:
                          "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
 
 
-def _check_attention_supported(checkpoint: str, longest: int) -> None:
+def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
     """A checkpoint whose attention longstride does not implement (sliding windows, chunks, sinks...) is refused
     here, before any data or weights are read: the model is built on the meta device, without memory."""
     import torch
@@ -128,7 +128,7 @@ def _check_attention_supported(checkpoint: str, longest: int) -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     try:
-        check_supported(skeleton, longest)
+        check_supported(skeleton, split_longest)
     except NotImplementedError as e:
         raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
 
@@ -140,7 +140,8 @@ def _model_heads(cfg: Config) -> int:
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
         check_checkpoint_dir(m.checkpoint, "model.checkpoint")
-        _check_attention_supported(m.checkpoint, max((s.seq_len for s in cfg.recipe.stages.values()), default=0))
+        _check_attention_supported(m.checkpoint, max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1),
+                                                     default=0))
         with open(os.path.join(m.checkpoint, "config.json")) as fh:
             return json.load(fh)["num_attention_heads"]
     if m.num_attention_heads % m.num_key_value_heads:
@@ -156,6 +157,8 @@ def _check_rope_layer_types(m: ModelConfig) -> None:
 
     config = AutoConfig.from_pretrained(m.checkpoint) if m.arch == "checkpoint" else SmolLM3Config()
     rope_targets(config.get_text_config(decoder=True), m.rope_layer_types)
+    if m.yarn.factor:  # YaRN over another scaling, or another factor than the checkpoint's yarn: refused here
+        apply_yarn(config, m.yarn.factor, m.yarn.original_max_position_embeddings, m.rope_layer_types)
 
 
 def _check_data(cfg: Config) -> None:
