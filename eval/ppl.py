@@ -27,7 +27,7 @@ from longstride.data.files import list_files, stdlib_root
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
-from longstride.model.loss import chunked_cross_entropy_sum
+from longstride.model.loss import chunked_cross_entropy_sum, output_head
 from longstride.overrides import run
 
 
@@ -81,8 +81,8 @@ def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
         head_labels, tail_labels = labels.clone(), labels.clone()
         head_labels[:, q:] = -100  # two disjoint halves: the chunked loss skips label-less tiles,
         tail_labels[:, :q] = -100  # so each tile's logits are computed once
-        tail_sum = float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, tail_labels, tile))
-        total += float(chunked_cross_entropy_sum(hidden, model.lm_head.weight, head_labels, tile)) + tail_sum
+        tail_sum = float(chunked_cross_entropy_sum(hidden, output_head(model), tail_labels, tile))
+        total += float(chunked_cross_entropy_sum(hidden, output_head(model), head_labels, tile)) + tail_sum
         tail += tail_sum
         n_total += length - 1
         n_tail += length - 1 - q

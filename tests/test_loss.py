@@ -40,3 +40,45 @@ def test_a_batch_without_targets_still_backpropagates_zero():
     assert loss.item() == 0.0
     assert h.grad is not None and w.grad is not None
     assert not h.grad.any() and not w.grad.any()
+
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+HEADS = {  # the output-head terms transformers' CausalLM forwards add after lm_head
+    "cohere_logit_scale": lambda T: T.CohereForCausalLM(T.CohereConfig(**SMALL, logit_scale=0.25)),
+    "granite_logits_scaling": lambda T: T.GraniteForCausalLM(T.GraniteConfig(**SMALL, logits_scaling=4.0)),
+    "phi_lm_head_bias": lambda T: T.PhiForCausalLM(T.PhiConfig(**{k: v for k, v in SMALL.items()
+                                                                  if k != "num_key_value_heads"})),
+    "gemma3_final_softcap": lambda T: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=16,
+                                                                             final_logit_softcapping=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_the_chunked_loss_is_the_model_s_own_loss_through_its_whole_output_head(name):
+    """Cohere's logit scale, Granite's logits scaling, Phi's lm_head bias and a final logit soft-cap: the chunked
+    loss (training and eval ppl) equals the loss on the model's own logits, in value and in gradient."""
+    import transformers as T
+
+    from longstride.model.loss import ChunkedLossLM
+
+    torch.manual_seed(0)
+    lm = HEADS[name](T)
+    if lm.lm_head.bias is not None:
+        torch.nn.init.normal_(lm.lm_head.bias, std=1.0)  # Phi starts it at 0, where dropping it changes nothing
+    ids = torch.randint(3, 64, (2, 24))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX)], dim=1)
+    positions = torch.arange(24).expand(2, 24)
+    logits = lm(input_ids=ids, position_ids=positions).logits.float()
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    want.backward()
+    want_grad = lm.lm_head.weight.grad.clone()
+    lm.zero_grad(set_to_none=True)
+    got = ChunkedLossLM(lm, tile=7)(ids, labels, positions)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lm.lm_head.weight.grad, want_grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        plain = chunked_cross_entropy_sum(lm.model(input_ids=ids, position_ids=positions).last_hidden_state,
+                                          lm.lm_head.weight, labels, 7)
+    assert abs(plain.item() - want.item()) > 1e-2  # the head's extra term matters here: the test can fail
