@@ -53,7 +53,11 @@ def parse(argv: list[str]) -> PplConfig:
 
 
 def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
+    """Token ids of up to max_docs local documents of at least min_len tokens, each opening with the BOS token
+    where the tokenizer puts one before text (Llama, Gemma: models that have only ever seen text after it)."""
     root = stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
+    bos = tokenizer.bos_token_id
+    start = [bos] if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else []
     docs = []
     for path in list_files(root, cfg.glob):  # sorted: the same documents on every machine
         if os.path.getsize(path) < min_len:  # a token is at least one byte
@@ -62,7 +66,7 @@ def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
             text = open(path, encoding="utf-8").read()
         except UnicodeDecodeError:
             continue
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = start + tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= min_len:
             docs.append(ids)
         if len(docs) >= cfg.max_docs:

@@ -46,3 +46,24 @@ def test_bad_input(tmp_path):
         parse([])
     with pytest.raises(ValueError, match="has no config.json"):
         parse([f"checkpoint={tmp_path}"])
+
+
+class _Tok:
+    """A tokenizer that, like Llama's, puts BOS (id 9) before text unless told not to: one id per character."""
+
+    def __init__(self, bos_first: bool):
+        self.bos_token_id, self.bos_first = 9, bos_first
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([9] if add_special_tokens and self.bos_first else []) + [10 + ord(c) % 50 for c in text]}
+
+
+@pytest.mark.parametrize("bos_first", [True, False])
+def test_documents_open_with_bos_where_the_tokenizer_puts_one(tmp_path, bos_first):
+    from longstride.eval.ppl import PplConfig, long_documents
+
+    (tmp_path / "a.py").write_text("x = 1\n" * 20)
+    cfg = PplConfig(docs_dir=str(tmp_path))
+    (doc,) = long_documents(_Tok(bos_first), cfg, 50)
+    body = [10 + ord(c) % 50 for c in "x = 1\n" * 20]
+    assert doc == ([9] + body if bos_first else body)

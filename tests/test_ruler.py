@@ -400,3 +400,48 @@ def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoin
         saved = json.loads((out / "ruler.json").read_text())["samples"]
         assert [(r["task"], r["index"], r["prediction"]) for r in saved] == \
             [(r["task"], r["index"], r["prediction"]) for r in one["records"]], mode
+
+
+def test_qa_distractors_come_from_the_gold_article_first_and_questions_hold_across_lengths(tok, tmp_path):
+    """RULER's qa_1: distractor paragraphs are drawn from the gold paragraph's own SQuAD article first (harder than
+    random ones), then from other articles once the article is used up; question `index` is the same at every
+    length, so a score against length holds the questions fixed."""
+    articles = [{"title": f"a{a}", "paragraphs": [
+        {"context": f"Article {a} paragraph {p}: the {w} stands in the square of town {a}.",
+         "qas": [{"question": f"What stands in the square of town {a}, paragraph {p}?",
+                  "answers": [{"text": f"the {w}"}]}]}
+        for p, w in enumerate(common_words()[a * 5:a * 5 + 5])]} for a in range(12)]
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps({"data": articles}))
+    qa = load_qa("squad", str(path))
+    article_of = {d: int(text.split()[1]) for d, text in enumerate(qa.docs)}
+    asked = set()
+    for length in (256, 512, 1024):
+        for index in range(3):
+            s = make_sample(TASKS["qa_1"], length, index, tok, qa=qa)
+            sampler = Sampler(TASKS["qa_1"], length, 42, index, qa=qa)  # make_sample's default seed
+            gold = article_of[sampler.question["docs"][0]]
+            chosen = [article_of[d] for d in sampler.question["docs"] + sampler.distractors[:s.units - 1]]
+            same = sum(a == gold for a in chosen)
+            assert same == min(s.units, 5), (length, index, chosen)  # the article first, all of it when needed
+            asked.add((index, sampler.question["query"]))
+            assert sampler.question["query"] in tok.decode(s.prompt_ids)
+    assert len(asked) == 3, "each index asks one question at every length"
+
+
+def test_cwe_fills_lengths_past_its_word_list():
+    """cwe at a length that needs more distinct words than the 8,166-word list (about 120K tokens with a 50K-150K
+    vocabulary): the list goes on with compound words in a fixed order, as RULER switches to a larger list, so the
+    haystack has the size asked for instead of stopping at the list's end; the ten common words are still the
+    answer."""
+    from longstride.eval.ruler.words import cwe_words
+
+    n = len(common_words()) + 1000
+    words = cwe_words(n)
+    assert len(words) >= n and len(set(words)) == len(words) and words[:len(common_words())] == common_words()
+    assert cwe_words(n) is words and cwe_words(100) == common_words()
+    sampler = Sampler(TASKS["cwe"], 200_000, 0, 0)
+    r = sampler.render(n)
+    body = r.content.rsplit("Below is a numbered list", 1)[1].split("\n")[1]  # the list asked about, not the shot's
+    listed = collections.Counter(w for w in re.split(r"(?:^| )\d+\. ", body) if w)
+    assert len(listed) == n and set(r.answers) == {w for w, _ in listed.most_common(10)}

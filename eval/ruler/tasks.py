@@ -3,7 +3,8 @@ and the rendering of one sample's text for a given haystack size.
 
 A sample is made in two steps, so the haystack-size search never changes what a sample asks:
 `draw()` fixes keys, values, needle depths, chains and queries from a generator seeded by
-(seed, task, length, index); `render(units)` then lays out a haystack of `units` (prose words, noise
+(seed, task, length, index) (a QA task's question by (seed, task, index): the same at every length, as in
+RULER); `render(units)` then lays out a haystack of `units` (prose words, noise
 lines, distractor needles, list words or documents) around them, deterministically.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from longstride.data import synthetic
-from longstride.eval.ruler.words import NOISE, common_words, prose_words, word_list
+from longstride.eval.ruler.words import NOISE, cwe_words, prose_words, word_list
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class Sampler:
 
     def __init__(self, task: Task, length: int, seed: int, index: int, haystack: Optional[str] = None,
                  qa: Optional["QAData"] = None):
-        self.task, self.length, self.index, self.haystack = task, length, index, haystack
+        self.task, self.length, self.index, self.haystack, self._seed = task, length, index, haystack, seed
         self.rng = random.Random(f"{seed}/{task.name}/{length}/{index}")
         self.seed = self.rng.getrandbits(64)
         self.min_units, self.cap = 1, None
@@ -210,11 +211,11 @@ class Sampler:
 
     # --- common words
     def _draw_cwe(self, qa):
-        self.min_units, self.cap = self.task.params["num_cw"], len(common_words())
+        self.min_units = self.task.params["num_cw"]
         self.monotone = False  # each size redraws its words: more words can tokenize shorter, so no guessing
 
     def _cwe_list(self, rng, num_words, freq_cw, freq_ucw):
-        words = rng.sample(common_words(), num_words)
+        words = rng.sample(cwe_words(num_words), num_words)
         common, uncommon = words[:self.task.params["num_cw"]], words[self.task.params["num_cw"]:]
         listed = common * freq_cw + uncommon * freq_ucw
         rng.shuffle(listed)
@@ -264,11 +265,17 @@ class Sampler:
 
     # --- question answering over local SQuAD / HotpotQA files
     def _draw_qa(self, qa):
+        # the question depends on (seed, task, index) only, as RULER asks question `index` at every length, so a
+        # score against length holds the questions fixed; its distractors are first the other paragraphs of the
+        # gold paragraph's own article (SQuAD; RULER's more_context), then the rest of the file, each in a drawn order
         self.qa = qa
-        self.question = qa.questions[self.rng.randrange(len(qa.questions))]
-        gold = set(self.question["docs"])
-        self.distractors = [i for i in range(len(qa.docs)) if i not in gold]
-        self.rng.shuffle(self.distractors)
+        self.question = qa.questions[random.Random(f"{self._seed}/{self.task.name}/{self.index}").randrange(
+            len(qa.questions))]
+        gold, near = set(self.question["docs"]), list(self.question.get("near", ()))
+        far = [i for i in range(len(qa.docs)) if i not in gold and i not in set(near)]
+        self.rng.shuffle(near)
+        self.rng.shuffle(far)
+        self.distractors = near + far
         self.min_units, self.cap = len(gold), len(qa.docs)
         self.monotone = False  # each size reshuffles its documents: its token count may dip, so no guessing
 
@@ -283,7 +290,8 @@ class Sampler:
 @dataclass
 class QAData:
     docs: list[str]
-    questions: list[dict]  # {"query", "answers", "docs": indices into docs}
+    # {"query", "answers", "docs": indices into docs, "near": the other paragraphs of its SQuAD article}
+    questions: list[dict]
 
 
 def load_qa(kind: str, path: str) -> QAData:
@@ -302,11 +310,12 @@ def load_qa(kind: str, path: str) -> QAData:
     try:
         if kind == "squad":
             for article in raw["data"]:
-                for para in article["paragraphs"]:
-                    d = doc_id(para["context"])
+                article_docs = [doc_id(para["context"]) for para in article["paragraphs"]]
+                for para, d in zip(article["paragraphs"], article_docs):
                     for qa in para["qas"]:
                         if not qa.get("is_impossible") and qa["answers"]:
                             questions.append({"query": qa["question"], "docs": [d],
+                                              "near": [n for n in dict.fromkeys(article_docs) if n != d],
                                               "answers": sorted({a["text"] for a in qa["answers"]})})
         else:
             for item in raw:

@@ -8,6 +8,7 @@ dropped, or any local text files the user points at (`haystack=DIR_OR_FILE`).
 """
 from __future__ import annotations
 
+import random
 import re
 from functools import lru_cache
 from importlib import resources
@@ -30,6 +31,27 @@ def word_list(name: str) -> tuple[str, ...]:
 def common_words() -> tuple[str, ...]:
     """cwe's vocabulary: nouns, adjectives and verbs, deduplicated and sorted."""
     return tuple(sorted(set(word_list("nounlist") + word_list("adjectivelist") + word_list("verblist"))))
+
+
+def cwe_words(n: int) -> tuple[str, ...]:
+    """The words cwe draws `n` distinct ones from: common_words() while it holds n; past that (about 120K tokens
+    with a 50K-150K-entry tokenizer), where RULER switches to a larger English word list that does not ship
+    offline, common_words() followed by two-word compounds of them ("harbourwindow") in a fixed order, so a
+    sample fills its length instead of stopping short at the list's end."""
+    words = common_words()
+    return words if n <= len(words) else _with_compounds(1 << (n - 1).bit_length())
+
+
+@lru_cache(maxsize=4)
+def _with_compounds(size: int) -> tuple[str, ...]:
+    words = common_words()
+    rng, seen, out = random.Random("cwe compounds"), set(words), list(words)
+    while len(out) < size:
+        word = rng.choice(words) + rng.choice(words)
+        if word not in seen:
+            seen.add(word)
+            out.append(word)
+    return tuple(out)
 
 
 def _default_prose() -> str:
