@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longstride.model.loss import IGNORE_INDEX
+from longstride.model.loss import IGNORE_INDEX, chunked_cross_entropy_sum, output_head
 from longstride.parallel.config import ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.recipes.check.inputs import decoder_layers, doc_spans, load_model
@@ -120,9 +120,16 @@ def run_longstride(lm, batch: dict, doc_masking: bool, cp: CPContext, device) ->
     local = {k: v.to(device) for k, v in local.items()}
     rec = Recorder(lm, (B, L), device)
     rec.where = (torch.arange(B, device=device), local["index"])
-    logits = lm(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout).logits
+    hidden = []  # the decoder's output, which the training loss reads (not the model's logits)
+    hook = lm.model.register_forward_hook(lambda module, args, out: hidden.append(out.last_hidden_state))
+    try:
+        logits = lm(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout).logits
+    finally:
+        hook.remove()
     rec.put(rec.logits, logits)
-    loss = _loss(logits, local["labels"])
+    # the loss as training computes it (model/loss.py, through the model's whole output head), so a head term the
+    # chunked loss missed shows as a loss and gradients unlike the eager run's
+    loss = chunked_cross_entropy_sum(hidden[0], output_head(lm), local["labels"])
     loss.backward()
     return _result(lm, rec, loss)
 
