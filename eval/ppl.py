@@ -47,8 +47,14 @@ class PplConfig:
 
 def parse(argv: list[str]) -> PplConfig:
     cfg = parse_overrides(PplConfig, argv, "longstride eval ppl", __doc__, "an HF model dir, e.g. outputs/tiny/s3_4k/final")
-    if not cfg.lengths or any(L < 2 for L in cfg.lengths):
-        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 2, e.g. lengths=[1024,2048]")
+    if not cfg.lengths or any(L < 8 for L in cfg.lengths):  # the last quarter needs a token with a label
+        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 8, e.g. lengths=[1024,2048]")
+    for name, value in (("tile", cfg.tile), ("max_docs", cfg.max_docs)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if cfg.docs_dir is not None and not os.path.isdir(cfg.docs_dir):
+        raise ValueError(f"docs_dir={cfg.docs_dir!r} is not a directory; give a folder of text files "
+                         "(default: the Python standard library)")
     return cfg
 
 

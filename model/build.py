@@ -79,6 +79,32 @@ def check_checkpoint_dir(path: str, field_name: str) -> None:
                          f"convert it first: longstride export-hf checkpoint={path} out=DIR, then use DIR")
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_checkpoint_weights(path: str, field_name: str) -> None:
+    """An HF model directory whose weights from_pretrained can read: a weights file (or index) there, and every
+    safetensors file's header whole (a truncated or torn copy fails here, naming the file, before any compute)."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    found = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
+    if not found:
+        raise ValueError(f"{field_name}={path!r} has no weights (none of {', '.join(WEIGHT_FILES)}); point it at a "
+                         "directory written by save_pretrained, weights included")
+    files = ["model.safetensors"] if found[0] == "model.safetensors" else []
+    if found[0] == "model.safetensors.index.json":
+        with open(os.path.join(path, found[0])) as f:
+            files = sorted(set(json.load(f).get("weight_map", {}).values()))
+    for name in files:
+        try:
+            with safe_open(os.path.join(path, name), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:  # a torn file, or a shard the index names that is missing
+            raise ValueError(f"{field_name}={path!r}: {name} cannot be read ({e}); copy the checkpoint again") from None
+
+
 def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,
                  init_from: Optional[str] = None) -> PretrainedConfig:
     """The config a stage's model has (build_model's, and a traced step's: recipes/memory/trace.py): from `init_from`

@@ -147,6 +147,9 @@ def test_bad_input_is_named(two, tmp_path):
         main([f"checkpoints=[{two[0]}]", "plain_rows=false", "yarn=[]"])
     with pytest.raises(ValueError, match="qa.squad="):
         main([f"checkpoints=[{two[0]}]", f"qa.squad={tmp_path}/missing.json"])
+    with pytest.raises(ValueError, match=r"nothing to run: no task fits any of lengths \[64\]"):
+        main([f"checkpoints=[{two[0]}]", "tasks=[synth_kv]", "lengths=[64]", "yarn=[]", "num_samples=1",
+              f"out={tmp_path}/short", "threads=1"])
     with pytest.raises(ValueError, match="Key 'sample' not in 'CompareConfig'"):
         main([f"checkpoints=[{two[0]}]", "sample=3"])
 

@@ -48,6 +48,17 @@ def test_bad_input(tmp_path):
         parse([f"checkpoint={tmp_path}"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("lengths=[4]", r"lengths=\[4\]: give token lengths >= 8"),
+    ("tile=0", "tile=0 must be >= 1"),
+    ("max_docs=0", "max_docs=0 must be >= 1"),
+    ("docs_dir=/no/such/dir", "docs_dir='/no/such/dir' is not a directory"),
+])
+def test_bad_settings_are_named_before_the_model_loads(checkpoint, override, message):
+    with pytest.raises(ValueError, match=message):
+        parse([f"checkpoint={checkpoint}", override])
+
+
 class _Tok:
     """A tokenizer that, like Llama's, puts BOS (id 9) before text unless told not to: one id per character."""
 

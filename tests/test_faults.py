@@ -132,6 +132,20 @@ def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
     ("recipe.stages.s1_256.save_every=-1", "recipe.stages.s1_256.save_every=-1 must be >= 0"),
     ("recipe.stages.s3_4k.min_lr_ratio=5", "recipe.stages.s3_4k.min_lr_ratio=5.0 must be in [0, 1]"),
     ("model.num_hidden_layers=0", "model.num_hidden_layers=0 must be >= 1"),
+    ("recipe.stages.s1_256.seq_len=0", "recipe.stages.s1_256.seq_len=0 must be >= 2 tokens"),
+    ("recipe.stages.s1_256.batch_tokens=0", "recipe.stages.s1_256.batch_tokens=0 must be >= 1"),
+    ("+recipe.stages.s2_2k.mixture={stdlib:-1.0}", "recipe.stages.s2_2k.mixture={'stdlib': -1.0} must be source "
+                                                   "weights >= 0 with a positive sum"),
+    ("+recipe.stages.s2_2k.mixture.stdlib=0.0", "must be source weights >= 0 with a positive sum"),
+    ("logger.log_every=0", "logger.log_every=0 must be >= 1"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
+    ("data.vocab_size=10", "data.vocab_size=10 must be > 256"),
+    ("model.nope_layers=[2]", "model.nope_layers=[2] must be 0-based layer indices in 0..1 (the last layer is 1)"),
+    ("model.nope_interval=-1", "model.nope_interval=-1 must be >= 0"),
+    ("model.head_dim=7", "model.head_dim=7 must be null (hidden_size / num_attention_heads) or an even number"),
+    ("model.vocab_size=100", "model.vocab_size=100 must be null (the tokenizer's size) or >= data.vocab_size 384"),
+    ("data.long_docs={min_tokens:100,min_share:1.5}", "data.long_docs.min_share=1.5 must be in [0, 1)"),
+    ("model.yarn.factor=0.5", "model.yarn.factor=0.5 must be > 1"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
     from longstride.recipes.config.plan import validate
@@ -139,6 +153,52 @@ def test_out_of_range_values_are_named_before_compute(micro, override, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         validate(compose_cfg(micro + [override]), 1)
+
+
+def test_a_pretrained_model_is_refused_a_tokenizer_that_is_not_its_own(tmp_path):
+    """model=checkpoint with data.tokenizer=null would train a new BPE whose ids mean nothing to the model (it
+    trained, at a loss near chance); a tokenizer with more ids than the model embeds would fail at its first
+    forward. Both are refused at validation, naming the field and the fix."""
+    from transformers import AutoTokenizer
+
+    from longstride.recipes.config.plan import validate
+    from longstride.recipes.config.schema import SHIPPED
+    from tests.conftest import compose_cfg
+
+    base = os.path.join(SHIPPED, "tiny_base_256")
+    with pytest.raises(ValueError, match=rf"model.checkpoint={base} with data.tokenizer=null would train a new "
+                                         rf"tokenizer.*set data.tokenizer={base}$"):
+        validate(compose_cfg(["recipe=tiny_extend", "data.tokenizer=null"]), 2)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_tokens([f"extra{i}" for i in range(64)])
+    tok.save_pretrained(tmp_path / "bigger")
+    with pytest.raises(ValueError, match=rf"data.tokenizer={tmp_path / 'bigger'} has \d+ ids but model.checkpoint="):
+        validate(compose_cfg(["recipe=tiny_extend", f"data.tokenizer={tmp_path / 'bigger'}"]), 2)
+    validate(compose_cfg(["recipe=tiny_extend"]), 2)  # its own tokenizer passes
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_weights", "has no weights (none of model.safetensors"),
+    ("truncated", "model.safetensors cannot be read (Error while deserializing header"),
+])
+def test_a_base_checkpoint_without_readable_weights_is_refused_at_validation(tmp_path, damage, message):
+    """The user's own base: missing or torn weights are named at validation, not met as transformers' traceback
+    after the corpus was built."""
+    import shutil
+
+    from longstride.recipes.config.plan import validate
+    from longstride.recipes.config.schema import SHIPPED
+    from tests.conftest import compose_cfg
+
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(SHIPPED, "tiny_base_256"), base)
+    weights = base / "model.safetensors"
+    if damage == "no_weights":
+        weights.unlink()
+    else:
+        os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ValueError, match=re.escape(f"model.checkpoint='{base}'") + ".*" + re.escape(message)):
+        validate(compose_cfg(["recipe=tiny_extend", f"model.checkpoint={base}", f"data.tokenizer={base}"]), 2)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -180,6 +240,29 @@ def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
     assert (aside / "s1_256" / "final" / "model.safetensors").read_bytes() == before, "the old run is kept"
     new = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
     assert new != before, "trained afresh with the new lr"
+
+
+def test_a_run_that_trained_nothing_gives_way_to_the_fixed_command(tmp_path, capsys):
+    """A run that recorded its config and then failed on a setting (before any step or checkpoint) does not block
+    the corrected command; once a step is logged or a checkpoint saved, another config is refused as before."""
+    from longstride.recipes.run.runlock import check_identity
+
+    run = tmp_path / "tiny"
+    old, fixed = {"model": {"yarn": {"factor": 0.5}}}, {"model": {"yarn": {"factor": 2.0}}}
+    run.mkdir()
+    check_identity(str(run), old, resume=True)
+    (run / "s1_256").mkdir()
+    (run / "s1_256" / "metrics.jsonl").write_text("")  # opened, nothing logged
+    check_identity(str(run), fixed, resume=True)
+    assert "trained nothing" in capsys.readouterr().err
+    assert json.loads((run / "run.json").read_text())["config"] == {"model.yarn.factor": 2.0}
+    (run / "s1_256" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"holds a run with another config: model.yarn.factor \(was 2.0, now 0.5\)"):
+        check_identity(str(run), old, resume=True)
+    (run / "s1_256" / "metrics.jsonl").unlink()
+    (run / "s1_256" / "step_000002").mkdir()
+    with pytest.raises(ValueError, match="holds a run with another config"):
+        check_identity(str(run), old, resume=True)
 
 
 # --- stop signals, stuck ranks, a killed launcher: real signals to real processes
@@ -347,6 +430,7 @@ def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path)
 
     resolved = {"model": {"hidden_size": 32}, "recipe": {"name": "tiny"}}
     assert check_identity(str(tmp_path), resolved, resume=True) is False  # first run: recorded
+    (tmp_path / "s1_256" / "final").mkdir(parents=True)  # and it trained
     path = tmp_path / "run.json"
     recorded = json.loads(path.read_text())
     recorded["config"]["model.rope_theta"] = 10000.0
@@ -370,6 +454,7 @@ def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path)
 
     here = os.path.join(SHIPPED, "tiny_base_256")
     assert check_identity(str(tmp_path), resolved(here), resume=True) is False
+    (tmp_path / "s2_2k" / "step_000002").mkdir(parents=True)  # it trained
     recorded = json.loads((tmp_path / "run.json").read_text())["config"]
     assert recorded["model.checkpoint"] == recorded["data.tokenizer"] == "${shipped:tiny_base_256}"
     (tmp_path / "run.json").write_text(json.dumps({"config": {"model.checkpoint": "model/shipped/tiny_base_256",

@@ -445,3 +445,10 @@ def test_cwe_fills_lengths_past_its_word_list():
     body = r.content.rsplit("Below is a numbered list", 1)[1].split("\n")[1]  # the list asked about, not the shot's
     listed = collections.Counter(w for w in re.split(r"(?:^| )\d+\. ", body) if w)
     assert len(listed) == n and set(r.answers) == {w for w, _ in listed.most_common(10)}
+
+
+def test_nothing_fitting_any_length_is_an_error_not_an_empty_table(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match=r"nothing to run: no task fits any of lengths \[64\]"):
+        main([f"checkpoint={checkpoint}", "lengths=[64]", "num_samples=1", "tasks=[niah_single_1]",
+              f"out={tmp_path}"])
+    assert not list(tmp_path.iterdir()), "no empty results written"

@@ -215,6 +215,9 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
         digest = digests[r.checkpoint]
         if digest not in groups_by_tok:
             made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(cfg.num_samples), qa=qa, skipped=skipped)
+            if not made:
+                raise ValueError(f"nothing to run: no task fits any of lengths {all_lengths} in {r.checkpoint}'s "
+                                 "tokenizer (see the messages above); give longer lengths")
             groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
         tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
         out.scores[i], out.counts[i] = {}, {}

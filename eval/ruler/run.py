@@ -210,6 +210,9 @@ def main(argv: list[str]) -> Optional[dict]:
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
     model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype])
     groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped)
+    if not groups:
+        raise ValueError(f"nothing to run: no task fits any of lengths {lengths} (see the messages above); give "
+                         "longer lengths")
     records, cp_ctx = [], world_cp(info.device.type) if cp else None
     for name, L, samples in groups:
         part = score_group(model, tok, samples, cfg, cp_ctx)

@@ -48,11 +48,7 @@ from longstride.recipes.check.runs import TEST_FAULT, cp_local, cp_run, referenc
 
 def parse_args(argv: list[str]):
     """(CheckConfig, the composed training Config) from key=value arguments."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     from longstride.model.build import check_checkpoint_dir
-    from longstride.overrides import _reason
     from longstride.recipes.memory.memplan import compose_training
 
     names = {f.name for f in dataclasses.fields(CheckConfig)} - {"overrides"}
@@ -67,10 +63,7 @@ def parse_args(argv: list[str]):
         if "data.tokenizer" not in given and any(os.path.isfile(os.path.join(cc.checkpoint, f))
                                                  for f in ("tokenizer.json", "tokenizer_config.json")):
             overrides.append(f"data.tokenizer={cc.checkpoint}")
-    try:
-        return cc, compose_training(overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(_reason(e) + " (see longstride check --help)") from None
+    return cc, compose_training(overrides, "longstride check")
 
 
 def check_local(job: Job) -> Report:

@@ -11,9 +11,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, fields, is_dataclass
+from typing import Optional
 
 from longstride.data.sources import check_source
-from longstride.model.build import check_checkpoint_dir
+from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig
 from longstride.model.rope import apply_yarn, rope_targets
 from longstride.parallel.config import CPDegrees, ParallelDims
@@ -78,14 +79,38 @@ def _range_rules(cfg: Config) -> list[tuple]:
              ("train.collective_timeout_s", t.collective_timeout_s, t.collective_timeout_s >= 1,
               ">= 1 second (1800 is the default)"),
              ("train.trace_memory", t.trace_memory, str(t.trace_memory).lower() in ("auto", "true", "false"),
-              "auto, true or false")]
+              "auto, true or false"),
+             ("logger.log_every", cfg.logger.log_every, cfg.logger.log_every >= 1, ">= 1 (1 = every step)"),
+             ("data.num_workers", cfg.data.num_workers, cfg.data.num_workers >= 0, ">= 0 (0 = in the training process)"),
+             ("data.vocab_size", cfg.data.vocab_size, cfg.data.vocab_size > 256,
+              "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)")]
+    docs = [("data.long_docs", cfg.data.long_docs)] + [(f"recipe.stages.{n}.long_docs", s.long_docs)
+                                                       for n, s in cfg.recipe.stages.items() if s.long_docs]
+    rules += [(f"{f}.min_share", ld.min_share, not ld.min_tokens or 0 <= ld.min_share < 1,
+               "in [0, 1) (the share of a stage's tokens from long documents)") for f, ld in docs]
     if m.arch != "checkpoint":
         rules += [(f"model.{k}", getattr(m, k), getattr(m, k) >= 1, ">= 1")
                   for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                             "num_key_value_heads")]
+        layers = m.num_hidden_layers
+        rules += [("model.nope_interval", m.nope_interval, m.nope_interval >= 0,
+                   ">= 0 (every n-th layer without RoPE; 0 = RoPE on every layer)"),
+                  ("model.nope_layers", m.nope_layers, m.nope_layers is None or all(
+                      0 <= i < layers for i in m.nope_layers),
+                   f"0-based layer indices in 0..{layers - 1} (the last layer is {layers - 1})"),
+                  ("model.head_dim", m.head_dim, m.head_dim is None or (m.head_dim >= 2 and m.head_dim % 2 == 0),
+                   "null (hidden_size / num_attention_heads) or an even number (RoPE rotates pairs)"),
+                  ("model.vocab_size", m.vocab_size, m.vocab_size is None or m.vocab_size >= cfg.data.vocab_size
+                   or bool(cfg.data.tokenizer), f"null (the tokenizer's size) or >= data.vocab_size "
+                                                f"{cfg.data.vocab_size}, the ids the tokenizer makes")]
     for name, s in cfg.recipe.stages.items():
         f = f"recipe.stages.{name}"
-        rules += [(f"{f}.rope_theta", s.rope_theta, s.rope_theta > 0, "positive (for example 1e4, 5e5, 1e6)"),
+        rules += [(f"{f}.seq_len", s.seq_len, s.seq_len >= 2, ">= 2 tokens (e.g. 4096)"),
+                  (f"{f}.batch_tokens", s.batch_tokens, s.batch_tokens >= 1, ">= 1 (tokens per optimizer step)"),
+                  (f"{f}.mixture", s.mixture, not s.mixture or (all(w >= 0 for w in s.mixture.values())
+                                                                 and sum(s.mixture.values()) > 0),
+                   "source weights >= 0 with a positive sum (null = data.sources' weights)"),
+                  (f"{f}.rope_theta", s.rope_theta, s.rope_theta > 0, "positive (for example 1e4, 5e5, 1e6)"),
                   (f"{f}.micro_batch_size", s.micro_batch_size, s.micro_batch_size >= 1, ">= 1"),
                   (f"{f}.lr", s.lr, s.lr > 0, "> 0"),
                   (f"{f}.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "in [0, 1]"),
@@ -175,6 +200,9 @@ def _check_data(cfg: Config) -> None:
     if d.tokenizer and not os.path.isdir(d.tokenizer):
         raise ValueError(f"data.tokenizer={d.tokenizer!r} is not a directory; give a local HF tokenizer dir "
                          "or null to train a BPE on the corpus")
+    if cfg.model.arch == "checkpoint":
+        check_checkpoint_weights(cfg.model.checkpoint, "model.checkpoint")
+        _check_checkpoint_tokenizer(cfg.model.checkpoint, d.tokenizer)
     if not d.streaming:
         return
     if d.long_docs.min_tokens or any(s.long_docs and s.long_docs.min_tokens for s in stages):
@@ -183,6 +211,27 @@ def _check_data(cfg: Config) -> None:
     if d.num_workers:
         raise ValueError(f"data.num_workers={d.num_workers}: the streaming packer runs in the training "
                          "process; set data.num_workers=0 with data.streaming=true")
+
+
+def _check_checkpoint_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> None:
+    """A pretrained model reads the ids of its own tokenizer: data.tokenizer=null (a new BPE trained on the corpus)
+    is refused, and so is a tokenizer with more ids than the model's embedding has rows."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not tokenizer:
+        hint = checkpoint if any(os.path.isfile(os.path.join(checkpoint, f))
+                                 for f in ("tokenizer.json", "tokenizer_config.json")) else "<its tokenizer dir>"
+        raise ValueError(f"model.checkpoint={checkpoint} with data.tokenizer=null would train a new tokenizer, whose "
+                         f"ids mean nothing to the pretrained model; set data.tokenizer={hint}")
+    try:
+        size = len(AutoTokenizer.from_pretrained(tokenizer))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.tokenizer={tokenizer} could not be loaded as an HF tokenizer ({e}); give the "
+                         f"directory holding tokenizer.json or tokenizer_config.json") from None
+    vocab = AutoConfig.from_pretrained(checkpoint).get_text_config(decoder=True).vocab_size
+    if size > vocab:
+        raise ValueError(f"data.tokenizer={tokenizer} has {size} ids but model.checkpoint={checkpoint} embeds {vocab}; "
+                         f"use the model's own tokenizer (data.tokenizer={checkpoint} when it holds one)")
 
 
 def check_model_and_data(cfg: Config) -> int:

@@ -68,11 +68,22 @@ def hardware(name: str) -> Hardware:
     return OmegaConf.to_object(merged)
 
 
-def compose_training(overrides: list[str]):
+def compose_training(overrides: list[str], command: str = ""):
+    """The training config that `overrides` compose (Hydra's own exceptions); with `command`, a composition error
+    is a one-line ValueError pointing at that command's --help."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return to_schema(compose("config", overrides=list(overrides)))
+    from longstride.overrides import _reason
+
+    try:
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            return to_schema(compose("config", overrides=list(overrides)))
+    except (HydraException, OmegaConfBaseException) as e:
+        if not command:
+            raise
+        raise ValueError(_reason(e) + f" (see {command} --help)") from None
 
 
 def model_config(cfg, stage):
@@ -203,7 +214,7 @@ def main(argv: list[str]) -> list[dict]:
     if pc.gpus_per_node < 1 or pc.nodes < 1:
         raise ValueError(f"gpus_per_node={pc.gpus_per_node} and nodes={pc.nodes} must be >= 1")
     world = pc.gpus_per_node * pc.nodes
-    cfg = compose_training(pc.overrides)
+    cfg = compose_training(pc.overrides, "longstride plan")
     plans = validate(cfg, world, "cuda", assume_gpu=True, check_data=False)
     rows = [plan_stage(cfg, p, hw, world, pc) for p in plans.values()]
     print_plan(rows, hw, world, cfg.recipe.name)

@@ -89,11 +89,27 @@ def fingerprint(resolved: dict) -> str:
     return hashlib.sha256(json.dumps(identity(resolved), sort_keys=True, default=str).encode()).hexdigest()
 
 
+def trained_nothing(directory: str) -> bool:
+    """Whether a run directory holds no trace of training: no stage with a checkpoint (final, step_NNNNNN) or a
+    logged step (metrics.jsonl), as a run leaves that failed on a bad setting after recording its config."""
+    from longstride.recipes.checkpoint.format import STEP_RE
+
+    for stage in os.scandir(directory):
+        if not stage.is_dir():
+            continue
+        for entry in os.scandir(stage.path):
+            if entry.name == "final" or STEP_RE.match(entry.name) or (
+                    entry.name == "metrics.jsonl" and entry.stat().st_size > 0):
+                return False
+    return True
+
+
 def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None) -> bool:
     """Main process, under the lock, before anything is written. The first run of a directory records its
     config in run.json; a later run with another config is refused, naming each differing key, unless
     train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh, or
-    train.resume_from names the checkpoint to continue from under the new config (recorded as the run's).
+    train.resume_from names the checkpoint to continue from under the new config (recorded as the run's), or the
+    recorded run trained nothing (trained_nothing: it failed on a setting, and the fixed command takes its place).
     Returns whether resume_from is still to be applied: the same command run again (a requeued job) finds
     it recorded and resumes normally instead of going back to that checkpoint again."""
     path = os.path.join(directory, "run.json")
@@ -118,6 +134,9 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
             if resume_from:  # asked for: continue from that checkpoint under the new config
                 print(f"longstride: continuing from {resume_from} with a changed config: {'; '.join(diff)}",
                       file=sys.stderr)
+            elif trained_nothing(directory):  # a run that failed before its first step: the fixed command goes on
+                print(f"longstride: {directory} holds a run that trained nothing (no step logged, no checkpoint); "
+                      f"recording this config in its place: {'; '.join(diff)}", file=sys.stderr)
             else:
                 raise ValueError(f"{directory} holds a run with another config: {'; '.join(diff)}. Rerun with its "
                                  "config to resume it, write this one elsewhere (paths.output_root=... or "
