@@ -273,6 +273,8 @@ def check_source(src: SourceConfig, field: str) -> Kind:
     """The source's Kind, after its checks; a ValueError naming the field otherwise."""
     if src.kind not in KINDS:
         raise ValueError(f"{field}.kind={src.kind!r} is unknown; use one of {list(KINDS)}")
+    if src.max_docs is not None and src.max_docs < 1:
+        raise ValueError(f"{field}.max_docs={src.max_docs} must be >= 1 (null = every document)")
     KINDS[src.kind].check(src, field)
     return KINDS[src.kind]
 

@@ -81,9 +81,13 @@ def parse(schema: type, argv: list[str], command: str, doc: str = ""):
     ConfigStore.instance().store(name=name, node=schema)
     try:
         with initialize(version_base="1.3", config_path=None):
-            return OmegaConf.to_object(compose(config_name=name, overrides=list(argv)))
+            cfg = OmegaConf.to_object(compose(config_name=name, overrides=list(argv)))
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(_reason(e) + f" (see {command} --help)") from None
+    threads = getattr(cfg, "threads", None)  # the eval commands' torch.set_num_threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1 (null = torch's default)")
+    return cfg
 
 
 def _reason(e: BaseException) -> str:

@@ -71,7 +71,8 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
 
 def check_checkpoint_dir(path: str, field_name: str) -> None:
     if not os.path.isdir(path):
-        raise ValueError(f"{field_name}={path!r} does not exist; point it at a local HF model directory")
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise ValueError(f"{field_name}={path!r} {what}; point it at a local HF model directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
     if os.path.isfile(os.path.join(path, ".metadata")):  # parallel/shards.py's step checkpoint: no HF weights

@@ -39,10 +39,10 @@ def default_gguf() -> str:
 def convert(gguf: str, out: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if importlib.util.find_spec("gguf") is None:
-        raise ValueError("the gguf package is needed to read GGUF files: pip install gguf")
     if not os.path.isfile(gguf):
         raise ValueError(f"gguf={gguf!r} does not exist")
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("the gguf package is needed to read GGUF files: pip install gguf")
     if os.path.exists(os.path.join(out, "config.json")):
         raise ValueError(f"out={out!r} already holds a checkpoint; choose another directory or delete it")
     folder, name = os.path.split(os.path.abspath(gguf))

@@ -204,6 +204,9 @@ def ulysses_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, ring: 
 
 def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
     check_ulysses(cp, cp, heads, where)
+    if cfg.ulysses:
+        raise ValueError(f"parallel.ulysses={cfg.ulysses} is read by cp_impl=hybrid (the Ulysses degree inside each "
+                         "ring rank); cp_impl=ulysses splits heads over all cp ranks: drop parallel.ulysses")
     if cfg.upipe_heads:
         raise ValueError(f"parallel.upipe_heads={cfg.upipe_heads} is read by cp_impl=upipe or hybrid; "
                          "use parallel.cp_impl=upipe for headwise stages")

@@ -11,4 +11,7 @@ from longstride.parallel.ulysses import attention, shard  # noqa: F401  (the met
 
 def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
     check_ulysses(cp, cp, heads, where)
+    if cfg.ulysses:
+        raise ValueError(f"parallel.ulysses={cfg.ulysses} is read by cp_impl=hybrid (the Ulysses degree inside each "
+                         "ring rank); cp_impl=upipe splits heads over all cp ranks: drop parallel.ulysses")
     return CPDegrees(1, cp, stage_heads(cfg.upipe_heads, cp, heads))

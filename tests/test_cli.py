@@ -71,3 +71,19 @@ def test_eval_results_go_under_outputs_never_into_the_checkpoint(tmp_path, monke
     assert default_out(outside) == os.path.join("outputs", "eval", "tiny-s3_4k-final")
     for ckpt in ("outputs/tiny/s3_4k/final", outside, "/abs/model"):
         assert not os.path.abspath(default_out(ckpt)).startswith(os.path.abspath(ckpt) + os.sep)
+
+
+def test_small_commands_name_what_is_wrong(tmp_path):
+    """export-hf on a missing path, convert-gguf on a missing file (before asking for the gguf package), and an eval
+    command's threads below 1: each a one-line error naming the field."""
+    from longstride.eval.ruler.run import parse as parse_ruler
+    from longstride.model.convert_gguf import convert
+    from longstride.recipes.checkpoint.export import export_hf
+    from longstride.recipes.config.schema import SHIPPED
+
+    with pytest.raises(ValueError, match=r"checkpoint='/no/such' does not exist; give a step checkpoint"):
+        export_hf("/no/such", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"gguf='/no/such.gguf' does not exist"):
+        convert("/no/such.gguf", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"threads=-1 must be >= 1"):
+        parse_ruler([f"checkpoint={SHIPPED}/tiny_base_256", "threads=-1"])

@@ -115,6 +115,17 @@ def test_cp_impl_degrees_checked_against_the_model_heads():
     validate(compose_cfg(["parallel.cp_impl=hybrid", "parallel.ulysses=2", *world4]), 4)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.ulysses=2"], r"parallel.ulysses=2 is read by cp_impl=hybrid, and this run is cp_impl=ring"),
+    (["parallel.upipe_heads=2"], r"parallel.upipe_heads=2 is read by cp_impl=upipe or hybrid, and this run is "
+                                 r"cp_impl=ring"),
+    (["parallel.cp_impl=ulysses", "parallel.ulysses=2"], r"parallel.ulysses=2 is read by cp_impl=hybrid .*drop"),
+    (["parallel.cp_impl=upipe", "parallel.ulysses=2"], r"parallel.ulysses=2 is read by cp_impl=hybrid .*drop"),
+])
+def test_a_setting_the_chosen_cp_method_does_not_read_is_refused_not_ignored(overrides, message):
+    expect_error(overrides, message)
+
+
 def test_world_not_divisible_by_cp():
     expect_error(["recipe.stages.s1_256.cp=2"], r"s1_256.cp: world size 3 is not divisible by cp 2", world=3)
 
@@ -123,8 +134,14 @@ def test_batch_tokens_must_divide():
     expect_error(["recipe.stages.s2_2k.batch_tokens=3000"], r"batch_tokens=3000 is not a multiple of dp 1")
 
 
-def test_missing_checkpoint_dir():
-    expect_error(["model=checkpoint", "model.checkpoint=/no/such/dir"], r"model.checkpoint='/no/such/dir'")
+def test_missing_checkpoint_dir(tmp_path):
+    expect_error(["model=checkpoint", "model.checkpoint=/no/such/dir"], r"model.checkpoint='/no/such/dir' does not exist")
+    (tmp_path / "weights.bin").write_text("x")
+    expect_error(["model=checkpoint", f"model.checkpoint={tmp_path / 'weights.bin'}"], r"weights.bin' is a file")
+
+
+def test_a_source_keeping_no_documents_is_refused():
+    expect_error(["data.sources.stdlib.max_docs=0"], r"data.sources.stdlib.max_docs=0 must be >= 1")
 
 
 def test_mandatory_values_named():
@@ -215,3 +232,13 @@ def test_a_cpu_launch_on_a_gpu_machine_plans_for_the_cpu(monkeypatch):
     assert use_cpu() and resolve_precision("auto", on_gpu=not use_cpu()) == "no"
     with pytest.raises(ValueError, match="needs a GPU"):
         resolve_precision("bf16", on_gpu=False)
+
+
+def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
+    from longstride.recipes.config.schema import SHIPPED
+
+    expect_error([f"data.tokenizer={tmp_path}"], rf"data.tokenizer={tmp_path} could not be loaded as an HF tokenizer")
+    shipped = f"{SHIPPED}/tiny_base_256"
+    expect_error([f"data.tokenizer={shipped}", "model.vocab_size=100"],
+                 r"has 4096 ids but model.vocab_size is 100; raise it or set model.vocab_size=null")
+    validate(compose_cfg([f"data.tokenizer={shipped}", "model.vocab_size=4096"]), 2)

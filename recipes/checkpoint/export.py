@@ -32,6 +32,9 @@ class ExportConfig:
 def export_hf(checkpoint: str, out: str) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"checkpoint={checkpoint!r} does not exist; give a step checkpoint, e.g. "
+                         "outputs/<recipe>/<stage>/step_000020")
     if not os.path.isfile(os.path.join(checkpoint, METADATA)):
         raise ValueError(f"checkpoint={checkpoint!r} is not a sharded step checkpoint (no {METADATA}); a stage's "
                          "final is already an HF directory")

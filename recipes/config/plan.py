@@ -202,7 +202,7 @@ def _check_data(cfg: Config) -> None:
                          "or null to train a BPE on the corpus")
     if cfg.model.arch == "checkpoint":
         check_checkpoint_weights(cfg.model.checkpoint, "model.checkpoint")
-        _check_checkpoint_tokenizer(cfg.model.checkpoint, d.tokenizer)
+    _check_tokenizer(cfg.model, d.tokenizer)
     if not d.streaming:
         return
     if d.long_docs.min_tokens or any(s.long_docs and s.long_docs.min_tokens for s in stages):
@@ -213,25 +213,34 @@ def _check_data(cfg: Config) -> None:
                          "process; set data.num_workers=0 with data.streaming=true")
 
 
-def _check_checkpoint_tokenizer(checkpoint: str, tokenizer: Optional[str]) -> None:
-    """A pretrained model reads the ids of its own tokenizer: data.tokenizer=null (a new BPE trained on the corpus)
-    is refused, and so is a tokenizer with more ids than the model's embedding has rows."""
+def _check_tokenizer(m: ModelConfig, tokenizer: Optional[str]) -> None:
+    """A given data.tokenizer loads, and its ids fit the model's embedding (a checkpoint's, or model.vocab_size);
+    a pretrained model reads the ids of its own tokenizer, so data.tokenizer=null (a new BPE trained on the corpus)
+    is refused for one."""
     from transformers import AutoConfig, AutoTokenizer
 
-    if not tokenizer:
+    checkpoint = m.checkpoint if m.arch == "checkpoint" else None
+    if checkpoint and not tokenizer:
         hint = checkpoint if any(os.path.isfile(os.path.join(checkpoint, f))
                                  for f in ("tokenizer.json", "tokenizer_config.json")) else "<its tokenizer dir>"
         raise ValueError(f"model.checkpoint={checkpoint} with data.tokenizer=null would train a new tokenizer, whose "
                          f"ids mean nothing to the pretrained model; set data.tokenizer={hint}")
+    if not tokenizer:
+        return
     try:
         size = len(AutoTokenizer.from_pretrained(tokenizer))
     except (OSError, ValueError) as e:
-        raise ValueError(f"data.tokenizer={tokenizer} could not be loaded as an HF tokenizer ({e}); give the "
-                         f"directory holding tokenizer.json or tokenizer_config.json") from None
-    vocab = AutoConfig.from_pretrained(checkpoint).get_text_config(decoder=True).vocab_size
-    if size > vocab:
-        raise ValueError(f"data.tokenizer={tokenizer} has {size} ids but model.checkpoint={checkpoint} embeds {vocab}; "
-                         f"use the model's own tokenizer (data.tokenizer={checkpoint} when it holds one)")
+        raise ValueError(f"data.tokenizer={tokenizer} could not be loaded as an HF tokenizer "
+                         f"({str(e).splitlines()[0]}); give the directory holding tokenizer.json or "
+                         "tokenizer_config.json") from None
+    vocab, what = ((AutoConfig.from_pretrained(checkpoint).get_text_config(decoder=True).vocab_size,
+                    f"model.checkpoint={checkpoint} embeds") if checkpoint else (m.vocab_size, "model.vocab_size is"))
+    if vocab and size > vocab:
+        fix = f"data.tokenizer={checkpoint} when it holds one" if checkpoint else "model.vocab_size=null"
+        raise ValueError(f"data.tokenizer={tokenizer} has {size} ids but {what} {vocab}; use the model's own "
+                         f"tokenizer ({fix})" if checkpoint else
+                         f"data.tokenizer={tokenizer} has {size} ids but {what} {vocab}; raise it or set {fix} "
+                         "(the tokenizer's size)")
 
 
 def check_model_and_data(cfg: Config) -> int:
