@@ -146,6 +146,7 @@ def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
     ("model.vocab_size=100", "model.vocab_size=100 must be null (the tokenizer's size) or >= data.vocab_size 384"),
     ("data.long_docs={min_tokens:100,min_share:1.5}", "data.long_docs.min_share=1.5 must be in [0, 1)"),
     ("model.yarn.factor=0.5", "model.yarn.factor=0.5 must be > 1"),
+    ("data.tokenizer_train_bytes=0", "data.tokenizer_train_bytes=0 must be >= 1"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
     from longstride.recipes.config.plan import validate
@@ -199,6 +200,21 @@ def test_a_base_checkpoint_without_readable_weights_is_refused_at_validation(tmp
         os.truncate(weights, weights.stat().st_size // 2)
     with pytest.raises(ValueError, match=re.escape(f"model.checkpoint='{base}'") + ".*" + re.escape(message)):
         validate(compose_cfg(["recipe=tiny_extend", f"model.checkpoint={base}", f"data.tokenizer={base}"]), 2)
+
+
+def test_wandb_online_without_a_login_is_refused_before_compute(micro, tmp_path, monkeypatch):
+    """wandb.init would raise its UsageError after the corpus and model are built; the check reads what wandb reads
+    (WANDB_API_KEY, the netrc entry for its host)."""
+    from longstride.recipes.config.plan import validate
+    from tests.conftest import compose_cfg
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    online = micro + ["logger.wandb_mode=online"]
+    with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
+        validate(compose_cfg(online), 1)
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    validate(compose_cfg(online), 1)
 
 
 @pytest.mark.parametrize("overrides, message", [

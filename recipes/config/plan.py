@@ -82,6 +82,8 @@ def _range_rules(cfg: Config) -> list[tuple]:
               "auto, true or false"),
              ("logger.log_every", cfg.logger.log_every, cfg.logger.log_every >= 1, ">= 1 (1 = every step)"),
              ("data.num_workers", cfg.data.num_workers, cfg.data.num_workers >= 0, ">= 0 (0 = in the training process)"),
+             ("data.tokenizer_train_bytes", cfg.data.tokenizer_train_bytes, cfg.data.tokenizer_train_bytes >= 1,
+              ">= 1 (bytes of text the BPE is trained on when data.tokenizer=null; e.g. 8000000)"),
              ("data.vocab_size", cfg.data.vocab_size, cfg.data.vocab_size > 256,
               "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)")]
     docs = [("data.long_docs", cfg.data.long_docs)] + [(f"recipe.stages.{n}.long_docs", s.long_docs)
@@ -130,6 +132,9 @@ def _check_run(cfg: Config) -> None:
     for field_name, value, ok, want in _range_rules(cfg):
         if not ok:
             raise ValueError(f"{field_name}={value} must be {want}")
+    if str(cfg.logger.wandb_mode) == "online" and not _wandb_key():
+        raise ValueError("logger.wandb_mode=online needs a wandb login on this machine (wandb login, or "
+                         "WANDB_API_KEY); or use logger.wandb_mode=offline (wandb sync later) or disabled")
     root = cfg.paths.output_root
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"paths.output_root={root!r} is a file; give a directory (it is created if missing)")
@@ -140,6 +145,20 @@ def _check_run(cfg: Config) -> None:
     if cfg.stage and cfg.stage != first and (cfg.train.resume_from or not cfg.train.resume):
         raise ValueError(f"stage={cfg.stage} with train.resume=false or train.resume_from: those decide where the "
                          "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
+
+
+def _wandb_key() -> bool:
+    """Whether wandb would find an API key: WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc for its host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
