@@ -11,7 +11,10 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 IGNORE_INDEX = -100
 
@@ -27,26 +30,90 @@ class Head(NamedTuple):
 
 
 def output_head(lm: torch.nn.Module) -> Head:
-    """`lm`'s output head with the terms transformers' CausalLM forwards add after lm_head: its bias, Cohere's
-    `logit_scale`, Granite's `logits_scaling` and `final_logit_softcapping`, so the chunked loss is the model's own."""
-    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    """`lm`'s output head as its own forward computes it: lm_head's weight and bias, and the terms transformers'
+    CausalLM forwards add after lm_head (Cohere's `logit_scale`, Granite's `logits_scaling` divisor, HyperCLOVAX's
+    multiplier of the same name, `final_logit_softcapping`). The terms are read off the forward itself
+    (head_terms), so the chunked loss is the model's own; a head that no such reading reproduces is refused."""
     head = lm.get_output_embeddings()
+    return Head(head.weight, head.bias, *head_terms(lm))
+
+
+def head_terms(lm: torch.nn.Module) -> tuple[float, Optional[float]]:
+    """(scale, softcap) of `lm`'s logits after lm_head, checked against its own forward on two random hidden
+    states (only the head runs: the decoder is swapped for a stub returning them). Cached on `lm`; a model without
+    values (meta or fake tensors: a traced step) takes the first candidate unchecked."""
+    cached = getattr(lm, "_longstride_head_terms", None)
+    if cached is not None:
+        return cached
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     scale = getattr(lm, "logit_scale", None)
     if isinstance(scale, torch.Tensor):
         raise NotImplementedError(f"{type(lm).__name__} scales its logits by a learned tensor (logit_scale), which "
                                   "longstride's chunked loss does not compute; refused rather than dropped")
-    scale = float(scale or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
-    return Head(head.weight, head.bias, scale, getattr(config, "final_logit_softcapping", None) or None)
+    scale = float(scale or 1.0)
+    factor = float(getattr(config, "logits_scaling", None) or 1.0)
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    candidates = [(s, c) for s in dict.fromkeys([scale / factor, scale * factor, scale]) for c in (softcap, None)]
+    head = lm.get_output_embeddings()
+    if head.weight.is_meta or is_fake(head.weight) or detect_fake_mode() is not None:  # a traced step: no values
+        return candidates[0]
+    hidden = torch.randn(1, 2, head.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(head.weight.device, head.weight.dtype)
+    with torch.no_grad():  # logits well past any soft-cap, where a cap and no cap differ (tanh is ~x near 0)
+        top = F.linear(hidden, head.weight).float().abs().max().clamp(min=1e-6)
+    hidden = hidden * (3 * (softcap or 10.0) / top).to(hidden.dtype)
+    want = _own_logits(lm, hidden)
+    tol = 1e-3 if head.weight.dtype == torch.float32 else 3e-2  # a bf16 head may scale in bf16, ours in fp32
+    for terms in candidates:
+        got = _head_logits(hidden, Head(head.weight, head.bias, *terms))
+        if torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+            lm._longstride_head_terms = terms
+            return terms
+    raise NotImplementedError(f"{type(lm).__name__}'s logits are more than lm_head with a scale and a soft-cap "
+                              "(none of those terms reproduces its own forward), so longstride's chunked loss would "
+                              "not be the model's; refused rather than dropped")
+
+
+class _StubOutput(BaseModelOutputWithPast):
+    def __getattr__(self, name):  # what else a CausalLM forward reads of its decoder's output (router_logits): none
+        return None
+
+
+class _Stub(torch.nn.Module):
+    """Stands in for a causal LM's decoder: returns the given hidden states, so that only the head runs."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        return _StubOutput(last_hidden_state=self.hidden)
+
+
+@torch.no_grad()
+def _own_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    decoder = lm.model
+    lm.model = _Stub(hidden)
+    try:
+        return lm(input_ids=torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)).logits.float()
+    finally:
+        lm.model = decoder
+
+
+def _head_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
+    # hidden: (..., D) -> fp32 logits (..., V) as the model's head computes them
+    logits = F.linear(hidden, head.weight, head.bias).float()
+    if head.scale != 1.0:
+        logits = logits * head.scale
+    if head.softcap:
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+    return logits
 
 
 def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
                    scale: float, softcap: Optional[float]) -> torch.Tensor:
     # hidden: (T, D), weight: (V, D), labels: (T,) -> scalar fp32 sum over labelled tokens
-    logits = F.linear(hidden, weight, bias).float()
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
+    logits = _head_logits(hidden, Head(weight, bias, scale, softcap))
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -86,10 +153,12 @@ class ChunkedLossLM(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, tile: int = 1024):
         super().__init__()
         self.lm, self.tile = lm, tile
-        output_head(lm)  # a head the loss cannot compute is refused here, before any step
+        # read (and a head the loss cannot compute refused) here, before any step and before DDP / FSDP2 wrap lm
+        self.terms = head_terms(lm)
 
     def forward(self, input_ids, labels, position_ids, **attn_kwargs) -> torch.Tensor:
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **attn_kwargs).last_hidden_state
-        # read at each forward: FSDP2 swaps the head's parameters for their gathered copies around it
-        return chunked_cross_entropy_sum(hidden, output_head(self.lm), labels, self.tile)
+        # the weight and bias read at each forward: FSDP2 swaps them for their gathered copies around it
+        head = self.lm.get_output_embeddings()
+        return chunked_cross_entropy_sum(hidden, Head(head.weight, head.bias, *self.terms), labels, self.tile)

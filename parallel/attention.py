@@ -52,7 +52,8 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
     for field, what in UNSUPPORTED_CONFIG.items():
         if getattr(cfg, field, None):
             found.append(f"config.{field}={getattr(cfg, field)} ({what})")
-    v_dim, qk_dim = getattr(cfg, "v_head_dim", None), getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
+    v_dim = getattr(cfg, "v_head_dim", None)
+    qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
     if v_dim and qk_dim and v_dim != qk_dim:
         found.append(f"config.v_head_dim={v_dim} differs from the query/key head size {qk_dim} (multi-head latent "
                      "attention: the kernels take one head size)")
@@ -68,24 +69,28 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
 def position_dependent(cfg, split_longest: int) -> list[str]:
     """What a model computes from the largest position, or the count, of the tokens one process holds, where
     context parallelism hands each rank only its share of a `split_longest`-token sequence (so ranks would
-    disagree with each other and with one process): RoPE that picks its frequencies from the batch's largest
-    position (longrope: Phi-3; dynamic NTK) once a sequence passes their original window, and Llama 4's query
+    disagree with each other and with one process): longrope RoPE (Phi-3), which picks its long or short
+    frequencies from the batch's largest position once sequences pass its original window, and Llama 4's query
     temperature on NoPE layers, which transformers takes from 0..n-1 over the tokens a process holds, from
-    floor_scale positions on. Shorter stages compute neither, so they pass."""
+    floor_scale positions on. Shorter stages compute neither, so they pass. (Dynamic NTK RoPE acts only past the
+    model's max positions, which a stage raises to its own length: it never acts in training.)"""
+    from longstride.model.rope import per_type_keys
+
     found = []
     params = getattr(cfg, "rope_parameters", None) or {}
-    entries = params.items() if any(isinstance(v, dict) or v is None for v in params.values()) else [(None, params)]
-    for key, entry in entries:
-        kind = (entry or {}).get("rope_type")
-        window = (entry or {}).get("original_max_position_embeddings") or getattr(cfg, "max_position_embeddings", 0)
-        if kind in ("longrope", "dynamic") and split_longest > int(window or 0):
-            found.append(f"config.rope_parameters{f'[{key!r}]' if key else ''} rope_type={kind} picks its "
+    keys = per_type_keys(cfg)
+    for key, entry in ([(k, params[k]) for k in keys] if keys else [(None, params)]):
+        entry = entry or {}
+        window = (entry.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", 0)
+                  or getattr(cfg, "max_position_embeddings", 0))
+        if entry.get("rope_type") == "longrope" and split_longest > int(window or 0):
+            found.append(f"config.rope_parameters{f'[{key!r}]' if key else ''} rope_type=longrope picks its "
                          f"frequencies from the batch's largest position, past {window} positions, and a "
                          f"context-parallel rank sees only its own (a {split_longest}-token stage with cp > 1; "
                          f"train stages over {window} tokens with cp=1)")
-    floor = getattr(cfg, "floor_scale", None)
-    if getattr(cfg, "attn_temperature_tuning", False) and floor and split_longest >= int(floor):
-        found.append(f"config.attn_temperature_tuning=True scales NoPE layers' queries by position from "
+    tuning, floor = getattr(cfg, "attn_temperature_tuning", False), getattr(cfg, "floor_scale", None)
+    if tuning and floor and split_longest >= int(floor):
+        found.append(f"config.attn_temperature_tuning={tuning} scales NoPE layers' queries by position from "
                      f"floor_scale={floor} on, counting the tokens a process holds, which under context parallelism "
                      f"are not the sequence's (a {split_longest}-token stage with cp > 1; train stages of "
                      f"{floor} tokens or more with cp=1)")

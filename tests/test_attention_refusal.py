@@ -115,15 +115,13 @@ def _phi3_longrope():
 
 @pytest.mark.parametrize("name, make, cls, threshold, what", [
     ("phi3_longrope", _phi3_longrope, T.Phi3ForCausalLM, 65, "rope_type=longrope"),
-    ("llama_dynamic", lambda: T.LlamaConfig(**SMALL, max_position_embeddings=64, rope_parameters={
-        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), T.LlamaForCausalLM, 65, "rope_type=dynamic"),
     ("llama4_temperature", lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                                       attention_chunk_size=16, floor_scale=32,
                                                       attn_temperature_tuning=True),
      T.Llama4ForCausalLM, 32, "attn_temperature_tuning=True")])
 def test_what_reads_positions_from_a_rank_s_own_tokens_is_refused_under_cp_past_its_threshold(
         name, make, cls, threshold, what):
-    """longrope and dynamic RoPE pick their frequencies from the largest position in the batch, and Llama 4's
+    """longrope RoPE picks its frequencies from the largest position in the batch, and Llama 4's
     query temperature counts the tokens a process holds: under context parallelism each rank sees only its share,
     so a stage that splits sequences past the point where these start to act is refused; shorter split stages,
     and any unsplit stage, pass."""
@@ -131,6 +129,18 @@ def test_what_reads_positions_from_a_rank_s_own_tokens_is_refused_under_cp_past_
     assert unsupported_attention(model) == [] and unsupported_attention(model, threshold - 1) == []
     found = unsupported_attention(model, threshold)
     assert len(found) == 1 and what in found[0] and "with cp > 1" in found[0], found
+
+
+def test_dynamic_rope_and_flat_entries_holding_none_pass():
+    """Dynamic NTK acts only past max positions, which a stage raises to its own length: not refused. A flat
+    rope_parameters with a None value (longrope's optional mscales) is read as flat, not per layer type."""
+    dynamic = T.LlamaForCausalLM(T.LlamaConfig(**SMALL, max_position_embeddings=64, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+    assert unsupported_attention(dynamic, 4096) == []
+    config = _phi3_longrope()
+    config.rope_parameters = {**config.rope_parameters, "long_mscale": None, "short_mscale": None}
+    found = unsupported_attention(T.Phi3ForCausalLM(config), 4096)
+    assert len(found) == 1 and "rope_type=longrope" in found[0] and "past 64 positions" in found[0]
 
 
 def test_llama4_temperature_under_cp_really_differs():

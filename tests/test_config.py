@@ -240,5 +240,5 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     expect_error([f"data.tokenizer={tmp_path}"], rf"data.tokenizer={tmp_path} could not be loaded as an HF tokenizer")
     shipped = f"{SHIPPED}/tiny_base_256"
     expect_error([f"data.tokenizer={shipped}", "model.vocab_size=100"],
-                 r"has 4096 ids but model.vocab_size is 100; raise it or set model.vocab_size=null")
+                 r"makes ids up to 4095 but model.vocab_size is 100; raise it or set model.vocab_size=null")
     validate(compose_cfg([f"data.tokenizer={shipped}", "model.vocab_size=4096"]), 2)

@@ -171,9 +171,10 @@ def test_a_pretrained_model_is_refused_a_tokenizer_that_is_not_its_own(tmp_path)
                                          rf"tokenizer.*set data.tokenizer={base}$"):
         validate(compose_cfg(["recipe=tiny_extend", "data.tokenizer=null"]), 2)
     tok = AutoTokenizer.from_pretrained(base)
-    tok.add_tokens([f"extra{i}" for i in range(64)])
+    tok.add_special_tokens({"eos_token": "<|new_end|>"})  # an EOS packing writes, with an id past the embedding
     tok.save_pretrained(tmp_path / "bigger")
-    with pytest.raises(ValueError, match=rf"data.tokenizer={tmp_path / 'bigger'} has \d+ ids but model.checkpoint="):
+    with pytest.raises(ValueError, match=rf"data.tokenizer={tmp_path / 'bigger'} makes ids up to 4096 but "
+                                         rf"model.checkpoint=.* embeds 4096"):
         validate(compose_cfg(["recipe=tiny_extend", f"data.tokenizer={tmp_path / 'bigger'}"]), 2)
     validate(compose_cfg(["recipe=tiny_extend"]), 2)  # its own tokenizer passes
 
@@ -208,12 +209,24 @@ def test_wandb_online_without_a_login_is_refused_before_compute(micro, tmp_path,
     from longstride.recipes.config.plan import validate
     from tests.conftest import compose_cfg
 
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
     online = micro + ["logger.wandb_mode=online"]
     with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
         validate(compose_cfg(online), 1)
+    (tmp_path / "netrc").write_text("machine github.com\n  login user\n  password abc\n")  # another host's login
+    with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
+        validate(compose_cfg(online), 1)
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    validate(compose_cfg(online), 1)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.lab:8080")  # a self-hosted server: its host:port entry
+    (tmp_path / "netrc").write_text("machine wandb.lab:8080\n  login user\n  password abc\n")
+    validate(compose_cfg(online), 1)
+    (tmp_path / "netrc").unlink()
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nbase_url = http://wandb.lab:8080\napi_key = abc\n")
     validate(compose_cfg(online), 1)
 
 

@@ -51,6 +51,8 @@ HEADS = {  # the output-head terms transformers' CausalLM forwards add after lm_
                                                                   if k != "num_key_value_heads"})),
     "gemma3_final_softcap": lambda T: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=16,
                                                                              final_logit_softcapping=0.5)),
+    "hyperclovax_logits_scaling_multiplies": lambda T: T.HyperCLOVAXForCausalLM(T.HyperCLOVAXConfig(
+        **SMALL, logits_scaling=4.0)),
 }
 
 
@@ -82,3 +84,16 @@ def test_the_chunked_loss_is_the_model_s_own_loss_through_its_whole_output_head(
         plain = chunked_cross_entropy_sum(lm.model(input_ids=ids, position_ids=positions).last_hidden_state,
                                           lm.lm_head.weight, labels, 7)
     assert abs(plain.item() - want.item()) > 1e-2  # the head's extra term matters here: the test can fail
+
+
+def test_config_fields_a_model_does_not_apply_leave_its_head_plain():
+    """A Llama config carrying logits_scaling and final_logit_softcapping (which Llama's forward never reads): the
+    terms are read off the forward, so the head stays plain, and the loss is the model's own."""
+    import transformers as T
+
+    from longstride.model.loss import head_terms
+
+    lm = T.LlamaForCausalLM(T.LlamaConfig(**SMALL, logits_scaling=0.125, final_logit_softcapping=30.0))
+    assert head_terms(lm) == (1.0, None)
+    assert head_terms(HEADS["granite_logits_scaling"](T)) == (0.25, None)
+    assert head_terms(HEADS["hyperclovax_logits_scaling_multiplies"](T)) == (4.0, None)

@@ -452,3 +452,32 @@ def test_nothing_fitting_any_length_is_an_error_not_an_empty_table(checkpoint, t
         main([f"checkpoint={checkpoint}", "lengths=[64]", "num_samples=1", "tasks=[niah_single_1]",
               f"out={tmp_path}"])
     assert not list(tmp_path.iterdir()), "no empty results written"
+
+
+class _WordTok:
+    """One token per whitespace-separated word: a tokenizer under which cwe's 8,166-word list fits in ~25K tokens."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] * len(text.split())}
+
+
+def test_cwe_searches_within_its_word_list_first_and_past_it_only_when_the_list_fits():
+    """Below the list's size the search is the one it always was (capped at the list), so those samples do not
+    change; a length where the whole list fits goes on past it with compound words and fills its budget."""
+    from longstride.eval.ruler.fit import _doubled
+
+    tok, n = _WordTok(), len(common_words())
+    short = make_sample(TASKS["cwe"], 12_000, 0, tok)
+    sampler = Sampler(TASKS["cwe"], 12_000, 42, 0)
+
+    def fits(units):
+        r = sampler.render(units)
+        return len(prompt_ids(tok, r.content, r.answer_prefix, False)) <= 12_000 - TASKS["cwe"].max_new_tokens
+
+    assert short.units < n and short.units == _doubled(fits, TASKS["cwe"].params["num_cw"], n)
+    long = make_sample(TASKS["cwe"], 80_000, 0, tok)  # about 6 words a unit: the list fills about 49K
+    assert long.units > n and len(long.prompt_ids) + long.max_new_tokens <= 80_000
+    bigger = Sampler(TASKS["cwe"], 80_000, 42, 0).render(long.units + 1)
+    assert len(prompt_ids(tok, bigger.content, bigger.answer_prefix, False)) + long.max_new_tokens > 80_000

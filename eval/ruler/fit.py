@@ -88,6 +88,8 @@ def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 4
         lo = _largest_fitting(fits, tokens, lo, cap, budget, guess)
     else:
         lo = _doubled(fits, lo, cap)
+        if sampler.soft_cap and lo == cap < length:
+            lo = _doubled(fits, lo, length)
     ids, r = tried[lo]
     return Sample(task.name, length, index, prompt_ids=ids, answers=r.answers, units=lo, depth=r.depth,
                   max_new_tokens=task.max_new_tokens, metric=task.metric)

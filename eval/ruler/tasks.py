@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from longstride.data import synthetic
-from longstride.eval.ruler.words import NOISE, cwe_words, prose_words, word_list
+from longstride.eval.ruler.words import NOISE, common_words, cwe_words, prose_words, word_list
 
 
 @dataclass(frozen=True)
@@ -119,14 +119,15 @@ def _zeta(a: float, n: int = 10000) -> float:
 
 
 class Sampler:
-    """Draws and renders samples of one task at one length. `cap` bounds the haystack size."""
+    """Draws and renders samples of one task at one length. `cap` bounds the haystack size (a `soft_cap` only
+    bounds the first search: past it when the capped size fits)."""
 
     def __init__(self, task: Task, length: int, seed: int, index: int, haystack: Optional[str] = None,
                  qa: Optional["QAData"] = None):
         self.task, self.length, self.index, self.haystack, self._seed = task, length, index, haystack, seed
         self.rng = random.Random(f"{seed}/{task.name}/{length}/{index}")
         self.seed = self.rng.getrandbits(64)
-        self.min_units, self.cap = 1, None
+        self.min_units, self.cap, self.soft_cap = 1, None, False
         self.monotone = True  # a larger size never tokenizes shorter (fit.make_sample may then start from a guess)
         getattr(self, f"_draw_{task.kind}")(qa)
 
@@ -211,7 +212,9 @@ class Sampler:
 
     # --- common words
     def _draw_cwe(self, qa):
-        self.min_units = self.task.params["num_cw"]
+        # the search stays within the word list first (the samples it always made), and goes on past it with
+        # compound words (words.cwe_words) only when the whole list fits: `soft_cap`
+        self.min_units, self.cap, self.soft_cap = self.task.params["num_cw"], len(common_words()), True
         self.monotone = False  # each size redraws its words: more words can tokenize shorter, so no guessing
 
     def _cwe_list(self, rng, num_words, freq_cw, freq_ucw):

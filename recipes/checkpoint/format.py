@@ -300,7 +300,7 @@ def load_shards_checked(path: str, model, optimizer) -> None:
         raise CheckpointError(f"checkpoint {path} has no {SHARD_METADATA}: it was written by a longstride from before "
                               "sharded checkpoints (whole weights in model.safetensors, the optimizer in trainer.pt). "
                               "Resume it with the longstride that wrote it, or start the stage over from its weights "
-                              f"(model=checkpoint model.checkpoint={path})")
+                              f"(model=checkpoint model.checkpoint={path} data.tokenizer={path})")
     try:
         model.load_state(path, optimizer)
     except UnsafeCheckpoint as e:

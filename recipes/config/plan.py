@@ -81,10 +81,11 @@ def _range_rules(cfg: Config) -> list[tuple]:
              ("train.trace_memory", t.trace_memory, str(t.trace_memory).lower() in ("auto", "true", "false"),
               "auto, true or false"),
              ("logger.log_every", cfg.logger.log_every, cfg.logger.log_every >= 1, ">= 1 (1 = every step)"),
-             ("data.num_workers", cfg.data.num_workers, cfg.data.num_workers >= 0, ">= 0 (0 = in the training process)"),
+             ("data.num_workers", cfg.data.num_workers, cfg.data.num_workers >= 0,
+              ">= 0 (0 = in the training process)"),
              ("data.tokenizer_train_bytes", cfg.data.tokenizer_train_bytes, cfg.data.tokenizer_train_bytes >= 1,
               ">= 1 (bytes of text the BPE is trained on when data.tokenizer=null; e.g. 8000000)"),
-             ("data.vocab_size", cfg.data.vocab_size, cfg.data.vocab_size > 256,
+             ("data.vocab_size", cfg.data.vocab_size, cfg.data.vocab_size > 256 or bool(cfg.data.tokenizer),
               "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)")]
     docs = [("data.long_docs", cfg.data.long_docs)] + [(f"recipe.stages.{n}.long_docs", s.long_docs)
                                                        for n, s in cfg.recipe.stages.items() if s.long_docs]
@@ -111,7 +112,7 @@ def _range_rules(cfg: Config) -> list[tuple]:
                   (f"{f}.batch_tokens", s.batch_tokens, s.batch_tokens >= 1, ">= 1 (tokens per optimizer step)"),
                   (f"{f}.mixture", s.mixture, not s.mixture or (all(w >= 0 for w in s.mixture.values())
                                                                  and sum(s.mixture.values()) > 0),
-                   "source weights >= 0 with a positive sum (null = data.sources' weights)"),
+                   "source weights >= 0 with a positive sum (empty or null = data.sources' weights)"),
                   (f"{f}.rope_theta", s.rope_theta, s.rope_theta > 0, "positive (for example 1e4, 5e5, 1e6)"),
                   (f"{f}.micro_batch_size", s.micro_batch_size, s.micro_batch_size >= 1, ">= 1"),
                   (f"{f}.lr", s.lr, s.lr > 0, "> 0"),
@@ -148,17 +149,27 @@ def _check_run(cfg: Config) -> None:
 
 
 def _wandb_key() -> bool:
-    """Whether wandb would find an API key: WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc for its host."""
+    """Whether wandb could find credentials, by the places it reads: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, an
+    api_key in its settings file (`wandb login --host`), or `wandb login`'s netrc entry for its host (by host name or
+    host:port)."""
     import netrc
     from urllib.parse import urlparse
 
-    if os.environ.get("WANDB_API_KEY"):
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    settings = os.path.join(os.path.expanduser(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")), "settings")
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        with open(settings) as f:
+            if "api_key" in f.read():
+                return True
+    except OSError:
+        pass
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
     except (OSError, netrc.NetrcParseError):
         return False
+    return url.hostname in hosts or url.netloc in hosts
 
 
 def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
@@ -247,19 +258,21 @@ def _check_tokenizer(m: ModelConfig, tokenizer: Optional[str]) -> None:
     if not tokenizer:
         return
     try:
-        size = len(AutoTokenizer.from_pretrained(tokenizer))
+        tok = AutoTokenizer.from_pretrained(tokenizer)
     except (OSError, ValueError) as e:
         raise ValueError(f"data.tokenizer={tokenizer} could not be loaded as an HF tokenizer "
                          f"({str(e).splitlines()[0]}); give the directory holding tokenizer.json or "
                          "tokenizer_config.json") from None
+    # the ids the data can hold: the base vocabulary's, and the special tokens packing writes (EOS, pad); not every
+    # added token (Gemma 3's tokenizer adds an image token past its models' 262,144 embeddings, never in text)
+    size = max([tok.vocab_size] + [i + 1 for i in (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)
+                                   if i is not None])
     vocab, what = ((AutoConfig.from_pretrained(checkpoint).get_text_config(decoder=True).vocab_size,
                     f"model.checkpoint={checkpoint} embeds") if checkpoint else (m.vocab_size, "model.vocab_size is"))
     if vocab and size > vocab:
-        fix = f"data.tokenizer={checkpoint} when it holds one" if checkpoint else "model.vocab_size=null"
-        raise ValueError(f"data.tokenizer={tokenizer} has {size} ids but {what} {vocab}; use the model's own "
-                         f"tokenizer ({fix})" if checkpoint else
-                         f"data.tokenizer={tokenizer} has {size} ids but {what} {vocab}; raise it or set {fix} "
-                         "(the tokenizer's size)")
+        fix = (f"use the model's own tokenizer (data.tokenizer={checkpoint} when it holds one)" if checkpoint else
+               "raise it or set model.vocab_size=null (the tokenizer's size)")
+        raise ValueError(f"data.tokenizer={tokenizer} makes ids up to {size - 1} but {what} {vocab}; {fix}")
 
 
 def check_model_and_data(cfg: Config) -> int:

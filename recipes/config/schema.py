@@ -42,8 +42,8 @@ class StageConfig:
     schedule: Schedule = Schedule.cosine
     decay_fraction: float = 0.2  # wsd only
     cp: int = 1
-    # source -> token weight; empty = data.sources' weights (a dict, not null, so an override can fill it)
-    mixture: Dict[str, float] = field(default_factory=dict)
+    # source -> token weight; empty or null = data.sources' weights (empty by default, so +mixture.NAME=W can fill it)
+    mixture: Optional[Dict[str, float]] = field(default_factory=dict)
     long_docs: Optional[LongDocConfig] = None  # None = data.long_docs
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only the final one
     activation_checkpointing: Optional[bool] = None  # None = model.activation_checkpointing
