@@ -481,3 +481,25 @@ def test_cwe_searches_within_its_word_list_first_and_past_it_only_when_the_list_
     assert long.units > n and len(long.prompt_ids) + long.max_new_tokens <= 80_000
     bigger = Sampler(TASKS["cwe"], 80_000, 42, 0).render(long.units + 1)
     assert len(prompt_ids(tok, bigger.content, bigger.answer_prefix, False)) + long.max_new_tokens > 80_000
+
+
+def test_cp_prefill_refuses_a_model_that_reads_positions_from_a_rank_s_own_tokens(tmp_path, monkeypatch):
+    """prefill=cp splits each prompt over the processes: Phi-3's longrope (past its original window) would pick
+    its frequencies from each rank's own positions, so it is refused before any prompt is made."""
+    import transformers as T
+
+    from longstride.eval.ruler import run as ruler_run
+    from longstride.recipes.config.schema import SHIPPED
+
+    config = T.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                           "long_factor": [1.0] * 4, "original_max_position_embeddings": 64})
+    T.Phi3ForCausalLM(config).save_pretrained(tmp_path / "phi3")
+    T.AutoTokenizer.from_pretrained(f"{SHIPPED}/tiny_base_256").save_pretrained(tmp_path / "phi3")
+    monkeypatch.setattr(ruler_run, "_dist", lambda: (0, 2))  # as under torchrun with 2 processes
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"prefill=cp: .*rope_type=longrope .* use prefill=local"):
+        main([f"checkpoint={tmp_path / 'phi3'}", "lengths=[2048]", "num_samples=1", "tasks=[niah_single_1]",
+              "prefill=cp", f"out={tmp_path / 'out'}"])

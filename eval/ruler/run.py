@@ -30,6 +30,7 @@ from longstride.eval.ruler.report import format_table, log_wandb, plot, write_fi
 from longstride.eval.ruler.score import sample_score, summarize
 from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
+from longstride.parallel.attention import position_dependent
 from longstride.model.config import YarnConfig
 from longstride.parallel.cp import CPContext
 
@@ -209,6 +210,10 @@ def main(argv: list[str]) -> Optional[dict]:
     cp = cfg.prefill == "cp"
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
     model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype])
+    if cp and world > 1:  # each prompt split over the ranks: what reads positions from a rank's own tokens is refused
+        found = position_dependent(model.config.get_text_config(decoder=True), max(lengths))
+        if found:
+            raise ValueError(f"prefill=cp: {'; '.join(found)}; use prefill=local (samples split over the processes)")
     groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped)
     if not groups:
         raise ValueError(f"nothing to run: no task fits any of lengths {lengths} (see the messages above); give "
