@@ -275,7 +275,8 @@ class Sampler:
         self.question = qa.questions[random.Random(f"{self._seed}/{self.task.name}/{self.index}").randrange(
             len(qa.questions))]
         gold, near = set(self.question["docs"]), list(self.question.get("near", ()))
-        far = [i for i in range(len(qa.docs)) if i not in gold and i not in set(near)]
+        taken = gold | set(near)
+        far = [i for i in range(len(qa.docs)) if i not in taken]
         self.rng.shuffle(near)
         self.rng.shuffle(far)
         self.distractors = near + far
