@@ -1,6 +1,9 @@
 """Every config group composes against its schema; bad input fails before any model is built."""
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
@@ -242,3 +245,117 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     expect_error([f"data.tokenizer={shipped}", "model.vocab_size=100"],
                  r"makes ids up to 4095 but model.vocab_size is 100; raise it or set model.vocab_size=null")
     validate(compose_cfg([f"data.tokenizer={shipped}", "model.vocab_size=4096"]), 2)
+
+
+# --- out-of-range values, inputs that do not fit the model, contradictions: named at validation, before compute
+@pytest.mark.parametrize("override, message", [
+    ("recipe.stages.s1_256.micro_batch_size=0", "recipe.stages.s1_256.micro_batch_size=0 must be >= 1"),
+    ("recipe.stages.s2_2k.lr=-0.001", "recipe.stages.s2_2k.lr=-0.001 must be > 0"),
+    ("optim.betas=[0.9]", "optim.betas=[0.9] must be two numbers in [0, 1)"),
+    ("model.loss_tile_tokens=0", "model.loss_tile_tokens=0 must be >= 1"),
+    ("data.eval_sequences=-1", "data.eval_sequences=-1 must be >= 0"),
+    ("recipe.stages.s1_256.save_every=-1", "recipe.stages.s1_256.save_every=-1 must be >= 0"),
+    ("recipe.stages.s3_4k.min_lr_ratio=5", "recipe.stages.s3_4k.min_lr_ratio=5.0 must be in [0, 1]"),
+    ("model.num_hidden_layers=0", "model.num_hidden_layers=0 must be >= 1"),
+    ("recipe.stages.s1_256.seq_len=0", "recipe.stages.s1_256.seq_len=0 must be >= 2 tokens"),
+    ("recipe.stages.s1_256.batch_tokens=0", "recipe.stages.s1_256.batch_tokens=0 must be >= 1"),
+    ("+recipe.stages.s2_2k.mixture={stdlib:-1.0}", "recipe.stages.s2_2k.mixture={'stdlib': -1.0} must be source "
+                                                   "weights >= 0 with a positive sum"),
+    ("+recipe.stages.s2_2k.mixture.stdlib=0.0", "must be source weights >= 0 with a positive sum"),
+    ("logger.log_every=0", "logger.log_every=0 must be >= 1"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
+    ("data.vocab_size=10", "data.vocab_size=10 must be > 256"),
+    ("model.nope_layers=[2]", "model.nope_layers=[2] must be 0-based layer indices in 0..1 (the last layer is 1)"),
+    ("model.nope_interval=-1", "model.nope_interval=-1 must be >= 0"),
+    ("model.head_dim=7", "model.head_dim=7 must be null (hidden_size / num_attention_heads) or an even number"),
+    ("model.vocab_size=100", "model.vocab_size=100 must be null (the tokenizer's size) or >= data.vocab_size 384"),
+    ("data.long_docs={min_tokens:100,min_share:1.5}", "data.long_docs.min_share=1.5 must be in [0, 1)"),
+    ("model.yarn.factor=0.5", "model.yarn.factor=0.5 must be > 1"),
+    ("data.tokenizer_train_bytes=0", "data.tokenizer_train_bytes=0 must be >= 1"),
+])
+def test_out_of_range_values_are_named_before_compute(micro, override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate(compose_cfg(micro + [override]), 1)
+
+
+def test_a_pretrained_model_is_refused_a_tokenizer_that_is_not_its_own(tmp_path):
+    """model=checkpoint with data.tokenizer=null would train a new BPE whose ids mean nothing to the model (it
+    trained, at a loss near chance); a tokenizer with more ids than the model embeds would fail at its first
+    forward. Both are refused at validation, naming the field and the fix."""
+    from transformers import AutoTokenizer
+
+    from longstride.recipes.config.schema import SHIPPED
+
+    base = os.path.join(SHIPPED, "tiny_base_256")
+    with pytest.raises(ValueError, match=rf"model.checkpoint={base} with data.tokenizer=null would train a new "
+                                         rf"tokenizer.*set data.tokenizer={base}$"):
+        validate(compose_cfg(["recipe=tiny_extend", "data.tokenizer=null"]), 2)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_special_tokens({"eos_token": "<|new_end|>"})  # an EOS packing writes, with an id past the embedding
+    tok.save_pretrained(tmp_path / "bigger")
+    with pytest.raises(ValueError, match=rf"data.tokenizer={tmp_path / 'bigger'} makes ids up to 4096 but "
+                                         rf"model.checkpoint=.* embeds 4096"):
+        validate(compose_cfg(["recipe=tiny_extend", f"data.tokenizer={tmp_path / 'bigger'}"]), 2)
+    validate(compose_cfg(["recipe=tiny_extend"]), 2)  # its own tokenizer passes
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_weights", "has no weights (none of model.safetensors"),
+    ("truncated", "model.safetensors cannot be read (Error while deserializing header"),
+])
+def test_a_base_checkpoint_without_readable_weights_is_refused_at_validation(tmp_path, damage, message):
+    """The user's own base: missing or torn weights are named at validation, not met as transformers' traceback
+    after the corpus was built."""
+    import shutil
+
+    from longstride.recipes.config.schema import SHIPPED
+
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(SHIPPED, "tiny_base_256"), base)
+    weights = base / "model.safetensors"
+    if damage == "no_weights":
+        weights.unlink()
+    else:
+        os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ValueError, match=re.escape(f"model.checkpoint='{base}'") + ".*" + re.escape(message)):
+        validate(compose_cfg(["recipe=tiny_extend", f"model.checkpoint={base}", f"data.tokenizer={base}"]), 2)
+
+
+def test_wandb_online_without_a_login_is_refused_before_compute(micro, tmp_path, monkeypatch):
+    """wandb.init would raise its UsageError after the corpus and model are built; the check reads what wandb reads
+    (WANDB_API_KEY, the netrc entry for its host)."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    online = micro + ["logger.wandb_mode=online"]
+    with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
+        validate(compose_cfg(online), 1)
+    (tmp_path / "netrc").write_text("machine github.com\n  login user\n  password abc\n")  # another host's login
+    with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
+        validate(compose_cfg(online), 1)
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    validate(compose_cfg(online), 1)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.lab:8080")  # a self-hosted server: its host:port entry
+    (tmp_path / "netrc").write_text("machine wandb.lab:8080\n  login user\n  password abc\n")
+    validate(compose_cfg(online), 1)
+    (tmp_path / "netrc").unlink()
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nbase_url = http://wandb.lab:8080\napi_key = abc\n")
+    validate(compose_cfg(online), 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.resume=false", "train.resume_from=/x"], "contradict each other"),
+    (["stage=s2_2k", "train.resume=false"], "drop stage="),
+    (["stage=s2_2k", "train.resume_from=/x"], "drop stage="),
+])
+def test_contradictory_restart_options(micro, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg(micro + overrides), 1)
+
+
+def test_output_root_that_is_a_file(micro, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="paths.output_root=.*afile' is a file"):
+        validate(compose_cfg(micro + [f"paths.output_root={tmp_path / 'afile'}"]), 1)
