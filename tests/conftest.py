@@ -43,6 +43,32 @@ def compose_cfg(overrides: list[str]):
 
 
 @pytest.fixture(scope="session")
+def ruler_checkpoint(tmp_path_factory) -> Path:
+    """The RULER tests' micro checkpoint (tests/test_ruler.py, tests/test_ruler_samples.py): its BPE has seen RULER's
+    noise sentences."""
+    from longstride.eval.ruler.words import NOISE
+
+    d = tmp_path_factory.mktemp("ruler_ckpt")
+    micro_checkpoint(d, 1000, 2048, extra_texts=(NOISE,) * 20)
+    return d
+
+
+@pytest.fixture(scope="session")
+def squad(tmp_path_factory) -> str:
+    """A SQuAD-format dev file: one article of 60 paragraphs, each with an answerable and an unanswerable question."""
+    from longstride.eval.ruler.words import common_words
+
+    paras = [{"context": f"The {w} of the harbour is called Port {w.title()} since {1800 + i}.",
+              "qas": [{"question": f"What is the {w} of the harbour called?",
+                       "answers": [{"text": f"Port {w.title()}"}], "is_impossible": False},
+                      {"question": "Unanswerable?", "answers": [], "is_impossible": True}]}
+             for i, w in enumerate(common_words()[:60])]
+    path = tmp_path_factory.mktemp("qa") / "squad.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": paras}]}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 

@@ -7,7 +7,7 @@ the user text and the prefix as plain text. Where a larger haystack never has fe
 (`Sampler.monotone`), the size is found by aiming over `Sampler.render(units)` with the average tokens a
 unit (tokens grow about linearly with size), from a guess when given (the size another sample of the same task
 and length found): 3-4 full tokenizations a guessed sample on average, up to about 7, and about 10 for a
-length's first (tests/test_ruler.py; the galloping search before it took 5-6 and 30). Otherwise (sizes whose
+length's first (tests/test_ruler_samples.py; the galloping search before it took 5-6 and 30). Otherwise (sizes whose
 words are redrawn) by doubling then binary search. Every size tried is tokenized in full.
 """
 from __future__ import annotations
