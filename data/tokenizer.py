@@ -67,10 +67,22 @@ def tokenize_fn(tokenizer):
     return tokenize
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether an HF directory holds a tokenizer (a checkpoint saved with its tokenizer does)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise ValueError(f"data.tokenizer={path!r} is not a directory; give a local HF tokenizer dir or null to train one")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.tokenizer={path} could not be loaded as an HF tokenizer ({str(e).splitlines()[0]}); "
+                         f"give the directory holding {' or '.join(TOKENIZER_FILES)}") from None
     check_tokenizer(tok, "data.tokenizer")
     return tok
 

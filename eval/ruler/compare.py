@@ -23,8 +23,9 @@ from typing import Iterator, List, Optional
 import torch
 
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
-from longstride.eval.ruler.run import (TOKENIZER_FILES, QAFiles, check_generation, make_groups, note,
-                                       require_tokenizer, runnable_tasks, score_group)
+from longstride.data.tokenizer import TOKENIZER_FILES
+from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, note, require_tokenizer, runnable_tasks,
+                                       score_group)
 from longstride.model.build import check_checkpoint_dir
 from longstride.model.config import YarnConfig
 from longstride.overrides import parse

@@ -21,6 +21,7 @@ from typing import List, Optional
 import torch
 
 from longstride.choices import Choice, WandbMode
+from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
@@ -38,9 +39,6 @@ from longstride.parallel.cp import CPContext
 class Prefill(Choice):
     local = "local"
     cp = "cp"
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -77,7 +75,7 @@ class RulerConfig:
 
 
 def require_tokenizer(checkpoint: str, name: str = "checkpoint") -> None:
-    if not any(os.path.isfile(os.path.join(checkpoint, f)) for f in TOKENIZER_FILES):
+    if not has_tokenizer(checkpoint):
         raise ValueError(f"{name}={checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
                          f"tokenizer into it with tokenizer.save_pretrained(dir)")
 

@@ -48,6 +48,7 @@ from longstride.recipes.check.runs import TEST_FAULT, cp_local, cp_run, referenc
 
 def parse_args(argv: list[str]):
     """(CheckConfig, the composed training Config) from key=value arguments."""
+    from longstride.data.tokenizer import has_tokenizer
     from longstride.model.build import check_checkpoint_dir
     from longstride.recipes.memory.memplan import compose_training
 
@@ -60,8 +61,7 @@ def parse_args(argv: list[str]):
         check_checkpoint_dir(cc.checkpoint, "checkpoint")
         overrides = ["model=checkpoint", f"model.checkpoint={cc.checkpoint}", *overrides]
         given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-        if "data.tokenizer" not in given and any(os.path.isfile(os.path.join(cc.checkpoint, f))
-                                                 for f in ("tokenizer.json", "tokenizer_config.json")):
+        if "data.tokenizer" not in given and has_tokenizer(cc.checkpoint):
             overrides.append(f"data.tokenizer={cc.checkpoint}")
     return cc, compose_training(overrides, "longstride check")
 

@@ -247,22 +247,18 @@ def _check_tokenizer(m: ModelConfig, tokenizer: Optional[str]) -> None:
     """A given data.tokenizer loads, and its ids fit the model's embedding (a checkpoint's, or model.vocab_size);
     a pretrained model reads the ids of its own tokenizer, so data.tokenizer=null (a new BPE trained on the corpus)
     is refused for one."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
+
+    from longstride.data.tokenizer import has_tokenizer, load_tokenizer
 
     checkpoint = m.checkpoint if m.arch == "checkpoint" else None
     if checkpoint and not tokenizer:
-        hint = checkpoint if any(os.path.isfile(os.path.join(checkpoint, f))
-                                 for f in ("tokenizer.json", "tokenizer_config.json")) else "<its tokenizer dir>"
+        hint = checkpoint if has_tokenizer(checkpoint) else "<its tokenizer dir>"
         raise ValueError(f"model.checkpoint={checkpoint} with data.tokenizer=null would train a new tokenizer, whose "
                          f"ids mean nothing to the pretrained model; set data.tokenizer={hint}")
     if not tokenizer:
         return
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"data.tokenizer={tokenizer} could not be loaded as an HF tokenizer "
-                         f"({str(e).splitlines()[0]}); give the directory holding tokenizer.json or "
-                         "tokenizer_config.json") from None
+    tok = load_tokenizer(tokenizer)
     # the ids the data can hold: the base vocabulary's, and the special tokens packing writes (EOS, pad); not every
     # added token (Gemma 3's tokenizer adds an image token past its models' 262,144 embeddings, never in text)
     size = max([tok.vocab_size] + [i + 1 for i in (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)
