@@ -87,3 +87,26 @@ def test_small_commands_name_what_is_wrong(tmp_path):
         convert("/no/such.gguf", str(tmp_path / "out"))
     with pytest.raises(ValueError, match=r"threads=-1 must be >= 1"):
         parse_ruler([f"checkpoint={SHIPPED}/tiny_base_256", "threads=-1"])
+
+
+def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
+    """A torn copy (truncated safetensors) or a config-only directory is named by every eval command before the
+    model is loaded, as training's validation does (model/build.py check_checkpoint_weights)."""
+    from longstride.eval.ppl import parse as parse_ppl
+    from longstride.eval.ruler.compare import CompareConfig, check
+    from longstride.eval.ruler.run import parse as parse_ruler
+    from longstride.recipes.config.schema import SHIPPED
+
+    torn = tmp_path / "torn"
+    shutil.copytree(os.path.join(SHIPPED, "tiny_base_256"), torn)
+    os.truncate(torn / "model.safetensors", (torn / "model.safetensors").stat().st_size // 2)
+    bare = tmp_path / "bare"
+    shutil.copytree(torn, bare)
+    (bare / "model.safetensors").unlink()
+    for parse_cmd in (parse_ruler, parse_ppl):
+        with pytest.raises(ValueError, match=rf"checkpoint='{torn}': model.safetensors cannot be read"):
+            parse_cmd([f"checkpoint={torn}"])
+        with pytest.raises(ValueError, match=rf"checkpoint='{bare}' has no weights"):
+            parse_cmd([f"checkpoint={bare}"])
+    with pytest.raises(ValueError, match=rf"checkpoints\[1\]='{torn}': model.safetensors cannot be read"):
+        check(CompareConfig(checkpoints=[os.path.join(SHIPPED, "tiny_base_256"), str(torn)]))

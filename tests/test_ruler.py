@@ -115,6 +115,9 @@ def test_bad_input(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         parse([f"checkpoint={tmp_path}"])
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(ValueError, match="has no weights"):
+        parse([f"checkpoint={tmp_path}"])
+    (tmp_path / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="has no tokenizer"):
         parse([f"checkpoint={tmp_path}"])
     with pytest.raises(ValueError, match="lengths="):

@@ -26,7 +26,7 @@ from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.data.tokenizer import TOKENIZER_FILES
 from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, note, require_tokenizer, runnable_tasks,
                                        score_group)
-from longstride.model.build import check_checkpoint_dir
+from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import YarnConfig
 from longstride.overrides import parse
 
@@ -129,6 +129,7 @@ def check(cfg: CompareConfig) -> list[tuple[str, str]]:
     for i, (_, ckpt) in enumerate(named):
         field_name = f"checkpoints[{i}]" if cfg.checkpoints else "run's checkpoint"
         check_checkpoint_dir(ckpt, field_name)
+        check_checkpoint_weights(ckpt, field_name)
         require_tokenizer(ckpt, field_name)
     if not cfg.plain_rows and not cfg.yarn:
         raise ValueError("plain_rows=false leaves only the YaRN rows: give yarn=[2,...] too")
