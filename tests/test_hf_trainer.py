@@ -60,6 +60,34 @@ def test_rows_packed_elsewhere_split_at_position_restarts():
         _documents({"input_ids": [5, 6], "position_ids": [1, 2]})
 
 
+def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past_its_window():
+    """Phi-3's longrope picks its frequencies from the largest position a process holds: split over cp=2 past its
+    64-position window, ranks would compute differently. The mixin hands the model's config to the collator, which
+    refuses the first batch that long (before it reaches the model) and passes shorter ones."""
+    from types import SimpleNamespace
+
+    import transformers as T
+
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin
+    from tests.test_attention_refusal import _phi3_longrope
+
+    class Stub(LongstrideTrainerMixin):  # what get_train_dataloader reads of a Trainer, on one process
+        def __init__(self, model, collator):
+            self.model, self.data_collator, self.train_dataset = model, collator, packed_dataset(documents(), L, 1)
+            self.args, self._train_batch_size = SimpleNamespace(seed=0, dataloader_num_workers=0), BATCH
+
+    phi3 = T.Phi3ForCausalLM(_phi3_longrope())
+    one = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=1)), pad_id=0)
+    Stub(phi3, one).get_train_dataloader()
+    assert one.model_config is phi3.config, "the mixin hands the model's config to the collator"
+    two = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=2)), pad_id=0)
+    two.model_config = phi3.config
+    with pytest.raises(NotImplementedError, match=r"rope_type=longrope .* past 64 positions.*a 96-token stage"):
+        two([{"input_ids": list(range(2, 98))}])
+    two._check_split(64)  # within the window: passes
+    one._check_split(4096)  # one CP rank holds the whole sequence: passes
+
+
 @pytest.mark.parametrize("impl,kind", [("ring", "trainer"), ("ulysses", "trainer"), ("ring", "sft")])
 def test_trainer_with_cp_equals_one_process_and_longstride_loop(impl, kind, tmp_path):
     one = _worker(tmp_path / "one.pt", 1, 1, "ring", kind)

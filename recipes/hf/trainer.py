@@ -24,6 +24,9 @@ What each piece does:
   model as the `doc_layout` keyword, which transformers hands to every attention call. Labels are
   already aligned to the next token (none across a document boundary), so they travel as
   `shift_labels` and the model's loss does not shift them again.
+- A model that reads positions from the tokens one rank holds (longrope past its window, Llama 4's query
+  temperature) is refused by the collator at the first batch split past that point (parallel/attention.py
+  position_dependent), before the batch reaches the model.
 - The mixin's dataloader gives every CP rank of a group the same sequences and each data-parallel
   group its own share (data/loader.ShardSampler, the recipe's sampler), instead of accelerate's split
   over all processes.
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
+from longstride.parallel.attention import position_dependent
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
@@ -96,6 +100,8 @@ class LongstrideCollator:
 
     def __init__(self, cp: CPContext, pad_id: int, doc_masking: bool = True):
         self.cp, self.pad_id, self.doc_masking = cp, pad_id, doc_masking
+        self.model_config = None  # set by LongstrideTrainerMixin: what the split lengths are checked against
+        self._checked = 0  # the longest split length checked so far
 
     def __call__(self, rows: list[dict]) -> dict:
         if all("doc_ids" in r for r in rows) and len({len(r["input_ids"]) for r in rows}) == 1:
@@ -105,9 +111,23 @@ class LongstrideCollator:
             step = 2 * self.cp.degrees.cp
             L = -(-max(sum(len(d) for d in row) for row in docs) // step) * step
             batch = collate([packed_item(row, L, self.pad_id) for row in docs])
+        self._check_split(batch["input_ids"].shape[-1])
         local, layout = shard_for_cp(batch, self.doc_masking, self.cp)
         return {"input_ids": local["input_ids"], "position_ids": local["position_ids"], "labels": local["labels"],
                 "shift_labels": local["labels"], "doc_layout": layout}
+
+    def _check_split(self, length: int) -> None:
+        """Refuses a model that reads positions from the tokens one rank holds (parallel/attention.py
+        position_dependent: longrope past its window, Llama 4's query temperature) once a batch of `length`
+        tokens is split over CP ranks, before that batch reaches the model; the recipe checks this at validation,
+        where the Trainer path first sees a length here."""
+        if self.cp.degrees.cp <= 1 or self.model_config is None or length <= self._checked:
+            return
+        found = position_dependent(self.model_config, length)
+        if found:
+            raise NotImplementedError(f"LongstrideCollator: {'; '.join(found)}. Refused rather than computed "
+                                      "differently on each rank")
+        self._checked = length
 
 
 class LongstrideTrainerMixin:
@@ -122,6 +142,9 @@ class LongstrideTrainerMixin:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         dims = ParallelDims.from_world(world, collator.cp.degrees.cp, where="LongstrideCollator")
+        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+        config = model.config
+        collator.model_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
         return torch.utils.data.DataLoader(self.train_dataset, batch_size=self._train_batch_size, sampler=sampler,
                                            collate_fn=collator, drop_last=True,
