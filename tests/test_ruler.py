@@ -221,3 +221,21 @@ def test_cp_prefill_refuses_a_model_that_reads_positions_from_a_rank_s_own_token
     with pytest.raises(ValueError, match=r"prefill=cp: .*rope_type=longrope .* use prefill=local"):
         main([f"checkpoint={tmp_path / 'phi3'}", "lengths=[2048]", "num_samples=1", "tasks=[niah_single_1]",
               "prefill=cp", f"out={tmp_path / 'out'}"])
+
+
+def test_a_launched_eval_puts_each_rank_on_its_own_gpu(monkeypatch):
+    """Under torchrun on GPUs each rank selects its LOCAL_RANK's GPU before NCCL starts (eval_device() reads the
+    current GPU; without it every rank's model went to cuda:0). torch.cuda and the process group are stood in for
+    here (no GPU on CPU CI)."""
+    from longstride.eval.ruler import run as ruler_run
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    assert ruler_run._dist() == (1, 2)
+    assert calls == [("set_device", 1), ("init", "nccl")]

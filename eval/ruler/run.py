@@ -145,6 +145,8 @@ def _dist():
     """(rank, world) when launched with several processes (torchrun / accelerate launch)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():  # each rank its own GPU (eval_device() reads the current one), before NCCL
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 

@@ -158,8 +158,8 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's GPU only: a resume may see fewer GPUs than the save did
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -169,7 +169,12 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # saved before: every visible GPU's state; this process's GPU's, if any
+            here = torch.cuda.current_device()
+            cuda = cuda[here] if here < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 @contextlib.contextmanager

@@ -142,3 +142,15 @@ def test_activation_offload_same_gradients_lower_peak_memory():
         err = ((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp(min=1e-12)).item()
         assert err <= 1e-5, f"{n}: offload changes the gradient by {err:.2e}"
     assert peak1 < peak0 - 8 * 2 ** 20, f"peak {peak1 / 2**20:.1f} MiB with offload vs {peak0 / 2**20:.1f} without"
+
+
+def test_this_gpus_rng_state_round_trips():
+    """A rank's checkpoint holds its own GPU's generator (recipes/checkpoint/format.py); restoring it repeats the
+    draws."""
+    from longstride.recipes.checkpoint.format import rng_state, set_rng_state
+
+    torch.cuda.manual_seed(3)
+    state = rng_state()
+    first = torch.rand(4, device=CUDA)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(4, device=CUDA), first)
