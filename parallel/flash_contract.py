@@ -47,12 +47,17 @@ def _bind(func, args, kwargs) -> dict:
     return {**dict(zip(names, args)), **kwargs}
 
 
+def flash_head_dim(head_dim: int) -> bool:
+    """Whether the CUDA flash kernels (torch's FA2, flash-attn) take heads of this size: multiples of 8 up to 256."""
+    return head_dim % 8 == 0 and 0 < head_dim <= 256
+
+
 def _check_call(a: dict, lse_name: str = "") -> None:
     q, k, v = a["query"], a["key"], a["value"]
     extra = [a["grad_out"], a["out"]] if "grad_out" in a else []
     check_layout(q, k, a["cum_seq_q"], a["cum_seq_k"], v, *extra)
     _need(q.dtype in HALF, f"flash kernels take fp16/bf16, got {q.dtype}")
-    _need(q.shape[2] <= 256 and q.shape[2] % 8 == 0, f"head_dim {q.shape[2]}: flash kernels take multiples of 8 "
+    _need(flash_head_dim(q.shape[2]), f"head_dim {q.shape[2]}: flash kernels take multiples of 8 "
           "up to 256")
     _need(all(isinstance(a[n], int) and a[n] > 0 for n in ("max_q", "max_k")), "max_q / max_k: positive ints")
     _need(a["dropout_p"] == 0.0, "longstride runs attention without dropout")

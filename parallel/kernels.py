@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from longstride.parallel.blocks import RingPlan, doc_segments
+from longstride.parallel.flash_contract import flash_head_dim
 from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks, sink_grad
-from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, emulate, flash_attn_available,
-                                        torch_flash_available)
+from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, dense_last, emulate,
+                                        flash_attn_available, torch_flash_available)
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
 _INSTALL = {"torch_flash": "install a CUDA build of torch (pip install torch --index-url "
@@ -32,12 +33,14 @@ _INSTALL = {"torch_flash": "install a CUDA build of torch (pip install torch --i
 
 
 def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool = True,
-                   assume_available: bool = False) -> str:
+                   assume_available: bool = False, head_dim: int = 0) -> str:
     """The kernel a stage runs. ring: the stage uses ring attention (whose "sdpa" blocks are the CPU flash
-    op); half: attention runs in bf16/fp16 (the flash kernels take nothing else). auto: torch_flash on
-    CUDA in bf16/fp16; in fp32 on CUDA, sdpa on one device and math in a ring; sdpa on CPU.
+    op); half: attention runs in bf16/fp16 (the flash kernels take nothing else); head_dim: the model's head
+    size when known (0: not checked). auto: torch_flash on CUDA in bf16/fp16 for heads the flash kernels take;
+    otherwise, on CUDA, sdpa on one device and math in a ring; sdpa on CPU.
     assume_available: as on a GPU machine with the kernels installed (planning for one from here)."""
     available = {k: (lambda: True) if assume_available else f for k, f in _AVAILABLE.items()}
+    flash_heads = not head_dim or flash_head_dim(head_dim)
     if kernel in _AVAILABLE:
         if device_type != "cuda" or not available[kernel]():
             raise ValueError(f"parallel.kernel={kernel} needs CUDA and {kernel}; {_INSTALL[kernel]}, or use "
@@ -45,8 +48,11 @@ def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool
         if not half:
             raise ValueError(f"parallel.kernel={kernel} runs bf16/fp16 attention but this run is fp32; set "
                              "train.precision=bf16 (or auto) or use parallel.kernel=math")
+        if not flash_heads:
+            raise ValueError(f"parallel.kernel={kernel}: the model's head size {head_dim} is not one the flash "
+                             "kernels take (multiples of 8 up to 256); use parallel.kernel=auto or math")
     if kernel == "auto":
-        if device_type == "cuda" and half and available["torch_flash"]():
+        if device_type == "cuda" and half and flash_heads and available["torch_flash"]():
             return "torch_flash"
         return "math" if device_type == "cuda" and ring else "sdpa"
     if ring and device_type == "cuda" and kernel == "sdpa":
@@ -86,12 +92,6 @@ def seq_major(like: torch.Tensor, dtype=None, alloc=torch.empty) -> torch.Tensor
     q/k/v and of what its o-projection reads, so transposing back costs no copy."""
     B, H, L, D = like.shape
     return alloc(B, L, H, D, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
-
-
-def dense_last(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its last dimension is dense, which is all the CPU flash op and the block kernels need
-    (transformers' transposed q/k/v are); a contiguous copy otherwise."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=None, pattern: Pattern = CAUSAL,

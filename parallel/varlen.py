@@ -88,9 +88,16 @@ class VarlenCall:
         g = lambda x: gather(x, self.q_ranges)  # noqa: E731
         flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
         packed_lse = _take(flat_lse, self.q_ranges, dim=1).to(torch.promote_types(q.dtype, torch.float32))
-        return kernel.backward(g(dout), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
+        return kernel.backward(dense_last(g(dout)), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
                                packed_lse.contiguous(), **self._lengths(q.device), scale=scale, causal=self.causal,
                                window=self.window)
+
+
+def dense_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dimension is dense, which is all the CPU flash op, the CUDA flash kernels and the
+    block kernels need (transformers' transposed q/k/v are); a contiguous copy otherwise (a broadcast gradient,
+    such as sum()'s, has stride 0 there)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:

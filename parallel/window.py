@@ -185,7 +185,6 @@ def halo_forward(q, k, v, plan: HaloPlan, kernel: str, scale: float, comm):
 def halo_backward(dout, q, k, v, out, lse, plan: HaloPlan, kernel: str, scale: float, comm):
     """K/V's halos are exchanged again (as the ring sends K/V round again), and their dK/dV sent back."""
     B, hkv = q.shape[0], k.shape[1]
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # (a broadcast gradient, such as sum()'s)
     ek, ev = _extended_kv(k, v, plan, comm)
     dq, dk, dv = plan.call.backward(varlen_kernel(kernel), dout, q, ek, ev, out=out, lse=lse, scale=scale)
     del ek, ev

@@ -78,6 +78,21 @@ def test_doc_attention_through_the_varlen_interface(emulated, heads, dtype):
         assert err <= (1e-5 if dtype == torch.float32 else 3e-2), f"{lname} {heads} {dtype}: vs fp64 {err:.2e}"
 
 
+def test_a_broadcast_output_gradient_reaches_the_kernel_dense(emulated):
+    """out.sum().backward() hands attention a gradient with stride 0 in every dimension; CUDA's flash backward (and
+    the emulation) needs a dense last dimension, so it is made dense first. The gradients match the per-document
+    kernel's."""
+    q, k, v = (seq_major(torch.randn(B, 4, L, D, generator=torch.Generator().manual_seed(i))) for i in range(3))
+    doc = layouts()["docs_random"]
+    grads = {}
+    for kernel in ("torch_flash", "sdpa"):
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        doc_attention(*x, doc, D ** -0.5, kernel).sum().backward()
+        grads[kernel] = [t.grad for t in x]
+    for name, a, b in zip(("dq", "dk", "dv"), grads["torch_flash"], grads["sdpa"]):
+        assert (a - b).abs().max().item() <= 1e-5, name
+
+
 def test_a_ring_step_is_one_call_per_mask_kind_over_all_rows(emulated):
     calls = []
 
@@ -149,6 +164,26 @@ def test_auto_picks_torch_flash_on_cuda_in_bf16_and_cpu_kernels_elsewhere(cuda_k
     assert resolve_kernel("auto", "cpu", ring=True, half=False) == "sdpa"
     assert resolve_kernel("torch_flash", "cuda", ring=True) == "torch_flash"
     assert resolve_kernel("math", "cuda", ring=True, half=False) == "math"
+    # heads the flash kernels do not take (multiples of 8 up to 256): auto falls back, an explicit choice is refused
+    assert resolve_kernel("auto", "cuda", ring=False, half=True, head_dim=128) == "torch_flash"
+    assert resolve_kernel("auto", "cuda", ring=False, half=True, head_dim=60) == "sdpa"
+    assert resolve_kernel("auto", "cuda", ring=True, half=True, head_dim=288) == "math"
+    with pytest.raises(ValueError, match=r"parallel.kernel=torch_flash: the model's head size 60 is not one the "
+                                         r"flash kernels take"):
+        resolve_kernel("torch_flash", "cuda", ring=True, head_dim=60)
+
+
+def test_the_plan_picks_a_kernel_for_the_models_head_size():
+    """longstride plan on GPUs: a model whose heads the flash kernels take runs torch_flash; one with head size 36
+    runs math in its ring stages (the flash kernel would fail at the first forward)."""
+    from longstride.recipes.config.plan import validate
+
+    base = ["recipe=tiny", "train.precision=bf16", "model.hidden_size=144", "model.num_attention_heads=4",
+            "model.num_key_value_heads=2"]
+    for head_dim, want in ((None, "math"), (32, "torch_flash")):
+        over = base + ([f"model.head_dim={head_dim}"] if head_dim else [])  # 144 / 4 = 36 by default
+        plans = validate(compose_cfg(over), 2, "cuda", assume_gpu=True, check_data=False)
+        assert {p.kernel for p in plans.values() if p.stage.cp > 1} == {want}, (head_dim, plans)
 
 
 def test_kernel_errors_name_the_field_and_the_fix(cuda_kernels):

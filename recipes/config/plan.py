@@ -205,6 +205,16 @@ def _model_heads(cfg: Config) -> int:
     return m.num_attention_heads
 
 
+def _model_head_dim(cfg: Config) -> int:
+    """The model's attention head size (config.json's head_dim, else hidden_size / heads), after _model_heads."""
+    m = cfg.model
+    if m.arch == "checkpoint":
+        with open(os.path.join(m.checkpoint, "config.json")) as fh:
+            c = json.load(fh)
+        return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return m.head_dim or m.hidden_size // m.num_attention_heads
+
+
 def _check_rope_layer_types(m: ModelConfig) -> None:
     """model.rope_layer_types against the model's own config (model/rope.py's rules), before anything is built:
     a layer type it has no RoPE entry for, or a per-type choice on a model with one rope_parameters, fails here."""
@@ -323,9 +333,10 @@ def resolve_precision(precision: str, assume_gpu: bool = False, on_gpu: bool = T
 
 
 def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str, heads: int,
-               prev_len: int = 0, assume_gpu: bool = False) -> StagePlan:
+               prev_len: int = 0, assume_gpu: bool = False, head_dim: int = 0) -> StagePlan:
     """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu); assume_gpu: for
-    CUDA GPUs with bf16 and torch's flash attention that this machine need not have (longstride plan)."""
+    CUDA GPUs with bf16 and torch's flash attention that this machine need not have (longstride plan);
+    head_dim: the model's head size, which decides whether the flash kernels take it (0: not checked)."""
     s, m, par, f = cfg.recipe.stages[name], cfg.model, cfg.parallel, f"recipe.stages.{name}"
     dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
     degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
@@ -336,7 +347,8 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
                          f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
     ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
     half = device_type == "cuda" and resolve_precision(str(cfg.train.precision), assume_gpu) == "bf16"
-    kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half, assume_available=assume_gpu)
+    kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half, assume_available=assume_gpu,
+                            head_dim=head_dim)
     if str(par.flash_impl) != "FA2" and kernel != "torch_flash":
         raise ValueError(f"parallel.flash_impl={par.flash_impl} applies to parallel.kernel=torch_flash, and this "
                          f"stage runs {kernel}; use parallel.flash_impl=FA2")
@@ -356,14 +368,14 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     before it passes. assume_gpu / check_data=False: plan for GPUs this machine lacks, without the data
     (longstride plan)."""
     _check_run(cfg)
-    heads = _model_heads(cfg)
+    heads, head_dim = _model_heads(cfg), _model_head_dim(cfg)
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
         plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=heads,
-                                 prev_len=prev_len, assume_gpu=assume_gpu)
+                                 prev_len=prev_len, assume_gpu=assume_gpu, head_dim=head_dim)
         prev_len = plans[name].stage.seq_len
     selected_stages(cfg)
     if check_data:
