@@ -34,9 +34,11 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.common import REPO, child_env
-# The wheels the device image lacks (its torch, transformers, accelerate, safetensors, pyarrow... are used as found).
-WHEELS = ["hydra-core==1.3.2", "omegaconf==2.3.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19",
-          "torchdata==0.11.0", "wonderwords==3.0.1", "gguf==0.19.0", "xxhash==4.1.0"]
+# The wheels the device image lacks (its torch, transformers, accelerate, safetensors, pyarrow... are used as found):
+# the versions installed here, which the CPU suite ran with, else these.
+WHEEL_DEFAULTS = {"hydra-core": "1.3.8", "omegaconf": "2.3.1", "datasets": "5.2.0", "dill": "0.4.1",
+                  "multiprocess": "0.70.19", "torchdata": "0.11.0", "wonderwords": "3.0.1", "gguf": "0.19.0",
+                  "xxhash": "4.1.0"}
 SDIST_WHEELS = ["antlr4-python3-runtime==4.9.3"]  # no wheel on the registry: built here
 
 
@@ -191,12 +193,26 @@ def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) 
     return summary
 
 
+def wheels() -> list[str]:
+    """WHEEL_DEFAULTS pinned to the versions installed here, where they are."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def here(name: str, default: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return default
+
+    return [f"{name}=={here(name, v)}" for name, v in WHEEL_DEFAULTS.items()]
+
+
 def prepare(folder: str) -> None:
-    """Download the device's missing wheels (Python 3.12, x86-64 manylinux) into `folder`."""
+    """Download the device's missing wheels (Python 3.12, x86-64 manylinux) into `folder`: the versions the CPU
+    suite runs with here."""
     plat = [x for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
             for x in ("--platform", p)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", *plat, "-d", folder, *WHEELS], check=True)
+                    "--python-version", "3.12", "--implementation", "cp", *plat, "-d", folder, *wheels()], check=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", folder, *SDIST_WHEELS], check=True)
     print(f"wheels in {folder}: {sorted(os.listdir(folder))}")
 

@@ -48,7 +48,7 @@ class SourceConfig:
     # disk: a dataset written by `save_to_disk` at `path`
     # hub: a hub dataset `name` (only when you name one; needs network)
     # synthetic: retrieval documents made on the fly (see `synthetic`; no files, no download)
-    # pymanual: the Python reference manual's topics (pydoc_data.topics, shipped with CPython), one document each
+    # pymanual: the Python reference manual's topics (CPython 3.11.7's, from the shipped snapshot), one document each
     # (the kinds are the table data/sources.py KINDS; a wrong name fails before compute, listing them)
     kind: str = "stdlib"
     path: Optional[str] = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.util
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import datasets
 
 from longstride.data import synthetic
 from longstride.data.config import SourceConfig
-from longstride.data.files import digest, list_files, stdlib_root, unreadable
+from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_root, unreadable
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
@@ -218,17 +218,25 @@ def _stream_hub(src, cache_dir, field, world):
     return _stream_table(_hub_dataset(src, streaming=True), src, field)
 
 
-def manual_topics() -> list[str]:
-    """The Python reference manual's topic texts (pydoc_data.topics, shipped with CPython), by topic name."""
-    from pydoc_data.topics import topics
+@functools.lru_cache(maxsize=1)
+def manual_topics() -> tuple[str, ...]:
+    """The Python reference manual's topic texts, by topic name: CPython 3.11.7's `pydoc_data/topics.py` from the
+    shipped standard-library snapshot (read as a literal, never run), so the text is the same under every Python
+    (each interpreter's own pydoc_data differs by version)."""
+    import ast
+    import tarfile
 
-    return [topics[k] for k in sorted(topics)]
+    with tarfile.open(STDLIB_SNAPSHOT) as tar:
+        source = tar.extractfile("pydoc_data/topics.py").read().decode("utf-8")
+    assign = next(n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "topics")
+    topics = ast.literal_eval(assign.value)
+    return tuple(topics[k] for k in sorted(topics))
 
 
 def _check_pymanual(src: SourceConfig, field: str) -> None:
-    if importlib.util.find_spec("pydoc_data") is None:
-        raise ValueError(f"{field}.kind=pymanual: this Python has no pydoc_data (the manual's topics); use another "
-                         "source kind")
+    if not STDLIB_SNAPSHOT.is_file():
+        raise ValueError(f"{field}.kind=pymanual reads the manual's topics from {STDLIB_SNAPSHOT}, which is missing; "
+                         "reinstall longstride (pip install -e .) from a complete checkout")
 
 
 def _pymanual_rows(max_docs):

@@ -3,8 +3,8 @@
 RULER (Hsieh et al. 2024, arXiv:2404.06654) draws needle keys as adjective-noun pairs and common words
 from the `wonderwords` package's lists, which ship inside the package (read here, never downloaded).
 Its essay haystack is Paul Graham's essays; the one deviation here is the prose: by default the Python
-reference manual text that ships with every CPython (`pydoc_data.topics`), with its code examples
-dropped, or any local text files the user points at (`haystack=DIR_OR_FILE`).
+reference manual's text (CPython 3.11.7's `pydoc_data/topics.py` from the shipped standard-library snapshot, the
+same under every Python), with its code examples dropped, or any local text files the user points at (`haystack=DIR_OR_FILE`).
 """
 from __future__ import annotations
 
@@ -55,14 +55,15 @@ def _with_compounds(size: int) -> tuple[str, ...]:
 
 
 def _default_prose() -> str:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # a stripped Python without the manual
-        raise ValueError("no default haystack prose: this Python has no pydoc_data; set haystack=<dir or file of "
-                         "English .txt/.md/.rst text>") from None
+    from longstride.data.files import STDLIB_SNAPSHOT
+    from longstride.data.sources import manual_topics
+
+    if not STDLIB_SNAPSHOT.is_file():
+        raise ValueError(f"no default haystack prose: {STDLIB_SNAPSHOT} is missing; reinstall longstride from a "
+                         "complete checkout, or set haystack=<dir or file of English .txt/.md/.rst text>")
     # Indented 5+ spaces = a code example or a grammar rule inside the 2-space-indented manual text;
     # lines of only punctuation are reST heading underlines.
-    return "\n".join(line for key in sorted(topics) for line in topics[key].splitlines()
+    return "\n".join(line for topic in manual_topics() for line in topic.splitlines()
                      if not line.startswith("     ") and re.search(r"[A-Za-z0-9]", line))
 
 
