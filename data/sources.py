@@ -88,7 +88,21 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     ext = Path(files[0]).suffix.lower()
     if ext not in FILE_BUILDERS:
         raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+    blank = [f for f in files if _blank(f)]  # datasets fails on them: a bare StopIteration, "no data", a cast
+    if blank:
+        raise ValueError(f"{field}.path={src.path!r}: {', '.join(blank[:3])}{' ...' if len(blank) > 3 else ''} "
+                         f"{'is' if len(blank) == 1 else 'are'} empty (no record); remove "
+                         f"{'it' if len(blank) == 1 else 'them'} or point the path at files with data")
     return FILE_BUILDERS[ext], files
+
+
+def _blank(path: str) -> bool:
+    """A file of whitespace only (read until its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True
 
 
 @contextlib.contextmanager

@@ -45,6 +45,21 @@ def test_missing_file_and_dir(tmp_path, cache_dir):
         load_source(SourceConfig(kind="local_dir", path=str(tmp_path / "nope")), str(cache_dir))
 
 
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_data_file_is_named_not_a_stop_iteration(tmp_path, cache_dir, content):
+    """datasets reads a 0-byte jsonl as a bare StopIteration, a blank one as "corresponds to no data", and a blank
+    one beside files with data as a cast error; each empty file is named, alone or in a glob."""
+    (tmp_path / "a.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=r"data.sources.path='.*a.jsonl': .*a.jsonl is empty \(no record\); "
+                                         r"remove it"):
+        load_source(SourceConfig(kind="files", path=str(tmp_path / "a.jsonl")), str(cache_dir))
+    (tmp_path / "b.jsonl").write_text('{"text": "one document"}\n')
+    with pytest.raises(ValueError, match=r"'.*\*.jsonl': .*a.jsonl is empty"):
+        load_source(SourceConfig(kind="files", path=str(tmp_path / "*.jsonl")), str(cache_dir))
+    (tmp_path / "a.jsonl").unlink()
+    assert len(load_source(SourceConfig(kind="files", path=str(tmp_path / "*.jsonl")), str(cache_dir))) == 1
+
+
 def test_empty_corpus(tmp_path, cache_dir, tok):
     d = tmp_path / "empty"
     d.mkdir()
