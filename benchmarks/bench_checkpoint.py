@@ -55,23 +55,22 @@ class Sampler(threading.Thread):
 
 
 def _worker(rank, world, fsdp, kind, root, out):
-    from accelerate import Accelerator
-
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig
     from longstride.parallel.config import WorldMesh
+    from longstride.parallel.spawn import rank_accelerator
     from longstride.parallel.parallelize import parallelize
     from longstride.recipes.checkpoint.format import rng_state, writing_checkpoint
     from longstride.recipes.config.schema import OptimConfig
     from longstride.recipes.run.step import StepSpec, build_optimizer, build_step
 
     torch.set_num_threads(1)
-    acc = Accelerator(cpu=True)
+    acc = rank_accelerator(rank, world)  # DDP really wraps the model when fsdp is off
     lm = build_model(ModelConfig(**SHAPE), rope_theta=1e5, seq_len=256, vocab_size=SHAPE["vocab_size"], eos_id=0,
                      pad_id=1, seed=0)
     step = build_step(lm, StepSpec(loss_tile=256))  # the training step's model and optimizer (recipes/run/step.py)
     model = parallelize(step.module, lm.model.layers, fsdp, acc, WorldMesh("cpu", world) if fsdp else None)
-    opt = build_optimizer(model, OptimConfig(), lr=1e-4)
+    opt = build_optimizer(lm, OptimConfig(), lr=1e-4)  # over the parameters FSDP2 sharded in place, as a stage
     ids = torch.randint(2, SHAPE["vocab_size"], (1, 64))
     model.backward(model(ids, ids, torch.arange(64)[None]))
     opt.step()  # AdamW state exists, as in any step checkpoint

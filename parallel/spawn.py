@@ -137,6 +137,21 @@ def _start(fn, n: int, workdir: str, args):
         return _start(fn, n, workdir, args)
 
 
+def rank_accelerator(rank: int, world: int, **kwargs):
+    """An accelerate Accelerator inside a run_gloo rank that knows the launch: accelerate reads RANK and WORLD_SIZE,
+    which `accelerate launch` sets and run_gloo does not; without them it reports one process and prepare() wraps
+    nothing in DDP, so each rank would train its own copy. The process group already exists and is kept."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True, **kwargs)
+    assert acc.num_processes == world and acc.process_index == rank, (acc.num_processes, acc.process_index)
+    return acc
+
+
 def run_gloo(fn, n: int, *args) -> None:
     """fn(rank, world, *args) on n processes. If a rank failed, raises RankFailed naming the ranks killed by a
     signal and the traceback of the first rank that raised: the peers it left waiting in a collective fail too,

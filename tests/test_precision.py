@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longstride.parallel.spawn import run_gloo
+from longstride.parallel.spawn import rank_accelerator, run_gloo
 
 STEPS = 5
 
@@ -29,8 +29,7 @@ def _batch(rank: int) -> dict:
 
 
 def _worker(rank, world, out):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from torch.nn.parallel import DistributedDataParallel
 
     from longstride.parallel.config import WorldMesh
     from longstride.parallel.cp import DocLayout
@@ -40,10 +39,10 @@ def _worker(rank, world, out):
     mesh = WorldMesh("cpu", world)
     runs = {}
     for name, precision, fsdp in (("fp32", "no", False), ("ddp_bf16", "bf16", False), ("fsdp2_bf16", "bf16", True)):
-        AcceleratorState._reset_state()  # one Accelerator per regime, as one per run
-        acc = Accelerator(mixed_precision=precision, cpu=True)
+        acc = rank_accelerator(rank, world, mixed_precision=precision)  # one Accelerator per regime, as per run
         inner = tiny_model()
         model = parallelize(inner, inner.lm.model.layers, fsdp, acc, mesh)
+        assert fsdp or isinstance(model.module, DistributedDataParallel), "DDP really wraps the model"
         opt = torch.optim.AdamW(model.module.parameters(), lr=3e-3)
         losses, b = [], _batch(rank)
         for _ in range(STEPS):

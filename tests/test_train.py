@@ -145,9 +145,11 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
     a, b = read_metrics(tmp_path / "one" / "tiny" / "s1_256"), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
     assert sorted(a) == sorted(b)
     for s in a:
-        for key in ("loss", "val_loss"):
+        # grad_norm too: Adam barely notices a gradient off by a constant factor, so losses alone would not
+        for key in ("loss", "val_loss", "grad_norm"):
             if key in a[s]:
                 assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-6), (s, key)
+    assert all("grad_norm" in m for m in a.values() if "loss" in m), "every step logs its gradient norm"
     assert sorted(p.name for p in (tmp_path / "two" / "tiny" / "s1_256" / "step_000003").glob("rank*.pt")) == \
         ["rank0.pt", "rank1.pt"]
 

@@ -98,16 +98,21 @@ class StageRun:
 @torch.no_grad()
 def validation_loss(ctx: RunContext, run: StageRun) -> float:
     """Mean token loss over the held-out sequences (each data rank takes its share, each CP rank its
-    part of the sequence); all ranks agree."""
+    part of the sequence); all ranks agree. Every rank runs the same number of forwards (FSDP2 gathers the
+    parameters over all ranks in each): a rank past the end of its share runs the first sequence again and
+    counts nothing of it."""
     if not len(run.held_out):
         return float("nan")
     run.model.eval()
     dims, device = run.plan.dims, ctx.accelerator.device
     total, count = torch.zeros(()), torch.zeros(())
-    for i in range(dims.dp_rank(ctx.accelerator.process_index), len(run.held_out), dims.dp):
-        local = run.prep(collate([run.held_out[i]]))
-        total += loss_sum(run.model, local, device).float().cpu()
-        count += label_count(local)
+    first = dims.dp_rank(ctx.accelerator.process_index)
+    for i in range(first, first + -(-len(run.held_out) // dims.dp) * dims.dp, dims.dp):
+        local = run.prep(collate([run.held_out[i if i < len(run.held_out) else 0]]))
+        loss = loss_sum(run.model, local, device).float().cpu()
+        if i < len(run.held_out):
+            total += loss
+            count += label_count(local)
     run.model.train()
     return (all_reduce(total) / all_reduce(count).clamp(min=1)).item()
 
