@@ -58,8 +58,8 @@ def _worker(rank, world, fsdp, kind, root, out):
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig
     from longstride.parallel.config import WorldMesh
-    from longstride.parallel.spawn import rank_accelerator
     from longstride.parallel.parallelize import parallelize
+    from longstride.parallel.spawn import rank_accelerator
     from longstride.recipes.checkpoint.format import rng_state, writing_checkpoint
     from longstride.recipes.config.schema import OptimConfig
     from longstride.recipes.run.step import StepSpec, build_optimizer, build_step

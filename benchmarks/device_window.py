@@ -199,9 +199,10 @@ def wheels() -> list[str]:
 
     def here(name: str, default: str) -> str:
         try:
-            return version(name)
+            v = version(name)
         except PackageNotFoundError:
             return default
+        return default if "+" in v or "dev" in v else v  # a local build has no wheel on the registry
 
     return [f"{name}=={here(name, v)}" for name, v in WHEEL_DEFAULTS.items()]
 

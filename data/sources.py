@@ -88,7 +88,9 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     ext = Path(files[0]).suffix.lower()
     if ext not in FILE_BUILDERS:
         raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
-    blank = [f for f in files if _blank(f)]  # datasets fails on them: a bare StopIteration, "no data", a cast
+    # datasets' json reader fails on an empty file (a bare StopIteration, "no data", a cast error beside others);
+    # its text reader counts blank lines as skipped documents
+    blank = [f for f in files if FILE_BUILDERS[ext] == "json" and _blank(f, field)]
     if blank:
         raise ValueError(f"{field}.path={src.path!r}: {', '.join(blank[:3])}{' ...' if len(blank) > 3 else ''} "
                          f"{'is' if len(blank) == 1 else 'are'} empty (no record); remove "
@@ -96,12 +98,15 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     return FILE_BUILDERS[ext], files
 
 
-def _blank(path: str) -> bool:
-    """A file of whitespace only (read until its first other byte)."""
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            if chunk.strip():
-                return False
+def _blank(path: str, field: str) -> bool:
+    """A file of whitespace only (read until its first other byte, a byte-order mark aside)."""
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 16):
+                if chunk.lstrip(b"\xef\xbb\xbf").strip():
+                    return False
+    except OSError as e:
+        raise ValueError(f"{field}.path: {path} cannot be read ({e.strerror}); check its permissions") from None
     return True
 
 
@@ -242,8 +247,10 @@ def manual_topics() -> tuple[str, ...]:
 
     with tarfile.open(STDLIB_SNAPSHOT) as tar:
         source = tar.extractfile("pydoc_data/topics.py").read().decode("utf-8")
-    assign = next(n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "topics")
-    topics = ast.literal_eval(assign.value)
+    assign = [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
+              and getattr(n.targets[0], "id", None) == "topics"]
+    assert len(assign) == 1, "the shipped pydoc_data/topics.py assigns `topics` once"
+    topics = ast.literal_eval(assign[0].value)
     return tuple(topics[k] for k in sorted(topics))
 
 

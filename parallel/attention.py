@@ -97,6 +97,13 @@ def position_dependent(cfg, split_longest: int) -> list[str]:
     return found
 
 
+def head_shape(config) -> tuple[int, int]:
+    """(query heads, head size) of a transformers config; a multimodal config's text model's."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = cfg.num_attention_heads
+    return heads, int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
+
 def check_supported(model: torch.nn.Module, split_longest: int = 0) -> None:
     """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
     field); causal, windowed, chunked and sink attention pass."""

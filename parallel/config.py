@@ -32,7 +32,7 @@ class FlashImpl(Choice):
 @dataclass
 class ParallelConfig:
     cp_impl: str = "ring"  # a method of parallel/cp.py METHODS: how a stage with cp > 1 splits the sequence
-    # auto: torch_flash on CUDA in bf16 (torch's own varlen flash attention), sdpa on CPU (parallel/kernels.py)
+    # auto: torch_flash on CUDA in bf16 for heads it takes (torch's own varlen flash attention), sdpa on CPU
     kernel: Kernel = Kernel.auto
     flash_impl: FlashImpl = FlashImpl.FA2  # the flash attention behind torch_flash: FA2, or FA3 / FA4 where installed
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise

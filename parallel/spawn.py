@@ -138,14 +138,16 @@ def _start(fn, n: int, workdir: str, args):
 
 
 def rank_accelerator(rank: int, world: int, **kwargs):
-    """An accelerate Accelerator inside a run_gloo rank that knows the launch: accelerate reads RANK and WORLD_SIZE,
-    which `accelerate launch` sets and run_gloo does not; without them it reports one process and prepare() wraps
-    nothing in DDP, so each rank would train its own copy. The process group already exists and is kept."""
+    """For tests and benchmarks only, inside a run_gloo rank (it sets this process's launch environment): an
+    accelerate Accelerator that knows the launch. accelerate reads RANK and WORLD_SIZE, which `accelerate launch`
+    sets and run_gloo does not; without them it reports one process and prepare() wraps nothing in DDP, so each
+    rank would train its own copy. The process group already exists and is kept, and so is the rank's thread count
+    (accelerate would set cores / world where OMP_NUM_THREADS is unset)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS=str(torch.get_num_threads()))
     AcceleratorState._reset_state(reset_partial_state=True)
     acc = Accelerator(cpu=True, **kwargs)
     assert acc.num_processes == world and acc.process_index == rank, (acc.num_processes, acc.process_index)

@@ -318,17 +318,17 @@ def test_a_gpu_rng_state_is_this_process_gpus_so_a_resume_may_see_fewer_gpus(mon
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([1], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([9], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: pytest.fail("every GPU's state restored"))
     state = rng_state()
-    assert torch.equal(state["cuda"], torch.tensor([1], dtype=torch.uint8))
+    assert torch.equal(state["cuda"], torch.tensor([9], dtype=torch.uint8))
     set_rng_state(state)
     old = [torch.tensor([n], dtype=torch.uint8) for n in range(8)]  # saved on 8 GPUs, resumed on GPU 1 of 2
     set_rng_state({**state, "cuda": old})
     set_rng_state({**state, "cuda": old[:1]})  # a state with no entry for this GPU leaves its generator be
-    assert [t.item() for t in restored] == [1, 1]
+    assert [t.item() for t in restored] == [9, 1]  # this GPU's own state, then GPU 1's entry of the old list
 
 
 def test_a_rank_state_a_resume_could_not_load_is_refused_at_the_save(tmp_path):

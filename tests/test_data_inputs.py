@@ -58,6 +58,11 @@ def test_an_empty_data_file_is_named_not_a_stop_iteration(tmp_path, cache_dir, c
         load_source(SourceConfig(kind="files", path=str(tmp_path / "*.jsonl")), str(cache_dir))
     (tmp_path / "a.jsonl").unlink()
     assert len(load_source(SourceConfig(kind="files", path=str(tmp_path / "*.jsonl")), str(cache_dir))) == 1
+    # text files: blank lines are documents that are skipped and counted, as before
+    (tmp_path / "a.txt").write_text(content)
+    (tmp_path / "b.txt").write_text("one line of text\n")
+    ds, skipped = drop_skipped(load_source(SourceConfig(kind="files", path=str(tmp_path / "*.txt")), str(cache_dir)))
+    assert list(ds["text"]) == ["one line of text"] and sum(skipped.values()) == content.count("\n"), skipped
 
 
 def test_empty_corpus(tmp_path, cache_dir, tok):

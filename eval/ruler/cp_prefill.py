@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from longstride.eval.hf_adapter import DynamicCache, attention_implementation, new_cache
-from longstride.parallel.attention import longstride_attention, no_mask
+from longstride.parallel.attention import head_shape, longstride_attention, no_mask
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
@@ -49,7 +49,8 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     full = torch.tensor(ids[:length], device=device)[None]
     batch = {"input_ids": full, "position_ids": torch.arange(length, device=device)[None]}
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
-    cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None, half=half))
+    cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None, half=half,
+                                                       head_dim=head_shape(model.config)[1]))
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     with attention_implementation(model, NAME, _attention_keeping_kv, no_mask):

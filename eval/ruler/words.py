@@ -3,8 +3,8 @@
 RULER (Hsieh et al. 2024, arXiv:2404.06654) draws needle keys as adjective-noun pairs and common words
 from the `wonderwords` package's lists, which ship inside the package (read here, never downloaded).
 Its essay haystack is Paul Graham's essays; the one deviation here is the prose: by default the Python
-reference manual's text (CPython 3.11.7's `pydoc_data/topics.py` from the shipped standard-library snapshot, the
-same under every Python), with its code examples dropped, or any local text files the user points at (`haystack=DIR_OR_FILE`).
+reference manual's text (CPython 3.11.7's `pydoc_data/topics.py` from the shipped standard-library
+snapshot, the same under every Python), with its code examples dropped, or any local text files the user points at (`haystack=DIR_OR_FILE`).
 """
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ again.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, fields, is_dataclass
@@ -17,6 +16,7 @@ from longstride.data.sources import check_source
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig
 from longstride.model.rope import apply_yarn, rope_targets
+from longstride.parallel.attention import head_shape
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
@@ -188,31 +188,22 @@ def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
         raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
 
 
-def _model_heads(cfg: Config) -> int:
-    """The model's query head count (from config.json for a checkpoint), after the model group's checks."""
+def _model_heads(cfg: Config) -> tuple[int, int]:
+    """The model's (query heads, head size) (a checkpoint's from its config), after the model group's checks."""
     m = cfg.model
     if m.arch == "checkpoint":
+        from transformers import AutoConfig
+
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
         check_checkpoint_dir(m.checkpoint, "model.checkpoint")
         _check_attention_supported(m.checkpoint, max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1),
                                                      default=0))
-        with open(os.path.join(m.checkpoint, "config.json")) as fh:
-            return json.load(fh)["num_attention_heads"]
+        return head_shape(AutoConfig.from_pretrained(m.checkpoint))
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
                          f"model.num_key_value_heads={m.num_key_value_heads}")
-    return m.num_attention_heads
-
-
-def _model_head_dim(cfg: Config) -> int:
-    """The model's attention head size (config.json's head_dim, else hidden_size / heads), after _model_heads."""
-    m = cfg.model
-    if m.arch == "checkpoint":
-        with open(os.path.join(m.checkpoint, "config.json")) as fh:
-            c = json.load(fh)
-        return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
-    return m.head_dim or m.hidden_size // m.num_attention_heads
+    return m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads
 
 
 def _check_rope_layer_types(m: ModelConfig) -> None:
@@ -286,7 +277,7 @@ def check_model_and_data(cfg: Config) -> int:
     attention longstride computes, model.rope_layer_types, the data sources), without a stage's training plan;
     returns the model's query head count. For a command that runs one stage's step outside training
     (longstride check)."""
-    heads = _model_heads(cfg)
+    heads, _ = _model_heads(cfg)
     _check_rope_layer_types(cfg.model)
     _check_data(cfg)
     return heads
@@ -368,7 +359,7 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     before it passes. assume_gpu / check_data=False: plan for GPUs this machine lacks, without the data
     (longstride plan)."""
     _check_run(cfg)
-    heads, head_dim = _model_heads(cfg), _model_head_dim(cfg)
+    heads, head_dim = _model_heads(cfg)
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")

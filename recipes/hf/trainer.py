@@ -8,7 +8,8 @@ number of processes, each document attending to itself only, no L x L mask, no p
     from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
 
     args = TrainingArguments(...)                     # initialises torch.distributed under a launcher
-    cp = setup_cp(cp=2, heads=model.config.num_attention_heads)   # CP groups over the launched processes
+    heads, head_dim = head_shape(model.config)      # longstride.parallel.attention
+    cp = setup_cp(cp=2, heads=heads, head_dim=head_dim)   # CP groups over the launched processes
     use_longstride_attention(model)                   # longstride.parallel.attention
     class Trainer(LongstrideTrainerMixin, transformers.Trainer): ...   # or (LongstrideTrainerMixin, SFTTrainer)
     trainer = Trainer(model=model, args=args, train_dataset=packed_dataset(docs, 4096, pad_id),
@@ -55,10 +56,13 @@ from longstride.parallel.kernels import resolve_kernel
 
 
 def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
-             device_type: Optional[str] = None, kernel: str = "auto", half: Optional[bool] = None) -> CPContext:
+             device_type: Optional[str] = None, kernel: str = "auto", half: Optional[bool] = None,
+             head_dim: int = 0) -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
     TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
-    model's query heads (checked against the Ulysses degree); kernel: parallel.kernel's choices; half:
+    model's query heads (checked against the Ulysses degree); head_dim: its head size (parallel/attention.py
+    head_shape(model.config) gives both; 0: unchecked), which the flash kernels limit; kernel: parallel.kernel's
+    choices; half:
     attention runs in bf16/fp16, which the flash kernels need; None reads it from the mixed precision that
     TrainingArguments (bf16=True / fp16=True) hands accelerate, so call this after creating them."""
     if half is None:
@@ -67,7 +71,8 @@ def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_he
     dims = ParallelDims.from_world(world, cp, where="setup_cp")
     degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1, half=half))
+    return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1, half=half,
+                                                                     head_dim=head_dim))
 
 
 def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fit") -> PackedSequences:

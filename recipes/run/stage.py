@@ -106,8 +106,8 @@ def validation_loss(ctx: RunContext, run: StageRun) -> float:
     run.model.eval()
     dims, device = run.plan.dims, ctx.accelerator.device
     total, count = torch.zeros(()), torch.zeros(())
-    first = dims.dp_rank(ctx.accelerator.process_index)
-    for i in range(first, first + -(-len(run.held_out) // dims.dp) * dims.dp, dims.dp):
+    first, rounds = dims.dp_rank(ctx.accelerator.process_index), math.ceil(len(run.held_out) / dims.dp)
+    for i in range(first, first + rounds * dims.dp, dims.dp):
         local = run.prep(collate([run.held_out[i if i < len(run.held_out) else 0]]))
         loss = loss_sum(run.model, local, device).float().cpu()
         if i < len(run.held_out):
