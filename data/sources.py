@@ -328,13 +328,15 @@ def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
 def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources", rank: int = 0, world: int = 1,
                   skip: int = 0) -> datasets.IterableDataset:
     """Rows {text, skip} read lazily (data.streaming=true): the first `skip` rows dropped, then rank's
-    share of the rest (whole shards when the shard count divides by world, else every world-th row).
-    Raises ValueError naming the field on bad input, before anything is read past the first row."""
+    share of the rest (whole shards when the shard count divides by world and nothing is skipped, else every
+    world-th row). Raises ValueError naming the field on bad input, before anything is read past the first row."""
     ds = check_source(src, field).stream(src, cache_dir, field, world)
     if skip:
         ds = ds.skip(skip)
     if world > 1:
         from datasets.distributed import split_dataset_by_node
 
-        ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+        # split by shards, datasets would apply the skip to each rank's own shards (its first rows, not the
+        # stream's): the held-out rows trained on and as many others never read
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy="examples" if skip else "auto")
     return ds

@@ -119,3 +119,25 @@ def test_bad_streaming_input(tmp_path, setup):
     missing = DataConfig(sources={"m": SourceConfig(kind="files", path=str(tmp_path / "nope.jsonl"))}, streaming=True)
     with pytest.raises(ValueError, match=r"data.sources.m.path=.*nope.jsonl': file not found"):
         streaming_stage(missing, tok, L, 0, None, MB, 0, 1, d)
+
+
+@pytest.mark.parametrize("kind", ["disk", "files"])
+def test_a_sharded_source_split_over_ranks_skips_the_streams_held_out_rows(tmp_path, kind):
+    """A source of several shards (a save_to_disk dataset, a glob of files) split over 2 ranks: the first 7 rows of
+    the stream (held out) are read by no rank, and every other row by exactly one. Split by shards, datasets
+    skipped each rank's own first rows instead: held-out rows trained, as many others never read."""
+    from longstride.data.sources import stream_source
+
+    rows = [f"row {i}" for i in range(100)]
+    if kind == "disk":
+        import datasets
+
+        datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "disk"))
+        src = SourceConfig(kind="disk", path=str(tmp_path / "disk"))
+    else:
+        write_jsonl(tmp_path / "a.jsonl", rows[:50])
+        write_jsonl(tmp_path / "b.jsonl", rows[50:])
+        src = SourceConfig(kind="files", path=str(tmp_path / "*.jsonl"))
+    seen = [int(r["text"].split()[1]) for rank in range(2)
+            for r in stream_source(src, str(tmp_path / "cache"), "x", rank, 2, skip=7)]
+    assert sorted(seen) == list(range(7, 100)), (sorted(set(range(7)) & set(seen)), len(seen))
