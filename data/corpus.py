@@ -6,6 +6,7 @@ token-weighted source mixture, then optional length-aware upsampling of long doc
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -46,10 +47,14 @@ def build_tokenizer(cfg: DataConfig, cache_dir: str):
             yield text
 
     source = {k: v for k, v in vars(src).items() if k != "synthetic" or src.kind == "synthetic"}
-    key = {"source": source, "n": n, "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes}
-    if cfg.split_digits:  # only then in the key, so the cached tokenizers of existing runs stay theirs
+    # the texts themselves are in the key (at most tokenizer_train_bytes): an edited file or a new snapshot under the
+    # same source config trains a new tokenizer instead of reusing the old one
+    sampled = list(sample())
+    content = hashlib.sha256("\0".join(sampled).encode("utf-8", "surrogatepass")).hexdigest()
+    key = {"source": source, "n": n, "vocab": cfg.vocab_size, "bytes": cfg.tokenizer_train_bytes, "texts": content}
+    if cfg.split_digits:
         key["split_digits"] = True
-    tok = cached_bpe(sample(), cfg.vocab_size, cache_dir, f"bpe-{digest(key)}", cfg.split_digits)
+    tok = cached_bpe(sampled, cfg.vocab_size, cache_dir, f"bpe-{digest(key)}", cfg.split_digits)
     check_tokenizer(tok, "data.tokenizer")
     return tok
 

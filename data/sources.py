@@ -18,7 +18,7 @@ import datasets
 
 from longstride.data import synthetic
 from longstride.data.config import SourceConfig
-from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_root, unreadable
+from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_digest, stdlib_root, unreadable
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
@@ -41,12 +41,13 @@ def _read_files(paths: list[str]):
         yield {"text": text, "skip": "" if text.strip() else ("empty" if not text else "whitespace")}
 
 
-def _files_dataset(paths: list[str], cache_dir: str) -> datasets.Dataset:
-    # gen_kwargs are part of the cache fingerprint, so mtimes make an edited file re-read.
-    stamps = [os.stat(p).st_mtime_ns if not unreadable(p) else 0 for p in paths]
+def _files_dataset(paths: list[str], cache_dir: str, identity: str = "") -> datasets.Dataset:
+    """The files' texts, cached under a name made of their paths, sizes and mtimes (an edited file is read again)
+    and `identity` (the shipped corpus' digest: its files all carry mtime 0, so a new snapshot changes only it)."""
+    stamps = [(st.st_mtime_ns, st.st_size) if not unreadable(p) and (st := os.stat(p)) else 0 for p in paths]
     return datasets.Dataset.from_generator(
         _read_files, gen_kwargs={"paths": paths}, cache_dir=cache_dir,
-        config_name=f"files-{len(paths)}-{digest([paths, stamps])}",
+        config_name=f"files-{len(paths)}-{digest([paths, stamps, identity])}",
     )
 
 
@@ -193,7 +194,7 @@ def _check_hub(src: SourceConfig, field: str) -> None:
 
 
 def _load_walked(src, cache_dir, num_proc, field):
-    return _files_dataset(_walk_files(src, field), cache_dir)
+    return _files_dataset(_walk_files(src, field), cache_dir, stdlib_digest() if src.kind == "stdlib" else "")
 
 
 def _stream_walked(src, cache_dir, field, world):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -175,3 +176,35 @@ def test_the_embedded_corpus_is_the_shipped_stdlib_whatever_python_runs(tmp_path
     (root / ".complete").unlink()  # no stamp at all (an unpack cut short before it): replaced too
     (root / "json" / "__init__.py").unlink()
     assert files.stdlib_root() == root and (root / "json" / "__init__.py").is_file()
+
+
+def test_a_file_rewritten_under_its_old_mtime_is_read_again(tmp_path, cache_dir):
+    """The walked-files cache is keyed by size as well as mtime (the shipped corpus' files all carry mtime 0, and
+    a copy tool may keep mtimes), so new text under an old mtime is not served from the cache."""
+    d = tmp_path / "docs"
+    d.mkdir()
+    f = d / "a.txt"
+    f.write_text("alpha")
+    stamp = os.stat(f).st_mtime_ns
+    src = SourceConfig(kind="local_dir", path=str(d), glob="*.txt")
+    assert load_source(src, str(cache_dir))["text"] == ["alpha"]
+    f.write_text("zeta and more")
+    os.utime(f, ns=(stamp, stamp))
+    assert load_source(src, str(cache_dir))["text"] == ["zeta and more"]
+
+
+def test_the_trained_tokenizer_is_cached_by_its_training_texts(tmp_path, cache_dir):
+    """The same source config over edited files trains a new BPE (the old one had none of the new words' merges);
+    the same texts reuse the cached one."""
+    from longstride.data.corpus import build_tokenizer
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    cfg = DataConfig(sources={"only": SourceConfig(kind="local_dir", path=str(d), glob="*.txt")}, vocab_size=300)
+    (d / "a.txt").write_text("alpha beta gamma " * 200)
+    first = build_tokenizer(cfg, str(cache_dir))
+    assert build_tokenizer(cfg, str(cache_dir)).name_or_path == first.name_or_path, "the same texts: cached"
+    (d / "a.txt").write_text("zeta omega sigma " * 200)
+    second = build_tokenizer(cfg, str(cache_dir))
+    assert second.name_or_path != first.name_or_path
+    assert len(second("zeta omega")["input_ids"]) < len(first("zeta omega")["input_ids"])
