@@ -20,6 +20,9 @@ def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
     docs = upsample_long(docs, corpus.doc_len, long_docs or cfg.long_docs, cfg.seed)
     plan, stats = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
     stats.update(qa_docs_cut(cfg, corpus, docs, seq_len))
+    lens = corpus.doc_len[docs]  # each source's share of the epoch's input tokens, upsampling included
+    stats["source_token_share"] = {name: round(float(lens[corpus.doc_source[docs] == i].sum() / lens.sum()), 4)
+                                   for i, name in enumerate(corpus.sources)}
     long_min = (long_docs or cfg.long_docs).min_tokens
     if long_min:
         lens = corpus.doc_len[docs]

@@ -208,3 +208,23 @@ def test_the_trained_tokenizer_is_cached_by_its_training_texts(tmp_path, cache_d
     second = build_tokenizer(cfg, str(cache_dir))
     assert second.name_or_path != first.name_or_path
     assert len(second("zeta omega")["input_ids"]) < len(first("zeta omega")["input_ids"])
+
+
+def test_the_stage_logs_each_sources_share_of_its_tokens(tmp_path, cache_dir, tok):
+    """source_token_share follows the mixture's weights, and shows how long-document upsampling moves them."""
+    from longstride.data.config import LongDocConfig
+    from longstride.data.pipeline import stage_sequences
+
+    for name, words in (("short", 20), ("long", 400)):
+        d = tmp_path / name
+        d.mkdir()
+        for i in range(40):
+            (d / f"{i}.txt").write_text(" ".join(f"{name}{i}w{j}" for j in range(words)))
+    cfg = DataConfig(sources={n: SourceConfig(kind="local_dir", path=str(tmp_path / n), glob="*.txt")
+                              for n in ("short", "long")})
+    corpus = build_corpus(cfg, tok, str(cache_dir))
+    _, stats = stage_sequences(cfg, corpus, 512, tok.pad_token_id, {"short": 0.75, "long": 0.25})
+    assert stats["source_token_share"]["short"] == pytest.approx(0.75, abs=0.02), stats
+    _, up = stage_sequences(cfg, corpus, 512, tok.pad_token_id, {"short": 0.75, "long": 0.25},
+                            LongDocConfig(min_tokens=300, min_share=0.6))
+    assert up["source_token_share"]["long"] >= 0.55, up  # the long source's documents repeated past its weight
