@@ -20,14 +20,29 @@ def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
     docs = upsample_long(docs, corpus.doc_len, long_docs or cfg.long_docs, cfg.seed)
     plan, stats = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
     stats.update(qa_docs_cut(cfg, corpus, docs, seq_len))
-    lens = corpus.doc_len[docs]  # each source's share of the epoch's input tokens, upsampling included
-    stats["source_token_share"] = {name: round(float(lens[corpus.doc_source[docs] == i].sum() / lens.sum()), 4)
-                                   for i, name in enumerate(corpus.sources)}
+    stats.update(source_shares(corpus, docs))
     long_min = (long_docs or cfg.long_docs).min_tokens
     if long_min:
         lens = corpus.doc_len[docs]
         stats["long_doc_token_share"] = float(lens[lens >= long_min].sum() / lens.sum())
     return PackedSequences(corpus.tokens, plan, pad_id), stats
+
+
+def source_shares(corpus: Corpus, docs: np.ndarray) -> dict:
+    """Each source's share of an epoch's input tokens (upsampling included), and, where some tokens are context
+    only (synthetic sources with loss_on=qa), of the tokens that are loss targets (a document's first token and
+    context-only tokens are none)."""
+    def shares(per_doc: np.ndarray) -> dict:
+        return {name: round(float(per_doc[corpus.doc_source[docs] == i].sum() / per_doc.sum()), 4)
+                for i, name in enumerate(corpus.sources)}
+
+    out = {"source_token_share": shares(corpus.doc_len[docs])}
+    target = corpus.tokens >= 0
+    if not target.all():
+        starts = corpus.doc_start[docs]
+        cum = np.concatenate([[0], np.cumsum(target, dtype=np.int64)])
+        out["source_loss_token_share"] = shares(cum[starts + corpus.doc_len[docs]] - cum[starts] - target[starts])
+    return out
 
 
 def qa_docs_cut(cfg: DataConfig, corpus: Corpus, docs: np.ndarray, seq_len: int) -> dict:

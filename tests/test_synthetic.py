@@ -179,6 +179,29 @@ def test_mixture_token_shares_within_two_percent(cache_dir, tok):
         assert abs(share - wa) <= 0.02, (wa, share)
 
 
+def test_the_loss_token_share_counts_what_carries_loss(cache_dir, tok):
+    """A loss_on=qa source weighs its filler in the mixture but trains only its questions and answers: the stage
+    logs each source's share of the loss targets beside its share of the input, counted here from the packed
+    labels themselves (data/batch.py packed_item), one document at a time."""
+    from longstride.data.batch import packed_item
+    from longstride.data.pipeline import source_shares
+    from longstride.model.loss import IGNORE_INDEX
+
+    cfg = DataConfig(sources={"qa": synth(seed=3, num_docs=60, loss_on="qa"), "all": synth(seed=4, num_docs=60)})
+    corpus = build_corpus(cfg, tok, str(cache_dir))
+    docs = mixture_documents(corpus, {"qa": 0.5, "all": 0.5}, seed=0)
+    got = source_shares(corpus, docs)
+    targets = np.zeros(2)
+    for d in docs:
+        start, n = int(corpus.doc_start[d]), int(corpus.doc_len[d])
+        labels = packed_item([corpus.tokens[start:start + n]], n, tok.pad_token_id)["labels"]
+        targets[corpus.doc_source[d]] += (np.asarray(labels) != IGNORE_INDEX).sum()
+    want = targets / targets.sum()
+    assert got["source_token_share"]["qa"] == pytest.approx(0.5, abs=0.02)
+    assert got["source_loss_token_share"]["qa"] == pytest.approx(want[0], abs=1e-4), (got, want)
+    assert want[0] < 0.3, "the qa source's filler carries no loss"
+
+
 def test_resume_through_the_loader_is_exact(cache_dir, tok):
     from longstride.data.pipeline import stage_loader, stage_sequences
 
