@@ -38,10 +38,9 @@ def source_shares(corpus: Corpus, docs: np.ndarray) -> dict:
 
     out = {"source_token_share": shares(corpus.doc_len[docs])}
     target = corpus.tokens >= 0
-    if not target.all():
-        starts = corpus.doc_start[docs]
-        cum = np.concatenate([[0], np.cumsum(target, dtype=np.int64)])
-        out["source_loss_token_share"] = shares(cum[starts + corpus.doc_len[docs]] - cum[starts] - target[starts])
+    if not target.all():  # documents lie back to back in corpus order: one sum per document
+        per_doc = np.add.reduceat(target, corpus.doc_start, dtype=np.int64) - target[corpus.doc_start]
+        out["source_loss_token_share"] = shares(per_doc[docs])
     return out
 
 
