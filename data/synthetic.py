@@ -21,6 +21,7 @@ repeated (the passkey layout), a strong copy prior that the answer must overrule
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -159,11 +160,36 @@ def draw(rng: random.Random, kind: str) -> Spec:
     raise ValueError(f"synthetic kind {kind!r} is unknown; use one of {KINDS}")
 
 
+FILLER_FILES = 400  # the first standard-library .py files (sorted paths) whose lines are filler
+
+
+def filler_files() -> list[str]:
+    return list_files(stdlib_root(), "**/*.py")[:FILLER_FILES]
+
+
+def check_filler_held_out(sources: dict) -> None:
+    """Refuses a run whose stdlib source holds files out (`exclude`, e.g. for `eval ppl`) that a synthetic
+    source's filler would bring back into training (its `corpus_share` of lines comes from filler_files())."""
+    held = {n: s for n, s in sources.items() if s.kind == "stdlib" and s.exclude}
+    filled = [n for n, s in sources.items() if s.kind == "synthetic" and s.synthetic.corpus_share > 0]
+    if not held or not filled:
+        return
+    filler = set(filler_files())
+    for name, src in held.items():
+        back = sorted(set(list_files(stdlib_root(), src.exclude)) & filler)
+        if back:
+            shown = ", ".join(os.path.relpath(p, stdlib_root()) for p in back[:3]) + (" ..." if len(back) > 3 else "")
+            raise ValueError(f"data.sources.{name}.exclude holds out {shown}, whose lines the filler of "
+                             f"data.sources.{{{','.join(filled)}}} (synthetic.corpus_share > 0) trains on; set their "
+                             f"synthetic.corpus_share=0 or hold out files past the first {FILLER_FILES} of the "
+                             "standard library")
+
+
 @lru_cache(maxsize=1)
 def corpus_lines() -> tuple[str, ...]:
     """Non-blank lines of the standard library's .py files (sorted paths): the corpus' own text."""
     lines = []
-    for path in list_files(stdlib_root(), "**/*.py")[:400]:
+    for path in filler_files():
         with open(path, encoding="utf-8", errors="replace") as f:
             lines += [line.strip() for line in f if line.strip()]
     return tuple(lines)

@@ -359,3 +359,16 @@ def test_output_root_that_is_a_file(micro, tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="paths.output_root=.*afile' is a file"):
         validate(compose_cfg(micro + [f"paths.output_root={tmp_path / 'afile'}"]), 1)
+
+
+def test_a_held_out_stdlib_file_that_synthetic_filler_would_train_on_is_refused():
+    """Synthetic filler takes lines from the first standard-library files; holding one of them out of the stdlib
+    source (for `eval ppl`) while a synthetic source draws filler from it would train on it anyway."""
+    from longstride.recipes.config.plan import _check_data
+
+    over = ["recipe=gpu_extend_64k"]
+    _check_data(compose_cfg(over))  # its held-out test/test_[t-z]*.py lie past the filler's files
+    with pytest.raises(ValueError, match=r"data.sources.stdlib.exclude holds out _pydecimal.py, whose lines the "
+                                         r"filler of data.sources.\{copy_short,.*retrieval_32k.*\} .*set their "
+                                         r"synthetic.corpus_share=0 or hold out"):
+        _check_data(compose_cfg(over + ["data.sources.stdlib.exclude=_pydecimal.py"]))

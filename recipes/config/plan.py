@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Optional
 
 from longstride.data.sources import check_source
+from longstride.data.synthetic import check_filler_held_out
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig
 from longstride.model.rope import apply_yarn, rope_targets
@@ -223,6 +224,7 @@ def _check_data(cfg: Config) -> None:
         raise ValueError("data.sources is empty; pick a data config (data=stdlib, data=files, ...) or add a source")
     for name, src in d.sources.items():
         check_source(src, f"data.sources.{name}")
+    check_filler_held_out(d.sources)
     for name, s in cfg.recipe.stages.items():
         unknown = set(s.mixture or ()) - set(d.sources)
         if unknown:
