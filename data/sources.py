@@ -241,13 +241,11 @@ def _stream_hub(src, cache_dir, field, world):
 @functools.lru_cache(maxsize=1)
 def manual_topics() -> tuple[str, ...]:
     """The Python reference manual's topic texts, by topic name: CPython 3.11.7's `pydoc_data/topics.py` from the
-    shipped standard-library snapshot (read as a literal, never run), so the text is the same under every Python
-    (each interpreter's own pydoc_data differs by version)."""
+    shipped standard-library snapshot, as unpacked once (data/files.py stdlib_root), read as a literal and never
+    run, so the text is the same under every Python (each interpreter's own pydoc_data differs by version)."""
     import ast
-    import tarfile
 
-    with tarfile.open(STDLIB_SNAPSHOT) as tar:
-        source = tar.extractfile("pydoc_data/topics.py").read().decode("utf-8")
+    source = (stdlib_root() / "pydoc_data" / "topics.py").read_text(encoding="utf-8")
     assign = [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
               and getattr(n.targets[0], "id", None) == "topics"]
     assert len(assign) == 1, "the shipped pydoc_data/topics.py assigns `topics` once"
