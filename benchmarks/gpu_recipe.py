@@ -63,7 +63,7 @@ REHEARSAL = [
     *TINY, "data.num_proc=1",
     *(f"data.sources.{s}.synthetic.num_docs={n}" for s, n in (("copy_short", 400), ("retrieval_short", 400),
                                                                ("retrieval_mid", 100), ("retrieval_long", 60),
-                                                               ("retrieval_32k", 20), ("retrieval_64k", 10))),
+                                                               ("retrieval_32k", 20), ("retrieval_64k", 20))),
     "data.sources.retrieval_32k.synthetic.min_words=210", "data.sources.retrieval_32k.synthetic.max_words=750",
     "data.sources.retrieval_64k.synthetic.min_words=780", "data.sources.retrieval_64k.synthetic.max_words=1500",
     *(f"recipe.stages.{s}.{k}" for s, L, steps in (("s0_copy", 256, 4), ("s1_4k", 256, 4), ("s2_32k", 2048, 2),

@@ -88,6 +88,8 @@ class DataConfig:
     streaming: bool = False  # read sources lazily (corpora larger than memory), pack online: data/stream.py
     stream_open_seqs: int = 64  # streaming best-fit: sequences kept open for placing documents
     num_workers: int = 0
-    eval_sequences: int = 8  # packed sequences per stage held out of training for the validation loss
+    # validation: each stage's loss over eval_sequences x seq_len tokens of documents held out of every stage's
+    # training, in the stage's mixture (data/pipeline.py holdout_documents); 0 = none
+    eval_sequences: int = 8
     seed: int = 1234
     long_docs: LongDocConfig = field(default_factory=LongDocConfig)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -88,22 +89,25 @@ def build_corpus(cfg: DataConfig, tokenizer, cache_dir: str) -> Corpus:
                   [p[0] for p in parts], report)
 
 
-def mixture_documents(corpus: Corpus, weights: dict[str, float], seed: int) -> np.ndarray:
+def mixture_documents(corpus: Corpus, weights: dict[str, float], seed: int,
+                      keep: Optional[np.ndarray] = None) -> np.ndarray:
     """Document indices for one epoch of a stage: each source contributes `weight` of the tokens
-    (normalised), drawn from its documents in a seeded order and repeated when a small source has a
-    large weight. The epoch has as many tokens as the whole corpus."""
+    (normalised), drawn from its documents (those `keep` marks, if given: the rest are held out) in a seeded
+    order and repeated when a small source has a large weight. The epoch has as many tokens as the documents
+    it may draw from."""
     unknown = set(weights) - set(corpus.sources)
     if unknown:
         raise ValueError(f"stage mixture names unknown sources {sorted(unknown)}; known: {corpus.sources}")
     total_w = sum(weights.values())
-    total_tokens = int(corpus.doc_len.sum())
+    keep = np.ones(len(corpus.doc_len), dtype=bool) if keep is None else keep
+    total_tokens = int(corpus.doc_len[keep].sum())
     rng = np.random.default_rng(seed)
     picked = []
     for i, name in enumerate(corpus.sources):
         w = weights.get(name, 0.0) / total_w
         if w <= 0:
             continue
-        docs = np.flatnonzero(corpus.doc_source == i)
+        docs = np.flatnonzero((corpus.doc_source == i) & keep)
         order = docs[rng.permutation(len(docs))]
         target = w * total_tokens
         src_tokens = corpus.doc_len[docs].sum()

@@ -1,11 +1,13 @@
-"""One stage's data: corpus -> mixture -> (long-document upsampling) -> packing -> loader."""
+"""One stage's data: corpus -> mixture -> (long-document upsampling) -> packing -> loader.
+
+Validation documents are chosen once per run (`holdout_documents`), Megatron-style, from whole documents: no stage
+trains on a document any stage validates on. Each stage validates on a prefix of them in its own mixture.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
-import torch
-
 from longstride.data.batch import PackedSequences
 from longstride.data.config import DataConfig, LossOn
 from longstride.data.corpus import Corpus, mixture_documents, upsample_long
@@ -13,10 +15,56 @@ from longstride.data.loader import EpochLoader
 from longstride.data.packing import pack
 
 
-def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
-                    mixture: Optional[dict] = None, long_docs=None) -> tuple[PackedSequences, dict]:
+MAX_HELD_SHARE = 0.5  # of a source's tokens: holding out more would leave a stage training on little of it
+
+
+def stage_weights(cfg: DataConfig, mixture: Optional[dict]) -> dict[str, float]:
+    """Source -> share of a stage's tokens: its mixture, or else every source's weight; normalised."""
     weights = dict(mixture) if mixture else {name: src.weight for name, src in cfg.sources.items()}
-    docs = mixture_documents(corpus, weights, cfg.seed)
+    total = sum(weights.values())
+    return {name: w / total for name, w in weights.items() if w > 0}
+
+
+def _prefix_to(docs: np.ndarray, doc_len: np.ndarray, tokens: float) -> np.ndarray:
+    """The shortest prefix of docs with at least `tokens` tokens (all of docs if they have fewer)."""
+    return docs[:int(np.searchsorted(np.cumsum(doc_len[docs]), tokens)) + 1]
+
+
+def holdout_documents(cfg: DataConfig, corpus: Corpus,
+                      stages: Sequence[tuple[int, Optional[dict]]]) -> dict[str, np.ndarray]:
+    """The run's validation documents: source -> documents, in a seeded order. Per source, the first documents of a
+    shuffle holding the most tokens any stage (seq_len, mixture) validates on from it: its share of that stage's
+    eval_sequences x seq_len. Every stage's epoch leaves all of them out (stage_sequences)."""
+    need: dict[str, float] = {}
+    for seq_len, mixture in stages:
+        for name, share in stage_weights(cfg, mixture).items():
+            need[name] = max(need.get(name, 0.0), share * cfg.eval_sequences * seq_len)
+    held = {}
+    for i, name in enumerate(corpus.sources):
+        docs = np.flatnonzero(corpus.doc_source == i)
+        if need.get(name, 0) <= 0:
+            held[name] = docs[:0]
+            continue
+        order = docs[np.random.default_rng([cfg.seed, 1, i]).permutation(len(docs))]
+        held[name] = _prefix_to(order, corpus.doc_len, need[name])
+        kept, total = corpus.doc_len[held[name]].sum(), corpus.doc_len[docs].sum()
+        if len(held[name]) == len(docs) or kept > MAX_HELD_SHARE * total:
+            raise ValueError(f"data.eval_sequences={cfg.eval_sequences}: validating on {int(need[name])} tokens of "
+                             f"source {name} (its stage share of eval_sequences x seq_len) holds out {kept} of its "
+                             f"{total} tokens, more than {MAX_HELD_SHARE:.0%}; lower data.eval_sequences or give "
+                             f"data.sources.{name} more documents")
+    return held
+
+
+def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
+                    mixture: Optional[dict] = None, long_docs=None,
+                    held: Optional[dict] = None) -> tuple[PackedSequences, dict]:
+    """One epoch of the stage packed, leaving out the `held` documents (holdout_documents)."""
+    keep = None
+    if held:
+        keep = np.ones(len(corpus.doc_len), dtype=bool)
+        keep[np.concatenate(list(held.values())).astype(np.int64)] = False
+    docs = mixture_documents(corpus, stage_weights(cfg, mixture), cfg.seed, keep)
     docs = upsample_long(docs, corpus.doc_len, long_docs or cfg.long_docs, cfg.seed)
     plan, stats = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
     stats.update(qa_docs_cut(cfg, corpus, docs, seq_len))
@@ -25,7 +73,23 @@ def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
     if long_min:
         lens = corpus.doc_len[docs]
         stats["long_doc_token_share"] = float(lens[lens >= long_min].sum() / lens.sum())
+    if held is not None:
+        stats["held_out_documents"] = {name: len(d) for name, d in held.items() if len(d)}
     return PackedSequences(corpus.tokens, plan, pad_id), stats
+
+
+def validation_sequences(cfg: DataConfig, corpus: Corpus, held: dict, seq_len: int, pad_id: int,
+                         mixture: Optional[dict] = None) -> tuple[PackedSequences, dict]:
+    """The stage's validation set: from each source's held-out documents, the first ones holding its mixture share
+    of eval_sequences x seq_len tokens, packed as training packs (at least eval_sequences sequences: all are kept,
+    since best-fit puts the longest documents in the first sequences)."""
+    n_tokens = cfg.eval_sequences * seq_len
+    parts = [_prefix_to(held[name], corpus.doc_len, share * n_tokens)
+             for name, share in stage_weights(cfg, mixture).items() if n_tokens and len(held.get(name, ()))]
+    docs = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    plan, _ = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
+    return PackedSequences(corpus.tokens, plan, pad_id), {"validation": {"sequences": len(plan),
+                                                                         "documents": len(docs)}}
 
 
 def source_shares(corpus: Corpus, docs: np.ndarray) -> dict:
@@ -55,15 +119,6 @@ def qa_docs_cut(cfg: DataConfig, corpus: Corpus, docs: np.ndarray, seq_len: int)
         if src.kind == "synthetic" and src.synthetic.loss_on == LossOn.qa and len(mine):
             cut[name] = round(float((mine > seq_len).mean()), 4)
     return {"qa_docs_cut": cut} if cut else {}
-
-
-def split_holdout(dataset: PackedSequences, n_eval: int, seed: int):
-    """(train, held-out) subsets: a seeded choice of n_eval sequences never trained on."""
-    if n_eval < 0 or n_eval >= len(dataset):
-        raise ValueError(f"data.eval_sequences={n_eval} must be in [0, {len(dataset)}) for this stage's packing")
-    held = np.sort(np.random.default_rng(seed).choice(len(dataset), n_eval, replace=False))
-    keep = np.setdiff1d(np.arange(len(dataset)), held)
-    return torch.utils.data.Subset(dataset, keep.tolist()), torch.utils.data.Subset(dataset, held.tolist())
 
 
 def stage_loader(dataset, micro_batch_size: int, dp_rank: int, dp_world: int,

@@ -11,7 +11,8 @@ OnlinePacker, best-fit over `open_seqs` open sequences or concatenate-and-chunk)
 stream exactly; torchdata's StatefulDataLoader stores it in every checkpoint.
 
 The validation sequences are packed from the first documents of the unsharded stream (eval_sequences
-x seq_len tokens of them); every rank's training stream skips the rows they came from.
+x seq_len tokens of them). Every rank's training stream skips, per source, the most rows any stage of the run
+validates on, so no stage trains on what another validates on.
 """
 from __future__ import annotations
 
@@ -130,31 +131,42 @@ class StreamLoader:
 
 
 def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixture, micro_batch_size: int,
-                    dp_rank: int, dp: int, cache_dir: str) -> tuple[StreamLoader, list, dict]:
+                    dp_rank: int, dp: int, cache_dir: str, stages=None) -> tuple[StreamLoader, list, dict]:
     """(training loader of this data rank, held-out items, packing report of the held-out documents).
     Held out: the first documents of the unsharded mixed stream, eval_sequences x seq_len tokens of them,
-    packed in memory; every rank's training stream skips the rows they came from."""
-    weights = dict(mixture) if mixture else {n: s.weight for n, s in cfg.sources.items()}
+    packed in memory (all their sequences: at least eval_sequences). Every rank's training stream skips, per
+    source, the most rows any of `stages` ((seq_len, mixture) of every stage of the run; default: this one)
+    holds out."""
+    def weights_of(mix) -> dict:
+        return dict(mix) if mix else {n: s.weight for n, s in cfg.sources.items()}
 
     def factories(rank: int, world: int, skip: dict) -> dict:
         return {n: (lambda n=n, s=s: tokenized(stream_source(s, cache_dir, f"data.sources.{n}", rank, world,
                                                              skip.get(n, 0)), tokenizer))
                 for n, s in cfg.sources.items()}
 
-    head = StreamPacker(factories(0, 1, {}), weights, seq_len, pad_id, cfg.packing)
-    docs, total = [], 0
-    while total < cfg.eval_sequences * seq_len:
-        docs.append(head.next_document())
-        total += len(docs[-1])
+    def head(length: int, mix) -> tuple[list, StreamPacker]:
+        packer = StreamPacker(factories(0, 1, {}), weights_of(mix), length, pad_id, cfg.packing)
+        docs, total = [], 0
+        while total < cfg.eval_sequences * length:
+            docs.append(packer.next_document())
+            total += len(docs[-1])
+        return docs, packer
+
+    docs, mine = head(seq_len, mixture)
     held_out, report = [], {"seq_len": seq_len, "streaming": True}
     if docs:
         lens = np.array([len(d) for d in docs], dtype=np.int64)
         plan, report = pack(np.cumsum(lens) - lens, lens, seq_len, cfg.packing)
         seqs = PackedSequences(np.concatenate(docs), plan, pad_id)
-        held_out = [seqs[i] for i in range(min(cfg.eval_sequences, len(seqs)))]
+        held_out = [seqs[i] for i in range(len(seqs))]
         report = {**report, "streaming": True, "measured_on": f"{len(docs)} held-out documents"}
-    rows = dict(head.counters["rows"])
-    train = StreamPacker(factories(dp_rank, dp, rows), weights, seq_len, pad_id, cfg.packing, cfg.stream_open_seqs,
-                         held_rows=rows)
-    return StreamLoader(train, micro_batch_size), held_out, {**report, "skipped": head.counters["skipped"],
+    rows = dict(mine.counters["rows"])
+    for length, mix in stages or ():
+        if (length, mix) != (seq_len, mixture) and cfg.eval_sequences:
+            for n, r in head(length, mix)[1].counters["rows"].items():
+                rows[n] = max(rows.get(n, 0), r)
+    train = StreamPacker(factories(dp_rank, dp, rows), weights_of(mixture), seq_len, pad_id, cfg.packing,
+                         cfg.stream_open_seqs, held_rows=rows)
+    return StreamLoader(train, micro_batch_size), held_out, {**report, "skipped": mine.counters["skipped"],
                                                              "held_out_rows": rows}

@@ -287,7 +287,8 @@ def test_killing_the_launcher_kills_its_workers(micro, tmp_path):
 
 def test_eval_sequences_beyond_the_stage_data_is_a_message(micro):
     r = run_cli(micro + ["data.eval_sequences=100000", "stage=s1_256"])
-    assert r.returncode == 2 and "stage s1_256: data.eval_sequences=100000 must be in [0, " in r.stderr
+    assert r.returncode == 2 and "stage s1_256: data.eval_sequences=100000: validating on " in r.stderr
+    assert "lower data.eval_sequences or give data.sources." in r.stderr
     assert "Traceback" not in r.stderr
 
 

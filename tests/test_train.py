@@ -1,6 +1,7 @@
 """The recipe runner end to end on a micro recipe: stages chain, bases bump, resume is exact."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -105,6 +106,9 @@ def test_loader_resume_yields_identical_sequences():
     mine = {tuple(x.tolist()) for b in expected[:5] for x in b}
     theirs = {tuple(x.tolist()) for b in [next(other)["input_ids"] for _ in range(5)] for x in b}
     assert not mine & theirs, "data-parallel ranks read disjoint sequences"
+    fewer = PackedSequences(tokens, dataclasses.replace(plan, seq_ptr=plan.seq_ptr[:-1]), pad_id=0)
+    with pytest.raises(ValueError, match=f"epoch of {len(ds)} packed sequences, but this stage now packs {len(ds) - 1}"):
+        EpochLoader(fewer, 4, rank=1, world=2, seed=7).load_state_dict(state)
 
 
 def test_checkpoint_dir_that_does_not_exist(micro):

@@ -16,13 +16,15 @@ def stage_batch(job: Job) -> tuple[dict, Job]:
     """The stage's first micro-batch (a PackedBatch of job.rows x job.seq_len) and the job with the tokenizer's
     sizes; the data pipeline's own errors name the stage."""
     from longstride.data.corpus import build_corpus, build_tokenizer
-    from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
+    from longstride.data.pipeline import stage_loader, stage_sequences
     from longstride.data.stream import streaming_stage
     from longstride.recipes.run.faults import stage_input
 
     cfg, s = job.cfg, job.cfg.recipe.stages[job.stage]
     index = list(cfg.recipe.stages).index(job.stage)
-    data = dataclasses.replace(cfg.data, num_workers=0)  # one batch: no loader workers
+    # one batch: no loader workers, and no held-out documents (a check never validates; the recipe's would be
+    # sized for its stages' lengths, not the check's seq_len)
+    data = dataclasses.replace(cfg.data, num_workers=0, eval_sequences=0)
     cache = os.path.abspath(cfg.paths.cache_dir)
     with stage_input(job.stage):
         tok = build_tokenizer(data, cache)
@@ -31,9 +33,8 @@ def stage_batch(job: Job) -> tuple[dict, Job]:
             loader, _, _ = streaming_stage(data, tok, job.seq_len, pad_id=pad, mixture=s.mixture,
                                            micro_batch_size=job.rows, dp_rank=0, dp=1, cache_dir=cache)
         else:
-            dataset, _ = stage_sequences(data, build_corpus(data, tok, cache), job.seq_len, pad, s.mixture,
-                                         s.long_docs)
-            train, _ = split_holdout(dataset, data.eval_sequences, data.seed + index)
+            train, _ = stage_sequences(data, build_corpus(data, tok, cache), job.seq_len, pad, s.mixture,
+                                       s.long_docs)
             loader = stage_loader(train, job.rows, 0, 1, data, index)
         batch = next(iter(loader))
     job = dataclasses.replace(job, vocab=len(tok), eos=tok.eos_token_id, pad=pad)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from longstride.data.batch import collate
-from longstride.data.pipeline import split_holdout, stage_loader, stage_sequences
+from longstride.data.pipeline import holdout_documents, stage_loader, stage_sequences, validation_sequences
 from longstride.data.stream import streaming_stage
 from longstride.model.build import build_model
 from longstride.model.memory import device_memory_gib, estimate
@@ -167,19 +167,27 @@ def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float)
 
 
 def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
-    """(loader, held-out sequences, packing stats) of one stage: streamed, or packed from the corpus."""
+    """(loader, held-out sequences, packing stats) of one stage: streamed, or packed from the corpus. The held-out
+    documents are the run's (every stage of the recipe), so no stage trains on what another validates on."""
     cfg, stage, dims = ctx.cfg, plan.stage, plan.dims
     dp_rank = dims.dp_rank(ctx.accelerator.process_index)
-    with stage_input(plan.name):  # the data's own checks (too few sequences for eval_sequences, ...) as exit 2
+    stages = run_stages(cfg)
+    with stage_input(plan.name):  # the data's own checks (too many eval_sequences for a source, ...) as exit 2
         if cfg.data.streaming:
             return streaming_stage(cfg.data, ctx.tokenizer, stage.seq_len, pad_id=pad_id, mixture=stage.mixture,
                                    micro_batch_size=stage.micro_batch_size, dp_rank=dp_rank, dp=dims.dp,
-                                   cache_dir=os.path.abspath(cfg.paths.cache_dir))
-        dataset, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
-                                              stage.long_docs)
-        train_set, held_out = split_holdout(dataset, cfg.data.eval_sequences, cfg.data.seed + plan.index)
+                                   cache_dir=os.path.abspath(cfg.paths.cache_dir), stages=stages)
+        held = holdout_documents(cfg.data, ctx.corpus, stages)
+        train_set, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
+                                                stage.long_docs, held)
+        held_out, val_stats = validation_sequences(cfg.data, ctx.corpus, held, stage.seq_len, pad_id, stage.mixture)
         return stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, plan.index), held_out, \
-            pack_stats
+            {**pack_stats, **val_stats}
+
+
+def run_stages(cfg) -> list[tuple[int, Optional[dict]]]:
+    """(seq_len, mixture) of every stage of the recipe: what the run's held-out documents are chosen for."""
+    return [(s.seq_len, s.mixture) for s in cfg.recipe.stages.values()]
 
 
 def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resume: Optional[str] = None) -> StageRun:

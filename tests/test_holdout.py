@@ -1,0 +1,118 @@
+"""The run's validation documents (data/pipeline.py holdout_documents, data/stream.py streaming_stage): chosen once
+for every stage, so no stage trains on a document that any stage validates on, and each stage validates on its own
+mixture's share of eval_sequences x seq_len held-out tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from longstride.data.config import DataConfig, SourceConfig
+from longstride.data.corpus import Corpus
+from longstride.data.pipeline import holdout_documents, stage_sequences, validation_sequences
+from longstride.data.stream import streaming_stage
+
+STAGES = [(64, {"a": 1.0, "b": 1.0}), (256, {"a": 0.2, "b": 0.8}), (512, {"a": 0.9, "b": 0.1})]
+
+
+def _corpus(n_a: int = 400, n_b: int = 300) -> Corpus:
+    """Two sources of documents 10-300 tokens long; every token id is its document's index, so a sequence names the
+    documents in it."""
+    rng = np.random.default_rng(0)
+    lens = rng.integers(10, 300, n_a + n_b)
+    tokens = np.repeat(np.arange(n_a + n_b, dtype=np.int32), lens)
+    return Corpus(tokens, np.cumsum(lens) - lens, lens.astype(np.int64),
+                  np.repeat(np.arange(2, dtype=np.int16), [n_a, n_b]), ["a", "b"])
+
+
+def _cfg(eval_sequences: int = 4) -> DataConfig:
+    return DataConfig(sources={"a": SourceConfig(kind="files"), "b": SourceConfig(kind="files")},
+                      eval_sequences=eval_sequences)
+
+
+PAD = 10**6  # no document's id
+
+
+def _docs(seqs) -> set[int]:
+    return {int(t) for i in range(len(seqs)) for t in np.unique(seqs[i]["input_ids"])} - {PAD}
+
+
+def test_no_stage_trains_on_a_document_any_stage_validates_on():
+    corpus, cfg = _corpus(), _cfg()
+    held = holdout_documents(cfg, corpus, STAGES)
+    trained, validated = set(), {}
+    for seq_len, mixture in STAGES:
+        train, stats = stage_sequences(cfg, corpus, seq_len, PAD, mixture, held=held)
+        trained |= _docs(train)
+        val, vstats = validation_sequences(cfg, corpus, held, seq_len, PAD, mixture)
+        validated[seq_len] = _docs(val)
+        assert len(val) >= cfg.eval_sequences and vstats["validation"]["sequences"] == len(val)
+        assert stats["held_out_documents"] == {k: len(v) for k, v in held.items()}
+        tokens = {s: corpus.doc_len[[d for d in validated[seq_len] if corpus.doc_source[d] == i]].sum()
+                  for i, s in enumerate(corpus.sources)}
+        for name, w in mixture.items():  # each source gives at least its share, and one document more at most
+            share = w / sum(mixture.values()) * cfg.eval_sequences * seq_len
+            assert share <= tokens[name] < share + corpus.doc_len.max(), (seq_len, name, tokens, share)
+    every = set().union(*validated.values())
+    assert every and not every & trained, "a validation document is trained on"
+    assert every == {int(d) for v in held.values() for d in v}, "every held-out document validates some stage"
+
+
+def test_the_held_out_documents_are_the_runs_not_the_stages():
+    """Held out for the first stage alone, the documents the later, longer stages validate on are trained on
+    in the first: what the split over all stages prevents."""
+    corpus, cfg = _corpus(), _cfg()
+    first = holdout_documents(cfg, corpus, STAGES[:1])
+    train_first = _docs(stage_sequences(cfg, corpus, 64, PAD, STAGES[0][1], held=first)[0])
+    held = holdout_documents(cfg, corpus, STAGES)
+    later = _docs(validation_sequences(cfg, corpus, held, 512, PAD, STAGES[2][1])[0])
+    assert later & train_first, "the per-stage split trains the later stage's validation documents"
+
+
+def test_the_split_is_seeded_and_stable():
+    corpus = _corpus()
+    one, two = holdout_documents(_cfg(), corpus, STAGES), holdout_documents(_cfg(), corpus, STAGES)
+    assert all(np.array_equal(one[k], two[k]) for k in one)
+    other = holdout_documents(DataConfig(**{**_cfg().__dict__, "seed": 7}), corpus, STAGES)
+    assert not np.array_equal(one["a"], other["a"])
+
+
+def test_no_eval_sequences_holds_nothing_out():
+    corpus, cfg = _corpus(), _cfg(0)
+    held = holdout_documents(cfg, corpus, STAGES)
+    assert all(len(v) == 0 for v in held.values())
+    assert len(validation_sequences(cfg, corpus, held, 64, PAD, STAGES[0][1])[0]) == 0
+
+
+def test_holding_out_more_than_half_a_source_is_refused():
+    corpus = _corpus(n_b=20)  # b: about 3K tokens; the 512-token stage asks 10% x 16 x 512 = 820 of them
+    with pytest.raises(ValueError, match=r"data.eval_sequences=40: validating on \d+ tokens of source b .* more than "
+                                         r"50%; lower data.eval_sequences or give data.sources.b more documents"):
+        holdout_documents(_cfg(40), corpus, STAGES)
+
+
+def test_a_streaming_stage_skips_what_a_later_stage_holds_out(tmp_path):
+    from tests.test_stream import L, MB, corpus_docs, docs_of, write_jsonl
+    from longstride.data.tokenizer import train_bpe
+
+    a, b = corpus_docs("a", 40, 0), corpus_docs("b", 20, 1)
+    tok = train_bpe(a + b, 300)
+    cfg = DataConfig(sources={"a": SourceConfig(kind="files", path=write_jsonl(tmp_path / "a.jsonl", a), weight=3.0),
+                              "b": SourceConfig(kind="files", path=write_jsonl(tmp_path / "b.jsonl", b), weight=1.0)},
+                     streaming=True, eval_sequences=2, stream_open_seqs=128)
+    later = (4 * L, {"a": 1.0})
+    _, held, report = streaming_stage(cfg, tok, later[0], tok.pad_token_id, later[1], MB, 0, 1, str(tmp_path))
+    held_docs = docs_of({k: torch.from_numpy(np.stack([h[k] for h in held])) for k in held[0]}) - {(tok.pad_token_id,)}
+
+    def trained(stages) -> set:
+        loader, _, rep = streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, 0, 1, str(tmp_path), stages=stages)
+        return set().union(*(docs_of(next(loader)) for _ in range(6))), rep  # within the first epoch
+
+    def first_pieces_of(docs: set, pieces: set) -> set:
+        return {p for p in pieces for d in docs if d[:len(p)] == p}
+
+    alone, _ = trained(None)
+    assert first_pieces_of(held_docs, alone), "trained alone, this stage reads the later stage's held-out rows"
+    both, rep = trained([(L, None), later])
+    assert rep["held_out_rows"]["a"] == report["held_out_rows"]["a"]
+    assert not first_pieces_of(held_docs, both), "a later stage's held-out document is trained on"
