@@ -74,7 +74,9 @@ def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past
     class Stub(LongstrideTrainerMixin):  # what get_train_dataloader reads of a Trainer, on one process
         def __init__(self, model, collator):
             self.model, self.data_collator, self.train_dataset = model, collator, packed_dataset(documents(), L, 1)
-            self.args, self._train_batch_size = SimpleNamespace(seed=0, dataloader_num_workers=0), BATCH
+            self.args = SimpleNamespace(seed=0, dataloader_num_workers=0, average_tokens_across_devices=True,
+                                        label_smoothing_factor=0.0)
+            self._train_batch_size = BATCH
 
     phi3 = T.Phi3ForCausalLM(_phi3_longrope())
     one = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=1)), pad_id=0)
@@ -86,6 +88,41 @@ def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past
         two([{"input_ids": list(range(2, 98))}])
     two._check_split(64)  # within the window: passes
     one._check_split(4096)  # one CP rank holds the whole sequence: passes
+
+
+def test_trainer_settings_that_would_change_the_loss_are_refused():
+    """average_tokens_across_devices=False over several processes, label smoothing (transformers' LabelSmoother
+    shifts the aligned labels again: measured 3.8906 against 3.9419 at a smoothing of 1e-9) and a forward without
+    loss keywords are refused at the first dataloader, as is evaluation under CP; the defaults pass."""
+    from types import SimpleNamespace
+
+    import transformers as T
+
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, check_loss_setup
+
+    args = T.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+    check_loss_setup(args, 2, True, None)
+    with pytest.raises(ValueError, match="average_tokens_across_devices=False over 2 processes"):
+        check_loss_setup(T.TrainingArguments("unused", report_to=[], average_tokens_across_devices=False), 2, True,
+                         None)
+    check_loss_setup(T.TrainingArguments("unused", report_to=[], average_tokens_across_devices=False), 1, True, None)
+    with pytest.raises(NotImplementedError, match="label_smoothing_factor=1e-09: the Trainer's LabelSmoother"):
+        check_loss_setup(T.TrainingArguments("unused", report_to=[], label_smoothing_factor=1e-9), 1, True, None)
+    with pytest.raises(NotImplementedError, match="forward takes no loss keywords"):
+        check_loss_setup(args, 1, False, None)
+    check_loss_setup(args, 1, False, lambda outputs, labels, num_items_in_batch=None: 0)
+
+    class Base:
+        def get_eval_dataloader(self, eval_dataset=None):
+            return "the Trainer's"
+
+    class Stub(LongstrideTrainerMixin, Base):
+        def __init__(self, cp: int):
+            self.data_collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=cp)), pad_id=0)
+
+    assert Stub(1).get_eval_dataloader() == "the Trainer's"
+    with pytest.raises(NotImplementedError, match="evaluation with cp=2: the Trainer splits its rows"):
+        Stub(2).get_eval_dataloader()
 
 
 @pytest.mark.parametrize("impl,kind", [("ring", "trainer"), ("ulysses", "trainer"), ("ring", "sft")])

@@ -34,7 +34,14 @@ What each piece does:
 - Loss normalisation needs nothing extra: the Trainer counts the label tokens of every process
   (`average_tokens_across_devices`, on by default), each CP rank's loss is its tokens' sum over that
   global count times the process count, and DDP's gradient average then gives the gradient of the
-  mean over the whole global batch, exactly as one process would.
+  mean over the whole global batch, exactly as one process would; gradient accumulation divides by the
+  count over all its micro-batches. What would break that is refused at the first dataloader
+  (`check_loss_setup`): `average_tokens_across_devices=False` over several processes (a mean by rank),
+  a model whose forward takes no loss keywords (a mean per micro-batch), and label smoothing (the Trainer's
+  LabelSmoother shifts the already-aligned labels again). A `compute_loss_func` gets those aligned labels: it
+  must not shift them.
+- Evaluation under CP is refused: the Trainer splits evaluation rows over every process, so the CP ranks
+  of one group would hold different sequences. Evaluate with cp=1, or with the recipe's own validation loss.
 """
 from __future__ import annotations
 
@@ -141,10 +148,10 @@ class LongstrideTrainerMixin:
     rows, each data-parallel group its own seeded share per epoch."""
 
     def get_train_dataloader(self):
-        collator = self.data_collator
-        if not isinstance(collator, LongstrideCollator):
-            raise ValueError("LongstrideTrainerMixin needs data_collator=LongstrideCollator(cp, pad_id=...)")
+        collator = self._collator()
         world = dist.get_world_size() if dist.is_initialized() else 1
+        check_loss_setup(self.args, world, getattr(self, "model_accepts_loss_kwargs", True),
+                         getattr(self, "compute_loss_func", None))
         rank = dist.get_rank() if dist.is_initialized() else 0
         dims = ParallelDims.from_world(world, collator.cp.degrees.cp, where="LongstrideCollator")
         model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
@@ -154,3 +161,39 @@ class LongstrideTrainerMixin:
         return torch.utils.data.DataLoader(self.train_dataset, batch_size=self._train_batch_size, sampler=sampler,
                                            collate_fn=collator, drop_last=True,
                                            num_workers=self.args.dataloader_num_workers)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        self._refuse_cp_eval("evaluation")
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        self._refuse_cp_eval("prediction")
+        return super().get_test_dataloader(test_dataset)
+
+    def _collator(self) -> LongstrideCollator:
+        if not isinstance(self.data_collator, LongstrideCollator):
+            raise ValueError("LongstrideTrainerMixin needs data_collator=LongstrideCollator(cp, pad_id=...)")
+        return self.data_collator
+
+    def _refuse_cp_eval(self, what: str) -> None:
+        cp = self._collator().cp.degrees.cp
+        if cp > 1:
+            raise NotImplementedError(f"LongstrideTrainerMixin: {what} with cp={cp}: the Trainer splits its rows over "
+                                      "every process, so the CP ranks of one group would hold different sequences; "
+                                      "evaluate with cp=1, or use the recipe's own validation loss")
+
+
+def check_loss_setup(args, world: int, accepts_loss_kwargs: bool, compute_loss_func) -> None:
+    """Refuses the Trainer settings under which its loss is not the token mean over the global batch (see the
+    module docstring): args is the TrainingArguments."""
+    if world > 1 and not args.average_tokens_across_devices:
+        raise ValueError(f"TrainingArguments.average_tokens_across_devices=False over {world} processes averages each "
+                         "process's mean loss (CP ranks hold different numbers of label tokens): set it to True")
+    if args.label_smoothing_factor:
+        raise NotImplementedError(f"TrainingArguments.label_smoothing_factor={args.label_smoothing_factor}: the "
+                                  "Trainer's LabelSmoother shifts the labels, which LongstrideCollator has already "
+                                  "aligned to the next token; set it to 0")
+    if not accepts_loss_kwargs and compute_loss_func is None:
+        raise NotImplementedError("the model's forward takes no loss keywords (num_items_in_batch), so the Trainer's "
+                                  "loss would be a mean per micro-batch and per process, not over the global batch; "
+                                  "pass compute_loss_func to the Trainer, or use a model whose forward takes **kwargs")
