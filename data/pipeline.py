@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
+
 from longstride.data.batch import PackedSequences
 from longstride.data.config import DataConfig, LossOn
 from longstride.data.corpus import Corpus, mixture_documents, upsample_long
 from longstride.data.loader import EpochLoader
 from longstride.data.packing import pack
-
 
 MAX_HELD_SHARE = 0.5  # of a source's tokens: holding out more would leave a stage training on little of it
 
