@@ -8,7 +8,7 @@ from __future__ import annotations
 from longstride.model.build import save_config
 from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, rng_state, set_rng_state,
                                                   writing_checkpoint)
-from longstride.recipes.run.faults import check_finite_parameters
+from longstride.recipes.run.faults import check_finite_parameters, stage_input
 from longstride.recipes.run.runlock import fingerprint
 
 
@@ -50,7 +50,8 @@ def restore_stage(ctx, run, path: str) -> None:
     load_shards_checked(path, run.model, run.optimizer)
     run.scheduler.load_state_dict(trainer["scheduler"])
     run.step, run.tokens_seen, run.val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
-    run.loader.load_state_dict(mine["data"])
+    with stage_input(run.plan.name):  # a data position the stage's data no longer has: exit 2, naming the stage
+        run.loader.load_state_dict(mine["data"])
     set_rng_state(mine["rng"])
     dp = run.plan.dims.dp
     ctx.tracker.info("stage %s: resuming from %s (step %d)%s", run.plan.name, path, run.step,
