@@ -18,9 +18,14 @@ from longstride.data.packing import pack
 MAX_HELD_SHARE = 0.5  # of a source's tokens: holding out more would leave a stage training on little of it
 
 
+def mixture_weights(cfg: DataConfig, mixture: Optional[dict]) -> dict[str, float]:
+    """Source -> weight in a stage: its mixture, or else every source's own weight (not normalised)."""
+    return dict(mixture) if mixture else {name: src.weight for name, src in cfg.sources.items()}
+
+
 def stage_weights(cfg: DataConfig, mixture: Optional[dict]) -> dict[str, float]:
-    """Source -> share of a stage's tokens: its mixture, or else every source's weight; normalised."""
-    weights = dict(mixture) if mixture else {name: src.weight for name, src in cfg.sources.items()}
+    """Source -> share of a stage's tokens (mixture_weights, normalised; sources of weight 0 left out)."""
+    weights = mixture_weights(cfg, mixture)
     total = sum(weights.values())
     return {name: w / total for name, w in weights.items() if w > 0}
 

@@ -27,6 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.config import DataConfig
 from longstride.data.packing import OnlinePacker, pack
+from longstride.data.pipeline import mixture_weights
 from longstride.data.sources import stream_source
 from longstride.data.tokenizer import tokenize_fn
 
@@ -137,16 +138,13 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     packed in memory (all their sequences: at least eval_sequences). Every rank's training stream skips, per
     source, the most rows any of `stages` ((seq_len, mixture) of every stage of the run; default: this one)
     holds out."""
-    def weights_of(mix) -> dict:
-        return dict(mix) if mix else {n: s.weight for n, s in cfg.sources.items()}
-
     def factories(rank: int, world: int, skip: dict) -> dict:
         return {n: (lambda n=n, s=s: tokenized(stream_source(s, cache_dir, f"data.sources.{n}", rank, world,
                                                              skip.get(n, 0)), tokenizer))
                 for n, s in cfg.sources.items()}
 
     def head(length: int, mix) -> tuple[list, StreamPacker]:
-        packer = StreamPacker(factories(0, 1, {}), weights_of(mix), length, pad_id, cfg.packing)
+        packer = StreamPacker(factories(0, 1, {}), mixture_weights(cfg, mix), length, pad_id, cfg.packing)
         docs, total = [], 0
         while total < cfg.eval_sequences * length:
             docs.append(packer.next_document())
@@ -166,7 +164,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
         if (length, mix) != (seq_len, mixture) and cfg.eval_sequences:
             for n, r in head(length, mix)[1].counters["rows"].items():
                 rows[n] = max(rows.get(n, 0), r)
-    train = StreamPacker(factories(dp_rank, dp, rows), weights_of(mixture), seq_len, pad_id, cfg.packing,
+    train = StreamPacker(factories(dp_rank, dp, rows), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
                          cfg.stream_open_seqs, held_rows=rows)
     return StreamLoader(train, micro_batch_size), held_out, {**report, "skipped": mine.counters["skipped"],
                                                              "held_out_rows": rows}
