@@ -15,7 +15,7 @@ import numpy as np
 
 from longstride.data.config import DataConfig, LongDocConfig
 from longstride.data.files import digest
-from longstride.data.sources import drop_skipped, load_source, stream_source
+from longstride.data.sources import drop_skipped, filler_prefix, load_source, stream_source
 from longstride.data.tokenizer import cached_bpe, check_tokenizer, load_tokenizer, tokenize_fn
 
 
@@ -27,6 +27,8 @@ class Corpus:
     doc_source: np.ndarray  # (D,) int16 index into `sources`
     sources: list[str]
     report: dict = field(default_factory=dict)
+    # (D,) bool: documents whose lines synthetic filler also trains on (data/sources.filler_prefix), never held out
+    doc_in_filler: Optional[np.ndarray] = None
 
 
 def build_tokenizer(cfg: DataConfig, cache_dir: str):
@@ -67,7 +69,10 @@ def build_corpus(cfg: DataConfig, tokenizer, cache_dir: str) -> Corpus:
     for name, src in cfg.sources.items():
         if src.weight <= 0:
             raise ValueError(f"data.sources.{name}.weight={src.weight} must be positive; drop the source instead")
-        ds, skipped = drop_skipped(load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}"))
+        rows = load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}")
+        lead = filler_prefix(src, cfg.sources, f"data.sources.{name}")
+        lead = sum(not r for r in rows.select(range(lead))["skip"]) if lead else 0  # usable ones of those rows
+        ds, skipped = drop_skipped(rows)
         report["skipped"][name] = skipped
         if len(ds) == 0:
             raise ValueError(f"data.sources.{name}: no usable document (skipped: {skipped}); the corpus is empty")
@@ -75,18 +80,18 @@ def build_corpus(cfg: DataConfig, tokenizer, cache_dir: str) -> Corpus:
                     remove_columns=ds.column_names, desc=f"tokenizing {name}")
         col = ds.data.column("input_ids").combine_chunks()
         offsets = col.offsets.to_numpy().astype(np.int64)
-        parts.append((name, col.values.to_numpy().astype(np.int32), offsets))
+        parts.append((name, col.values.to_numpy().astype(np.int32), offsets, np.arange(len(ds)) < lead))
         report["documents"][name] = len(ds)
         report["tokens"][name] = int(offsets[-1] - offsets[0])
     tokens, starts, lens, srcs, base = [], [], [], [], 0
-    for i, (name, toks, offsets) in enumerate(parts):
+    for i, (name, toks, offsets, _) in enumerate(parts):
         tokens.append(toks[offsets[0]:offsets[-1]])
         starts.append(offsets[:-1] - offsets[0] + base)
         lens.append(np.diff(offsets))
         srcs.append(np.full(len(offsets) - 1, i, dtype=np.int16))
         base += int(offsets[-1] - offsets[0])
     return Corpus(np.concatenate(tokens), np.concatenate(starts), np.concatenate(lens), np.concatenate(srcs),
-                  [p[0] for p in parts], report)
+                  [p[0] for p in parts], report, np.concatenate([p[3] for p in parts]))
 
 
 def mixture_documents(corpus: Corpus, weights: dict[str, float], seed: int,

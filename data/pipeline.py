@@ -1,10 +1,13 @@
 """One stage's data: corpus -> mixture -> (long-document upsampling) -> packing -> loader.
 
 Validation documents are chosen once per run (`holdout_documents`), Megatron-style, from whole documents: no stage
-trains on a document any stage validates on. Each stage validates on a prefix of them in its own mixture.
+trains on a document any stage validates on, and none is a file whose lines synthetic filler trains on. Each stage
+validates on a prefix of them in its own mixture.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Optional, Sequence
 
 import numpy as np
@@ -14,6 +17,7 @@ from longstride.data.config import DataConfig, LossOn
 from longstride.data.corpus import Corpus, mixture_documents, upsample_long
 from longstride.data.loader import EpochLoader
 from longstride.data.packing import pack
+from longstride.data.synthetic import FILLER_FILES, filler_sources
 
 MAX_HELD_SHARE = 0.5  # of a source's tokens: holding out more would leave a stage training on little of it
 
@@ -38,19 +42,30 @@ def _prefix_to(docs: np.ndarray, doc_len: np.ndarray, tokens: float) -> np.ndarr
 def holdout_documents(cfg: DataConfig, corpus: Corpus,
                       stages: Sequence[tuple[int, Optional[dict]]]) -> dict[str, np.ndarray]:
     """The run's validation documents: source -> documents, in a seeded order. Per source, the first documents of a
-    shuffle holding the most tokens any stage (seq_len, mixture) validates on from it: its share of that stage's
-    eval_sequences x seq_len. Every stage's epoch leaves all of them out (stage_sequences)."""
+    shuffle (of those whose lines no synthetic filler trains on: corpus.doc_in_filler) holding the most tokens any
+    stage (seq_len, mixture) validates on from it: its share of that stage's eval_sequences x seq_len. Every stage's
+    epoch leaves all of them out (stage_sequences)."""
     need: dict[str, float] = {}
     for seq_len, mixture in stages:
         for name, share in stage_weights(cfg, mixture).items():
             need[name] = max(need.get(name, 0.0), share * cfg.eval_sequences * seq_len)
+    in_filler = corpus.doc_in_filler if corpus.doc_in_filler is not None else np.zeros(len(corpus.doc_len), bool)
     held = {}
     for i, name in enumerate(corpus.sources):
         docs = np.flatnonzero(corpus.doc_source == i)
         if need.get(name, 0) <= 0:
             held[name] = docs[:0]
             continue
-        order = docs[np.random.default_rng([cfg.seed, 1, i]).permutation(len(docs))]
+        pool = np.flatnonzero((corpus.doc_source == i) & ~in_filler)  # no file whose lines synthetic filler trains on
+        room = corpus.doc_len[pool].sum()
+        if len(pool) < len(docs) and room < need[name]:
+            raise ValueError(f"data.sources.{name}: validating on {int(need[name])} of its tokens (its stage share "
+                             f"of data.eval_sequences={cfg.eval_sequences} x seq_len) needs more than the {room} "
+                             f"tokens of its files past the first {FILLER_FILES} of the standard library, whose lines "
+                             f"the filler of data.sources.{{{','.join(filler_sources(cfg.sources))}}} trains on "
+                             f"(synthetic.corpus_share > 0); give data.sources.{name}.max_docs more files, set their "
+                             "synthetic.corpus_share=0 or lower data.eval_sequences")
+        order = pool[np.random.default_rng([cfg.seed, 1, i]).permutation(len(pool))]
         held[name] = _prefix_to(order, corpus.doc_len, need[name])
         kept, total = corpus.doc_len[held[name]].sum(), corpus.doc_len[docs].sum()
         if len(held[name]) == len(docs) or kept > MAX_HELD_SHARE * total:
@@ -95,6 +110,15 @@ def validation_sequences(cfg: DataConfig, corpus: Corpus, held: dict, seq_len: i
     plan, _ = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)
     return PackedSequences(corpus.tokens, plan, pad_id), {"validation": {"sequences": len(plan),
                                                                          "documents": len(docs)}}
+
+
+def data_fingerprint(meta: dict, *arrays: np.ndarray) -> str:
+    """SHA-256 of what a stage's data position points into: `meta` (as JSON) and the arrays' bytes. Every step
+    checkpoint stores it, and a resume over other data is refused (recipes/run/stage_state.py restore_stage)."""
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode())
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
 
 
 def source_shares(corpus: Corpus, docs: np.ndarray) -> dict:

@@ -197,8 +197,19 @@ def _load_walked(src, cache_dir, num_proc, field):
     return _files_dataset(_walk_files(src, field), cache_dir, stdlib_digest() if src.kind == "stdlib" else "")
 
 
-def _stream_walked(src, cache_dir, field, world):
-    return datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": _walk_files(src, field)})
+def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0)):
+    paths = _walk_files(src, field)
+    return datasets.IterableDataset.from_generator(
+        _read_files, gen_kwargs={"paths": paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths})
+
+
+def filler_prefix(src: SourceConfig, sources: dict, field: str) -> int:
+    """The rows at the head of source `src` whose files a synthetic source's filler trains on (runs of lines of
+    synthetic.filler_files(), which lead a stdlib source's sorted walk): none of them may be held out for
+    validation. 0 unless src is a stdlib source and some synthetic source has corpus_share > 0."""
+    if src.kind != "stdlib" or not synthetic.filler_sources(sources):
+        return 0
+    return synthetic.filler_rows(_walk_files(src, field))
 
 
 def _load_files(src, cache_dir, num_proc, field):
@@ -325,17 +336,24 @@ def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
 
 
 def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources", rank: int = 0, world: int = 1,
-                  skip: int = 0) -> datasets.IterableDataset:
-    """Rows {text, skip} read lazily (data.streaming=true): the first `skip` rows dropped, then rank's
-    share of the rest (whole shards when the shard count divides by world and nothing is skipped, else every
-    world-th row). Raises ValueError naming the field on bad input, before anything is read past the first row."""
-    ds = check_source(src, field).stream(src, cache_dir, field, world)
-    if skip:
-        ds = ds.skip(skip)
+                  leave_out: range = range(0)) -> datasets.IterableDataset:
+    """Rows {text, skip} read lazily (data.streaming=true): the rows in `leave_out` dropped (any range of a stdlib
+    or local_dir source's files, a prefix of any other kind), then rank's share of the rest (whole shards when the
+    shard count divides by world and nothing is left out, else every world-th row). Raises ValueError naming the
+    field on bad input, before anything is read past the first row."""
+    kind = check_source(src, field)
+    if kind.stream is _stream_walked:
+        ds = _stream_walked(src, cache_dir, field, world, leave_out)
+    elif leave_out.start:
+        raise ValueError(f"{field}: a {src.kind} source can leave out only its first rows, not {leave_out}")
+    else:
+        ds = kind.stream(src, cache_dir, field, world)
+        if leave_out:
+            ds = ds.skip(leave_out.stop)
     if world > 1:
         from datasets.distributed import split_dataset_by_node
 
         # split by shards, datasets would apply the skip to each rank's own shards (its first rows, not the
         # stream's): the held-out rows trained on and as many others never read
-        ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy="examples" if skip else "auto")
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy="examples" if leave_out else "auto")
     return ds

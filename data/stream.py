@@ -11,8 +11,9 @@ OnlinePacker, best-fit over `open_seqs` open sequences or concatenate-and-chunk)
 stream exactly; torchdata's StatefulDataLoader stores it in every checkpoint.
 
 The validation sequences are packed from the first documents of the unsharded stream (eval_sequences
-x seq_len tokens of them). Every rank's training stream skips, per source, the most rows any stage of the run
-validates on, so no stage trains on what another validates on.
+x seq_len tokens of them; a stdlib source's from its first file past those synthetic filler draws lines from). Every
+rank's training stream leaves out, per source, the most rows any stage of the run validates on, so no stage trains
+on what another validates on.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.config import DataConfig
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
-from longstride.data.sources import stream_source
+from longstride.data.sources import filler_prefix, stream_source
 from longstride.data.tokenizer import tokenize_fn
 
 
@@ -84,7 +85,7 @@ class StreamPacker(torch.utils.data.IterableDataset):
                 if not c["epoch_docs"][name]:
                     held = self.held_rows.get(name, 0)
                     raise ValueError(f"data.sources.{name}: no usable document in a whole pass (skipped: "
-                                     f"{c['skipped'][name]}" + (f"; the first {held} rows are held out for validation, "
+                                     f"{c['skipped'][name]}" + (f"; {held} of its rows are held out for validation, "
                                      "lower data.eval_sequences" if held else "") + "); the source is empty")
                 c["epoch"][name] += 1
                 c["epoch_docs"][name] = 0
@@ -138,13 +139,17 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     packed in memory (all their sequences: at least eval_sequences). Every rank's training stream skips, per
     source, the most rows any of `stages` ((seq_len, mixture) of every stage of the run; default: this one)
     holds out."""
-    def factories(rank: int, world: int, skip: dict) -> dict:
+    # a stdlib source's first files may be ones whose lines synthetic filler trains on: its held-out rows start after
+    first = {n: filler_prefix(s, cfg.sources, f"data.sources.{n}") for n, s in cfg.sources.items()}
+
+    def factories(rank: int, world: int, leave_out: dict) -> dict:
         return {n: (lambda n=n, s=s: tokenized(stream_source(s, cache_dir, f"data.sources.{n}", rank, world,
-                                                             skip.get(n, 0)), tokenizer))
+                                                             leave_out.get(n, range(0))), tokenizer))
                 for n, s in cfg.sources.items()}
 
     def head(length: int, mix) -> tuple[list, StreamPacker]:
-        packer = StreamPacker(factories(0, 1, {}), mixture_weights(cfg, mix), length, pad_id, cfg.packing)
+        packer = StreamPacker(factories(0, 1, {n: range(k) for n, k in first.items()}), mixture_weights(cfg, mix),
+                              length, pad_id, cfg.packing)
         docs, total = [], 0
         while total < cfg.eval_sequences * length:
             docs.append(packer.next_document())
@@ -164,7 +169,8 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
         if (length, mix) != (seq_len, mixture) and cfg.eval_sequences:
             for n, r in head(length, mix)[1].counters["rows"].items():
                 rows[n] = max(rows.get(n, 0), r)
-    train = StreamPacker(factories(dp_rank, dp, rows), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
+    held = {n: range(first[n], first[n] + r) for n, r in rows.items() if r}
+    train = StreamPacker(factories(dp_rank, dp, held), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
                          cfg.stream_open_seqs, held_rows=rows)
     return StreamLoader(train, micro_batch_size), held_out, {**report, "skipped": mine.counters["skipped"],
-                                                             "held_out_rows": rows}
+                                                             "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()}}

@@ -167,11 +167,23 @@ def filler_files() -> list[str]:
     return list_files(stdlib_root(), "**/*.py")[:FILLER_FILES]
 
 
+def filler_sources(sources: dict) -> list[str]:
+    """The synthetic sources whose filler trains on standard-library lines (synthetic.corpus_share > 0)."""
+    return [n for n, s in sources.items() if s.kind == "synthetic" and s.synthetic.corpus_share > 0]
+
+
+def filler_rows(paths: list[str]) -> int:
+    """How many of a stdlib source's files, in its order, lead with filler files: the filler files are the first
+    of the same sorted walk, so those the source has (all not excluded, up to max_docs) come first."""
+    filler = set(filler_files())
+    return next((i for i, p in enumerate(paths) if p not in filler), len(paths))
+
+
 def check_filler_held_out(sources: dict) -> None:
     """Refuses a run whose stdlib source holds files out (`exclude`, e.g. for `eval ppl`) that a synthetic
     source's filler would bring back into training (its `corpus_share` of lines comes from filler_files())."""
     held = {n: s for n, s in sources.items() if s.kind == "stdlib" and s.exclude}
-    filled = [n for n, s in sources.items() if s.kind == "synthetic" and s.synthetic.corpus_share > 0]
+    filled = filler_sources(sources)
     if not held or not filled:
         return
     filler = set(filler_files())

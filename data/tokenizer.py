@@ -5,6 +5,8 @@ gives back exactly the tokenizer the model was trained with.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from typing import Iterable
@@ -85,6 +87,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
                          f"give the directory holding {' or '.join(TOKENIZER_FILES)}") from None
     check_tokenizer(tok, "data.tokenizer")
     return tok
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """SHA-256 of the tokenizer's vocabulary (token -> id, added tokens included): a BPE trained on other texts has
+    another. Every step checkpoint stores it, and a resume under another tokenizer is refused."""
+    return hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def check_tokenizer(tok: PreTrainedTokenizerBase, field: str) -> None:

@@ -116,3 +116,57 @@ def test_a_streaming_stage_skips_what_a_later_stage_holds_out(tmp_path):
     both, rep = trained([(L, None), later])
     assert rep["held_out_rows"]["a"] == report["held_out_rows"]["a"]
     assert not first_pieces_of(held_docs, both), "a later stage's held-out document is trained on"
+
+
+def _filler_cfg(max_docs: int, corpus_share: float, streaming: bool = False) -> DataConfig:
+    """The stdlib's first max_docs files beside a synthetic source whose filler takes corpus_share of its lines from
+    the first FILLER_FILES of them."""
+    from longstride.data.config import SyntheticConfig
+
+    return DataConfig(sources={"stdlib": SourceConfig(kind="stdlib", max_docs=max_docs),
+                               "r": SourceConfig(kind="synthetic", weight=0.2, synthetic=SyntheticConfig(
+                                   num_docs=20, min_words=20, max_words=60, corpus_share=corpus_share))},
+                      eval_sequences=8, streaming=streaming)
+
+
+@pytest.fixture(scope="module")
+def stdlib_tok():
+    from longstride.data.files import list_files, stdlib_root
+    from longstride.data.tokenizer import train_bpe
+
+    return train_bpe([open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:30]], 400)
+
+
+def test_no_held_out_file_is_one_whose_lines_the_filler_trains_on(cache_dir, stdlib_tok):
+    """A synthetic source with corpus_share > 0 trains on runs of lines of the stdlib's first FILLER_FILES files,
+    so none of those may validate: in memory the held-out stdlib documents are other files (read back from their
+    tokens); streamed, the held-out rows start past them. Without stdlib filler, the same seed holds out some."""
+    from longstride.data.corpus import build_corpus
+    from longstride.data.files import list_files, stdlib_root
+    from longstride.data.sources import stream_source
+    from longstride.data.synthetic import FILLER_FILES, filler_files
+
+    filler = {open(p, encoding="utf-8").read() for p in filler_files()}
+    n = FILLER_FILES + 20
+
+    def held_texts(cfg) -> list[str]:
+        corpus = build_corpus(cfg, stdlib_tok, str(cache_dir))
+        held = holdout_documents(cfg, corpus, [(1024, None)])["stdlib"]
+        return [stdlib_tok.decode(corpus.tokens[corpus.doc_start[d]:corpus.doc_start[d] + corpus.doc_len[d] - 1])
+                for d in held]
+
+    texts = held_texts(_filler_cfg(n, 0.5))
+    walked = [open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:n]]
+    assert texts and set(texts) <= set(walked[FILLER_FILES:]), "a held-out document is not a file past the filler's"
+    assert set(held_texts(_filler_cfg(n, 0.0))) & filler, "the control holds out none of the first files"
+    with pytest.raises(ValueError, match=r"data.sources.stdlib: validating on \d+ of its tokens .* past the first "
+                                         r"400 of the standard library, whose lines the filler of data.sources.\{r\} "
+                                         r"trains on .* data.sources.stdlib.max_docs more files"):
+        held_texts(_filler_cfg(FILLER_FILES, 0.5))
+
+    _, held, report = streaming_stage(_filler_cfg(n, 0.5, streaming=True), stdlib_tok, 1024,
+                                      stdlib_tok.pad_token_id, None, 1, 0, 1, str(cache_dir))
+    lo, hi = report["held_out_rows"]["stdlib"]
+    assert held and lo == FILLER_FILES and hi > lo
+    src = SourceConfig(kind="stdlib", max_docs=n)  # what the training stream reads: every row but the held-out
+    assert [r["text"] for r in stream_source(src, str(cache_dir), leave_out=range(lo, hi))] == walked[:lo] + walked[hi:]

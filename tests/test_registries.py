@@ -67,7 +67,7 @@ def test_a_new_source_kind_is_one_table_entry(monkeypatch, tmp_path):
     monkeypatch.setitem(KINDS, "counting", kind)
     src = SourceConfig(kind="counting", max_docs=5)
     assert load_source(src, str(tmp_path))["text"][4] == "document 4 " * 3
-    assert [r["text"] for r in stream_source(src, str(tmp_path), skip=3)] == ["document 3 " * 3, "document 4 " * 3]
+    assert [r["text"] for r in stream_source(src, str(tmp_path), leave_out=range(3))] == ["document 3 " * 3, "document 4 " * 3]
     validate(compose_cfg(["data.sources.stdlib.kind=counting", "data.sources.stdlib.max_docs=5"]), 2)
     assert checked == ["data.sources", "data.sources", "data.sources.stdlib"]
     try:

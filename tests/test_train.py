@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -109,6 +110,58 @@ def test_loader_resume_yields_identical_sequences():
     fewer = PackedSequences(tokens, dataclasses.replace(plan, seq_ptr=plan.seq_ptr[:-1]), pad_id=0)
     with pytest.raises(ValueError, match=f"epoch of {len(ds)} packed sequences, but this stage now packs {len(ds) - 1}"):
         EpochLoader(fewer, 4, rank=1, world=2, seed=7).load_state_dict(state)
+
+
+def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_afresh(tmp_path, cache_dir):
+    """A stage killed after its step-3 checkpoint, then one of its source files edited: the packed sequences keep
+    their count (what the loader's own check compares) but not their corpus spans, so the rerun's data position
+    would name other sequences; it exits 2 naming the stage, the checkpoint and the fixes. With
+    train.resume_data=false the rerun keeps the checkpoint's weights and step and starts the data afresh."""
+    from longstride.data.files import list_files, stdlib_root
+    from tests.conftest import micro_overrides
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, path in enumerate(list_files(stdlib_root(), "**/*.py")[:60]):
+        (docs / f"{i:03d}.py").write_text(open(path, encoding="utf-8").read(), encoding="utf-8")
+    run_args = micro_overrides(tmp_path / "out", cache_dir) + [
+        "stage=s1_256", "data.sources.stdlib.kind=local_dir", f"data.sources.stdlib.path={docs}",
+        "data.sources.stdlib.glob=*.py"]
+    killed = run_cli(run_args, crash_after(4))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    last = docs / "059.py"  # past the tokenizer's training bytes: the tokenizer stays the same
+    last.write_text(last.read_text(encoding="utf-8") + "\nextra = 1\n", encoding="utf-8")
+    refused = run_cli(run_args)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert re.search(r"stage s1_256: .*step_000003 was written over other data: an edited or added source file.*"
+                     r"train.resume_data=false.*train.resume=false", refused.stderr), refused.stderr[-2000:]
+    afresh = run_cli(run_args + ["train.resume_data=false"])
+    assert afresh.returncode == 0, afresh.stderr[-2000:]
+    counts = re.findall(r"packing \{'seq_len': 64, 'sequences': (\d+)", killed.stderr + afresh.stderr)
+    assert len(counts) == 2 and counts[0] == counts[1], counts  # the count check alone would have resumed
+    assert "resuming from" in afresh.stderr and "its data from the start of the epoch" in afresh.stderr
+    assert sorted(read_metrics(tmp_path / "out" / "tiny" / "s1_256")) == list(range(7))  # steps 4-6 after 0-3
+
+
+def test_a_checkpoint_without_a_data_fingerprint_or_under_another_tokenizer_is_refused(tmp_path):
+    """A checkpoint from before the fingerprint cannot show its data position is this data's: refused unless
+    train.resume_data=false. One trained with another tokenizer (a BPE retrained on changed texts) is refused; the
+    same tokenizer saved and loaded back has the same fingerprint."""
+    from longstride.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
+    from longstride.recipes.run.stage_state import check_same_data, check_same_tokenizer
+
+    with pytest.raises(ValueError, match=r"ck was written by a longstride that recorded no data fingerprint.*"
+                                         r"train.resume_data=false"):
+        check_same_data(None, "d", "ck")
+    check_same_data("d", "d", "ck")
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(50)]
+    one, other = train_bpe(texts, 300), train_bpe(texts[::2] + ["class A:\n    pass\n"] * 9, 300)
+    one.save_pretrained(tmp_path / "tok")
+    assert tokenizer_fingerprint(load_tokenizer(str(tmp_path / "tok"))) == tokenizer_fingerprint(one)
+    with pytest.raises(ValueError, match=r"ck was trained with another tokenizer .*data.tokenizer=ck "
+                                         r"train.resume_from=ck"):
+        check_same_tokenizer(tokenizer_fingerprint(one), tokenizer_fingerprint(other), "ck")
+    check_same_tokenizer(None, tokenizer_fingerprint(other), "ck")  # a checkpoint from before: check_same_data's
 
 
 def test_checkpoint_dir_that_does_not_exist(micro):

@@ -53,8 +53,8 @@ class RunLock:
 # a key matches its own pattern and everything under it). A resumed run may checkpoint at another interval: the
 # loader and the schedule resume from the step, whichever steps were saved.
 NOT_IDENTITY = ("logger", "paths", "stage", "train.keep_last", "train.max_nonfinite_steps", "train.trace_memory",
-                "train.resume", "train.resume_from", "train.collective_timeout_s", "data.num_workers", "data.num_proc",
-                "recipe.stages.*.save_every")
+                "train.resume", "train.resume_from", "train.resume_data", "train.collective_timeout_s",
+                "data.num_workers", "data.num_proc", "recipe.stages.*.save_every")
 
 
 def flatten(node, prefix: str = "") -> dict:

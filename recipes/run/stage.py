@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from longstride.data.batch import collate
-from longstride.data.pipeline import holdout_documents, stage_loader, stage_sequences, validation_sequences
+from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
+                                      stage_sequences, validation_sequences)
 from longstride.data.stream import streaming_stage
+from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
 from longstride.model.memory import device_memory_gib, estimate
 from longstride.model.rope import rope_placement
@@ -86,6 +88,10 @@ class StageRun:
     held_out: Sequence[dict]  # validation items (PackedBatch rows)
     pack_stats: dict
     built: Step  # the step's parts (recipes/run/step.py): its CP context and batch preparation
+    # the data's and the tokenizer's fingerprints (stage_data, data/tokenizer.py), stored with each step checkpoint
+    # and checked on resume
+    data_id: str
+    tokenizer_id: str
     step: int = 0
     tokens_seen: int = 0
     val_start: Optional[float] = None
@@ -167,22 +173,32 @@ def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float)
 
 
 def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
-    """(loader, held-out sequences, packing stats) of one stage: streamed, or packed from the corpus. The held-out
-    documents are the run's (every stage of the recipe), so no stage trains on what another validates on."""
+    """(loader, held-out sequences, packing stats, data fingerprint) of one stage: streamed, or packed from the
+    corpus. The held-out documents are the run's (every stage of the recipe), so no stage trains on what another
+    validates on. The fingerprint names what the loader's position points into: in memory the packing plan (the
+    corpus spans of every sequence) and the held-out documents; streamed, the mixture, the held-out rows and the
+    validation sequences' tokens (the head of every source)."""
     cfg, stage, dims = ctx.cfg, plan.stage, plan.dims
     dp_rank = dims.dp_rank(ctx.accelerator.process_index)
     stages = run_stages(cfg)
     with stage_input(plan.name):  # the data's own checks (too many eval_sequences for a source, ...) as exit 2
         if cfg.data.streaming:
-            return streaming_stage(cfg.data, ctx.tokenizer, stage.seq_len, pad_id=pad_id, mixture=stage.mixture,
-                                   micro_batch_size=stage.micro_batch_size, dp_rank=dp_rank, dp=dims.dp,
-                                   cache_dir=os.path.abspath(cfg.paths.cache_dir), stages=stages)
+            loader, held_out, report = streaming_stage(
+                cfg.data, ctx.tokenizer, stage.seq_len, pad_id=pad_id, mixture=stage.mixture,
+                micro_batch_size=stage.micro_batch_size, dp_rank=dp_rank, dp=dims.dp,
+                cache_dir=os.path.abspath(cfg.paths.cache_dir), stages=stages)
+            meta = {"seq_len": stage.seq_len, "weights": mixture_weights(cfg.data, stage.mixture),
+                    "packing": str(cfg.data.packing), "open_seqs": cfg.data.stream_open_seqs,
+                    "held_out_rows": report["held_out_rows"]}
+            return loader, held_out, report, data_fingerprint(meta, *(h["input_ids"] for h in held_out))
         held = holdout_documents(cfg.data, ctx.corpus, stages)
         train_set, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
                                                 stage.long_docs, held)
         held_out, val_stats = validation_sequences(cfg.data, ctx.corpus, held, stage.seq_len, pad_id, stage.mixture)
+        p = train_set.plan
         return stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, plan.index), held_out, \
-            {**pack_stats, **val_stats}
+            {**pack_stats, **val_stats}, data_fingerprint({"seq_len": p.seq_len, "held_out": list(held)},
+                                                          p.seq_ptr, p.seg_start, p.seg_len, *held.values())
 
 
 def run_stages(cfg) -> list[tuple[int, Optional[dict]]]:
@@ -209,9 +225,9 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     optimizer = build_optimizer(lm, cfg.optim, stage.lr)
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
-    loader, held_out, pack_stats = stage_data(ctx, plan, pad_id)
+    loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
     return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
-                    pack_stats=pack_stats, built=built)
+                    pack_stats=pack_stats, built=built, data_id=data_id, tokenizer_id=tokenizer_fingerprint(tok))
 
 
 def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:
