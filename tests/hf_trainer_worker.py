@@ -2,7 +2,8 @@
 dataloader; run by tests/test_hf_trainer.py, on one process or under torchrun. Writes each step's global
 loss (all processes' loss terms summed) and the final parameters to the file given as argv[1].
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.hf_trainer_worker OUT CP IMPL [sft]
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.hf_trainer_worker OUT CP IMPL [KIND
+        [PER_DEVICE_BATCH ACCUMULATION]]    (KIND: trainer or sft)
 """
 from __future__ import annotations
 
@@ -49,13 +50,13 @@ def sft_parts(packed):
     return SFTTrainer, SFTConfig, ds, {"processing_class": tok}
 
 
-def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
+def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATCH, accum: int = 1) -> None:
     from transformers import Trainer, TrainingArguments
 
     from longstride.parallel.attention import use_longstride_attention
     from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
 
-    losses = []
+    losses, micro = [], []
     data = packed_dataset(documents(), L, pad_id=1)
     base, config, extra = Trainer, TrainingArguments, {}
     if kind == "sft":
@@ -69,10 +70,14 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
             term = loss.detach().clone() / self.accelerator.num_processes  # this process's share of the mean
             if dist.is_initialized():
                 dist.all_reduce(term)
-            losses.append(term.item())
+            micro.append(term.item())
+            if len(micro) == accum:  # an optimizer step's micro-batches: their terms sum to the step's loss
+                losses.append(sum(micro))
+                micro.clear()
             return loss
 
-    args = config(output_dir=out + ".run", per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+    args = config(output_dir=out + ".run", per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                  max_steps=STEPS, learning_rate=LR,
                   lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, optim="sgd", use_cpu=True,
                   report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
                   **extra.pop("args_kwargs", {}))
@@ -90,4 +95,4 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer") -> None:
 
 
 if __name__ == "__main__":
-    train(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    train(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:5], *map(int, sys.argv[5:7]))

@@ -21,12 +21,12 @@ from tests.conftest import REPO
 from tests.hf_trainer_worker import BATCH, L, LR, STEPS, documents, tiny_lm
 
 
-def _worker(out, procs: int, cp: int, impl: str, kind: str = "trainer") -> dict:
+def _worker(out, procs: int, cp: int, impl: str, kind: str = "trainer", batch: int = BATCH, accum: int = 1) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)] \
         if procs > 1 else [sys.executable]
-    r = subprocess.run([*launch, "-m", "tests.hf_trainer_worker", str(out), str(cp), impl, kind], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*launch, "-m", "tests.hf_trainer_worker", str(out), str(cp), impl, kind, str(batch),
+                        str(accum)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return torch.load(out)
 
@@ -125,17 +125,31 @@ def test_trainer_settings_that_would_change_the_loss_are_refused():
         Stub(2).get_eval_dataloader()
 
 
+def _matches_own_loop(runs: dict, ref: dict) -> None:
+    """Every run's per-step losses and trained parameters equal the longstride loop's, to fp32 noise."""
+    for name, run in runs.items():
+        assert len(run["losses"]) == STEPS, name
+        for step, (got, want) in enumerate(zip(run["losses"], ref["losses"])):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs longstride loop {want}"
+        worst = max(((run["params"][k] - p).abs().max() / p.abs().max()).item() for k, p in ref["params"].items())
+        assert worst <= 1e-5, f"{name}: trained parameters differ from the longstride loop's by {worst:.2e}"
+
+
 @pytest.mark.parametrize("impl,kind", [("ring", "trainer"), ("ulysses", "trainer"), ("ring", "sft")])
 def test_trainer_with_cp_equals_one_process_and_longstride_loop(impl, kind, tmp_path):
     one = _worker(tmp_path / "one.pt", 1, 1, "ring", kind)
     two = _worker(tmp_path / "two.pt", 2, 2, impl, kind)
     ref = own_loop()
-    assert len(two["losses"]) == len(one["losses"]) == STEPS
-    for name, run in ((f"one-process {kind}", one), (f"{kind} with {impl} cp=2", two)):
-        for step, (got, want) in enumerate(zip(run["losses"], ref["losses"])):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs longstride loop {want}"
-        worst = max(((run["params"][k] - p).abs().max() / p.abs().max()).item() for k, p in ref["params"].items())
-        assert worst <= 1e-5, f"{name}: trained parameters differ from the longstride loop's by {worst:.2e}"
+    _matches_own_loop({f"one-process {kind}": one, f"{kind} with {impl} cp=2": two}, ref)
     init = dict(tiny_lm().named_parameters())
     moved = max(((ref["params"][k] - p).abs().max() / p.abs().max()).item() for k, p in init.items())
     assert moved > 1e-2, f"the parameters were trained (largest relative change {moved:.2e})"
+
+
+@pytest.mark.parametrize("procs,cp,accum", [(1, 1, 2), (2, 1, 1), (2, 2, 2)])
+def test_trainer_over_accumulation_or_data_parallel_ranks_equals_the_longstride_loop(procs, cp, accum, tmp_path):
+    """The same global batch of BATCH rows split another way: one row a micro-batch, over gradient accumulation,
+    over data-parallel ranks (each its share of the sampler's order) or both beside CP. The rows' label counts
+    differ, so a mean per micro-batch or per rank would give other losses and parameters."""
+    run = _worker(tmp_path / "run.pt", procs, cp, "ring", batch=BATCH * cp // procs // accum, accum=accum)
+    _matches_own_loop({f"{procs} processes, cp={cp}, accumulation {accum}": run}, own_loop())

@@ -76,6 +76,10 @@ def test_sigkill_mid_stage_then_rerun_resumes_bitwise(tmp_path, cache_dir):
     assert "resuming from" in resumed.stderr + resumed.stdout
     ref = run_cli(clean)
     assert ref.returncode == 0, ref.stderr[-2000:]
+    # the run's held-out documents, chosen once for its three stages (64, 128, 256 tokens): per stage, the shorter
+    # ones would hold out fewer
+    held = re.findall(r"'held_out_documents': (\{[^}]*\})", ref.stderr)
+    assert len(held) == 3 and len(set(held)) == 1, held
     for stage in ("s1_256", "s2_2k", "s3_4k"):
         a = read_metrics(tmp_path / "crash" / "tiny" / stage)
         b = read_metrics(tmp_path / "clean" / "tiny" / stage)
