@@ -136,9 +136,9 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
                     dp_rank: int, dp: int, cache_dir: str, stages=None) -> tuple[StreamLoader, list, dict]:
     """(training loader of this data rank, held-out items, packing report of the held-out documents).
     Held out: the first documents of the unsharded mixed stream, eval_sequences x seq_len tokens of them,
-    packed in memory (all their sequences: at least eval_sequences). Every rank's training stream skips, per
+    packed in memory (all their sequences: at least eval_sequences). Every rank's training stream leaves out, per
     source, the most rows any of `stages` ((seq_len, mixture) of every stage of the run; default: this one)
-    holds out."""
+    holds out: report["held_out_rows"][source] = [first, end) (a stdlib source's first rows past its filler files)."""
     # a stdlib source's first files may be ones whose lines synthetic filler trains on: its held-out rows start after
     first = {n: filler_prefix(s, cfg.sources, f"data.sources.{n}") for n, s in cfg.sources.items()}
 
@@ -172,5 +172,5 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     held = {n: range(first[n], first[n] + r) for n, r in rows.items() if r}
     train = StreamPacker(factories(dp_rank, dp, held), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
                          cfg.stream_open_seqs, held_rows=rows)
-    return StreamLoader(train, micro_batch_size), held_out, {**report, "skipped": mine.counters["skipped"],
-                                                             "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()}}
+    return StreamLoader(train, micro_batch_size), held_out, {
+        **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()}}

@@ -173,8 +173,8 @@ def filler_sources(sources: dict) -> list[str]:
 
 
 def filler_rows(paths: list[str]) -> int:
-    """How many of a stdlib source's files, in its order, lead with filler files: the filler files are the first
-    of the same sorted walk, so those the source has (all not excluded, up to max_docs) come first."""
+    """The number of filler files at the head of a stdlib source's files (`paths`, in its order). The filler files
+    are the first of the same sorted walk, so those the source has (all not excluded, up to max_docs) come first."""
     filler = set(filler_files())
     return next((i for i, p in enumerate(paths) if p not in filler), len(paths))
 
