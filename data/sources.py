@@ -66,7 +66,7 @@ def _mark_skips(ds: datasets.Dataset, column: str, num_proc: int) -> datasets.Da
                   desc="checking documents")
 
 
-def _walk_files(src: SourceConfig, field: str) -> list[str]:
+def walk_files(src: SourceConfig, field: str) -> list[str]:
     """The files of a stdlib / local_dir source, in sorted order."""
     root = stdlib_root() if src.kind == "stdlib" else Path(src.path or "")
     if src.kind == "local_dir" and not root.is_dir():
@@ -194,13 +194,26 @@ def _check_hub(src: SourceConfig, field: str) -> None:
 
 
 def _load_walked(src, cache_dir, num_proc, field):
-    return _files_dataset(_walk_files(src, field), cache_dir, stdlib_digest() if src.kind == "stdlib" else "")
+    return _files_dataset(walk_files(src, field), cache_dir, stdlib_digest() if src.kind == "stdlib" else "")
 
 
 def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0)):
-    paths = _walk_files(src, field)
+    paths = walk_files(src, field)
     return datasets.IterableDataset.from_generator(
         _read_files, gen_kwargs={"paths": paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths})
+
+
+def stream_rows_identity(src: SourceConfig, field: str):
+    """What numbers a streamed source's rows, for the data fingerprint: a stdlib or local_dir source's file list (a
+    file added or removed shifts every later row), a files source's files and their sizes; other kinds, nothing
+    cheaper than reading them (their config is in the run's identity)."""
+    if src.kind in ("stdlib", "local_dir"):  # relative: the same files under another clone or mount are the same
+        root = stdlib_root() if src.kind == "stdlib" else src.path
+        return digest([os.path.relpath(p, root) for p in walk_files(src, field)])
+    if src.kind == "files":
+        files = _data_files(src, field)[1]
+        return digest([[f, os.path.getsize(f)] for f in files])
+    return None
 
 
 def filler_prefix(src: SourceConfig, sources: dict, field: str) -> int:
@@ -209,7 +222,7 @@ def filler_prefix(src: SourceConfig, sources: dict, field: str) -> int:
     validation. 0 unless src is a stdlib source and some synthetic source has corpus_share > 0."""
     if src.kind != "stdlib" or not synthetic.filler_sources(sources):
         return 0
-    return synthetic.filler_rows(_walk_files(src, field))
+    return synthetic.filler_rows(walk_files(src, field))
 
 
 def _load_files(src, cache_dir, num_proc, field):

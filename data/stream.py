@@ -29,7 +29,8 @@ from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.config import DataConfig
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
-from longstride.data.sources import filler_prefix, stream_source
+from longstride.data.sources import filler_prefix, stream_source, walk_files
+from longstride.data.synthetic import FILLER_FILES, filler_sources
 from longstride.data.tokenizer import tokenize_fn
 
 
@@ -141,6 +142,14 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     holds out: report["held_out_rows"][source] = [first, end) (a stdlib source's first rows past its filler files)."""
     # a stdlib source's first files may be ones whose lines synthetic filler trains on: its held-out rows start after
     first = {n: filler_prefix(s, cfg.sources, f"data.sources.{n}") for n, s in cfg.sources.items()}
+    for n, k in first.items():
+        if k and cfg.eval_sequences and k == len(walk_files(cfg.sources[n], f"data.sources.{n}")):
+            fillers = ",".join(filler_sources(cfg.sources))
+            raise ValueError(f"data.sources.{n}: all {k} of its files are among the first {FILLER_FILES} of the "
+                             f"standard library, whose lines the filler of data.sources.{{{fillers}}} trains on "
+                             "(synthetic.corpus_share > 0), so none can be held out for validation; give "
+                             f"data.sources.{n}.max_docs more files, set their synthetic.corpus_share=0 or "
+                             "data.eval_sequences=0")
 
     def factories(rank: int, world: int, leave_out: dict) -> dict:
         return {n: (lambda n=n, s=s: tokenized(stream_source(s, cache_dir, f"data.sources.{n}", rank, world,
@@ -154,6 +163,12 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
         while total < cfg.eval_sequences * length:
             docs.append(packer.next_document())
             total += len(docs[-1])
+        for n, epoch in packer.counters["epoch"].items():
+            if epoch:  # read past its end: the held-out rows would be every row (and validation repeat documents)
+                raise ValueError(f"data.sources.{n}: validating on its share of data.eval_sequences="
+                                 f"{cfg.eval_sequences} x {length} tokens reads all of its documents"
+                                 + (f" past its first {first[n]} (files whose lines synthetic filler trains on)"
+                                    if first[n] else "") + "; lower data.eval_sequences or give it more documents")
         return docs, packer
 
     docs, mine = head(seq_len, mixture)

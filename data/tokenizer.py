@@ -90,9 +90,16 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """SHA-256 of the tokenizer's vocabulary (token -> id, added tokens included): a BPE trained on other texts has
-    another. Every step checkpoint stores it, and a resume under another tokenizer is refused."""
-    return hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode("utf-8", "surrogatepass")).hexdigest()
+    """SHA-256 of what maps text to ids: a fast tokenizer's model (vocabulary and merges), normalizer,
+    pre-tokenizer and added tokens; a slow one's vocabulary (added tokens included). Every step checkpoint stores
+    it, and a resume under another tokenizer is refused (recipes/run/stage_state.py)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        what = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
+    else:
+        what = sorted(tok.get_vocab().items())
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def check_tokenizer(tok: PreTrainedTokenizerBase, field: str) -> None:

@@ -7,6 +7,7 @@ loss (all processes' loss terms summed) and the final parameters to the file giv
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -89,9 +90,14 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     trainer.train()
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
-    if dist.is_initialized():  # an orderly teardown: gloo's threads torn down at exit can abort a rank
+    if dist.is_initialized():
+        # every rank has finished (rank 0 has written); then exit without running destructors: freeing DDP's reducer
+        # joins gloo's worker thread while holding the GIL that thread waits for (a hang under load with dp=2),
+        # and gloo's threads torn down at exit can abort a rank
         dist.barrier()
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

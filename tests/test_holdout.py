@@ -3,6 +3,8 @@ for every stage, so no stage trains on a document that any stage validates on, a
 mixture's share of eval_sequences x seq_len held-out tokens."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -145,6 +147,7 @@ def test_no_held_out_file_is_one_whose_lines_the_filler_trains_on(cache_dir, std
     from longstride.data.files import list_files, stdlib_root
     from longstride.data.sources import stream_source
     from longstride.data.synthetic import FILLER_FILES, filler_files
+    from longstride.data.tokenizer import tokenize_fn
 
     filler = {open(p, encoding="utf-8").read() for p in filler_files()}
     n = FILLER_FILES + 20
@@ -168,5 +171,13 @@ def test_no_held_out_file_is_one_whose_lines_the_filler_trains_on(cache_dir, std
                                       stdlib_tok.pad_token_id, None, 1, 0, 1, str(cache_dir))
     lo, hi = report["held_out_rows"]["stdlib"]
     assert held and lo == FILLER_FILES and hi > lo
+    # the validation sequences hold exactly those files' tokens (and the synthetic source's): no filler file
+    got = Counter(int(t) for h in held for t in h["input_ids"] if t != stdlib_tok.pad_token_id)
+    want = Counter(t for text in walked[lo:hi] for t in tokenize_fn(stdlib_tok)({"text": [text]})["input_ids"][0])
+    assert not want - got, "a held-out row's tokens are not in the validation sequences"
+    with pytest.raises(ValueError, match=r"data.sources.stdlib: all 400 of its files are among the first 400 .*"
+                                         r"data.sources.stdlib.max_docs more files"):
+        streaming_stage(_filler_cfg(FILLER_FILES, 0.5, streaming=True), stdlib_tok, 1024, stdlib_tok.pad_token_id,
+                        None, 1, 0, 1, str(cache_dir))
     src = SourceConfig(kind="stdlib", max_docs=n)  # what the training stream reads: every row but the held-out
     assert [r["text"] for r in stream_source(src, str(cache_dir), leave_out=range(lo, hi))] == walked[:lo] + walked[hi:]

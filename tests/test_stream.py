@@ -116,6 +116,11 @@ def test_bad_streaming_input(tmp_path, setup):
     with pytest.raises(ValueError, match=r"data.sources.e: no usable document in a whole pass \(skipped: "
                                          r"\{'empty': 1, 'whitespace': 1\}\)"):
         streaming_stage(empty, tok, L, 0, None, MB, 0, 1, d)
+    small = DataConfig(sources={"s": SourceConfig(kind="files", path=write_jsonl(tmp_path / "s.jsonl", ["a b"] * 3))},
+                       streaming=True, eval_sequences=8)
+    with pytest.raises(ValueError, match=rf"data.sources.s: validating on its share of data.eval_sequences=8 x {L} "
+                                         r"tokens reads all of its documents; lower data.eval_sequences"):
+        streaming_stage(small, tok, L, 0, None, MB, 0, 1, d)
     missing = DataConfig(sources={"m": SourceConfig(kind="files", path=str(tmp_path / "nope.jsonl"))}, streaming=True)
     with pytest.raises(ValueError, match=r"data.sources.m.path=.*nope.jsonl': file not found"):
         streaming_stage(missing, tok, L, 0, None, MB, 0, 1, d)

@@ -137,7 +137,7 @@ def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_a
     last.write_text(last.read_text(encoding="utf-8") + "\nextra = 1\n", encoding="utf-8")
     refused = run_cli(run_args)
     assert refused.returncode == 2, refused.stderr[-2000:]
-    assert re.search(r"stage s1_256: .*step_000003 was written over other data: an edited or added source file.*"
+    assert re.search(r"stage s1_256: .*step_000003 was written over other data: an edited, added or removed source .*"
                      r"train.resume_data=false.*train.resume=false", refused.stderr), refused.stderr[-2000:]
     afresh = run_cli(run_args + ["train.resume_data=false"])
     assert afresh.returncode == 0, afresh.stderr[-2000:]
@@ -148,24 +148,28 @@ def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_a
 
 
 def test_a_checkpoint_without_a_data_fingerprint_or_under_another_tokenizer_is_refused(tmp_path):
-    """A checkpoint from before the fingerprint cannot show its data position is this data's: refused unless
-    train.resume_data=false. One trained with another tokenizer (a BPE retrained on changed texts) is refused; the
-    same tokenizer saved and loaded back has the same fingerprint."""
+    """A checkpoint from before the fingerprint cannot show its data position is this data's, and a streamed one
+    from another dp layout cannot be re-split: refused unless train.resume_data=false. One trained with another
+    tokenizer (a BPE retrained on changed texts) is refused, a checkpoint from before the fingerprint by the
+    tokenizer saved in it; the same tokenizer saved and loaded back has the same fingerprint."""
     from longstride.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
-    from longstride.recipes.run.stage_state import check_same_data, check_same_tokenizer
+    from longstride.recipes.run.stage_state import check_same_tokenizer, data_problem
 
-    with pytest.raises(ValueError, match=r"ck was written by a longstride that recorded no data fingerprint.*"
-                                         r"train.resume_data=false"):
-        check_same_data(None, "d", "ck")
-    check_same_data("d", "d", "ck")
+    assert "was written by a longstride that recorded no data fingerprint" in data_problem(None, "d")
+    assert "was written over other data" in data_problem("e", "d")
+    assert data_problem("d", "d") is None and data_problem("d", "d", (2, 1), (2, 1)) is None
+    assert "holds streamed positions of 2 processes with dp=2, and this launch has 2 with dp=1" in data_problem(
+        "d", "d", (2, 2), (2, 1))
     texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(50)]
     one, other = train_bpe(texts, 300), train_bpe(texts[::2] + ["class A:\n    pass\n"] * 9, 300)
-    one.save_pretrained(tmp_path / "tok")
-    assert tokenizer_fingerprint(load_tokenizer(str(tmp_path / "tok"))) == tokenizer_fingerprint(one)
-    with pytest.raises(ValueError, match=r"ck was trained with another tokenizer .*data.tokenizer=ck "
-                                         r"train.resume_from=ck"):
-        check_same_tokenizer(tokenizer_fingerprint(one), tokenizer_fingerprint(other), "ck")
-    check_same_tokenizer(None, tokenizer_fingerprint(other), "ck")  # a checkpoint from before: check_same_data's
+    one.save_pretrained(tmp_path / "ck")
+    assert tokenizer_fingerprint(load_tokenizer(str(tmp_path / "ck"))) == tokenizer_fingerprint(one)
+    with pytest.raises(ValueError, match=r"ck was trained with another tokenizer .*data.tokenizer=<the copy> "
+                                         r"train.resume_from=\S*ck train.resume_data=false"):
+        check_same_tokenizer(tokenizer_fingerprint(one), tokenizer_fingerprint(other), str(tmp_path / "ck"))
+    with pytest.raises(ValueError, match="another tokenizer"):  # no fingerprint: the tokenizer saved in it
+        check_same_tokenizer(None, tokenizer_fingerprint(other), str(tmp_path / "ck"))
+    check_same_tokenizer(None, tokenizer_fingerprint(one), str(tmp_path / "ck"))
 
 
 def test_checkpoint_dir_that_does_not_exist(micro):

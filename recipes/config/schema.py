@@ -92,8 +92,9 @@ class TrainConfig:
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck rank) fails the run
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
     resume_from: Optional[str] = None  # a step_NNNNNN or final dir of this run: continue from it (config changes allowed)
-    # false: a resumed stage keeps the checkpoint's weights, optimizer and step but starts its data at the beginning
-    # of its epoch (for a checkpoint whose data changed: recipes/run/stage_state.py restore_stage)
+    # false: a step checkpoint whose data position this stage cannot use (its data changed, or streamed on another
+    # dp layout) still resumes its weights, optimizer and step, its data from the start of the epoch
+    # (recipes/run/stage_state.py restore_stage); true: such a resume is refused
     resume_data: bool = True
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient norm: the update is skipped; this many in a row stop the run
     # each stage's step traced at its start (recipes/memory/trace.py, seconds, in a child process of rank 0) and its

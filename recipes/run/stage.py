@@ -24,6 +24,7 @@ import torch
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
                                       stage_sequences, validation_sequences)
+from longstride.data.sources import stream_rows_identity
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
@@ -189,16 +190,20 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
                 cache_dir=os.path.abspath(cfg.paths.cache_dir), stages=stages)
             meta = {"seq_len": stage.seq_len, "weights": mixture_weights(cfg.data, stage.mixture),
                     "packing": str(cfg.data.packing), "open_seqs": cfg.data.stream_open_seqs,
-                    "held_out_rows": report["held_out_rows"]}
+                    "micro_batch_size": stage.micro_batch_size, "held_out_rows": report["held_out_rows"],
+                    "rows": {n: stream_rows_identity(s, f"data.sources.{n}") for n, s in cfg.data.sources.items()}}
             return loader, held_out, report, data_fingerprint(meta, *(h["input_ids"] for h in held_out))
         held = holdout_documents(cfg.data, ctx.corpus, stages)
         train_set, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
                                                 stage.long_docs, held)
         held_out, val_stats = validation_sequences(cfg.data, ctx.corpus, held, stage.seq_len, pad_id, stage.mixture)
+        loader = stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, plan.index)
         p = train_set.plan
-        return stage_loader(train_set, stage.micro_batch_size, dp_rank, dims.dp, cfg.data, plan.index), held_out, \
-            {**pack_stats, **val_stats}, data_fingerprint({"seq_len": p.seq_len, "held_out": list(held)},
-                                                          p.seq_ptr, p.seg_start, p.seg_len, *held.values())
+        # the loader's own position counts micro-batches of its seeded order: both are part of what it points into
+        meta = {"seq_len": p.seq_len, "held_out": list(held), "order_seed": loader.sampler.seed,
+                "micro_batch_size": stage.micro_batch_size}
+        return loader, held_out, {**pack_stats, **val_stats}, data_fingerprint(
+            meta, p.seq_ptr, p.seg_start, p.seg_len, *held.values())
 
 
 def run_stages(cfg) -> list[tuple[int, Optional[dict]]]:
@@ -299,9 +304,9 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
     """The first validation loss (unless resumed), then steps to the budget: step checkpoints every save_every
     (never inside a run of skipped steps); a stop signal on any rank saves and raises Stopped on every rank."""
     guard, stage = NonFiniteGuard(ctx.cfg.train.max_nonfinite_steps), run.plan.stage
-    if run.val_start is None:
+    if run.val_start is None:  # a fresh stage, or a resume whose data started afresh (stage_state.restore_stage)
         run.val_start = validation_loss(ctx, run)
-        ctx.tracker.log_values(0, {"val_loss": run.val_start})
+        ctx.tracker.log_values(run.step, {"val_loss": run.val_start})
     while run.step < stage.total_steps:
         metrics = train_step(ctx, run, guard, last_good)
         ctx.tracker.log(run.step, metrics)

@@ -5,9 +5,12 @@ recipes/checkpoint/format.py's, the shards parallel/shards.py's.
 """
 from __future__ import annotations
 
+import os
+
+from longstride.data.tokenizer import has_tokenizer, load_tokenizer, tokenizer_fingerprint
 from longstride.model.build import save_config
-from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, rng_state, set_rng_state,
-                                                  writing_checkpoint)
+from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, manifest_world, rng_state,
+                                                  set_rng_state, writing_checkpoint)
 from longstride.recipes.run.faults import check_finite_parameters, stage_input
 from longstride.recipes.run.runlock import fingerprint
 
@@ -18,8 +21,8 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     acc, plan, model = ctx.accelerator, run.plan, run.model
     check_finite_parameters(model.parameters(), path)
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
-               "val_loss_start": run.val_start, "data": run.data_id,
-               "tokenizer": run.tokenizer_id} if with_state else None
+               "val_loss_start": run.val_start, "data": run.data_id, "tokenizer": run.tokenizer_id,
+               "dp": plan.dims.dp} if with_state else None
     with writing_checkpoint(
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
         trainer_state=trainer,
@@ -45,49 +48,69 @@ def restore_stage(ctx, run, path: str) -> None:
     """Puts a step checkpoint's state back into a freshly built run: the model's weights and the optimizer
     from the shards (re-sharded to this run's processes and layout), the rest from trainer.pt and rank<r>.pt;
     the data position is re-split when the checkpoint had another number of data-parallel ranks. A checkpoint
-    whose data fingerprint is not this stage's (its data changed since, or it predates the fingerprint) is refused
-    before anything is loaded, unless train.resume_data=false, which starts the stage's data afresh."""
-    acc, fresh_data = ctx.accelerator, not ctx.cfg.train.resume_data
+    trained with another tokenizer is refused. One whose data position this stage cannot use (data_problem: its
+    data changed, it predates the fingerprint, or a streamed one has another data-parallel layout) is refused too,
+    unless train.resume_data=false: then the stage's data starts afresh and its start validation loss is measured
+    again on this run's held-out documents."""
+    acc, cfg, dims = ctx.accelerator, ctx.cfg, run.plan.dims
+    streaming = cfg.data.streaming
     trainer, mine = load_training_state(path, acc.process_index, acc.num_processes,
-                                        resplit=not ctx.cfg.data.streaming)
-    with stage_input(run.plan.name):  # data the checkpoint's position does not point into: exit 2, naming the stage
+                                        resplit=not streaming or not cfg.train.resume_data)
+    layout = (manifest_world(path), trainer.get("dp", dims.dp)) if streaming else None
+    with stage_input(run.plan.name):  # a position the stage cannot use: exit 2, naming the stage
         check_same_tokenizer(trainer.get("tokenizer"), run.tokenizer_id, path)
-        if not fresh_data:
-            check_same_data(trainer.get("data"), run.data_id, path)
+        problem = data_problem(trainer.get("data"), run.data_id, layout, (acc.num_processes, dims.dp))
+        if problem and cfg.train.resume_data:
+            raise ValueError(f"{path} {problem}, so its data position would name other sequences; resume with the "
+                             "data and layout it was written with, keep its weights, optimizer and step but start "
+                             "this stage's data afresh (train.resume_data=false: the first sequences may repeat what "
+                             f"it trained on), or start the stage over ({restart_stage(ctx, run.plan.name)})")
     load_shards_checked(path, run.model, run.optimizer)
     run.scheduler.load_state_dict(trainer["scheduler"])
-    run.step, run.tokens_seen, run.val_start = trainer["step"], trainer["tokens_seen"], trainer["val_loss_start"]
+    run.step, run.tokens_seen = trainer["step"], trainer["tokens_seen"]
+    run.val_start = None if problem else trainer["val_loss_start"]  # None: measured again, on this run's documents
     with stage_input(run.plan.name):
-        if not fresh_data:
+        if not problem:
             run.loader.load_state_dict(mine["data"])
     set_rng_state(mine["rng"])
-    dp = run.plan.dims.dp
     ctx.tracker.info("stage %s: resuming from %s (step %d)%s", run.plan.name, path, run.step,
-                     "; its data from the start of the epoch (train.resume_data=false)" if fresh_data else
-                     "" if mine["data"].get("world", dp) == dp else
-                     f"; its data position re-split from {mine['data']['world']} to {dp} data-parallel ranks")
+                     f"; its data from the start of the epoch (train.resume_data=false: {problem})" if problem else
+                     "" if mine["data"].get("world", dims.dp) == dims.dp else
+                     f"; its data position re-split from {mine['data']['world']} to {dims.dp} data-parallel ranks")
 
 
-def check_same_data(saved, current: str, path: str) -> None:
-    """Refuses a resume whose checkpoint's data fingerprint (data/pipeline.py data_fingerprint) is missing or not
-    `current`: its data position would name other sequences, or validation other documents."""
-    if saved == current:
-        return
-    why = ("was written by a longstride that recorded no data fingerprint" if saved is None else
-           "was written over other data: an edited or added source file, another data config or a longstride whose "
-           "packing or held-out split differs")
-    raise ValueError(f"{path} {why}, so its data position would name other sequences; resume with the data it was "
-                     "written with, keep its weights, optimizer and step but start this stage's data afresh "
-                     "(train.resume_data=false: the first sequences may repeat what it trained on), or start the stage "
-                     "over (train.resume=false)")
+def data_problem(saved, current: str, layout=None, here=None):
+    """Why a checkpoint's data position does not fit this stage, or None: its data fingerprint (data/pipeline.py
+    data_fingerprint) is missing or not `current`, or (streamed: `layout`, `here` = (processes, dp)) each rank's
+    stream position was written on another layout and cannot be re-split."""
+    if saved is None:
+        return "was written by a longstride that recorded no data fingerprint"
+    if saved != current:
+        return ("was written over other data: an edited, added or removed source file, another data config or a "
+                "longstride whose packing or held-out split differs")
+    if layout is not None and tuple(layout) != tuple(here):
+        return (f"holds streamed positions of {layout[0]} processes with dp={layout[1]}, and this launch has "
+                f"{here[0]} with dp={here[1]} (a stream position belongs to its data-parallel rank)")
+    return None
+
+
+def restart_stage(ctx, stage: str) -> str:
+    """The setting that runs `stage` again from its start: train.resume=false for the first stage (which moves the
+    run aside), else train.resume_from=<the previous stage's final> (which moves this stage and later ones aside)."""
+    names = list(ctx.plans)
+    i = names.index(stage)
+    return f"train.resume_from={os.path.join(ctx.recipe_dir, names[i - 1], 'final')}" if i else "train.resume=false"
 
 
 def check_same_tokenizer(saved, current: str, path: str) -> None:
     """Refuses a resume under another tokenizer than the checkpoint's (data.tokenizer=null retrains one when the
     texts of its first source change): the model's embeddings would read other ids. A checkpoint from before the
-    fingerprint passes (its data fingerprint is missing too, which check_same_data refuses)."""
+    fingerprint is compared by the tokenizer saved in it."""
+    if saved is None and has_tokenizer(path):
+        saved = tokenizer_fingerprint(load_tokenizer(path))
     if saved is not None and saved != current:
-        raise ValueError(f"{path} was trained with another tokenizer than this run's (its vocabulary differs: with "
-                         "data.tokenizer=null a BPE is trained on the first source, so its files changed); restore "
-                         f"the files it was trained on, or continue under its own tokenizer: data.tokenizer={path} "
-                         f"train.resume_from={path}")
+        raise ValueError(f"{path} was trained with another tokenizer than this run's (with data.tokenizer=null a BPE "
+                         "is trained on the first source's first texts, so those changed); restore the files it was "
+                         "trained on, or copy its tokenizer files out (newer step checkpoints replace this one) and "
+                         f"continue under them: data.tokenizer=<the copy> train.resume_from={path} "
+                         "train.resume_data=false")
