@@ -70,8 +70,8 @@ def build_corpus(cfg: DataConfig, tokenizer, cache_dir: str) -> Corpus:
         if src.weight <= 0:
             raise ValueError(f"data.sources.{name}.weight={src.weight} must be positive; drop the source instead")
         rows = load_source(src, cache_dir, cfg.num_proc, f"data.sources.{name}")
-        lead = filler_prefix(src, cfg.sources, f"data.sources.{name}")
-        lead = sum(not r for r in rows.select(range(lead))["skip"]) if lead else 0  # usable ones of those rows
+        filler_head = filler_prefix(src, cfg.sources, f"data.sources.{name}")  # rows, usable or skipped
+        lead = sum(not r for r in rows.select(range(filler_head))["skip"])  # the documents among them
         ds, skipped = drop_skipped(rows)
         report["skipped"][name] = skipped
         if len(ds) == 0:

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -67,6 +68,12 @@ class RunContext:
     lock: Optional[RunLock] = None  # held by the main process for the run
     mesh: Optional[WorldMesh] = None  # the run's one device mesh, built by the first stage that needs it
 
+    @cached_property
+    def tokenizer_id(self) -> str:
+        """The run's tokenizer's fingerprint (data/tokenizer.py), stored with each step checkpoint and checked on
+        resume: one tokenizer per run, so computed once."""
+        return tokenizer_fingerprint(self.tokenizer)
+
     def world_mesh(self) -> WorldMesh:
         """The run's WorldMesh (collective the first time: every rank runs the same stages in order)."""
         if self.mesh is None:
@@ -89,10 +96,7 @@ class StageRun:
     held_out: Sequence[dict]  # validation items (PackedBatch rows)
     pack_stats: dict
     built: Step  # the step's parts (recipes/run/step.py): its CP context and batch preparation
-    # the data's and the tokenizer's fingerprints (stage_data, data/tokenizer.py), stored with each step checkpoint
-    # and checked on resume
-    data_id: str
-    tokenizer_id: str
+    data_id: str  # the data's fingerprint (stage_data), stored with each step checkpoint and checked on resume
     step: int = 0
     tokens_seen: int = 0
     val_start: Optional[float] = None
@@ -232,7 +236,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
                                 stage.decay_fraction)
     loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
     return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
-                    pack_stats=pack_stats, built=built, data_id=data_id, tokenizer_id=tokenizer_fingerprint(tok))
+                    pack_stats=pack_stats, built=built, data_id=data_id)
 
 
 def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:

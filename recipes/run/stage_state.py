@@ -21,7 +21,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     acc, plan, model = ctx.accelerator, run.plan, run.model
     check_finite_parameters(model.parameters(), path)
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
-               "val_loss_start": run.val_start, "data": run.data_id, "tokenizer": run.tokenizer_id,
+               "val_loss_start": run.val_start, "data": run.data_id, "tokenizer": ctx.tokenizer_id,
                "dp": plan.dims.dp} if with_state else None
     with writing_checkpoint(
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
@@ -58,7 +58,7 @@ def restore_stage(ctx, run, path: str) -> None:
                                         resplit=not streaming or not cfg.train.resume_data)
     layout = (manifest_world(path), trainer.get("dp", dims.dp)) if streaming else None
     with stage_input(run.plan.name):  # a position the stage cannot use: exit 2, naming the stage
-        check_same_tokenizer(trainer.get("tokenizer"), run.tokenizer_id, path)
+        check_same_tokenizer(trainer.get("tokenizer"), ctx.tokenizer_id, path)
         problem = data_problem(trainer.get("data"), run.data_id, layout, (acc.num_processes, dims.dp))
         if problem and cfg.train.resume_data:
             raise ValueError(f"{path} {problem}, so its data position would name other sequences; resume with the "
