@@ -75,14 +75,16 @@ class EpochLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resumes where `state` stopped. A state written with another number of data-parallel ranks is
         re-split: every rank had read `consumed` sequences of this epoch's order, so the next unread one is
-        start + consumed x world, and this run's ranks share the rest of the epoch from there. A state written over another number of packed
-        sequences is refused: the stage's data changed, so its position would name other sequences."""
+        start + consumed x world, and this run's ranks share the rest of the epoch from there. A state written over
+        another number of packed sequences is refused: the stage's data changed, so its position would name other
+        sequences. (A recipe's resume compares the data's fingerprint first: recipes/run/stage_state.py.)"""
         s = self.sampler
         if state.get("items", s.num_items) != s.num_items:
             raise ValueError(f"the checkpoint's data position is in an epoch of {state['items']} packed sequences, "
                              f"but this stage now packs {s.num_items}: its data changed since (an edited source, "
                              "another data config or longstride version); resume with the data it was written with, "
-                             "or start the stage over (train.resume=false)")
+                             "or keep the checkpoint's weights and start its data afresh (in a recipe: "
+                             "train.resume_data=false)")
         s.epoch = state["epoch"]
         if state.get("world", s.world) == s.world:
             s.start, self.consumed = state.get("start", 0), state.get("consumed", 0)

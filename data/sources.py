@@ -204,12 +204,12 @@ def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0)):
 
 
 def stream_rows_identity(src: SourceConfig, field: str):
-    """What numbers a streamed source's rows, for the data fingerprint: a stdlib or local_dir source's file list (a
-    file added or removed shifts every later row), a files source's files and their sizes; other kinds, nothing
-    cheaper than reading them (their config is in the run's identity)."""
+    """What numbers a streamed source's rows, for the data fingerprint: a stdlib or local_dir source's files (a
+    file added or removed shifts every later row) and a files source's files, each with its size (an edit that
+    changes it); other kinds, nothing cheaper than reading them (their config is in the run's identity)."""
     if src.kind in ("stdlib", "local_dir"):  # relative: the same files under another clone or mount are the same
         root = stdlib_root() if src.kind == "stdlib" else src.path
-        return digest([os.path.relpath(p, root) for p in walk_files(src, field)])
+        return digest([[os.path.relpath(p, root), os.path.getsize(p)] for p in walk_files(src, field)])
     if src.kind == "files":
         files = _data_files(src, field)[1]
         return digest([[f, os.path.getsize(f)] for f in files])

@@ -146,3 +146,26 @@ def test_a_sharded_source_split_over_ranks_skips_the_streams_held_out_rows(tmp_p
     seen = [int(r["text"].split()[1]) for rank in range(2)
             for r in stream_source(src, str(tmp_path / "cache"), "x", rank, 2, leave_out=range(7))]
     assert sorted(seen) == list(range(7, 100)), (sorted(set(range(7)) & set(seen)), len(seen))
+
+
+def test_a_walked_source_identity_follows_its_files_and_their_sizes_not_their_root(tmp_path):
+    """What numbers a streamed local_dir source's rows, for the resume fingerprint: another file, or an edit that
+    changes a file's size, is another identity; the same files under another root are the same one."""
+    from longstride.data.sources import stream_rows_identity
+
+    def identity(root):
+        return stream_rows_identity(SourceConfig(kind="local_dir", path=str(root), glob="*.txt"), "data.sources.d")
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root in (one, two):
+        root.mkdir()
+        for i in range(3):
+            (root / f"{i}.txt").write_text(f"document {i}\n" * 4)
+    same = identity(one)
+    assert identity(two) == same
+    (two / "1.txt").write_text("document 1\n" * 5)
+    assert identity(two) != same
+    (two / "1.txt").write_text("document 1\n" * 4)
+    assert identity(two) == same
+    (two / "3.txt").write_text("another\n")
+    assert identity(two) != same

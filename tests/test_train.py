@@ -117,10 +117,11 @@ def test_loader_resume_yields_identical_sequences():
 
 
 def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_afresh(tmp_path, cache_dir):
-    """A stage killed after its step-3 checkpoint, then one of its source files edited: the packed sequences keep
-    their count (what the loader's own check compares) but not their corpus spans, so the rerun's data position
-    would name other sequences; it exits 2 naming the stage, the checkpoint and the fixes. With
-    train.resume_data=false the rerun keeps the checkpoint's weights and step and starts the data afresh."""
+    """A stage killed after its step-3 checkpoint, then one digit of one of its source files changed: every
+    document keeps its token count (digits are single tokens), so the packing plan and the sequence count (what the
+    loader's own check compares) stay the same, but the rerun's data position would name other tokens; it exits 2
+    naming the stage, the checkpoint and the fixes. With train.resume_data=false the rerun keeps the checkpoint's
+    weights and step and starts the data afresh."""
     from longstride.data.files import list_files, stdlib_root
     from tests.conftest import micro_overrides
 
@@ -134,7 +135,9 @@ def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_a
     killed = run_cli(run_args, crash_after(4))
     assert killed.returncode == -9, killed.stderr[-2000:]
     last = docs / "059.py"  # past the tokenizer's training bytes: the tokenizer stays the same
-    last.write_text(last.read_text(encoding="utf-8") + "\nextra = 1\n", encoding="utf-8")
+    text = last.read_text(encoding="utf-8")
+    at = max(i for i, c in enumerate(text) if c.isdigit())
+    last.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:], encoding="utf-8")
     refused = run_cli(run_args)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert re.search(r"stage s1_256: .*step_000003 was written over other data: an edited, added or removed source .*"

@@ -181,7 +181,8 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
     """(loader, held-out sequences, packing stats, data fingerprint) of one stage: streamed, or packed from the
     corpus. The held-out documents are the run's (every stage of the recipe), so no stage trains on what another
     validates on. The fingerprint names what the loader's position points into: in memory the packing plan (the
-    corpus spans of every sequence) and the held-out documents; streamed, the mixture, the held-out rows and the
+    corpus spans of every sequence), the corpus's tokens (so an edit that keeps every length counts too) and the
+    held-out documents; streamed, the mixture, the held-out rows and the
     validation sequences' tokens (the head of every source)."""
     cfg, stage, dims = ctx.cfg, plan.stage, plan.dims
     dp_rank = dims.dp_rank(ctx.accelerator.process_index)
@@ -207,7 +208,7 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
         meta = {"seq_len": p.seq_len, "held_out": list(held), "order_seed": loader.sampler.seed,
                 "micro_batch_size": stage.micro_batch_size}
         return loader, held_out, {**pack_stats, **val_stats}, data_fingerprint(
-            meta, p.seq_ptr, p.seg_start, p.seg_len, *held.values())
+            meta, p.seq_ptr, p.seg_start, p.seg_len, ctx.corpus.tokens, *held.values())
 
 
 def run_stages(cfg) -> list[tuple[int, Optional[dict]]]:
