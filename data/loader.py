@@ -83,8 +83,8 @@ class EpochLoader:
             raise ValueError(f"the checkpoint's data position is in an epoch of {state['items']} packed sequences, "
                              f"but this stage now packs {s.num_items}: its data changed since (an edited source, "
                              "another data config or longstride version); resume with the data it was written with, "
-                             "or keep the checkpoint's weights and start its data afresh (in a recipe: "
-                             "train.resume_data=false)")
+                             "keep the checkpoint's weights and start its data afresh (in a recipe: "
+                             "train.resume_data=false), or start the stage over")
         s.epoch = state["epoch"]
         if state.get("world", s.world) == s.world:
             s.start, self.consumed = state.get("start", 0), state.get("consumed", 0)

@@ -118,9 +118,9 @@ def test_loader_resume_yields_identical_sequences():
 
 def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_afresh(tmp_path, cache_dir):
     """A stage killed after its step-3 checkpoint, then one digit of one of its source files changed: every
-    document keeps its token count (digits are single tokens), so the packing plan and the sequence count (what the
-    loader's own check compares) stay the same, but the rerun's data position would name other tokens; it exits 2
-    naming the stage, the checkpoint and the fixes. With train.resume_data=false the rerun keeps the checkpoint's
+    document keeps its token count (asserted: byte-level pre-tokenisation splits a digit off from the letters before
+    it), so the packing plan and the sequence count (what the loader's own check compares) stay the same, but the
+    rerun's data position would name other tokens; it exits 2 naming the stage, the checkpoint and the fixes. With train.resume_data=false the rerun keeps the checkpoint's
     weights and step and starts the data afresh."""
     from longstride.data.files import list_files, stdlib_root
     from tests.conftest import micro_overrides
@@ -146,6 +146,8 @@ def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_a
     assert afresh.returncode == 0, afresh.stderr[-2000:]
     counts = re.findall(r"packing \{'seq_len': 64, 'sequences': (\d+)", killed.stderr + afresh.stderr)
     assert len(counts) == 2 and counts[0] == counts[1], counts  # the count check alone would have resumed
+    tokens = re.findall(r"corpus: .*'tokens': (\{[^}]*\})", killed.stderr + afresh.stderr)
+    assert len(tokens) == 2 and tokens[0] == tokens[1], tokens  # so would a fingerprint of the plan's spans alone
     assert "resuming from" in afresh.stderr and "its data from the start of the epoch" in afresh.stderr
     assert sorted(read_metrics(tmp_path / "out" / "tiny" / "s1_256")) == list(range(7))  # steps 4-6 after 0-3
 

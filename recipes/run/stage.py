@@ -12,6 +12,7 @@ step N of every stage it runs (a hard crash, as an OOM killer or preemption woul
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import signal
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy as np
 import torch
 
 from longstride.data.batch import collate
@@ -73,6 +75,13 @@ class RunContext:
         """The run's tokenizer's fingerprint (data/tokenizer.py), stored with each step checkpoint and checked on
         resume: one tokenizer per run, so computed once."""
         return tokenizer_fingerprint(self.tokenizer)
+
+    @cached_property
+    def corpus_id(self) -> str:
+        """SHA-256 of the in-memory corpus's tokens (context-only marks included), part of every stage's data
+        fingerprint: with the packing plan's spans it names every sequence's tokens, so an edit that keeps every
+        document's length is caught too. One corpus per run, so hashed once."""
+        return hashlib.sha256(memoryview(np.ascontiguousarray(self.corpus.tokens))).hexdigest()
 
     def world_mesh(self) -> WorldMesh:
         """The run's WorldMesh (collective the first time: every rank runs the same stages in order)."""
@@ -182,8 +191,8 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
     corpus. The held-out documents are the run's (every stage of the recipe), so no stage trains on what another
     validates on. The fingerprint names what the loader's position points into: in memory the packing plan (the
     corpus spans of every sequence), the corpus's tokens (so an edit that keeps every length counts too) and the
-    held-out documents; streamed, the mixture, the held-out rows and the
-    validation sequences' tokens (the head of every source)."""
+    held-out documents; streamed, the mixture, the held-out rows, the validation sequences' tokens (the head of every
+    source) and each walked or files source's files with their sizes."""
     cfg, stage, dims = ctx.cfg, plan.stage, plan.dims
     dp_rank = dims.dp_rank(ctx.accelerator.process_index)
     stages = run_stages(cfg)
@@ -206,9 +215,9 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
         p = train_set.plan
         # the loader's own position counts micro-batches of its seeded order: both are part of what it points into
         meta = {"seq_len": p.seq_len, "held_out": list(held), "order_seed": loader.sampler.seed,
-                "micro_batch_size": stage.micro_batch_size}
+                "micro_batch_size": stage.micro_batch_size, "corpus": ctx.corpus_id}
         return loader, held_out, {**pack_stats, **val_stats}, data_fingerprint(
-            meta, p.seq_ptr, p.seg_start, p.seg_len, ctx.corpus.tokens, *held.values())
+            meta, p.seq_ptr, p.seg_start, p.seg_len, *held.values())
 
 
 def run_stages(cfg) -> list[tuple[int, Optional[dict]]]:

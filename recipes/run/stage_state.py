@@ -86,8 +86,9 @@ def data_problem(saved, current: str, layout=None, here=None):
     if saved is None:
         return "was written by a longstride that recorded no data fingerprint"
     if saved != current:
-        return ("was written over other data: an edited, added or removed source file, another data config or a "
-                "longstride whose packing or held-out split differs")
+        return ("was written over other data: an edited, added or removed source file, another data config, or a "
+                "longstride whose packing, held-out split or data fingerprint differs (a checkpoint written before "
+                "the fingerprint covered the corpus's tokens and streamed files' sizes is such a one)")
     if layout is not None and tuple(layout) != tuple(here):
         return (f"holds streamed positions of {layout[0]} processes with dp={layout[1]}, and this launch has "
                 f"{here[0]} with dp={here[1]} (a stream position belongs to its data-parallel rank)")
