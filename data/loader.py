@@ -6,11 +6,21 @@ reads a disjoint share; context-parallel ranks of one group read the same sequen
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from longstride.data.batch import collate
+
+
+def stateful_loader(dataset, **kwargs) -> StatefulDataLoader:
+    """torchdata's StatefulDataLoader, without the deprecation warning its constructor raises under newer torch
+    (it calls torch.set_vital, which such builds deprecate): noise in every stage's log that no user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(dataset, **kwargs)
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -45,8 +55,8 @@ class EpochLoader:
             raise ValueError(
                 f"each data rank has {len(self.sampler)} sequences, fewer than micro_batch_size={micro_batch_size}"
             )
-        self.loader = StatefulDataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, drop_last=True,
-                                         collate_fn=collate, num_workers=num_workers)
+        self.loader = stateful_loader(dataset, batch_size=micro_batch_size, sampler=self.sampler, drop_last=True,
+                                      collate_fn=collate, num_workers=num_workers)
         self._it = None
 
         self.micro_batch_size, self.consumed = micro_batch_size, 0  # sequences this rank read in this epoch

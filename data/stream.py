@@ -23,10 +23,10 @@ from typing import Callable
 import datasets
 import numpy as np
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.config import DataConfig
+from longstride.data.loader import stateful_loader
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
 from longstride.data.sources import filler_prefix, stream_source, walk_files
@@ -114,7 +114,7 @@ class StreamLoader:
     """Micro-batches from a StreamPacker through torchdata's StatefulDataLoader (one process)."""
 
     def __init__(self, packer: StreamPacker, micro_batch_size: int):
-        self.loader = StatefulDataLoader(packer, batch_size=micro_batch_size, collate_fn=collate, num_workers=0)
+        self.loader = stateful_loader(packer, batch_size=micro_batch_size, collate_fn=collate, num_workers=0)
         self._it = None
 
     def __next__(self) -> dict:
