@@ -197,32 +197,45 @@ def _load_walked(src, cache_dir, num_proc, field):
     return _files_dataset(walk_files(src, field), cache_dir, stdlib_digest() if src.kind == "stdlib" else "")
 
 
-def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0)):
-    paths = walk_files(src, field)
+def walked(src: SourceConfig) -> bool:
+    """Whether a source is read from a walk of its files (stdlib, local_dir): walk_files lists them."""
+    return KINDS[src.kind].stream is _stream_walked
+
+
+def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0), paths=None):
+    paths = walk_files(src, field) if paths is None else paths
     return datasets.IterableDataset.from_generator(
         _read_files, gen_kwargs={"paths": paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths})
 
 
-def stream_rows_identity(src: SourceConfig, field: str):
+def _size(path: str):
+    """A walked file's size, or why it cannot be read (a dangling link or a FIFO, which the reader counts skipped)."""
+    return unreadable(path) or os.path.getsize(path)
+
+
+def stream_rows_identity(src: SourceConfig, field: str, paths=None):
     """What numbers a streamed source's rows, for the data fingerprint: a stdlib or local_dir source's files (a
-    file added or removed shifts every later row) and a files source's files, each with its size (an edit that
-    changes it); other kinds, nothing cheaper than reading them (their config is in the run's identity)."""
-    if src.kind in ("stdlib", "local_dir"):  # relative: the same files under another clone or mount are the same
+    file added or removed shifts every later row; `paths`: the stage's walk of them, else walked here) and a files
+    source's files, each with its size (an edit that changes it); other kinds, nothing cheaper than reading them
+    (their config is in the run's identity)."""
+    if walked(src):  # relative: the same files under another clone or mount are the same
         root = stdlib_root() if src.kind == "stdlib" else src.path
-        return digest([[os.path.relpath(p, root), os.path.getsize(p)] for p in walk_files(src, field)])
+        paths = walk_files(src, field) if paths is None else paths
+        return digest([[os.path.relpath(p, root), _size(p)] for p in paths])
     if src.kind == "files":
         files = _data_files(src, field)[1]
         return digest([[f, os.path.getsize(f)] for f in files])
     return None
 
 
-def filler_prefix(src: SourceConfig, sources: dict, field: str) -> int:
+def filler_prefix(src: SourceConfig, sources: dict, field: str, paths=None) -> int:
     """The rows at the head of source `src` whose files a synthetic source's filler trains on (runs of lines of
     synthetic.filler_files(), which lead a stdlib source's sorted walk): none of them may be held out for
-    validation. 0 unless src is a stdlib source and some synthetic source has corpus_share > 0."""
+    validation. 0 unless src is a stdlib source and some synthetic source has corpus_share > 0. `paths`: the
+    stage's walk of its files, else walked here."""
     if src.kind != "stdlib" or not synthetic.filler_sources(sources):
         return 0
-    return synthetic.filler_rows(walk_files(src, field))
+    return synthetic.filler_rows(walk_files(src, field) if paths is None else paths)
 
 
 def _load_files(src, cache_dir, num_proc, field):
@@ -349,14 +362,15 @@ def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
 
 
 def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources", rank: int = 0, world: int = 1,
-                  leave_out: range = range(0)) -> datasets.IterableDataset:
+                  leave_out: range = range(0), paths=None) -> datasets.IterableDataset:
     """Rows {text, skip} read lazily (data.streaming=true): the rows in `leave_out` dropped (any range of a stdlib
     or local_dir source's files, a prefix of any other kind), then rank's share of the rest (whole shards when the
-    shard count divides by world and nothing is left out, else every world-th row). Raises ValueError naming the
+    shard count divides by world and nothing is left out, else every world-th row). `paths`: a stdlib or local_dir
+    source's files as the stage walked them once (walk_files), else walked here. Raises ValueError naming the
     field on bad input, before anything is read past the first row."""
     kind = check_source(src, field)
     if kind.stream is _stream_walked:
-        ds = _stream_walked(src, cache_dir, field, world, leave_out)
+        ds = _stream_walked(src, cache_dir, field, world, leave_out, paths)
     elif leave_out.start:
         raise ValueError(f"{field}: a {src.kind} source can leave out only its first rows, not {leave_out}")
     else:

@@ -29,7 +29,7 @@ from longstride.data.config import DataConfig
 from longstride.data.loader import stateful_loader
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
-from longstride.data.sources import filler_prefix, stream_source, walk_files
+from longstride.data.sources import filler_prefix, stream_rows_identity, stream_source, walk_files, walked
 from longstride.data.synthetic import FILLER_FILES, filler_sources
 from longstride.data.tokenizer import tokenize_fn
 
@@ -139,11 +139,15 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     Held out: the first documents of the unsharded mixed stream, eval_sequences x seq_len tokens of them,
     packed in memory (all their sequences: at least eval_sequences). Every rank's training stream leaves out, per
     source, the most rows any of `stages` ((seq_len, mixture) of every stage of the run; default: this one)
-    holds out: report["held_out_rows"][source] = [first, end) (a stdlib source's first rows past its filler files)."""
+    holds out: report["held_out_rows"][source] = [first, end) (a stdlib source's first rows past its filler files);
+    report["rows_identity"][source]: what numbers its rows (sources.stream_rows_identity), for the fingerprint."""
+    # a stdlib or local_dir source's files, walked once: every pass of the stage (its heads, its epochs) reads
+    # these, and the fingerprint names them (a file added mid-stage waits for the next stage)
+    paths = {n: walk_files(s, f"data.sources.{n}") for n, s in cfg.sources.items() if walked(s)}
     # a stdlib source's first files may be ones whose lines synthetic filler trains on: its held-out rows start after
-    first = {n: filler_prefix(s, cfg.sources, f"data.sources.{n}") for n, s in cfg.sources.items()}
+    first = {n: filler_prefix(s, cfg.sources, f"data.sources.{n}", paths.get(n)) for n, s in cfg.sources.items()}
     for n, k in first.items():
-        if k and cfg.eval_sequences and k == len(walk_files(cfg.sources[n], f"data.sources.{n}")):
+        if k and cfg.eval_sequences and k == len(paths[n]):
             fillers = ",".join(filler_sources(cfg.sources))
             raise ValueError(f"data.sources.{n}: all {k} of its files are among the first {FILLER_FILES} of the "
                              f"standard library, whose lines the filler of data.sources.{{{fillers}}} trains on "
@@ -153,7 +157,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
 
     def factories(rank: int, world: int, leave_out: dict) -> dict:
         return {n: (lambda n=n, s=s: tokenized(stream_source(s, cache_dir, f"data.sources.{n}", rank, world,
-                                                             leave_out.get(n, range(0))), tokenizer))
+                                                             leave_out.get(n, range(0)), paths.get(n)), tokenizer))
                 for n, s in cfg.sources.items()}
 
     def head(length: int, mix) -> tuple[list, StreamPacker]:
@@ -187,5 +191,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     held = {n: range(first[n], first[n] + r) for n, r in rows.items() if r}
     train = StreamPacker(factories(dp_rank, dp, held), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
                          cfg.stream_open_seqs, held_rows=rows)
+    identity = {n: stream_rows_identity(s, f"data.sources.{n}", paths.get(n)) for n, s in cfg.sources.items()}
     return StreamLoader(train, micro_batch_size), held_out, {
-        **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()}}
+        **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()},
+        "rows_identity": identity}

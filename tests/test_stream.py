@@ -150,7 +150,8 @@ def test_a_sharded_source_split_over_ranks_skips_the_streams_held_out_rows(tmp_p
 
 def test_a_walked_source_identity_follows_its_files_and_their_sizes_not_their_root(tmp_path):
     """What numbers a streamed local_dir source's rows, for the resume fingerprint: another file, or an edit that
-    changes a file's size, is another identity; the same files under another root are the same one."""
+    changes a file's size, is another identity; the same files under another root are the same one; a dangling
+    link (read as a skipped document) is named, not a crash."""
     from longstride.data.sources import stream_rows_identity
 
     def identity(root):
@@ -169,3 +170,38 @@ def test_a_walked_source_identity_follows_its_files_and_their_sizes_not_their_ro
     assert identity(two) == same
     (two / "3.txt").write_text("another\n")
     assert identity(two) != same
+    (one / "4.txt").symlink_to(one / "gone.txt")  # dangling: the reader counts it skipped, the identity names it
+    assert identity(one) != same
+
+
+def test_a_walked_source_is_listed_once_a_stage_and_read_as_listed(tmp_path, monkeypatch):
+    """A streamed local_dir source's files are walked once per stage (its validation heads for every stage, its
+    training passes, its fingerprint), and the stage reads them as walked: a file added mid-stage is not read in
+    the next epoch (the fingerprint would not name it), and the stage's identity is the walked files'."""
+    from longstride.data import sources
+
+    root = tmp_path / "docs"
+    root.mkdir()
+    texts = corpus_docs("d", 40, 3)
+    for i, t in enumerate(texts):
+        (root / f"{i:02d}.txt").write_text(t)
+    tok = train_bpe(texts, 300)
+    cfg = DataConfig(sources={"d": SourceConfig(kind="local_dir", path=str(root), glob="*.txt")}, streaming=True,
+                     eval_sequences=1, stream_open_seqs=8)
+    walks = []
+    real = sources.list_files
+    monkeypatch.setattr(sources, "list_files", lambda *a, **k: walks.append(a) or real(*a, **k))
+    loader, _, report = streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, 0, 1, str(tmp_path),
+                                        stages=[(L, None), (2 * L, None), (4 * L, None)])
+    (root / "99.txt").write_text("zzz " * 40)  # added mid-stage
+    for _ in range(30):  # past the first epoch: the source is read again
+        next(loader)
+    assert loader.loader.dataset.counters["epoch"]["d"] >= 1
+    assert len(walks) == 1, walks
+    new = tuple(tok("zzz " * 40)["input_ids"][:3])
+    assert not any(tuple(b["input_ids"][r, i:i + 3].tolist()) == new for b in [next(loader) for _ in range(10)]
+                   for r in range(MB) for i in range(L - 2))
+    src = cfg.sources["d"]
+    assert report["rows_identity"]["d"] != sources.stream_rows_identity(src, "data.sources.d")
+    (root / "99.txt").unlink()
+    assert report["rows_identity"]["d"] == sources.stream_rows_identity(src, "data.sources.d")
