@@ -64,6 +64,22 @@ def test_exploding_stage_stops_naming_the_last_good_checkpoint_and_saves_nothing
     assert bad.returncode == 2 and "is not a step_NNNNNN or final checkpoint" in bad.stderr
 
 
+def test_a_resume_from_a_step_checkpoint_trains_at_the_configs_lr_not_the_checkpoints(micro, tmp_path):
+    """The rerun NonFiniteError advises, from a step checkpoint: a lower lr. The optimizer's shards and the
+    schedule's state carry the checkpoint's peak lr; the resumed steps apply the new one on the same schedule."""
+    first = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.lr=2e-3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    s1 = tmp_path / "out" / "tiny" / "s1_256"
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (s1 / "metrics.jsonl").open()) if "lr" in r}
+    again = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.lr=1e-3", f"train.resume_from={s1}/step_000003"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the checkpoint's peak lr 0.002 (now 0.001)" in again.stderr, again.stderr[-3000:]
+    resumed = {r["step"]: r["lr"] for r in map(json.loads, (s1 / "metrics.jsonl").open()) if "lr" in r}
+    assert sorted(resumed) == sorted(logged) == list(range(1, 7))
+    for step in range(1, 7):  # steps 1-3 kept from the first run, 4-6 trained again at half the peak
+        assert resumed[step] == pytest.approx(logged[step] * (0.5 if step > 3 else 1.0), rel=1e-9), step
+
+
 @pytest.mark.parametrize("override, field", [("recipe.stages.s1_256.rope_theta=nan", "recipe.stages.s1_256.rope_theta"),
                                              ("optim.eps=inf", "optim.eps"),
                                              ("recipe.stages.s2_2k.lr=-inf", "recipe.stages.s2_2k.lr")])
@@ -217,6 +233,25 @@ def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(m
     assert clean.returncode == 0
     a, b = read_metrics(stage_dir), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
     assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise
+
+
+def test_a_stop_signal_during_a_stages_final_save_stops_before_the_next_stage(micro, tmp_path):
+    """SIGTERM (a real one, sent by the test hook) while the first stage saves its final checkpoint: the save
+    completes, the run exits 128 + SIGTERM naming that final instead of going on into the next stage, and the
+    rerun goes on from it."""
+    import signal
+
+    from tests.conftest import read_metrics
+
+    r = run_cli(micro, env_extra={"LONGSTRIDE_TEST_TERM_IN_SAVE": "final"})
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
+    out = tmp_path / "out" / "tiny"
+    assert f"stopped by SIGTERM at the end of stage s1_256, its final checkpoint {out / 's1_256' / 'final'}" \
+        in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (out / "s1_256" / "final" / "model.safetensors").exists() and not (out / "s2_2k").exists()
+    again = run_cli(micro)
+    assert again.returncode == 0 and "stage s1_256 already complete" in again.stderr, again.stderr[-3000:]
+    assert max(read_metrics(out / "s3_4k")) == 4
 
 
 def workers_of(launcher_pid: int) -> list[int]:

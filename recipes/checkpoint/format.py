@@ -25,6 +25,7 @@ import pickle
 import random
 import re
 import shutil
+import signal
 import time
 from typing import Callable, Optional
 
@@ -226,6 +227,7 @@ def writing_checkpoint(
                 json.dump(meta, f, indent=2)
     barrier()
     test_kill("save", name)  # a crash after the files, before the manifest
+    test_kill("term_in_save", name, sig=signal.SIGTERM)  # a preemption notice while saving
     if is_main:
         with disk_errors(path):
             write_manifest(tmp, world_size, manifest)  # last: its presence means every rank's files are complete

@@ -23,18 +23,20 @@ from longstride.parallel.collectives import all_reduce
 
 # Test hooks: the fault tests set one of these to a value and the process SIGKILLs itself at that point
 TEST_KILLS = {"step": "LONGSTRIDE_TEST_CRASH_AT_STEP",  # after optimizer step N of every stage
-              "save": "LONGSTRIDE_TEST_KILL_IN_SAVE"}  # inside the save of the checkpoint of this name, after
-#                                                          its files and before its manifest
+              "save": "LONGSTRIDE_TEST_KILL_IN_SAVE",  # inside the save of the checkpoint of this name, after
+              #                                          its files and before its manifest
+              "term_in_save": "LONGSTRIDE_TEST_TERM_IN_SAVE"}  # there too, SIGTERM (a preemption notice)
 
 
-def test_kill(point: str, value, before=None) -> None:
-    """The one place a test fault is injected: SIGKILL this process (after calling `before`, if given) when
-    the environment asks for `point` (a key of TEST_KILLS) at `value`. An environment lookup otherwise."""
+def test_kill(point: str, value, before=None, sig: int = signal.SIGKILL) -> None:
+    """The one place a test fault is injected: send this process `sig` (SIGKILL unless told; after calling
+    `before`, if given) when the environment asks for `point` (a key of TEST_KILLS) at `value`. An environment
+    lookup otherwise."""
     want = os.environ.get(TEST_KILLS[point])
     if want is not None and want == str(value):
         if before is not None:
             before()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
 
 class NonFiniteError(RuntimeError):

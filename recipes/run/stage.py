@@ -295,7 +295,7 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
         summed += part.detach().float().cpu()
     # the global norm (clipping to it when optim.grad_clip > 0): the non-finite check needs it
     grad_norm = model.clip_grad_norm(ctx.cfg.optim.grad_clip if ctx.cfg.optim.grad_clip > 0 else math.inf)
-    lr = run.scheduler.get_last_lr()[0]
+    lr = run.optimizer.param_groups[0]["lr"]  # what this step's update applies
     loss = (all_reduce(summed) / count.clamp(min=1)).item()
     update = guard.step_ok(run.step + 1, loss, grad_norm, last_good)
     if update:
@@ -366,6 +366,11 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
             tracker.info("stage %s: validation loss %.4f -> %.4f", plan.name, run.val_start, val_end)
             save_stage(ctx, run, final, with_state=False, extra_meta={"val_loss_start": run.val_start,
                                                                       "val_loss_end": val_end})
+            signum = stop.requested(acc.device)
+            if signum:  # it arrived during the final validation or save: the stage is complete, stop before the next
+                raise Stopped(signum, f"stopped by {signal.Signals(signum).name} at the end of stage {plan.name}, "
+                                      f"its final checkpoint {final} saved; rerun the command to go on with the "
+                                      "next stage")
     finally:
         tracker.finish_stage()
     acc.free_memory()

@@ -65,18 +65,39 @@ def restore_stage(ctx, run, path: str) -> None:
                              "data and layout it was written with, keep its weights, optimizer and step but start "
                              "this stage's data afresh (train.resume_data=false: the first sequences may repeat what "
                              f"it trained on), or start the stage over ({restart_stage(ctx, run.plan.name)})")
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
     load_shards_checked(path, run.model, run.optimizer)
-    run.scheduler.load_state_dict(trainer["scheduler"])
+    changed = keep_configured_hyperparameters(run, trainer["scheduler"], configured)
     run.step, run.tokens_seen = trainer["step"], trainer["tokens_seen"]
     run.val_start = None if problem else trainer["val_loss_start"]  # None: measured again, on this run's documents
     with stage_input(run.plan.name):
         if not problem:
             run.loader.load_state_dict(mine["data"])
     set_rng_state(mine["rng"])
+    if changed:
+        ctx.tracker.info("stage %s: the checkpoint's %s; training on with this config's", run.plan.name, changed)
     ctx.tracker.info("stage %s: resuming from %s (step %d)%s", run.plan.name, path, run.step,
                      f"; its data from the start of the epoch (train.resume_data=false: {problem})" if problem else
                      "" if mine["data"].get("world", dims.dp) == dims.dp else
                      f"; its data position re-split from {mine['data']['world']} to {dims.dp} data-parallel ranks")
+
+
+def keep_configured_hyperparameters(run, scheduler_state: dict, configured: list[dict]) -> str:
+    """The config's peak lr, betas, eps and weight decay over a restored optimizer and schedule. The shards bring
+    back the checkpoint's in each parameter group and the schedule's state its peak lr (LambdaLR.base_lrs), so a
+    rerun that changed them (a lower lr after non-finite steps, as NonFiniteError advises) would train at the old
+    ones; the config wins, as with Megatron-LM's override_opt_param_scheduler. The step's lr is the config's peak
+    times the schedule at the restored step. Returns what changed, for the log ("" when nothing did)."""
+    groups = run.optimizer.param_groups
+    peaks = [g["initial_lr"] for g in configured]
+    step = scheduler_state["last_epoch"]
+    lrs = [peak * f(step) for peak, f in zip(peaks, run.scheduler.lr_lambdas)]
+    changed = sorted({f"{k} {old[k]} (now {new[k]})" for old, new in zip(groups, configured)
+                      for k in ("initial_lr", "betas", "eps", "weight_decay") if old.get(k) != new.get(k)})
+    for g, new, lr in zip(groups, configured, lrs):
+        g.update({**new, "lr": lr})
+    run.scheduler.load_state_dict({**scheduler_state, "base_lrs": peaks, "_last_lr": lrs})
+    return ", ".join(changed).replace("initial_lr", "peak lr")
 
 
 def data_problem(saved, current: str, layout=None, here=None):
