@@ -107,6 +107,10 @@ class Tracker:
                 id=wandb_run_id(stage_dir, f"{recipe}-{stage}", first_step > 0), resume="allow", mode=lc.wandb_mode,
                 dir=self.recipe_dir, config=config, reinit="finish_previous",
             )
+            # every chart against the training step, a metric of its own: a resumed stage logs again the steps
+            # after its checkpoint, which wandb's own monotonic step would drop as lower than the killed run's last
+            self.run.define_metric("step")
+            self.run.define_metric("*", step_metric="step")
         if lc.progress_bar:
             self.bar = tqdm(total=total_steps, initial=first_step, desc=stage, dynamic_ncols=True)
 
@@ -130,7 +134,7 @@ class Tracker:
         self.metrics_file.write(json.dumps({"step": step, **values}) + "\n")
         self.metrics_file.flush()
         if self.run is not None and to_wandb:
-            self.run.log(values, step=step)
+            self.run.log({"step": step, **values})
 
     def finish_stage(self) -> None:
         if not self.is_main:
