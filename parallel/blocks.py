@@ -47,6 +47,28 @@ class Block:
         return sum((e - s) * (e - s + 1) // 2 for s, e in self.segments)
 
 
+class Derived:
+    """What a plan derives once per batch and every layer reuses (key -> value: a kernel's packed calls, another
+    pattern's plan, device copies of its indices). A plain object, not a dict: FSDP2's input casts
+    (MixedPrecisionPolicy.cast_forward_inputs, torch.distributed.utils._apply_to_tensors) rebuild every dict and
+    dataclass in each layer's keyword arguments, so a dict here would start empty in every layer's copy of the
+    plan (each layer building it again, with blocking host-to-device copies); this one is shared by the copies."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self):
+        self._items: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._items[key] = value
+
+
 @dataclass
 class RingPlan:
     """steps[t] = [(rows, blocks), ...]: batch rows (a slice) sharing one list of blocks at ring step t,
@@ -63,7 +85,7 @@ class RingPlan:
     batch: int = 0
     # what the kernels derive from the plan once per batch and reuse in every layer's forward and backward
     # (parallel/kernels.py: a varlen kernel's packed calls per step)
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
+    derived: Derived = field(default_factory=Derived, repr=False, compare=False)
 
     @property
     def local(self) -> int:

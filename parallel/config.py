@@ -143,5 +143,21 @@ class WorldMesh:
             raise ValueError(f"a stage of {dims.world} ranks on a mesh of {self.world}")
         key = (dims.dp, dims.cp // ulysses, ulysses)
         if key not in self._layouts:
-            self._layouts[key] = self.mesh._unflatten(0, key, ("dp", "ring", "ulysses"))
+            view = self.mesh._unflatten(0, key, ("dp", "ring", "ulysses"))
+            world_timeout(view)
+            self._layouts[key] = view
         return self._layouts[key]
+
+
+def world_timeout(view) -> None:
+    """Every process group of a mesh view waits as long as the world's default group (train.collective_timeout_s,
+    given where the launcher made it): torch gives a new group its backend's default instead, 10 minutes for NCCL,
+    so a ring or Ulysses collective would abort sooner than the run was told."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    options = getattr(world._get_backend(world._device_types[0]), "options", None)
+    if options is None:  # a fake process group (the memory trace, recipes/memory/trace.py): nothing waits
+        return
+    for name in view.mesh_dim_names:
+        c10d._set_pg_timeout(options._timeout, view.get_group(name))

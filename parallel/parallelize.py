@@ -39,10 +39,12 @@ class Parallelized:
         self.module.eval()
 
     def grad_sync(self, last: bool):
-        """Context for one micro-batch's forward and backward: gradients are reduced across ranks only on the
-        last micro-batch of an optimizer step."""
+        """Context for one micro-batch's forward and backward. DDP reduces gradients only on the last micro-batch
+        of an optimizer step (its replicas hold whole gradients anyway). FSDP2 reduce-scatters after every
+        micro-batch, as torchtitan does: skipping it (set_requires_gradient_sync(False)) would keep each
+        parameter's whole gradient, in fp32, on every rank until the last one, which the memory plan
+        (model/memory.py: gradients / world) does not count."""
         if self.fsdp:
-            self.module.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.acc.no_sync(self.module)
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from longstride.model.real import real
-from longstride.parallel.blocks import RingPlan, ring_plan, run_starts
+from longstride.parallel.blocks import Derived, RingPlan, ring_plan, run_starts
 from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.kernels import varlen_kernel
 from longstride.parallel.pattern import Pattern, chunk_docs, doc_starts
@@ -51,7 +51,7 @@ class HaloPlan:
     recv_splits: list
     ext_src: np.ndarray
     call: VarlenCall
-    derived: dict = field(default_factory=dict, repr=False)
+    derived: Derived = field(default_factory=Derived, repr=False)
 
     def index(self, name: str, device) -> torch.Tensor:
         key = (name, device)

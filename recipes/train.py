@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from longstride.process import skip_exit_collection
 from longstride.recipes.checkpoint.format import CheckpointError, final_dir, resume_from_stage, supersede_after, verified_final
 from longstride.recipes.run.faults import NonFiniteError, StageInputError, Stopped, die_with_parent
-from longstride.recipes.run.runlock import RunLock, check_identity
+from longstride.recipes.run.runlock import RunLock, check_identity, check_shared
 from longstride.recipes.config.schema import Config, selected_stages, to_schema
 from longstride.recipes.run.tracking import Tracker
 
@@ -111,6 +111,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
     tracker = None
     try:
+        check_shared(recipe_dir, lock)
         torch.manual_seed(cfg.train.seed)
         tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
         resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

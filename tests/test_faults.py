@@ -119,6 +119,33 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
     RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
 
 
+def _shared_worker(rank, world, dirs):
+    from longstride.recipes.run.runlock import RunLock, check_shared
+
+    lock = RunLock(dirs[0]).acquire() if rank == 0 else None
+    try:
+        check_shared(dirs[0], lock)  # every rank sees rank 0's directory
+        try:  # the same path on a node that does not share it: here, another directory for rank 1
+            check_shared(dirs[rank], lock)
+        except ValueError as e:
+            assert "is not the same directory for rank 1 on" in str(e) and "paths.output_root" in str(e), e
+        else:
+            raise AssertionError("a rank that does not see rank 0's run directory passed")
+    finally:
+        if lock:
+            lock.release()
+
+
+def test_every_rank_must_see_the_run_directory_rank_0_locked(tmp_path):
+    """Several nodes need one shared output directory (each rank writes its shards there); one that another rank
+    sees as a different directory fails before any data or model is built, on every rank."""
+    from longstride.parallel.spawn import run_gloo
+
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    (tmp_path / "node1").mkdir()
+    run_gloo(_shared_worker, 2, dirs)
+
+
 def test_metrics_rewind_to_the_resumed_step_and_drop_a_cut_line(tmp_path):
     from longstride.recipes.run.tracking import rewind_metrics
 

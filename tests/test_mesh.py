@@ -43,3 +43,26 @@ def _worker(rank, world):
 
 def test_one_mesh_per_run_serves_every_stage_and_fsdp():
     run_gloo(_worker, 2)
+
+
+def _timeout_worker(rank, world):
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from longstride.parallel.config import ParallelDims, WorldMesh
+
+    c10d._set_pg_timeout(timedelta(seconds=77))  # as train.collective_timeout_s sets the default group's
+    mesh = WorldMesh("cpu", world)
+    for cp, ulysses in ((world, 1), (world, world), (1, 1)):
+        view = mesh.layout(ParallelDims.from_world(world, cp), ulysses)
+        for name in view.mesh_dim_names:
+            group = view.get_group(name)
+            got = group._get_backend(torch.device("cpu")).options._timeout
+            assert got == timedelta(seconds=77), (cp, ulysses, name, got)
+
+
+def test_every_stage_group_waits_as_long_as_the_world_group():
+    """torch gives a new process group its backend's default timeout (30 minutes on gloo, 10 on NCCL), not the
+    default group's; the run's collective timeout must reach the ring, Ulysses and data-parallel groups too."""
+    run_gloo(_timeout_worker, 2)

@@ -140,3 +140,22 @@ def test_host_head_indices_in_ulysses_fail(monkeypatch):
     monkeypatch.setattr(ulysses, "head_schedule", lambda *a: heads.head_schedule(*a[:4]))
     with pytest.raises(RuntimeError, match="device"):
         gpu_trace(program("tiny", "upipe", 2))
+
+
+def test_the_trace_in_a_child_returns_its_result_and_is_stopped_at_its_timeout():
+    """The stage-start trace runs in a child process on rank 0 while the other ranks wait: within its timeout the
+    child's result comes back, and past it the child is killed, not waited for (the call returns in well under
+    the time a whole trace takes)."""
+    import time
+
+    from longstride.recipes.memory.trace import trace_in_child
+
+    prog = program("tiny", "none", 1)
+    t0 = time.perf_counter()
+    r = trace_in_child(prog)
+    whole = time.perf_counter() - t0
+    assert r["peak"] > r["parameters"] > 0 and r["batch_keys"]
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="longer than 0.5 s"):
+        trace_in_child(prog, timeout_s=0.5)  # a spawned process importing torch alone takes longer
+    assert time.perf_counter() - t0 < 0.5 * whole, ("the timed-out child was waited for", whole)

@@ -279,14 +279,40 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+def _trace_child(conn, prog: StepProgram) -> None:
+    try:
+        conn.send((True, trace_step(prog)))
+    except Exception as e:  # noqa: BLE001 - handed to the parent, which reports it
+        conn.send((False, f"{type(e).__name__}: {e}"))
+
+
 def trace_in_child(prog: StepProgram, timeout_s: float = 600) -> dict:
     """trace_step(prog) in a fresh process: a training process has its real process group, and the trace needs
-    a fake one of its own."""
+    a fake one of its own. A child still tracing after timeout_s is killed and TimeoutError raised (the other
+    ranks wait in their next collective meanwhile); a child that fails or dies raises RuntimeError."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(trace_step, prog).result(timeout=timeout_s)
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_trace_child, args=(there, prog))
+    child.start()
+    there.close()
+    try:
+        if not here.poll(timeout_s):
+            raise TimeoutError(f"the memory trace took longer than {timeout_s:g} s")
+        try:
+            ok, value = here.recv()
+        except EOFError:
+            child.join(5)
+            raise RuntimeError(f"the memory trace's process died (exit code {child.exitcode})") from None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        here.close()
+    if not ok:
+        raise RuntimeError(value)
+    return value
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ class RunLock:
     def __init__(self, directory: str):
         self.directory, self.path = directory, os.path.join(directory, ".lock")
         self.fd: Optional[int] = None
+        self.info = ""  # what the lock file holds while this run has it
 
     def acquire(self) -> "RunLock":
         """Takes the lock or raises ValueError naming the run that holds it."""
@@ -37,7 +38,8 @@ class RunLock:
         os.ftruncate(fd, 0)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(sys.argv)}
-        os.write(fd, json.dumps(info).encode())
+        self.info = json.dumps(info)
+        os.write(fd, self.info.encode())
         os.fsync(fd)
         self.fd = fd
         return self
@@ -55,6 +57,32 @@ class RunLock:
 NOT_IDENTITY = ("logger", "paths", "stage", "train.keep_last", "train.max_nonfinite_steps", "train.trace_memory",
                 "train.resume", "train.resume_from", "train.resume_data", "train.collective_timeout_s",
                 "data.num_workers", "data.num_proc", "recipe.stages.*.save_every")
+
+
+def check_shared(directory: str, lock: Optional[RunLock]) -> None:
+    """Collective in a multi-process run (`lock`: rank 0's, None on the others): every rank must see the run
+    directory rank 0 locked, since each writes its checkpoint shards into it and reads rank 0's choices from it.
+    On several nodes that means a filesystem they share; a node-local path fails here, naming the ranks and hosts
+    that do not see it, before any data or model is built."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    held = [lock.info if lock else None]
+    dist.broadcast_object_list(held, src=0)
+    try:
+        with open(os.path.join(directory, ".lock")) as f:
+            seen = f.read() == held[0]
+    except OSError:
+        seen = False
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise ValueError(f"paths.output_root: {directory}, which rank 0 ({views[0][1]}) holds, is not the same "
+                         f"directory for {', '.join(blind[:8])}{' ...' if len(blind) > 8 else ''}: every rank writes "
+                         "its checkpoint shards there, so every node must share it; point paths.output_root at a "
+                         "filesystem all nodes mount")
 
 
 def flatten(node, prefix: str = "") -> dict:

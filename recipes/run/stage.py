@@ -284,7 +284,7 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     t0 = time.perf_counter()
     micro = [run.prep(next(run.loader)) for _ in range(run.plan.accum)]
     count = all_reduce(torch.tensor(float(sum(label_count(m) for m in micro))))
-    summed = torch.zeros((), dtype=torch.float32)
+    summed = torch.zeros((), dtype=torch.float32, device=acc.device)  # on the device: no host sync per micro-batch
     for i, mb in enumerate(micro):
         with model.grad_sync(last=i == len(micro) - 1):
             part = loss_sum(model, mb, acc.device)
@@ -292,7 +292,7 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
             # gradient (its tokens' loss, plus the dK/dV its ring received), so scaling by world makes the
             # update the global sum / global count.
             model.backward(part * (acc.num_processes / count.clamp(min=1).item()))
-        summed += part.detach().float().cpu()
+        summed += part.detach().float()
     # the global norm (clipping to it when optim.grad_clip > 0): the non-finite check needs it
     grad_norm = model.clip_grad_norm(ctx.cfg.optim.grad_clip if ctx.cfg.optim.grad_clip > 0 else math.inf)
     lr = run.optimizer.param_groups[0]["lr"]  # what this step's update applies
