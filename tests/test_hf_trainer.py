@@ -60,6 +60,71 @@ def test_rows_packed_elsewhere_split_at_position_restarts():
         _documents({"input_ids": [5, 6], "position_ids": [1, 2]})
 
 
+def test_trl_packed_rows_keep_their_documents_and_loss_masks():
+    """TRL's packing gives rows of input_ids, labels (-100 on prompt tokens under completion_only_loss or
+    assistant_only_loss) and seq_lengths, without position_ids: the collator cuts the documents at seq_lengths and
+    trains on no prompt token, as TRL's own collator does; a key it would drop is refused."""
+    from types import SimpleNamespace
+
+    from longstride.recipes.hf.trainer import LongstrideCollator
+
+    row = {"input_ids": [5, 6, 7, 8, 9, 10], "labels": [-100, 6, 7, -100, -100, 10], "seq_lengths": [3, 3]}
+    collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=1), method=None), pad_id=1)
+    b = collator([row])
+    assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2], "a document per seq_lengths entry"
+    assert b["doc_layout"].doc_ids[0].tolist() == [0, 0, 0, 1, 1, 1]
+    # aligned to the next token: 5 predicts 6, 6 predicts 7; 8 and 9 are the second document's prompt, 9 -> 10
+    assert b["labels"][0].tolist() == [6, 7, -100, -100, 10, -100]
+    assert b["input_ids"][0].tolist() == row["input_ids"], "the prompt tokens stay the model's input"
+    padded = {**row, "input_ids": row["input_ids"] + [0, 0], "labels": row["labels"] + [-100, -100],
+              "attention_mask": [1] * 6 + [0, 0]}
+    assert collator([padded])["labels"].tolist() == b["labels"].tolist()
+    with pytest.raises(ValueError, match=r"\['completion_mask'\] would be dropped \(build labels from them"):
+        collator([{**row, "completion_mask": [0, 1, 1, 0, 0, 1]}])
+    with pytest.raises(ValueError, match="labels must be its input_ids"):
+        collator([{**row, "labels": [6, 7, -100, 9, 10, -100]}])  # shifted already: not TRL's
+    with pytest.raises(ValueError, match="must be positive and sum to its 6 tokens"):
+        collator([{**row, "seq_lengths": [3, 2]}])
+
+
+def test_the_mixins_dataloader_reshuffles_each_epoch_also_when_resumed_inside_one():
+    """The Trainer sets the epoch on its dataloader, or on the batch sampler accelerate's skip_first_batches wraps
+    when it resumes inside an epoch; the mixin's sampler takes it either way (a plain DataLoader did not: every
+    epoch repeated epoch 0's order)."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import skip_first_batches
+
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin
+
+    class Stub(LongstrideTrainerMixin):
+        def __init__(self):
+            self.model = SimpleNamespace(config=SimpleNamespace())
+            self.data_collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=1), method=None), 1)
+            self.train_dataset = packed_dataset(documents(), L, 1)
+            self.args = SimpleNamespace(seed=0, dataloader_num_workers=0, average_tokens_across_devices=True,
+                                        label_smoothing_factor=0.0)
+            self._train_batch_size = 1
+
+    def rows(loader):
+        return [tuple(b["input_ids"][0, :8].tolist()) for b in loader]
+
+    order = [list(ShardSampler(len(Stub().train_dataset), 0, 1, seed=0).__iter__())]
+    sampler = ShardSampler(len(Stub().train_dataset), 0, 1, seed=0)
+    sampler.set_epoch(1)
+    order.append(list(sampler))
+    assert order[0] != order[1]
+    data = Stub().train_dataset
+    want = [[tuple(data[i]["input_ids"][:8].tolist()) for i in o] for o in order]
+    loader = Stub().get_train_dataloader()
+    for epoch in (0, 1):  # as Trainer._inner_training_loop: set_epoch on the dataloader, then iterate
+        loader.set_epoch(epoch)
+        assert rows(loader) == want[epoch], epoch
+    resumed = skip_first_batches(Stub().get_train_dataloader(), 2)  # a resume two batches into epoch 1
+    resumed.batch_sampler.batch_sampler.set_epoch(1)  # what the Trainer reaches through the skip wrapper
+    assert rows(resumed) == want[1][2:]
+
+
 def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past_its_window():
     """Phi-3's longrope picks its frequencies from the largest position a process holds: split over cp=2 past its
     64-position window, ranks would compute differently. The mixin hands the model's config to the collator, which
@@ -75,7 +140,7 @@ def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past
         def __init__(self, model, collator):
             self.model, self.data_collator, self.train_dataset = model, collator, packed_dataset(documents(), L, 1)
             self.args = SimpleNamespace(seed=0, dataloader_num_workers=0, average_tokens_across_devices=True,
-                                        label_smoothing_factor=0.0)
+                                        label_smoothing_factor=0.0, eval_strategy="no", load_best_model_at_end=False)
             self._train_batch_size = BATCH
 
     phi3 = T.Phi3ForCausalLM(_phi3_longrope())
@@ -123,6 +188,32 @@ def test_trainer_settings_that_would_change_the_loss_are_refused():
     assert Stub(1).get_eval_dataloader() == "the Trainer's"
     with pytest.raises(NotImplementedError, match="evaluation with cp=2: the Trainer splits its rows"):
         Stub(2).get_eval_dataloader()
+    planned = Stub(2)  # evaluation scheduled: refused before training, not eval_steps into it
+    planned.args = T.TrainingArguments("unused", report_to=[], use_cpu=True, eval_strategy="steps", eval_steps=5)
+    with pytest.raises(NotImplementedError, match=r"eval_strategy='steps': set it to 'no'"):
+        planned.get_train_dataloader()
+
+
+def test_setup_cp_reads_the_precision_from_the_training_arguments():
+    """TrainingArguments(bf16=True) does not tell accelerate's environment; setup_cp takes them, and on CUDA
+    without either it refuses rather than pick the kernel for fp32."""
+    import transformers as T
+
+    from longstride.recipes.hf import trainer
+
+    seen = []
+    real = trainer.resolve_kernel
+    trainer.resolve_kernel = lambda kernel, device, ring, half, head_dim: seen.append(half) or real(
+        kernel, device, ring=ring, half=half, head_dim=head_dim)
+    try:
+        trainer.setup_cp(1, 4, device_type="cpu",
+                         args=T.TrainingArguments("unused", report_to=[], use_cpu=True, bf16=True))
+        trainer.setup_cp(1, 4, device_type="cpu", args=T.TrainingArguments("unused", report_to=[], use_cpu=True))
+        with pytest.raises(ValueError, match="setup_cp: pass args=<your TrainingArguments>"):
+            trainer.setup_cp(1, 4, device_type="cuda")
+    finally:
+        trainer.resolve_kernel = real
+    assert seen == [True, False]
 
 
 def _matches_own_loop(runs: dict, ref: dict) -> None:

@@ -9,7 +9,7 @@ number of processes, each document attending to itself only, no L x L mask, no p
 
     args = TrainingArguments(...)                     # initialises torch.distributed under a launcher
     heads, head_dim = head_shape(model.config)      # longstride.parallel.attention
-    cp = setup_cp(cp=2, heads=heads, head_dim=head_dim)   # CP groups over the launched processes
+    cp = setup_cp(cp=2, heads=heads, head_dim=head_dim, args=args)   # CP groups over the launched processes
     use_longstride_attention(model)                   # longstride.parallel.attention
     class Trainer(LongstrideTrainerMixin, transformers.Trainer): ...   # or (LongstrideTrainerMixin, SFTTrainer)
     trainer = Trainer(model=model, args=args, train_dataset=packed_dataset(docs, 4096, pad_id),
@@ -19,7 +19,8 @@ number of processes, each document attending to itself only, no L x L mask, no p
 What each piece does:
 - `packed_dataset` packs token-id documents into rows of exactly seq_len by best-fit-decreasing (the
   recipe's own packer, data/packing.py); `LongstrideCollator` also takes rows packed elsewhere (TRL's
-  `packing=True` rows: input_ids with position_ids restarting at each document).
+  `packing=True` rows: input_ids, labels with -100 on tokens without loss, seq_lengths; or position_ids
+  restarting at each document).
 - The collator builds the PackedBatch (document-local labels, positions, document ids), cuts this
   rank's CP share (zig-zag ring share, then its Ulysses piece) and passes the document layout to the
   model as the `doc_layout` keyword, which transformers hands to every attention call. Labels are
@@ -53,9 +54,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longstride.data.batch import PackedSequences, collate, packed_item
+from longstride.data.batch import PackedSequences, collate, context_only, packed_item
 from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
+from longstride.model.loss import IGNORE_INDEX
 from longstride.parallel.attention import position_dependent
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
@@ -64,20 +66,28 @@ from longstride.parallel.kernels import resolve_kernel
 
 def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
              device_type: Optional[str] = None, kernel: str = "auto", half: Optional[bool] = None,
-             head_dim: int = 0) -> CPContext:
+             head_dim: int = 0, args=None) -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
     TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
     model's query heads (checked against the Ulysses degree); head_dim: its head size (parallel/attention.py
     head_shape(model.config) gives both; 0: unchecked), which the flash kernels limit; kernel: parallel.kernel's
     choices; half:
-    attention runs in bf16/fp16, which the flash kernels need; None reads it from the mixed precision that
-    TrainingArguments (bf16=True / fp16=True) hands accelerate, so call this after creating them."""
+    attention runs in bf16/fp16, which the flash kernels need; None reads it from `args` (the TrainingArguments:
+    bf16=True / fp16=True), else from `accelerate launch --mixed_precision`. On CUDA with neither, it is refused:
+    the kernel would be chosen for fp32 (not the flash kernel) without a word."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if half is None and args is not None:
+        half = bool(args.bf16 or args.fp16)
+    if half is None and "ACCELERATE_MIXED_PRECISION" in os.environ:
+        half = os.environ["ACCELERATE_MIXED_PRECISION"] in ("bf16", "fp16")
     if half is None:
-        half = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("bf16", "fp16")
+        if device_type == "cuda":
+            raise ValueError("setup_cp: pass args=<your TrainingArguments> (or half=True/False): whether attention "
+                             "runs in bf16/fp16 picks the kernel")
+        half = False
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_world(world, cp, where="setup_cp")
     degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1, half=half,
                                                                      head_dim=head_dim))
 
@@ -92,16 +102,54 @@ def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fi
     return PackedSequences(tokens, plan, pad_id)
 
 
+ROW_KEYS = ("input_ids", "labels", "position_ids", "seq_lengths", "attention_mask")
+
+
 def _documents(row: dict) -> list[np.ndarray]:
-    """A row packed elsewhere -> its documents: cut where position_ids restart at 0 (one document when the
-    row has no position_ids)."""
+    """A row packed elsewhere -> its documents, token ids stored as the recipe stores them (data/batch.py:
+    a token that is no loss target as context_only(id)). Documents are cut at `seq_lengths` (TRL's packing) or
+    where `position_ids` restart at 0 (one document when the row has neither); `labels`, as HF and TRL build
+    them (the token itself where it is a loss target, -100 where not: prompts under completion_only_loss or
+    assistant_only_loss), mark the tokens without loss; `attention_mask` zeros may only pad the row's end. A key
+    the collator does not read is refused rather than dropped."""
+    unread = sorted(set(row) - set(ROW_KEYS))
+    if unread:
+        hint = " (build labels from them: -100 where a token is no loss target, as SFTTrainer's dataset " \
+               "preparation does)" if {"completion_mask", "assistant_masks"} & set(unread) else ""
+        raise ValueError(f"LongstrideCollator: a packed row's {unread} would be dropped{hint}; it reads "
+                         f"{list(ROW_KEYS)}")
     ids = np.asarray(row["input_ids"], dtype=np.int64)
-    if row.get("position_ids") is None:
-        return [ids]
-    starts = np.flatnonzero(np.asarray(row["position_ids"]) == 0)
-    if not len(starts) or starts[0] != 0:
-        raise ValueError("a packed row's position_ids must start at 0 and restart at 0 at every document")
-    return np.split(ids, starts[1:])
+    n = len(ids)
+    if row.get("attention_mask") is not None:
+        mask = np.asarray(row["attention_mask"]).astype(bool)
+        n = int(mask.sum())
+        if not mask[:n].all():
+            raise ValueError("LongstrideCollator: a packed row's attention_mask has zeros before its end; only "
+                             "right padding is dropped (documents are given by seq_lengths or position_ids)")
+    if row.get("labels") is not None:
+        labels = np.asarray(row["labels"], dtype=np.int64)
+        target = labels[:n] != IGNORE_INDEX
+        if labels.shape != ids.shape or np.any(labels[:n][target] != ids[:n][target]):
+            raise ValueError("LongstrideCollator: a packed row's labels must be its input_ids (unshifted, as HF and "
+                             "TRL build them) with -100 where a token is no loss target")
+        ids = np.where(np.arange(len(ids)) < n, np.where(labels != IGNORE_INDEX, ids, context_only(ids)), ids)
+    ids = ids[:n]  # right padding dropped: the collator pads the batch as one trailing padding document
+    cuts = None
+    if row.get("seq_lengths") is not None:
+        lens = np.asarray(row["seq_lengths"], dtype=np.int64)
+        if lens.sum() != n or (lens < 1).any():
+            raise ValueError(f"LongstrideCollator: a packed row's seq_lengths {lens.tolist()} must be positive and "
+                             f"sum to its {n} tokens")
+        cuts = np.cumsum(lens)[:-1]
+    if row.get("position_ids") is not None:
+        starts = np.flatnonzero(np.asarray(row["position_ids"])[:n] == 0)
+        if not len(starts) or starts[0] != 0:
+            raise ValueError("a packed row's position_ids must start at 0 and restart at 0 at every document")
+        if cuts is not None and not np.array_equal(starts[1:], cuts):
+            raise ValueError("LongstrideCollator: a packed row's position_ids and seq_lengths cut its documents "
+                             "differently")
+        cuts = starts[1:]
+    return [ids] if cuts is None else np.split(ids, cuts)
 
 
 class LongstrideCollator:
@@ -116,7 +164,10 @@ class LongstrideCollator:
         self._checked = 0  # the longest split length checked so far
 
     def __call__(self, rows: list[dict]) -> dict:
-        if all("doc_ids" in r for r in rows) and len({len(r["input_ids"]) for r in rows}) == 1:
+        if all("doc_ids" in r for r in rows):  # packed_dataset's items, one length: labels already aligned
+            if len({len(r["input_ids"]) for r in rows}) != 1:
+                raise ValueError("LongstrideCollator: packed_dataset rows of different lengths; pack them to one "
+                                 "seq_len")
             batch = collate(rows)
         else:
             docs = [_documents(r) for r in rows]
@@ -149,6 +200,7 @@ class LongstrideTrainerMixin:
 
     def get_train_dataloader(self):
         collator = self._collator()
+        self._refuse_cp_eval("evaluation", planned=True)
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_loss_setup(self.args, world, getattr(self, "model_accepts_loss_kwargs", True),
                          getattr(self, "compute_loss_func", None))
@@ -158,9 +210,9 @@ class LongstrideTrainerMixin:
         config = model.config
         collator.model_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
-        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self._train_batch_size, sampler=sampler,
-                                           collate_fn=collator, drop_last=True,
-                                           num_workers=self.args.dataloader_num_workers)
+        batches = EpochBatchSampler(sampler, self._train_batch_size, drop_last=True)
+        return EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=collator,
+                               num_workers=self.args.dataloader_num_workers)
 
     def get_eval_dataloader(self, eval_dataset=None):
         self._refuse_cp_eval("evaluation")
@@ -175,12 +227,35 @@ class LongstrideTrainerMixin:
             raise ValueError("LongstrideTrainerMixin needs data_collator=LongstrideCollator(cp, pad_id=...)")
         return self.data_collator
 
-    def _refuse_cp_eval(self, what: str) -> None:
+    def _refuse_cp_eval(self, what: str, planned: bool = False) -> None:
+        """Evaluation under CP is refused: when it is asked for, and (planned) before training starts when the
+        TrainingArguments schedule it, rather than eval_steps into training."""
         cp = self._collator().cp.degrees.cp
-        if cp > 1:
-            raise NotImplementedError(f"LongstrideTrainerMixin: {what} with cp={cp}: the Trainer splits its rows over "
-                                      "every process, so the CP ranks of one group would hold different sequences; "
-                                      "evaluate with cp=1, or use the recipe's own validation loss")
+        if cp <= 1:
+            return
+        where = ""
+        if planned:
+            strategy = getattr(self.args.eval_strategy, "value", self.args.eval_strategy)
+            if strategy == "no" and not self.args.load_best_model_at_end:
+                return
+            where = f" (TrainingArguments.eval_strategy={strategy!r}: set it to 'no')"
+        raise NotImplementedError(f"LongstrideTrainerMixin: {what} with cp={cp}{where}: the Trainer splits its rows "
+                                  "over every process, so the CP ranks of one group would hold different sequences; "
+                                  "evaluate with cp=1, or use the recipe's own validation loss")
+
+
+class EpochBatchSampler(torch.utils.data.BatchSampler):
+    """Batches of a ShardSampler whose epoch the Trainer can set: the Trainer calls set_epoch on its dataloader,
+    or, resuming inside an epoch (accelerate's skip_first_batches wraps this sampler), on the wrapped batch
+    sampler; a plain DataLoader has neither, and every epoch repeated epoch 0's order."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+class EpochDataLoader(torch.utils.data.DataLoader):
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
 
 
 def check_loss_setup(args, world: int, accepts_loss_kwargs: bool, compute_loss_func) -> None:
