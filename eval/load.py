@@ -17,6 +17,7 @@ import torch
 from longstride.choices import Choice
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
+from longstride.model.rope import max_positions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,5 +58,5 @@ def load_eval_model(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_lay
     dtype = dtype or torch.float32
     model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=dtype)
     model = model.to(device or eval_device()).eval()
-    info = EvalModelInfo(next(model.parameters()).device, dtype, config.max_position_embeddings, trained)
+    info = EvalModelInfo(next(model.parameters()).device, dtype, max_positions(config), trained)
     return model, tokenizer, info

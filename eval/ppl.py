@@ -25,6 +25,7 @@ import torch
 
 from longstride.data.files import list_files, stdlib_root
 from longstride.eval.cli import default_out, parse_overrides
+from longstride.model.rope import max_positions
 from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum, output_head
@@ -128,11 +129,11 @@ def main(argv: list[str]) -> list[dict]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     config, base_max = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
-    too_long = [L for L in cfg.lengths if L > config.max_position_embeddings]
+    too_long = [L for L in cfg.lengths if L > max_positions(config)]
     if too_long:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""
         print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "
-              f"{config.max_position_embeddings}; they are extrapolation{hint}", file=sys.stderr)
+              f"{max_positions(config)}; they are extrapolation{hint}", file=sys.stderr)
     # fp32 (load_eval_model's default) on the GPU too: perplexities comparable with CPU runs
     model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     if info.device.type == "cuda":

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
-from longstride.model.rope import apply_yarn, set_rope_base
+from longstride.model.rope import apply_yarn, set_rope_base, trained_length
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -62,7 +62,7 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
     model/rope.py; `field` names them in errors), for evaluation beyond the trained length, and its max
     positions before YaRN."""
     config = AutoConfig.from_pretrained(checkpoint)
-    trained = config.max_position_embeddings
+    trained = trained_length(config)
     if yarn.factor:
         apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field, stretch=True,
                    yarn_field="yarn")
@@ -112,16 +112,20 @@ def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: 
     or `cfg.checkpoint`, else the model group's sizes; the stage's RoPE base and length set, YaRN applied when
     configured (both on the layer types `cfg.rope_layer_types` selects, model/rope.py), no KV cache."""
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
+    before = seq_len  # the window YaRN (model.yarn) extends by default: the source's trained length
     if source is not None:
         check_checkpoint_dir(source, "model.checkpoint" if init_from is None else "previous stage checkpoint")
-        config = set_rope_base(AutoConfig.from_pretrained(source), rope_theta, seq_len, cfg.rope_layer_types)
+        config = AutoConfig.from_pretrained(source)
+        before = trained_length(config)
+        config = set_rope_base(config, rope_theta, seq_len, cfg.rope_layer_types)
     elif cfg.arch != "smollm3":
         raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
     else:
         config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta,
                                seq_len, cfg.rope_layer_types)
-    if cfg.yarn.factor:
-        apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings, cfg.rope_layer_types)
+    if cfg.yarn.factor:  # YaRN x factor over the window before this stage (the paper's L, the stage training L')
+        apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings, cfg.rope_layer_types,
+                   default_original=before)
     config.use_cache = False
     return config
 

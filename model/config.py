@@ -26,7 +26,8 @@ class YarnConfig:
     """YaRN extrapolation (arXiv:2309.00071), applied through transformers' own `rope_parameters`."""
 
     factor: Optional[float] = None  # None = YaRN off
-    # None = the model's max positions; a RoPE that is already yarn keeps its own (model/rope.py apply_yarn)
+    # None = the length the model was trained at (model/rope.py trained_length; for a stage's model.yarn, the
+    # length before the stage); a RoPE that is already yarn keeps its own (model/rope.py apply_yarn)
     original_max_position_embeddings: Optional[int] = None
 
 

@@ -76,23 +76,50 @@ def _rewrite(config: PretrainedConfig, targets: Optional[list[str]], change: Cal
     config.rope_parameters = per_type
 
 
+TRAINED = "longstride_trained_length"  # the config attribute each stage writes: the length it trained at
+
+
+def trained_length(config: PretrainedConfig) -> int:
+    """The context length a checkpoint was last trained at: what a longstride stage recorded in its config, else
+    its max positions. They differ when a stage trains a model at a shorter length than the window its own
+    config declares (SmolLM2's 8K, extended at a new RoPE base at 4K): eval's trained-length marks and YaRN's
+    original window are the stage's length, not the declared one."""
+    text = config.get_text_config(decoder=True)
+    return int(getattr(text, TRAINED, None) or text.max_position_embeddings)
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    """A config's max positions (a multimodal model's text config's: Gemma 3's top-level config has none)."""
+    return int(config.get_text_config(decoder=True).max_position_embeddings)
+
+
+def rope_base(config: PretrainedConfig) -> Optional[float]:
+    """The RoPE base of a config's full-attention layers (the one entry of a model with one rope_parameters)."""
+    params = config.get_text_config(decoder=True).rope_parameters or {}
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    return params.get("rope_theta")
+
+
 def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int,
                   layer_types: Optional[list[str]] = None, field: str = FIELD) -> PretrainedConfig:
     """Write a stage's RoPE base (positive: recipes/config/plan.py checks it) into the layers `layer_types` selects
-    (rope_targets) and its context length into a config (in place, returned)."""
+    (rope_targets) and its context length into a config (in place, returned): the length it trains at
+    (trained_length), and max positions raised to it (never lowered below a window the config declares)."""
     text = config.get_text_config(decoder=True)
     targets = rope_targets(text, layer_types, field)
     _rewrite(text, targets, lambda params: params.update(rope_theta=float(rope_theta)))
     text.max_position_embeddings = max(int(max_positions), int(text.max_position_embeddings or 0))
+    setattr(text, TRAINED, int(max_positions))
     return config
 
 
 def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_embeddings: Optional[int] = None,
                layer_types: Optional[list[str]] = None, field: str = FIELD, stretch: bool = False,
-               yarn_field: str = "model.yarn") -> PretrainedConfig:
+               yarn_field: str = "model.yarn", default_original: Optional[int] = None) -> PretrainedConfig:
     """Switch the layers `layer_types` selects (rope_targets) to YaRN with `factor` (in place, returned), their RoPE
     base kept. Plain RoPE (rope_type default) becomes YaRN x factor over `original_max_position_embeddings` (None:
-    the model's max positions). RoPE that is already YaRN keeps its own original window: `stretch` (eval's
+    `default_original`, else the length the model was trained at, trained_length). RoPE that is already YaRN keeps its own original window: `stretch` (eval's
     yarn.factor: "reach factor x further than the checkpoint") multiplies its factor by `factor`; otherwise (a
     stage's model.yarn: "YaRN x factor", which each stage writes again on the previous stage's checkpoint) its
     factor must already be `factor`. Any other scaling (linear, llama3, longrope,
@@ -104,7 +131,7 @@ def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_em
     targets = rope_targets(text, layer_types, field)
     entries = {None: text.rope_parameters or {}} if targets is None else {t: text.rope_parameters[t] for t in targets}
     plans = {key: _yarn_plan(type(text).__name__, key, entry, factor, original_max_position_embeddings,
-                             int(text.max_position_embeddings), stretch, yarn_field)
+                             default_original or trained_length(config), stretch, yarn_field)
              for key, entry in entries.items()}
 
     def to_yarn(params: dict, key=None) -> None:

@@ -278,3 +278,46 @@ def test_a_stage_keeps_a_yarn_checkpoint_s_factor_and_refuses_another(scaled):
     assert model.config.rope_parameters["factor"] == 8.0 and model.config.max_position_embeddings == 8 * TRAINED
     with pytest.raises(ValueError, match=r"^model.yarn.factor=2: .*already yarn x8 over 128 positions"):
         stage(scaled["yarn8"], 5e5, yarn=2.0, seq_len=4 * TRAINED)
+
+
+def test_a_stage_records_the_length_it_trained_at_and_yarn_extends_that(tmp_path):
+    """A checkpoint whose config declares a longer window (8192, as SmolLM2's) extended by a 4096-token stage: eval
+    reads 4096 as its trained length and YaRN x2 at eval extends 4096, not the declared 8192; a stage's own
+    model.yarn extends the window before the stage (the source's trained length, the paper's L)."""
+    from longstride.model.build import stage_config
+    from longstride.model.rope import max_positions, trained_length
+
+    base = tmp_path / "base"
+    LlamaConfig(**{**SHAPE, "max_position_embeddings": 8192}).save_pretrained(base)
+    cfg = ModelConfig(arch="checkpoint", checkpoint=str(base))
+    stage = stage_config(cfg, rope_theta=1e6, seq_len=4096, vocab_size=64, eos_id=1, pad_id=0)
+    assert (trained_length(stage), max_positions(stage)) == (4096, 8192)
+    stage.save_pretrained(tmp_path / "stage")
+    config, trained = load_config_with_yarn(str(tmp_path / "stage"), YarnConfig(factor=2))
+    assert trained == 4096 and config.rope_parameters["original_max_position_embeddings"] == 4096
+    short = tmp_path / "short"
+    LlamaConfig(**{**SHAPE, "max_position_embeddings": 256}).save_pretrained(short)
+    yarn = ModelConfig(arch="checkpoint", checkpoint=str(short), yarn=YarnConfig(factor=4))
+    stage = stage_config(yarn, rope_theta=1e4, seq_len=1024, vocab_size=64, eos_id=1, pad_id=0)
+    assert stage.rope_parameters["original_max_position_embeddings"] == 256 and max_positions(stage) == 1024
+
+
+def test_multimodal_gemma3_configs_give_their_text_models_positions_and_base():
+    from transformers import Gemma3Config
+
+    from longstride.model.rope import max_positions, rope_base, trained_length
+
+    config = Gemma3Config(text_config={**SHAPE, "layer_types": TYPES, "max_position_embeddings": 2048})
+    assert not hasattr(config, "max_position_embeddings") or config.max_position_embeddings is None
+    assert max_positions(config) == trained_length(config) == 2048
+    assert rope_base(config) == config.text_config.rope_parameters["full_attention"]["rope_theta"]
+
+
+def test_checkpoints_with_another_chat_template_do_not_share_prompts(tmp_path):
+    from longstride.eval.ruler.compare import tokenizer_digest
+
+    for name, template in (("a", "{{ messages }}"), ("b", "{% for m in messages %}{{ m }}{% endfor %}")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text("{}")
+        (tmp_path / name / "chat_template.jinja").write_text(template)
+    assert tokenizer_digest(str(tmp_path / "a")) != tokenizer_digest(str(tmp_path / "b"))

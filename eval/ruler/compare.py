@@ -24,6 +24,7 @@ import torch
 
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.data.tokenizer import TOKENIZER_FILES
+from longstride.model.rope import rope_base
 from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, note, require_tokenizer, runnable_tasks,
                                        score_group)
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
@@ -95,8 +96,10 @@ def checkpoint_label(checkpoint: str) -> str:
 
 
 def tokenizer_digest(checkpoint: str) -> str:
+    """What a checkpoint's prompts are made by: its tokenizer files and its chat template (transformers 5 saves it
+    beside them), so checkpoints share prompts only when both agree."""
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json"):
         p = os.path.join(checkpoint, name)
         if os.path.isfile(p):
             with open(p, "rb") as f:
@@ -108,7 +111,7 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
     rows = []
     for label, ckpt in named:
         config, trained = eval_config(ckpt)
-        rows.append(Row(label, ckpt, None, trained, (config.rope_parameters or {}).get("rope_theta"), []))
+        rows.append(Row(label, ckpt, None, trained, rope_base(config), []))
     last = rows[-1].trained
     lengths = sorted(cfg.lengths) or [256] + [2 ** k for k in range(9, 40) if 2 ** k <= 2 * last and 2 ** k > 256]
     for r in rows:

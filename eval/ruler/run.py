@@ -25,6 +25,7 @@ from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
+from longstride.model.rope import max_positions
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
@@ -198,7 +199,7 @@ def main(argv: list[str]) -> Optional[dict]:
     if any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
     config, original = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
-    lengths, too_long = reachable_lengths(cfg, config.max_position_embeddings, original)
+    lengths, too_long = reachable_lengths(cfg, max_positions(config), original)
     skipped += too_long
     for msg in skipped:
         note(msg)

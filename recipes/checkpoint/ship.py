@@ -50,8 +50,11 @@ def own_scores(directory: str, samples: int) -> dict:
     """RULER at the trained length and 2x it: {task: {length: score}}."""
     from longstride.eval.ruler.compare import main as compare
 
-    with open(os.path.join(directory, "config.json")) as f:
-        trained = json.load(f)["max_position_embeddings"]
+    from transformers import AutoConfig
+
+    from longstride.model.rope import trained_length
+
+    trained = trained_length(AutoConfig.from_pretrained(directory))
     res = compare([f"checkpoints=[{directory}]", f"lengths=[{trained},{2 * trained}]", "yarn=[]",
                    f"num_samples={samples}", f"out={os.path.join('outputs', 'eval', 'ship-' + os.path.basename(directory))}"])
     return {"samples": samples, "scores": res["rows"][0]["scores"], "skipped": res["skipped"]}
