@@ -100,12 +100,13 @@ def _reason(e: BaseException) -> str:
 
 
 def run(command: str, main: Callable[[list[str]], object], argv: Optional[list[str]] = None) -> None:
-    """main(argv) with ValueErrors shown as one line and exit status 2."""
+    """main(argv) with bad input (ValueError) and what is refused (NotImplementedError) shown as one line, exit
+    status 2."""
     from longstride.process import skip_exit_collection
 
     skip_exit_collection()
     try:
         main(sys.argv[1:] if argv is None else argv)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         sys.exit(2)

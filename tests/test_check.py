@@ -114,7 +114,8 @@ def test_bad_input_fails_before_compute_naming_the_field(corpus, tmp_path, capsy
     cases = [(argv(root, str(tmp_path / "missing")), "checkpoint="),
              (argv(root, good, "cp=2", "seq_len=126"), "seq_len=126"),
              (argv(root, str(gemma2)), "attn_logit_softcapping"),
-             (argv(root, good, "cp=3", "parallel.cp_impl=ulysses"), "must divide the model's 4 query heads")]
+             (argv(root, good, "cp=3", "parallel.cp_impl=ulysses"), "must divide the model's 4 query heads"),
+             (argv(root, good, "model.loss_tile_tokens=0"), "model.loss_tile_tokens=0 must be >= 1")]  # training's rules
     for args, expect in cases:
         with pytest.raises(SystemExit) as e:
             cli.main(["check", *args])

@@ -112,7 +112,8 @@ def test_cp_impl_degrees_checked_against_the_model_heads():
                  r"valid: \[2, 4\]")
     expect_error(["parallel.cp_impl=hybrid"], r"parallel.ulysses=0: hybrid .*one of \[1, 2\]")
     world4 = ["recipe.stages.s1_256.batch_tokens=8192", "recipe.stages.s2_2k.cp=4", "recipe.stages.s3_4k.cp=4"]
-    expect_error(["parallel.cp_impl=ulysses", "model.num_attention_heads=6", "model.num_key_value_heads=2", *world4],
+    expect_error(["parallel.cp_impl=ulysses", "model.num_attention_heads=6", "model.num_key_value_heads=2",
+                  "model.head_dim=16", *world4],
                  r"s2_2k.cp=4: the Ulysses degree 4 must divide the model's 6 query heads", world=4)
     validate(compose_cfg(["parallel.cp_impl=upipe"]), 2)
     validate(compose_cfg(["parallel.cp_impl=hybrid", "parallel.ulysses=2", *world4]), 4)
@@ -272,6 +273,15 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("data.long_docs={min_tokens:100,min_share:1.5}", "data.long_docs.min_share=1.5 must be in [0, 1)"),
     ("model.yarn.factor=0.5", "model.yarn.factor=0.5 must be > 1"),
     ("data.tokenizer_train_bytes=0", "data.tokenizer_train_bytes=0 must be >= 1"),
+    # the micro model is 32 wide: 6 heads would be 5.33 wide, 16 heads 2-wide is fine, 32 heads 1-wide is odd
+    ("model.num_attention_heads=6", "model.num_attention_heads=6 must be a divisor of model.hidden_size=32 leaving "
+                                    "an even head size"),
+    ("model.num_attention_heads=32", "model.num_attention_heads=32 must be a divisor of model.hidden_size=32"),
+    ("model.rms_norm_eps=-1", "model.rms_norm_eps=-1.0 must be > 0"),
+    ("model.initializer_range=-1", "model.initializer_range=-1.0 must be > 0"),
+    ("model.yarn.original_max_position_embeddings=-5",
+     "model.yarn.original_max_position_embeddings=-5 must be null (the trained length) or >= 1"),
+    ("model.checkpoint=/nonexistent", "model.checkpoint=/nonexistent is read only with model.arch=checkpoint"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -59,12 +59,12 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     selected_stages(cfg)  # an unknown stage= fails naming the stages
     name = cfg.stage or names[-1]
     s = cfg.recipe.stages[name]
-    heads = check_model_and_data(cfg)
+    seq_len, where = (cc.seq_len, "seq_len") if cc.seq_len else (s.seq_len, f"recipe.stages.{name}.seq_len")
+    heads = check_model_and_data(cfg, split_longest=seq_len)  # the check splits seq_len tokens over its cp ranks
     cp = cc.cp or (s.cp if s.cp > 1 else 2)
     if cp < 2:
         raise ValueError(f"cp={cp}: the check compares a run over cp >= 2 ranks with one device; give cp=2 or more")
     degrees = cp_degrees(cfg.parallel, cp, heads, where="cp")
-    seq_len, where = (cc.seq_len, "seq_len") if cc.seq_len else (s.seq_len, f"recipe.stages.{name}.seq_len")
     unit = seq_len_unit(degrees)
     if seq_len < unit or seq_len % unit:
         near = sorted({max(unit, seq_len // unit * unit), (seq_len // unit + 1) * unit})

@@ -88,6 +88,10 @@ def _range_rules(cfg: Config) -> list[tuple]:
               ">= 1 (bytes of text the BPE is trained on when data.tokenizer=null; e.g. 8000000)"),
              ("data.vocab_size", cfg.data.vocab_size, cfg.data.vocab_size > 256 or bool(cfg.data.tokenizer),
               "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)")]
+    y = m.yarn
+    rules += [("model.yarn.original_max_position_embeddings", y.original_max_position_embeddings,
+               y.original_max_position_embeddings is None or y.original_max_position_embeddings >= 1,
+               "null (the trained length) or >= 1 tokens")]
     docs = [("data.long_docs", cfg.data.long_docs)] + [(f"recipe.stages.{n}.long_docs", s.long_docs)
                                                        for n, s in cfg.recipe.stages.items() if s.long_docs]
     rules += [(f"{f}.min_share", ld.min_share, not ld.min_tokens or 0 <= ld.min_share < 1,
@@ -104,6 +108,13 @@ def _range_rules(cfg: Config) -> list[tuple]:
                    f"0-based layer indices in 0..{layers - 1} (the last layer is {layers - 1})"),
                   ("model.head_dim", m.head_dim, m.head_dim is None or (m.head_dim >= 2 and m.head_dim % 2 == 0),
                    "null (hidden_size / num_attention_heads) or an even number (RoPE rotates pairs)"),
+                  ("model.num_attention_heads", m.num_attention_heads, m.head_dim is not None or (
+                      m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads == 0
+                      and (m.hidden_size // m.num_attention_heads) % 2 == 0),
+                   f"a divisor of model.hidden_size={m.hidden_size} leaving an even head size (RoPE rotates pairs), "
+                   "or set model.head_dim"),
+                  ("model.rms_norm_eps", m.rms_norm_eps, m.rms_norm_eps > 0, "> 0 (e.g. 1e-6)"),
+                  ("model.initializer_range", m.initializer_range, m.initializer_range > 0, "> 0 (e.g. 0.02)"),
                   ("model.vocab_size", m.vocab_size, m.vocab_size is None or m.vocab_size >= cfg.data.vocab_size
                    or bool(cfg.data.tokenizer), f"null (the tokenizer's size) or >= data.vocab_size "
                                                 f"{cfg.data.vocab_size}, the ids the tokenizer makes")]
@@ -126,20 +137,29 @@ def _range_rules(cfg: Config) -> list[tuple]:
     return rules
 
 
-def _check_run(cfg: Config) -> None:
-    """Finite numbers in range, consistent restart options, a usable output root."""
+def _check_numbers(cfg: Config) -> None:
+    """Every number finite and in its range, naming the field."""
     bad = non_finite_fields(cfg)
     if bad:
         raise ValueError(f"config fields {', '.join(bad)} are not finite numbers; give finite values")
     for field_name, value, ok, want in _range_rules(cfg):
         if not ok:
             raise ValueError(f"{field_name}={value} must be {want}")
+
+
+def _check_run(cfg: Config) -> None:
+    """Finite numbers in range, consistent restart options, a usable output root."""
+    _check_numbers(cfg)
     if str(cfg.logger.wandb_mode) == "online" and not _wandb_key():
         raise ValueError("logger.wandb_mode=online needs a wandb login on this machine (wandb login, or "
                          "WANDB_API_KEY); or use logger.wandb_mode=offline (wandb sync later) or disabled")
     root = cfg.paths.output_root
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"paths.output_root={root!r} is a file; give a directory (it is created if missing)")
+    if cfg.model.checkpoint and cfg.model.arch != "checkpoint":
+        raise ValueError(f"model.checkpoint={cfg.model.checkpoint} is read only with model.arch=checkpoint, and "
+                         f"model.arch={cfg.model.arch} would build a new model from scratch; add model=checkpoint "
+                         "(the config group) or drop model.checkpoint")
     if cfg.train.resume_from and not cfg.train.resume:
         raise ValueError("train.resume=false (start afresh) and train.resume_from (continue from a checkpoint) "
                          "contradict each other; give one")
@@ -189,7 +209,7 @@ def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
         raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
 
 
-def _model_heads(cfg: Config) -> tuple[int, int]:
+def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int, int]:
     """The model's (query heads, head size) (a checkpoint's from its config), after the model group's checks."""
     m = cfg.model
     if m.arch == "checkpoint":
@@ -198,8 +218,9 @@ def _model_heads(cfg: Config) -> tuple[int, int]:
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
         check_checkpoint_dir(m.checkpoint, "model.checkpoint")
-        _check_attention_supported(m.checkpoint, max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1),
-                                                     default=0))
+        if split_longest is None:  # the longest stage a recipe splits over CP ranks
+            split_longest = max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1), default=0)
+        _check_attention_supported(m.checkpoint, split_longest)
         return head_shape(AutoConfig.from_pretrained(m.checkpoint))
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
@@ -274,12 +295,13 @@ def _check_tokenizer(m: ModelConfig, tokenizer: Optional[str]) -> None:
         raise ValueError(f"data.tokenizer={tokenizer} makes ids up to {size - 1} but {what} {vocab}; {fix}")
 
 
-def check_model_and_data(cfg: Config) -> int:
-    """The model group's and the data's checks as `validate` runs them (a checkpoint that exists and whose
-    attention longstride computes, model.rope_layer_types, the data sources), without a stage's training plan;
-    returns the model's query head count. For a command that runs one stage's step outside training
-    (longstride check)."""
-    heads, _ = _model_heads(cfg)
+def check_model_and_data(cfg: Config, split_longest: Optional[int] = None) -> int:
+    """The model group's and the data's checks as `validate` runs them (every number in range, a checkpoint that
+    exists and whose attention longstride computes when `split_longest` tokens are split over CP ranks,
+    model.rope_layer_types, the data sources), without a stage's training plan; returns the model's query head
+    count. For a command that runs one stage's step outside training (longstride check)."""
+    _check_numbers(cfg)
+    heads, _ = _model_heads(cfg, split_longest)
     _check_rope_layer_types(cfg.model)
     _check_data(cfg)
     return heads
