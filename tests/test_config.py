@@ -282,10 +282,12 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("model.yarn.original_max_position_embeddings=-5",
      "model.yarn.original_max_position_embeddings=-5 must be null (the trained length) or >= 1"),
     ("model.checkpoint=/nonexistent", "model.checkpoint=/nonexistent is read only with model.arch=checkpoint"),
+    ("recipe.stages.s2_2k.schedule=wsd recipe.stages.s2_2k.warmup_steps=3 recipe.stages.s2_2k.decay_fraction=0.5",
+     "recipe.stages.s2_2k.warmup_steps=3 runs into the wsd decay, which starts at step 2 of 4"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        validate(compose_cfg(micro + [override]), 1)
+        validate(compose_cfg(micro + override.split()), 1)
 
 
 def test_a_pretrained_model_is_refused_a_tokenizer_that_is_not_its_own(tmp_path):

@@ -324,6 +324,12 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
         raise ValueError(f"{f}: the stage has {s.total_steps} optimizer steps; raise steps or tokens")
     if not 0 <= s.warmup_steps < s.total_steps:
         raise ValueError(f"{f}.warmup_steps={s.warmup_steps} must be in [0, {s.total_steps})")
+    decay_start = s.total_steps - max(int(round(s.total_steps * s.decay_fraction)), 1)  # run/schedule.py's wsd
+    if str(s.schedule) == "wsd" and s.warmup_steps > decay_start:
+        raise ValueError(f"{f}.warmup_steps={s.warmup_steps} runs into the wsd decay, which starts at step "
+                         f"{decay_start} of {s.total_steps} (decay_fraction={s.decay_fraction}): the lr would jump "
+                         f"from the warmup into the decay; lower warmup_steps to at most {decay_start} or "
+                         "decay_fraction")
     if s.cp == 1:
         return
     if degrees.ulysses == 1 and s.seq_len % (2 * s.cp):
