@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
-from longstride.model.rope import apply_yarn, set_rope_base, trained_length
+from longstride.model.rope import TRAINED, apply_yarn, set_rope_base, trained_length
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -146,9 +146,12 @@ def build_model(
     the config before the rotary embedding is built, so its inverse frequencies are right. `resume`: a step
     checkpoint to resume, whose model is built from its saved config (no weights read: the shards fill them)."""
     if resume is not None:  # a step checkpoint: its config is the stage's; its weights come from its shards
+        config = AutoConfig.from_pretrained(resume)
+        # a step checkpoint written before stages recorded their length: record it, so the stage's final has it
+        setattr(config.get_text_config(decoder=True), TRAINED, int(seq_len))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resume), dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
     config = stage_config(cfg, rope_theta, seq_len, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
                           init_from=init_from)

@@ -51,7 +51,7 @@ class HaloPlan:
     recv_splits: list
     ext_src: np.ndarray
     call: VarlenCall
-    derived: Derived = field(default_factory=Derived, repr=False)
+    derived: Derived = field(default_factory=Derived, repr=False, compare=False)
 
     def index(self, name: str, device) -> torch.Tensor:
         key = (name, device)

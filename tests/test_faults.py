@@ -126,7 +126,7 @@ def _shared_worker(rank, world, dirs):
     try:
         check_shared(dirs[0], lock)  # every rank sees rank 0's directory
         try:  # the same path on a node that does not share it: here, another directory for rank 1
-            check_shared(dirs[rank], lock)
+            check_shared(dirs[rank], lock, wait_s=1.0)
         except ValueError as e:
             assert "is not the same directory for rank 1 on" in str(e) and "paths.output_root" in str(e), e
         else:

@@ -81,6 +81,12 @@ def test_trl_packed_rows_keep_their_documents_and_loss_masks():
     assert collator([padded])["labels"].tolist() == b["labels"].tolist()
     with pytest.raises(ValueError, match=r"\['completion_mask'\] would be dropped \(build labels from them"):
         collator([{**row, "completion_mask": [0, 1, 1, 0, 0, 1]}])
+    with pytest.raises(ValueError, match=r"\['text'\] would be dropped"):
+        collator([{**row, "text": "raw"}])
+    collator.drop_unused = True  # TrainingArguments.remove_unused_columns: the Trainer's own rule
+    assert collator([{**row, "text": "raw"}])["labels"].tolist() == b["labels"].tolist()
+    with pytest.raises(ValueError, match=r"\['completion_mask'\] would be dropped"):
+        collator([{**row, "completion_mask": [0, 1, 1, 0, 0, 1]}])
     with pytest.raises(ValueError, match="labels must be its input_ids"):
         collator([{**row, "labels": [6, 7, -100, 9, 10, -100]}])  # shifted already: not TRL's
     with pytest.raises(ValueError, match="must be positive and sum to its 6 tokens"):
@@ -194,7 +200,7 @@ def test_trainer_settings_that_would_change_the_loss_are_refused():
         planned.get_train_dataloader()
 
 
-def test_setup_cp_reads_the_precision_from_the_training_arguments():
+def test_setup_cp_reads_the_precision_from_the_training_arguments(monkeypatch):
     """TrainingArguments(bf16=True) does not tell accelerate's environment; setup_cp takes them, and on CUDA
     without either it refuses rather than pick the kernel for fp32."""
     import transformers as T
@@ -211,9 +217,11 @@ def test_setup_cp_reads_the_precision_from_the_training_arguments():
         trainer.setup_cp(1, 4, device_type="cpu", args=T.TrainingArguments("unused", report_to=[], use_cpu=True))
         with pytest.raises(ValueError, match="setup_cp: pass args=<your TrainingArguments>"):
             trainer.setup_cp(1, 4, device_type="cuda")
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
+        trainer.setup_cp(1, 4, device_type="cpu", args=T.TrainingArguments("unused", report_to=[], use_cpu=True))
     finally:
         trainer.resolve_kernel = real
-    assert seen == [True, False]
+    assert seen == [True, False, True]
 
 
 def _matches_own_loop(runs: dict, ref: dict) -> None:

@@ -302,6 +302,17 @@ def test_a_stage_records_the_length_it_trained_at_and_yarn_extends_that(tmp_path
     assert stage.rope_parameters["original_max_position_embeddings"] == 256 and max_positions(stage) == 1024
 
 
+def test_a_resume_from_a_step_checkpoint_without_a_recorded_length_records_the_stages(tmp_path):
+    """A step checkpoint written before stages recorded their length: the resumed stage's model (and so its final)
+    records the stage's seq_len."""
+    from longstride.model.rope import trained_length
+
+    LlamaConfig(**{**SHAPE, "max_position_embeddings": 8192}).save_pretrained(tmp_path / "step")
+    model = build_model(ModelConfig(arch="checkpoint", checkpoint=str(tmp_path)), rope_theta=1e6, seq_len=4096,
+                        vocab_size=64, eos_id=1, pad_id=0, resume=str(tmp_path / "step"))
+    assert trained_length(model.config) == 4096
+
+
 def test_multimodal_gemma3_configs_give_their_text_models_positions_and_base():
     from transformers import Gemma3Config
 

@@ -76,10 +76,11 @@ def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_he
     bf16=True / fp16=True), else from `accelerate launch --mixed_precision`. On CUDA with neither, it is refused:
     the kernel would be chosen for fp32 (not the flash kernel) without a word."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    if half is None and args is not None:
-        half = bool(args.bf16 or args.fp16)
-    if half is None and "ACCELERATE_MIXED_PRECISION" in os.environ:
-        half = os.environ["ACCELERATE_MIXED_PRECISION"] in ("bf16", "fp16")
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch --mixed_precision, which the
+    if half is None and args is not None:                     # Trainer's Accelerator takes too
+        half = bool(args.bf16 or args.fp16) or launcher in ("bf16", "fp16")
+    if half is None and launcher is not None:
+        half = launcher in ("bf16", "fp16")
     if half is None:
         if device_type == "cuda":
             raise ValueError("setup_cp: pass args=<your TrainingArguments> (or half=True/False): whether attention "
@@ -103,19 +104,21 @@ def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fi
 
 
 ROW_KEYS = ("input_ids", "labels", "position_ids", "seq_lengths", "attention_mask")
+LOSS_MASKS = ("completion_mask", "assistant_masks")  # they change the loss: never dropped
 
 
-def _documents(row: dict) -> list[np.ndarray]:
+def _documents(row: dict, drop_unused: bool = False) -> list[np.ndarray]:
     """A row packed elsewhere -> its documents, token ids stored as the recipe stores them (data/batch.py:
     a token that is no loss target as context_only(id)). Documents are cut at `seq_lengths` (TRL's packing) or
     where `position_ids` restart at 0 (one document when the row has neither); `labels`, as HF and TRL build
     them (the token itself where it is a loss target, -100 where not: prompts under completion_only_loss or
-    assistant_only_loss), mark the tokens without loss; `attention_mask` zeros may only pad the row's end. A key
-    the collator does not read is refused rather than dropped."""
-    unread = sorted(set(row) - set(ROW_KEYS))
+    assistant_only_loss), mark the tokens without loss; `attention_mask` zeros may only pad the row's end. Another
+    key is dropped with `drop_unused` (TrainingArguments.remove_unused_columns, as the Trainer drops a dataset's
+    unused columns: text, id, ...), else refused; a loss-mask column is always refused."""
+    unread = sorted(k for k in set(row) - set(ROW_KEYS) if not drop_unused or k in LOSS_MASKS)
     if unread:
         hint = " (build labels from them: -100 where a token is no loss target, as SFTTrainer's dataset " \
-               "preparation does)" if {"completion_mask", "assistant_masks"} & set(unread) else ""
+               "preparation does)" if set(LOSS_MASKS) & set(unread) else ""
         raise ValueError(f"LongstrideCollator: a packed row's {unread} would be dropped{hint}; it reads "
                          f"{list(ROW_KEYS)}")
     ids = np.asarray(row["input_ids"], dtype=np.int64)
@@ -161,6 +164,7 @@ class LongstrideCollator:
     def __init__(self, cp: CPContext, pad_id: int, doc_masking: bool = True):
         self.cp, self.pad_id, self.doc_masking = cp, pad_id, doc_masking
         self.model_config = None  # set by LongstrideTrainerMixin: what the split lengths are checked against
+        self.drop_unused = False  # set by LongstrideTrainerMixin from TrainingArguments.remove_unused_columns
         self._checked = 0  # the longest split length checked so far
 
     def __call__(self, rows: list[dict]) -> dict:
@@ -170,7 +174,7 @@ class LongstrideCollator:
                                  "seq_len")
             batch = collate(rows)
         else:
-            docs = [_documents(r) for r in rows]
+            docs = [_documents(r, self.drop_unused) for r in rows]
             step = 2 * self.cp.degrees.cp
             L = -(-max(sum(len(d) for d in row) for row in docs) // step) * step
             batch = collate([packed_item(row, L, self.pad_id) for row in docs])
@@ -209,6 +213,7 @@ class LongstrideTrainerMixin:
         model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
         config = model.config
         collator.model_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        collator.drop_unused = bool(getattr(self.args, "remove_unused_columns", False))
         sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
         batches = EpochBatchSampler(sampler, self._train_batch_size, drop_last=True)
         return EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=collator,

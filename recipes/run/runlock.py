@@ -59,22 +59,21 @@ NOT_IDENTITY = ("logger", "paths", "stage", "train.keep_last", "train.max_nonfin
                 "data.num_workers", "data.num_proc", "recipe.stages.*.save_every")
 
 
-def check_shared(directory: str, lock: Optional[RunLock]) -> None:
+def check_shared(directory: str, lock: Optional[RunLock], wait_s: float = 30.0) -> None:
     """Collective in a multi-process run (`lock`: rank 0's, None on the others): every rank must see the run
     directory rank 0 locked, since each writes its checkpoint shards into it and reads rank 0's choices from it.
     On several nodes that means a filesystem they share; a node-local path fails here, naming the ranks and hosts
-    that do not see it, before any data or model is built."""
+    that do not see it, before any data or model is built. A rank looks again for up to `wait_s` seconds first: a
+    network filesystem may show another node's new directory only once its cached lookups expire."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     held = [lock.info if lock else None]
     dist.broadcast_object_list(held, src=0)
-    try:
-        with open(os.path.join(directory, ".lock")) as f:
-            seen = f.read() == held[0]
-    except OSError:
-        seen = False
+    deadline = time.monotonic() + wait_s
+    while not (seen := _holds(directory, held[0])) and time.monotonic() < deadline:
+        time.sleep(1.0)
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (seen, socket.gethostname()))
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
@@ -83,6 +82,17 @@ def check_shared(directory: str, lock: Optional[RunLock]) -> None:
                          f"directory for {', '.join(blind[:8])}{' ...' if len(blind) > 8 else ''}: every rank writes "
                          "its checkpoint shards there, so every node must share it; point paths.output_root at a "
                          "filesystem all nodes mount")
+
+
+def _holds(directory: str, info: str) -> bool:
+    """Whether `directory`'s lock file holds `info` (listing the parent first: on NFS that refreshes the cached
+    lookup of a directory another node just made)."""
+    try:
+        os.listdir(os.path.dirname(os.path.abspath(directory)))
+        with open(os.path.join(directory, ".lock")) as f:
+            return f.read() == info
+    except OSError:
+        return False
 
 
 def flatten(node, prefix: str = "") -> dict:

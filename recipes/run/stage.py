@@ -173,7 +173,8 @@ def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float)
     prog = stage_program(ctx.cfg, plan, acc.num_processes, docs=4, config=lm.config,
                          gpu=acc.device.type == "cuda", bf16=acc.mixed_precision == "bf16")
     try:
-        r = trace_in_child(prog)
+        # the other ranks wait in their next collective meanwhile: the trace must end well before it times out
+        r = trace_in_child(prog, timeout_s=min(600.0, ctx.cfg.train.collective_timeout_s / 2))
     except Exception as e:  # noqa: BLE001 - a planning aid: the stage runs without it
         ctx.tracker.warning("stage %s: the memory trace failed (%s: %s); training goes on", plan.name,
                             type(e).__name__, e)
@@ -367,7 +368,10 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
             save_stage(ctx, run, final, with_state=False, extra_meta={"val_loss_start": run.val_start,
                                                                       "val_loss_end": val_end})
             signum = stop.requested(acc.device)
-            if signum:  # it arrived during the final validation or save: the stage is complete, stop before the next
+            if signum and plan.name == list(ctx.plans)[-1]:  # the last stage: the run is complete, nothing to stop
+                tracker.info("stage %s: %s arrived during its final save; the run is complete", plan.name,
+                             signal.Signals(signum).name)
+            elif signum:  # it arrived during the final validation or save: the stage is complete; stop before the next
                 raise Stopped(signum, f"stopped by {signal.Signals(signum).name} at the end of stage {plan.name}, "
                                       f"its final checkpoint {final} saved; rerun the command to go on with the "
                                       "next stage")

@@ -95,7 +95,7 @@ def keep_configured_hyperparameters(run, scheduler_state: dict, configured: list
     changed = sorted({f"{k} {old[k]} (now {new[k]})" for old, new in zip(groups, configured)
                       for k in ("initial_lr", "betas", "eps", "weight_decay") if old.get(k) != new.get(k)})
     for g, new, lr in zip(groups, configured, lrs):
-        g.update({**new, "lr": lr})
+        g.update({k: new[k] for k in ("initial_lr", "betas", "eps", "weight_decay") if k in new}, lr=lr)
     run.scheduler.load_state_dict({**scheduler_state, "base_lrs": peaks, "_last_lr": lrs})
     return ", ".join(changed).replace("initial_lr", "peak lr")
 
