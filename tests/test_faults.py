@@ -285,21 +285,24 @@ def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(m
 
 
 def test_a_stop_signal_during_a_stages_final_save_stops_before_the_next_stage(micro, tmp_path):
-    """SIGTERM (a real one, sent by the test hook) while the first stage saves its final checkpoint: the save
-    completes, the run exits 128 + SIGTERM naming that final instead of going on into the next stage, and the
-    rerun goes on from it."""
+    """SIGTERM (a real one, sent by the test hook) while a stage saves its final checkpoint: the save completes,
+    the run exits 128 + SIGTERM naming that final instead of going on into the next stage, and the rerun goes on
+    from it; during the last stage's final save the run is complete and ends normally."""
     import signal
 
     from tests.conftest import read_metrics
 
-    r = run_cli(micro, env_extra={"LONGSTRIDE_TEST_TERM_IN_SAVE": "final"})
-    assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
+    term = {"LONGSTRIDE_TEST_TERM_IN_SAVE": "final"}  # in every final save; a complete stage saves none again
     out = tmp_path / "out" / "tiny"
-    assert f"stopped by SIGTERM at the end of stage s1_256, its final checkpoint {out / 's1_256' / 'final'}" \
-        in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert (out / "s1_256" / "final" / "model.safetensors").exists() and not (out / "s2_2k").exists()
-    again = run_cli(micro)
-    assert again.returncode == 0 and "stage s1_256 already complete" in again.stderr, again.stderr[-3000:]
+    for stage in ("s1_256", "s2_2k"):
+        r = run_cli(micro, env_extra=term)
+        assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
+        assert f"stopped by SIGTERM at the end of stage {stage}, its final checkpoint {out / stage / 'final'}" \
+            in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert (out / stage / "final" / "model.safetensors").exists() and not (out / "s3_4k").exists()
+    last = run_cli(micro, env_extra=term)
+    assert last.returncode == 0 and "stage s2_2k already complete" in last.stderr, last.stderr[-3000:]
+    assert "s3_4k: SIGTERM arrived during its final save; the run is complete" in last.stderr, last.stderr[-3000:]
     assert max(read_metrics(out / "s3_4k")) == 4
 
 
