@@ -202,8 +202,13 @@ def walked(src: SourceConfig) -> bool:
     return KINDS[src.kind].stream is _stream_walked
 
 
+def _listed(src: SourceConfig, field: str, paths) -> list[str]:
+    """`paths` (a stage's one walk of the source's files, data/stream.py), else a walk now."""
+    return walk_files(src, field) if paths is None else paths
+
+
 def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0), paths=None):
-    paths = walk_files(src, field) if paths is None else paths
+    paths = _listed(src, field, paths)
     return datasets.IterableDataset.from_generator(
         _read_files, gen_kwargs={"paths": paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths})
 
@@ -220,8 +225,7 @@ def stream_rows_identity(src: SourceConfig, field: str, paths=None):
     (their config is in the run's identity)."""
     if walked(src):  # relative: the same files under another clone or mount are the same
         root = stdlib_root() if src.kind == "stdlib" else src.path
-        paths = walk_files(src, field) if paths is None else paths
-        return digest([[os.path.relpath(p, root), _size(p)] for p in paths])
+        return digest([[os.path.relpath(p, root), _size(p)] for p in _listed(src, field, paths)])
     if src.kind == "files":
         files = _data_files(src, field)[1]
         return digest([[f, os.path.getsize(f)] for f in files])
@@ -235,7 +239,7 @@ def filler_prefix(src: SourceConfig, sources: dict, field: str, paths=None) -> i
     stage's walk of its files, else walked here."""
     if src.kind != "stdlib" or not synthetic.filler_sources(sources):
         return 0
-    return synthetic.filler_rows(walk_files(src, field) if paths is None else paths)
+    return synthetic.filler_rows(_listed(src, field, paths))
 
 
 def _load_files(src, cache_dir, num_proc, field):

@@ -25,10 +25,10 @@ import torch
 
 from longstride.data.files import list_files, stdlib_root
 from longstride.eval.cli import default_out, parse_overrides
-from longstride.model.rope import max_positions
 from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum, output_head
+from longstride.model.rope import max_positions
 from longstride.overrides import run
 
 

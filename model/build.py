@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
-from longstride.model.rope import TRAINED, apply_yarn, set_rope_base, trained_length
+from longstride.model.rope import apply_yarn, record_trained_length, set_rope_base, trained_length
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -148,7 +148,7 @@ def build_model(
     if resume is not None:  # a step checkpoint: its config is the stage's; its weights come from its shards
         config = AutoConfig.from_pretrained(resume)
         # a step checkpoint written before stages recorded their length: record it, so the stage's final has it
-        setattr(config.get_text_config(decoder=True), TRAINED, int(seq_len))
+        record_trained_length(config, seq_len)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

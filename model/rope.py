@@ -101,7 +101,12 @@ def rope_base(config: PretrainedConfig) -> Optional[float]:
     return params.get("rope_theta")
 
 
-def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: int,
+def record_trained_length(config: PretrainedConfig, seq_len: int) -> None:
+    """Writes the length a stage trains at into its config (trained_length reads it)."""
+    setattr(config.get_text_config(decoder=True), TRAINED, int(seq_len))
+
+
+def set_rope_base(config: PretrainedConfig, rope_theta: float, seq_len: int,
                   layer_types: Optional[list[str]] = None, field: str = FIELD) -> PretrainedConfig:
     """Write a stage's RoPE base (positive: recipes/config/plan.py checks it) into the layers `layer_types` selects
     (rope_targets) and its context length into a config (in place, returned): the length it trains at
@@ -109,8 +114,8 @@ def set_rope_base(config: PretrainedConfig, rope_theta: float, max_positions: in
     text = config.get_text_config(decoder=True)
     targets = rope_targets(text, layer_types, field)
     _rewrite(text, targets, lambda params: params.update(rope_theta=float(rope_theta)))
-    text.max_position_embeddings = max(int(max_positions), int(text.max_position_embeddings or 0))
-    setattr(text, TRAINED, int(max_positions))
+    text.max_position_embeddings = max(int(seq_len), int(text.max_position_embeddings or 0))
+    record_trained_length(config, seq_len)
     return config
 
 
@@ -119,7 +124,8 @@ def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_em
                yarn_field: str = "model.yarn", default_original: Optional[int] = None) -> PretrainedConfig:
     """Switch the layers `layer_types` selects (rope_targets) to YaRN with `factor` (in place, returned), their RoPE
     base kept. Plain RoPE (rope_type default) becomes YaRN x factor over `original_max_position_embeddings` (None:
-    `default_original`, else the length the model was trained at, trained_length). RoPE that is already YaRN keeps its own original window: `stretch` (eval's
+    `default_original`, else the length the model was trained at, trained_length). RoPE that is already YaRN
+    keeps its own original window: `stretch` (eval's
     yarn.factor: "reach factor x further than the checkpoint") multiplies its factor by `factor`; otherwise (a
     stage's model.yarn: "YaRN x factor", which each stage writes again on the previous stage's checkpoint) its
     factor must already be `factor`. Any other scaling (linear, llama3, longrope,

@@ -24,11 +24,11 @@ import torch
 
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.data.tokenizer import TOKENIZER_FILES
-from longstride.model.rope import rope_base
 from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, note, require_tokenizer, runnable_tasks,
                                        score_group)
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import YarnConfig
+from longstride.model.rope import rope_base
 from longstride.overrides import parse
 
 

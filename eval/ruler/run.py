@@ -25,7 +25,6 @@ from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
-from longstride.model.rope import max_positions
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
@@ -34,6 +33,7 @@ from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent
 from longstride.model.config import YarnConfig
+from longstride.model.rope import max_positions
 from longstride.parallel.cp import CPContext
 
 

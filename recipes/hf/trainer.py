@@ -77,10 +77,8 @@ def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_he
     the kernel would be chosen for fp32 (not the flash kernel) without a word."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch --mixed_precision, which the
-    if half is None and args is not None:                     # Trainer's Accelerator takes too
-        half = bool(args.bf16 or args.fp16) or launcher in ("bf16", "fp16")
-    if half is None and launcher is not None:
-        half = launcher in ("bf16", "fp16")
+    if half is None and (args is not None or launcher is not None):  # Trainer's Accelerator takes too
+        half = bool(args is not None and (args.bf16 or args.fp16)) or launcher in ("bf16", "fp16")
     if half is None:
         if device_type == "cuda":
             raise ValueError("setup_cp: pass args=<your TrainingArguments> (or half=True/False): whether attention "
@@ -135,7 +133,7 @@ def _documents(row: dict, drop_unused: bool = False) -> list[np.ndarray]:
         if labels.shape != ids.shape or np.any(labels[:n][target] != ids[:n][target]):
             raise ValueError("LongstrideCollator: a packed row's labels must be its input_ids (unshifted, as HF and "
                              "TRL build them) with -100 where a token is no loss target")
-        ids = np.where(np.arange(len(ids)) < n, np.where(labels != IGNORE_INDEX, ids, context_only(ids)), ids)
+        ids = np.where(labels != IGNORE_INDEX, ids, context_only(ids))
     ids = ids[:n]  # right padding dropped: the collator pads the batch as one trailing padding document
     cuts = None
     if row.get("seq_lengths") is not None:
