@@ -146,48 +146,6 @@ def test_every_rank_must_see_the_run_directory_rank_0_locked(tmp_path):
     run_gloo(_shared_worker, 2, dirs)
 
 
-def test_metrics_rewind_to_the_resumed_step_and_drop_a_cut_line(tmp_path):
-    from longstride.recipes.run.tracking import rewind_metrics
-
-    path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)]
-    path.write_text("\n".join(lines) + '\n{"step": 6, "lo')  # killed mid-write
-    rewind_metrics(str(path), 4)
-    assert path.read_text() == "\n".join(lines[:5]) + "\n"
-    rewind_metrics(str(path), 0)  # the stage starts afresh
-    assert path.read_text() == ""
-
-
-def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
-    from longstride.recipes.run.tracking import wandb_run_id
-
-    first = wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False)
-    assert first.startswith("tiny-s1_256-") and first == wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=True)
-    assert wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False) != first
-
-
-def test_wandb_takes_a_resumed_stages_steps_again(tmp_path, monkeypatch, capfd):
-    """A resumed stage continues its wandb run and logs again the steps after its checkpoint, below the killed
-    run's last. Logged at wandb's own step, wandb drops them ("less than the current step"); logged against the
-    `step` metric they are kept. A real offline wandb run: steps 1-6, then 4-6 again, as the resumed run sends."""
-    from types import SimpleNamespace
-
-    from longstride.recipes.run.tracking import Tracker
-
-    monkeypatch.delenv("WANDB_SILENT", raising=False)
-    cfg = SimpleNamespace(logger=SimpleNamespace(wandb_mode="offline", project="t", entity=None, log_every=1,
-                                                 progress_bar=False), recipe=SimpleNamespace(name="tiny"))
-    tracker = Tracker(True, cfg, str(tmp_path))
-    try:
-        tracker.start_stage("s1", str(tmp_path / "s1"), 6, 0, {})
-        for step in [1, 2, 3, 4, 5, 6, 4, 5, 6]:
-            tracker.log(step, {"loss": 1.0 / step, "lr": 1e-3, "tokens_per_s": 1.0})
-        tracker.log_values(6, {"val_loss": 0.5})
-    finally:
-        tracker.close()
-    assert "less than the current step" not in capfd.readouterr().err
-
-
 def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
     one = micro + ["stage=s1_256"]
     assert run_cli(one).returncode == 0
