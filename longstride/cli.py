@@ -23,10 +23,10 @@ USAGE = __doc__.split("\n\n")[1]
 
 
 def _train(argv: list[str]) -> None:
-    from longstride.recipes.train import main
+    from longstride.recipes.train import entry
 
     sys.argv = ["longstride train", *argv]  # Hydra reads its overrides (and --help) from sys.argv
-    main()
+    entry()
 
 
 def _eval(argv: list[str]) -> None:

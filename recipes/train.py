@@ -178,5 +178,31 @@ def main(raw: DictConfig) -> None:
         sys.exit(3)
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """`longstride train` and `python -m longstride.recipes.train`: Hydra's main, after the one composition error
+    Hydra cannot word: a stage added on the command line (schema.added_stage_hint)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from longstride.overrides import _reason
+    from longstride.recipes.config.schema import added_stage_hint
+    from longstride.recipes.memory.memplan import compose_training
+
+    argv = sys.argv[1:]
+    if any("recipe.stages." in a.split("=", 1)[0] for a in argv):
+        plain = [a for i, a in enumerate(argv) if ("=" in a and not a.startswith("-")) or a.startswith("--config-dir")
+                 or a == "-cd" or (i and argv[i - 1] in ("--config-dir", "-cd"))]
+        try:
+            compose_training(plain)
+        except (HydraException, OmegaConfBaseException) as e:
+            hint = added_stage_hint(plain, _reason(e))
+            if hint:
+                print(f"longstride: {hint}", file=sys.stderr)
+                sys.exit(2)
+        except ValueError:
+            pass  # reported by main, as for any other run
     main()
+
+
+if __name__ == "__main__":
+    entry()

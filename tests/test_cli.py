@@ -110,3 +110,30 @@ def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
             parse_cmd([f"checkpoint={bare}"])
     with pytest.raises(ValueError, match=rf"checkpoints\[1\]='{torn}': model.safetensors cannot be read"):
         check(CompareConfig(checkpoints=[os.path.join(SHIPPED, "tiny_base_256"), str(torn)]))
+
+
+def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line(tmp_path):
+    """A recipe file outside the package (--config-dir DIR, DIR/recipe/NAME.yaml) composes for training and for
+    compose_training (`plan`, `check`); a stage added as an override, which OmegaConf cannot build as a typed stage,
+    exits 2 saying how to add one instead of Hydra's "dict is not a subclass of StageConfig"."""
+    from longstride.recipes.memory.memplan import compose_training
+
+    (tmp_path / "mine" / "recipe").mkdir(parents=True)
+    text = (REPO / "configs" / "recipe" / "tiny.yaml").read_text().replace("name: tiny\n", "name: mine\n", 1)
+    (tmp_path / "mine" / "recipe" / "mine.yaml").write_text(text)
+    mine = str(tmp_path / "mine")
+    for argv in (["--config-dir", mine, "recipe=mine"], [f"--config-dir={mine}", "recipe=mine"]):
+        assert compose_training(argv).recipe.name == "mine"
+    with pytest.raises(ValueError, match="--config-dir '/no/such' is not a directory"):
+        compose_training(["--config-dir", "/no/such", "recipe=mine"])
+    r = _run([shutil.which("longstride"), "train", "--config-dir", mine, "recipe=mine", "--cfg", "job"], tmp_path)
+    assert r.returncode == 0 and "name: mine" in r.stdout, r.stderr
+    for added in ("+recipe.stages.s4={seq_len:8192}", "recipe.stages.s4.seq_len=8192"):
+        r = _run([shutil.which("longstride"), "train", "recipe=tiny", added], tmp_path)
+        assert r.returncode == 2 and f"{added}: recipe.stages.s4 is not a stage of this recipe" in r.stderr, r.stderr
+        assert "--config-dir DIR recipe=NAME" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(ValueError, match=r"recipe.stages.s4 is not a stage of this recipe"):
+        compose_training(["recipe=tiny", "+recipe.stages.s4={seq_len:8192}"], "longstride plan")
+    r = _run([shutil.which("longstride"), "train", "recipe=tiny", "recipe.stages.s2_2k.steps=-1", "--cfg", "job"],
+             tmp_path)
+    assert "not a stage of this recipe" not in r.stderr  # an existing stage's field is not the hint's case

@@ -7,6 +7,7 @@ resolved plan, are recipes/config/plan.py's.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Dict, List, Optional
 
@@ -157,6 +158,20 @@ def to_schema(raw: DictConfig) -> Config:
                          f"the group's config.py ({e.msg.splitlines()[0]})") from None
     except ValidationError as e:
         raise ValueError(f"config field {e.full_key}: {e.msg.splitlines()[0]}") from None
+
+
+def added_stage_hint(overrides: list[str], error: str) -> str:
+    """How to add a stage, when `error` is Hydra failing on an override that adds one: OmegaConf cannot build a
+    typed stage from the command line (`+recipe.stages.NEW={...}`, `recipe.stages.NEW.seq_len=...`). "" if not."""
+    for arg in overrides:
+        m = re.match(r"\+{0,2}recipe\.stages\.([^.=]+)", arg)
+        if m and ("subclass of StageConfig" in error or f"Key '{m.group(1)}' is not in struct" in error):
+            return (f"{arg}: recipe.stages.{m.group(1)} is not a stage of this recipe, and a stage cannot be added "
+                    "on the command line (Hydra cannot build a typed stage from an override). Add it in a recipe "
+                    "file: copy one of longstride's configs/recipe/*.yaml to DIR/recipe/NAME.yaml, add the stage "
+                    "under recipe.stages there, and run with --config-dir DIR recipe=NAME (docs/recipes.md, "
+                    "\"Your own recipe\")")
+    return ""
 
 
 def selected_stages(cfg: Config) -> list[str]:

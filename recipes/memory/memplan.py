@@ -29,7 +29,7 @@ from longstride.overrides import parse, run
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.recipes.config.plan import seq_len_unit, validate
-from longstride.recipes.config.schema import to_schema
+from longstride.recipes.config.schema import added_stage_hint, to_schema
 from longstride.recipes.memory.trace import stage_program, trace_step
 
 GIB = 2 ** 30
@@ -77,13 +77,33 @@ def compose_training(overrides: list[str], command: str = ""):
 
     from longstride.overrides import _reason
 
+    overrides = config_dirs(overrides)
     try:
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
             return to_schema(compose("config", overrides=list(overrides)))
     except (HydraException, OmegaConfBaseException) as e:
         if not command:
             raise
-        raise ValueError(_reason(e) + f" (see {command} --help)") from None
+        reason = _reason(e)
+        raise ValueError(added_stage_hint(overrides, reason) or f"{reason} (see {command} --help)") from None
+
+
+def config_dirs(argv: list[str]) -> list[str]:
+    """Hydra's `--config-dir DIR` (also `--config-dir=DIR`, `-cd DIR`: a folder of your own config groups, e.g.
+    DIR/recipe/NAME.yaml, searched before longstride's) as the override that compose() takes."""
+    out, dirs, args = [], [], iter(argv)
+    for arg in args:
+        if arg in ("--config-dir", "-cd"):
+            dirs.append(next(args, ""))
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise ValueError(f"--config-dir {d!r} is not a directory; name the folder that holds your recipe/NAME.yaml")
+    paths = ",".join(f"file://{os.path.abspath(d)}" for d in dirs)
+    return out + [f"hydra.searchpath=[{paths}]"] if dirs else out
 
 
 def model_config(cfg, stage):
