@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
-from longstride.model.rope import apply_yarn, record_trained_length, set_rope_base, trained_length
+from longstride.model.rope import apply_yarn, max_positions, record_trained_length, set_rope_base, trained_length
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -149,6 +149,10 @@ def build_model(
         config = AutoConfig.from_pretrained(resume)
         # a step checkpoint written before stages recorded their length: record it, so the stage's final has it
         record_trained_length(config, seq_len)
+        source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
+        if source is None or os.path.isfile(os.path.join(source, "config.json")):  # else: nothing to compare with
+            check_resumed_rope(config, stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from),
+                               resume)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -162,6 +166,22 @@ def build_model(
             torch.manual_seed(seed)
             model = SmolLM3ForCausalLM(config)
     return model
+
+
+def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resume: str) -> None:
+    """A resumed stage keeps the RoPE its step checkpoint was trained with: a config that now gives the stage another
+    one (a changed rope_theta, model.yarn or model.rope_layer_types, through train.resume_from) is refused, never
+    logged as applied while the checkpoint's goes on."""
+    def rope(config):
+        text = config.get_text_config(decoder=True)
+        return text.rope_parameters, max_positions(config)
+
+    if rope(saved) != rope(planned):
+        raise ValueError(f"the step checkpoint {resume} was trained with RoPE {rope(saved)[0]} ({rope(saved)[1]} "
+                         f"positions), and this config gives the stage {rope(planned)[0]} ({rope(planned)[1]}): a "
+                         "stage's RoPE (its rope_theta, model.yarn, model.rope_layer_types) cannot change mid-stage. "
+                         "Resume with the settings it was written with, or start the stage over from the previous "
+                         "stage's final (train.resume_from=<previous stage>/final)")
 
 
 def save_config(lm: torch.nn.Module, directory: str) -> None:

@@ -84,9 +84,11 @@ def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: d
     names, resume_from = list(cfg.recipe.stages), cfg.train.resume_from
     if resume_from:
         resume_from_stage(resume_from, recipe_dir, names)
-    if check_identity(recipe_dir, resolved, cfg.train.resume, resume_from):
+    def rewind():
         for moved in supersede_after(resume_from, recipe_dir, names):
             tracker.info("train.resume_from: moved %s aside", moved)
+
+    check_identity(recipe_dir, resolved, cfg.train.resume, resume_from, rewind)
     OmegaConf.save(OmegaConf.structured(cfg), os.path.join(recipe_dir, "config.yaml"))
     if raw is not None:
         write_hydra_files(recipe_dir)

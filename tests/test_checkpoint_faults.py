@@ -117,6 +117,54 @@ def test_no_intact_checkpoint_exits_2_listing_each(killed_and_clean, cache_dir, 
     assert (s2 / "step_000004").is_dir() and (s2 / "step_000002").is_dir(), "nothing deleted"
 
 
+def test_a_resume_from_a_step_checkpoint_under_another_rope_base_is_refused(killed_and_clean, cache_dir, tmp_path):
+    """train.resume_from continues a stage under a changed config, but not under another RoPE: the step checkpoint's
+    config (its RoPE) is what the stage trains with, so a changed rope_theta would be logged as applied while the
+    checkpoint's base goes on. Refused before any step, naming both; the unchanged base resumes."""
+    import shutil
+
+    from tests.conftest import micro_overrides
+
+    root = tmp_path / "run"
+    shutil.copytree(killed_and_clean / "killed", root)
+    step4 = root / "tiny" / "s2_2k" / "step_000004"
+    saved = json.loads((step4 / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    r = run_cli(micro_overrides(root, cache_dir) + S2 + [f"recipe.stages.s2_2k.rope_theta={saved * 3}",
+                                                          f"train.resume_from={step4}", "recipe.stages.s2_2k.steps=5"])
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"stage s2_2k: the step checkpoint {step4} was trained with RoPE" in r.stderr, r.stderr[-3000:]
+    assert f"'rope_theta': {saved * 3}" in r.stderr and "cannot change mid-stage" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (root / "tiny" / "s2_2k" / "step_000005").exists(), "nothing trained"
+    r = run_cli(micro_overrides(root, cache_dir) + S2 + [f"train.resume_from={step4}", "recipe.stages.s2_2k.steps=5"])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_damaged_one(tmp_path):
+    """Steps 20, 40, 60 written, 60 damaged: a resume falls back to 40, then saves 50 with train.keep_last=1 (a
+    resumed run may lower it). Counting 60, the save deleted 40 and the 50 it had just written, leaving only the
+    damaged 60 and no checkpoint to resume from; now 50 is kept (40 is dropped), and 60 stays for inspection."""
+    from longstride.recipes.checkpoint.format import latest_checkpoint, step_name, verify, writing_checkpoint
+
+    stage = tmp_path / "s2"
+
+    def save(step: int, keep_last: int) -> None:
+        with writing_checkpoint(str(stage / step_name(step)), rank=0, is_main=True, barrier=lambda: None,
+                                trainer_state={"step": step}, rank_state=None, meta={}, keep_last=keep_last) as d:
+            with open(os.path.join(d, "weights.bin"), "wb") as f:
+                f.write(bytes([step]) * 64)
+
+    for step in (20, 40, 60):
+        save(step, keep_last=0)
+    damage(stage / "step_000060", "garble")
+    assert latest_checkpoint(str(stage)).endswith("step_000040")
+    save(50, keep_last=1)
+    assert sorted(p.name for p in stage.iterdir()) == ["step_000050", "step_000060"]
+    assert latest_checkpoint(str(stage)).endswith("step_000050") and verify(str(stage / "step_000050")) is None
+    save(70, keep_last=2)  # past the damaged one: it is older now, and the newest keep_last are kept
+    assert sorted(p.name for p in stage.iterdir()) == ["step_000060", "step_000070"]
+
+
 def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
     import shutil
 

@@ -119,6 +119,31 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
     RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
 
 
+def test_a_run_moving_its_directory_aside_keeps_the_lock_through_the_move(tmp_path, monkeypatch):
+    """train.resume=false renames the run directory aside while its run holds the lock. A second run arriving just
+    after the rename is refused: with the lock file inside the directory it moved away too, and that run locked a
+    new one in the gap, two runs then writing one directory."""
+    import longstride.recipes.run.runlock as runlock
+
+    run = tmp_path / "tiny"
+    holder = runlock.RunLock(str(run)).acquire()
+    runlock.check_identity(str(run), {"optim": {"lr": 1.0}}, resume=True)
+    late, rename = [], os.rename
+
+    def rename_then_second_run(src, dst):
+        rename(src, dst)
+        try:
+            late.append(runlock.RunLock(str(run)).acquire())
+        except ValueError as e:
+            late.append(e)
+
+    monkeypatch.setattr(runlock.os, "rename", rename_then_second_run)
+    runlock.check_identity(str(run), {"optim": {"lr": 0.5}}, resume=False)
+    assert isinstance(late[0], ValueError) and "is in use by another run" in str(late[0]), late
+    assert json.loads((run / "run.json").read_text())["config"] == {"optim.lr": 0.5}
+    holder.release()
+
+
 def _shared_worker(rank, world, dirs):
     from longstride.recipes.run.runlock import RunLock, check_shared
 
@@ -163,6 +188,30 @@ def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
     assert (aside / "s1_256" / "final" / "model.safetensors").read_bytes() == before, "the old run is kept"
     new = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
     assert new != before, "trained afresh with the new lr"
+
+
+def test_a_rewind_to_resume_from_killed_before_its_moves_is_done_again_by_the_same_command(tmp_path):
+    """train.resume_from moves aside what is newer than the checkpoint, and run.json records it so that a requeued job
+    does not go back again. Recorded first, a kill (here a failing move) between the two left it recorded with the
+    newer checkpoints in place, and the same command then resumed from the newest under the new config."""
+    from longstride.recipes.run.runlock import check_identity
+
+    run = tmp_path / "tiny"
+    run.mkdir()
+    old, new, back = {"optim": {"lr": 1.0}}, {"optim": {"lr": 0.5}}, str(run / "s1_256" / "step_000002")
+    check_identity(str(run), old, resume=True)
+    moves = []
+
+    def killed():
+        raise OSError("killed mid-move")
+
+    with pytest.raises(OSError):
+        check_identity(str(run), new, resume=True, resume_from=back, rewind=killed)
+    assert "resumed_from" not in json.loads((run / "run.json").read_text())
+    assert check_identity(str(run), new, resume=True, resume_from=back, rewind=lambda: moves.append(1))
+    assert moves == [1] and json.loads((run / "run.json").read_text())["resumed_from"] == back
+    assert not check_identity(str(run), new, resume=True, resume_from=back, rewind=lambda: moves.append(2))
+    assert moves == [1], "a requeued job resumes normally once the rewind is recorded"
 
 
 def test_a_run_that_trained_nothing_gives_way_to_the_fixed_command(tmp_path, capsys):

@@ -220,6 +220,8 @@ def writing_checkpoint(
         if rank_bytes is not None:
             with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
                 f.write(rank_bytes)
+                f.flush()
+                os.fsync(f.fileno())  # by its writer: on several nodes, rank 0's fsync does not reach this node's cache
         if is_main:
             if trainer_state is not None:
                 torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
@@ -240,12 +242,24 @@ def writing_checkpoint(
         else:
             os.replace(tmp, path)
         fsync_path(parent)
-        if keep_last > 0:  # renamed aside first: a kill mid-delete leaves no half directory under a step name
-            for _, old_path in step_checkpoints(parent)[:-keep_last]:
-                doomed = os.path.join(parent, TMP_PREFIX + "old-" + os.path.basename(old_path))
-                os.replace(old_path, doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
+        if keep_last > 0:
+            _drop_older(parent, name, keep_last)
     barrier()
+
+
+def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:
+    """train.keep_last: the step checkpoints older than the one just `written` beyond the newest keep_last - 1 of
+    them. Never the one written, nor a newer one (after a resume fell back past a damaged checkpoint, that one is
+    kept for inspection until the run reaches its step again): counting them, a save could delete every intact
+    checkpoint. Each is renamed aside first: a kill mid-delete leaves no half directory under a step name."""
+    m = STEP_RE.match(written)
+    if not m:
+        return
+    older = [p for s, p in step_checkpoints(stage_dir) if s < int(m.group(1))]
+    for old_path in older[:max(0, len(older) - (keep_last - 1))]:
+        doomed = os.path.join(stage_dir, TMP_PREFIX + "old-" + os.path.basename(old_path))
+        os.replace(old_path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tuple[dict, dict]:

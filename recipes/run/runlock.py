@@ -1,9 +1,11 @@
-"""One run per output directory: an exclusive lock on <output_root>/<recipe>/.lock for a run's life,
+"""One run per output directory: an exclusive lock on <output_root>/.<recipe>.lock for a run's life,
 and the run's identity (the config that decides what it computes) in <output_root>/<recipe>/run.json.
 
 `fcntl.flock` locks belong to the open file, so the kernel drops the lock when the process dies,
 however it dies: a SIGKILLed run leaves nothing to clean up and the next one starts. The file holds
-who took the lock (pid, host, start time, command) for the message a second run prints.
+who took the lock (pid, host, start time, command) for the message a second run prints. The lock file sits beside
+the run directory, not in it: train.resume=false renames the directory aside while the lock is held, and a lock file
+inside it would move too, letting a second run lock a new one in the gap.
 """
 from __future__ import annotations
 
@@ -15,18 +17,23 @@ import os
 import socket
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
+
+
+def lock_path(directory: str) -> str:
+    parent, name = os.path.split(os.path.abspath(directory))
+    return os.path.join(parent, f".{name}.lock")
 
 
 class RunLock:
     def __init__(self, directory: str):
-        self.directory, self.path = directory, os.path.join(directory, ".lock")
+        self.directory, self.path = directory, lock_path(directory)
         self.fd: Optional[int] = None
         self.info = ""  # what the lock file holds while this run has it
 
     def acquire(self) -> "RunLock":
         """Takes the lock or raises ValueError naming the run that holds it."""
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, exist_ok=True)  # and its parent, where the lock file is
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -89,7 +96,7 @@ def _holds(directory: str, info: str) -> bool:
     lookup of a directory another node just made)."""
     try:
         os.listdir(os.path.dirname(os.path.abspath(directory)))
-        with open(os.path.join(directory, ".lock")) as f:
+        with open(lock_path(directory)) as f:
             return f.read() == info
     except OSError:
         return False
@@ -142,14 +149,16 @@ def trained_nothing(directory: str) -> bool:
     return True
 
 
-def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None) -> bool:
+def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None,
+                   rewind: Callable[[], None] = lambda: None) -> bool:
     """Main process, under the lock, before anything is written. The first run of a directory records its
     config in run.json; a later run with another config is refused, naming each differing key, unless
     train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh, or
     train.resume_from names the checkpoint to continue from under the new config (recorded as the run's), or the
     recorded run trained nothing (trained_nothing: it failed on a setting, and the fixed command takes its place).
-    Returns whether resume_from is still to be applied: the same command run again (a requeued job) finds
-    it recorded and resumes normally instead of going back to that checkpoint again."""
+    Returns whether resume_from was applied now: `rewind` (moving aside what is newer than it) runs before run.json
+    records it, so the same command run again (a requeued job) finds it recorded only once the rewind is done, and
+    then resumes normally instead of going back to that checkpoint again."""
     path = os.path.join(directory, "run.json")
     mine = json.loads(json.dumps(identity(resolved), default=str))  # as it reads back from run.json
     if os.path.isfile(path):
@@ -164,8 +173,7 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
         if not resume:
             aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
             os.rename(directory, aside)
-            os.makedirs(directory)
-            os.replace(os.path.join(aside, ".lock"), os.path.join(directory, ".lock"))  # the lock moves with us
+            os.makedirs(directory, exist_ok=True)  # a second run refused in between may have made it (empty)
             print(f"longstride: train.resume=false: the previous run is now {aside}", file=sys.stderr)
         elif changed:
             diff = [f"{k} (was {theirs[k]}, now {mine[k]})" for k in changed]
@@ -183,6 +191,8 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
                                  "start afresh")
         elif not resume_from:
             return False
+    if resume_from:
+        rewind()
     with open(path + ".tmp", "w") as f:
         json.dump({"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {})}, f,
                   indent=1)
