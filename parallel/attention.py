@@ -1,7 +1,8 @@
 """longstride's attention inside transformers models, through transformers' registries.
 
 `register()` adds the name "longstride" to AttentionInterface and AttentionMaskInterface. The mask
-function returns None (no L x L mask is ever built); the attention function reads the batch's
+function builds no L x L mask: it returns None, or a note that the mask would hold padding or documents that
+no doc_layout describes, which the attention refuses (MaskBeyondCausal); the attention function reads the batch's
 document layout from the `doc_layout` keyword that the training step passes to the model forward,
 which transformers forwards untouched to every attention call, and the layer's own pattern (sliding
 window, chunk, sinks: parallel/pattern.py) from the layer and the arguments it passes.
@@ -13,6 +14,7 @@ is computed for local positions only) and every attention call runs the stage's 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,14 +24,16 @@ from transformers.masking_utils import AttentionMaskInterface
 from longstride.model.tiling import autocast_on
 from longstride.parallel.cp import DocLayout, method
 from longstride.parallel.kernels import doc_attention
-from longstride.parallel.pattern import LAYER_TYPES, layer_pattern
+from longstride.parallel.pattern import ABSENT, LAYER_TYPES, layer_pattern
 
 NAME = "longstride"
 
 
 # Attention arguments transformers models pass that change what attention computes and that longstride's kernels
-# do not implement: refused when set, never dropped (logit soft-capping: Gemma 2)
-UNSUPPORTED_KWARGS = {"softcap": "logit soft-capping"}
+# do not implement: refused when set, never dropped (logit soft-capping: Gemma 2; a T5-style position bias)
+UNSUPPORTED_KWARGS = {"softcap": "logit soft-capping", "position_bias": "an additive position bias",
+                      "sinks": "attention sinks under the name sinks (longstride reads GPT-OSS's s_aux)",
+                      "block_indices": "block-sparse attention"}
 UNSUPPORTED_CONFIG = {"attn_logit_softcapping": "logit soft-capping"}
 
 
@@ -130,13 +134,19 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         if kwargs.get(key_name) is not None:
             raise NotImplementedError(f"{where} asks for {what} ({key_name}), which longstride's attention does not "
                                       "implement; refused rather than dropped")
+    if isinstance(attention_mask, MaskBeyondCausal) and (attention_mask.padding or doc_layout is None):
+        what = "padding (zeros in attention_mask)" if attention_mask.padding else \
+            "more than causal attention (packed documents: position_ids restarting at 0; or a model's own mask rule)"
+        raise NotImplementedError(f"{where}: the batch's mask holds {what}, and longstride's attention reads documents "
+                                  "only from doc_layout; pack the rows with longstride's collator (LongstrideCollator: "
+                                  "documents, padding as a trailing document), or run the model's own attention")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"{where}: value heads of size {value.shape[-1]} against query heads of size "
                                   f"{query.shape[-1]}; longstride's kernels take one head size")
     layout = doc_layout or DocLayout(None)
     # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
     longest = key.shape[2] * (layout.cp.degrees.cp if layout.cp.method else 1)
-    pattern = layer_pattern(module, kwargs.get("sliding_window")).within(longest)
+    pattern = layer_pattern(module, kwargs.get("sliding_window", ABSENT)).within(longest)
     sinks = kwargs.get("s_aux")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "
@@ -165,8 +175,18 @@ def _same_dtype(q, k, v):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def no_mask(*args, **kwargs):
-    return None
+@dataclass(frozen=True)
+class MaskBeyondCausal:
+    """In place of transformers' mask, which longstride's attention does not read (documents come as `doc_layout`),
+    what that mask would have held beyond causal attention: padding (zeros in attention_mask), or anything else
+    (documents from position_ids restarting at 0, a model's extra mask functions). Refused by the attention unless
+    a doc_layout says what the rows hold."""
+    padding: bool
+
+
+def no_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
+    padding = attention_mask is not None and not bool(attention_mask.all())
+    return MaskBeyondCausal(padding) if padding or not allow_is_causal_skip else None
 
 
 def register() -> str:

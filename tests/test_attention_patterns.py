@@ -1,8 +1,8 @@
 """Sliding windows, chunked attention and attention sinks, exact against each model's own eager attention.
 
 Tiny random models of transformers' own classes: Mistral and Qwen2 (windows), Gemma 3 (local + global layers),
-GPT-OSS (sinks + windows), Llama 4 (chunked + NoPE layers), OLMo 3 (windows + full), Llama as the plain causal
-control. Logits, loss and every parameter's gradient with longstride's attention equal the model's eager
+GPT-OSS (sinks + windows), Llama 4 (chunked + NoPE layers), OLMo 3 and EXAONE 4 (windows + full), Llama as the
+plain causal control. Logits, loss and every parameter's gradient with longstride's attention equal the model's eager
 attention within 1e-5 relative in fp32: on one device with each kernel (the CPU flash op, the math path, the
 varlen contract that torch's flash kernel runs on CUDA, emulated here), with and without document masks (the
 reference runs each document alone), and under ring (N = 2, 3), Ulysses, UPipe and hybrid on gloo processes,
@@ -40,6 +40,10 @@ MODELS = {  # name -> (config for a window/chunk size, class)
     "llama4": (lambda w: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                             attention_chunk_size=w, no_rope_layer_interval=2,
                                             attn_temperature_tuning=False), T.Llama4ForCausalLM),
+    # keeps the window on every layer and passes sliding_window=None on its full ones
+    "exaone4": (lambda w: T.Exaone4Config(**SMALL, sliding_window=w, layer_types=["sliding_attention",
+                                                                                 "full_attention"] * 2),
+                T.Exaone4ForCausalLM),
     "olmo3": (lambda w: T.Olmo3Config(**{k: v for k, v in SMALL.items() if k != "head_dim"}, sliding_window=w,
                                       eos_token_id=0, pad_token_id=1), T.Olmo3ForCausalLM),
 }

@@ -13,6 +13,7 @@ import torch
 import transformers as T
 
 from longstride.parallel.attention import longstride_attention, unsupported_attention, use_longstride_attention
+from longstride.parallel.cp import CPContext
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
@@ -64,12 +65,56 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
         longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="bidirectional"):
         longstride_attention(torch.nn.Module(), q, k, v, None, is_causal=False)
+    for name in ("position_bias", "sinks", "block_indices"):
+        with pytest.raises(NotImplementedError, match=name):
+            longstride_attention(torch.nn.Module(), q, k, v, None, **{name: torch.zeros(1)})
     with pytest.raises(ValueError, match="s_aux"):
         longstride_attention(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(3))
     plain, _ = longstride_attention(torch.nn.Module(), q, k, v, None)
     wide, _ = longstride_attention(torch.nn.Module(), q, k, v, None, sliding_window=8)
     narrow, _ = longstride_attention(torch.nn.Module(), q, k, v, None, sliding_window=2)
     assert torch.equal(plain, wide) and not torch.allclose(plain, narrow)
+
+
+def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
+    """longstride's attention reads documents only from doc_layout. Called as a plain attention implementation, a
+    padded batch (zeros in attention_mask) or packed rows (position_ids restarting at 0, which transformers' own
+    mask turns into documents) are refused; they were computed as one causal sequence, 0.2 away from eager. The
+    same rows with a doc_layout, a plain batch, and an all-ones mask run."""
+    from longstride.parallel.cp import shard_for_cp
+    from tests.test_attention_patterns import make_model, packed_batch
+
+    model = make_model("mistral", 7)
+    model.config.use_cache = False  # with a cache, transformers' own mask does not look for packed rows either
+    use_longstride_attention(model)
+    batch = packed_batch()
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    with pytest.raises(NotImplementedError, match=r"holds more than causal attention \(packed documents"):
+        model(input_ids=ids, position_ids=pos)
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    with pytest.raises(NotImplementedError, match=r"holds padding \(zeros in attention_mask\)"):
+        model(input_ids=ids, attention_mask=pad)
+    local, layout = shard_for_cp(batch, True, CPContext())
+    with pytest.raises(NotImplementedError, match="holds padding"):  # padding is refused even with documents
+        model(input_ids=ids, position_ids=pos, attention_mask=pad, doc_layout=layout)
+    model(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    model(input_ids=ids)
+
+
+def test_a_layer_whose_call_and_mask_disagree_on_its_window_is_refused():
+    """transformers' eager mask takes a layer's window from config.layer_types and config.sliding_window; the
+    attention call from its sliding_window keyword. SmolLM3 with sliding layers listed but use_sliding_window=False
+    passes no window while the mask has one: refused, naming both, rather than computing either."""
+    cfg = T.SmolLM3Config(**SMALL, sliding_window=8, use_sliding_window=False, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+                          layer_types=["sliding_attention", "full_attention"])
+    model = T.SmolLM3ForCausalLM(cfg)
+    use_longstride_attention(model)
+    with pytest.raises(NotImplementedError, match=r"SmolLM3Attention layer 0: its attention call uses sliding window "
+                                                  r"None, while transformers' own mask for its layer type "
+                                                  r"'sliding_attention' uses 8"):
+        model(input_ids=torch.randint(2, 64, (1, 24)))
 
 
 def test_a_recipe_on_a_soft_capped_checkpoint_fails_before_any_data(tmp_path):
