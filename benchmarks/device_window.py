@@ -1,12 +1,12 @@
 """The device window: everything a short lease of one GPU should run, in one command under a time budget.
 
     python -m benchmarks.device_window --out "$OUT" --budget 540     # on the lent GPU machine
-    python -m benchmarks.device_window --only env,gpu_recipe --out "$OUT" --budget 560   # the recipe at scale
+    python -m benchmarks.device_window --only env,gpu_recipe --out "$OUT" --deadline $D   # the recipe at scale
     python -m benchmarks.device_window --smoke --out /tmp/window      # the same steps, tiny, on CPU (the suite runs it)
 
 Each step is a child process with its own time cap, cut to what is left of the budget and skipped when less is
-left than it needs; a step runs even when an earlier one failed. After every step the window rewrites three
-files in --out: window.log (every step's output), summary.json (each step's status and seconds) and results.tgz
+left than it needs; a step runs even when an earlier one failed. After every step, and every 30 s while one
+runs, the window rewrites three files in --out: window.log (every step's output), summary.json (each step's status and seconds) and results.tgz
 (each step's result files: JSON, plots, junit XML), so a window cut short keeps what it measured. The summary
 table is printed last.
 
@@ -172,20 +172,10 @@ def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) 
             cap = min(step.cap_s * (SMOKE_SLACK if smoke else 1), left)
             log.append(f"\n===== {step.name} (cap {cap:.0f} s): {shlex.join(cmd)}\n")
             t0 = time.monotonic()
-            # its own process group, killed whole at the cap: launcher workers never outlive their step on the GPU
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True)
-            try:
-                text, _ = proc.communicate(timeout=cap)
-                row["status"] = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                text, _ = proc.communicate()
-                row["status"] = f"timed out at {cap:.0f} s"
+            text = run_step(cmd, cap, env, os.path.join(work, f"{step.name}.log"), row,
+                            lambda: pack(work, out, log, summary + [row], started, budget))
             row["seconds"] = round(time.monotonic() - t0, 1)
             log.append(text)
-            with open(os.path.join(work, f"{step.name}.log"), "w") as f:
-                f.write(text)
             tail = [x for x in text.strip().splitlines() if x.strip()][-1:] or [""]
             row["last_line"] = tail[0][:200]
         summary.append(row)
@@ -195,6 +185,33 @@ def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) 
     print(f"window: {sum(r['status'] == 'passed' for r in summary)}/{len(summary)} steps passed in "
           f"{time.monotonic() - started:.0f} s; results in {out}")
     return summary
+
+
+def run_step(cmd: list[str], cap: float, env: dict, log_path: str, row: dict, checkpoint, every: float = 30.0) -> str:
+    """One step as a child process, its output written to `log_path` as it runs, `checkpoint()` (the window's
+    pack) called every `every` seconds meanwhile, so a window killed from outside mid-step still returns what the step wrote.
+    The child gets LONGSTRIDE_DEADLINE (the epoch second its cap ends) to plan by; at the cap its own process group
+    is killed whole (launcher workers never outlive their step on the GPU). Sets row["status"]; returns the
+    output."""
+    deadline = time.time() + cap
+    with open(log_path, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "LONGSTRIDE_DEADLINE": f"{deadline:.0f}"}, stdout=sink,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        while True:
+            try:
+                proc.wait(timeout=max(0.0, min(every, deadline - time.time())))
+                row["status"] = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+                break
+            except subprocess.TimeoutExpired:
+                if time.time() >= deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    row["status"] = f"timed out at {cap:.0f} s"
+                    break
+                row["status"] = "running"
+                checkpoint()
+    with open(log_path, errors="replace") as f:
+        return f.read()
 
 
 def wheels() -> list[str]:
@@ -354,6 +371,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "outputs", "window")))
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole window")
+    p.add_argument("--deadline", type=float, default=None, help="an epoch second the window must end by (taken at "
+                   "the device command's start, before installing: D=$(($(date +%%s) + 565))); cuts --budget to it")
     p.add_argument("--smoke", action="store_true", help="the same steps at tiny sizes on CPU")
     p.add_argument("--only", default="", help="comma-separated step names")
     p.add_argument("--prepare", action="store_true", help="download the wheels the device lacks into .whl/")
@@ -367,7 +386,8 @@ def main(argv=None) -> int:
     if args.prepare:
         prepare(os.path.join(REPO, ".whl"))
         return 0
-    summary = window(args.out, args.budget, args.smoke, [x for x in args.only.split(",") if x] or None)
+    budget = min(args.budget, args.deadline - time.time()) if args.deadline else args.budget
+    summary = window(args.out, budget, args.smoke, [x for x in args.only.split(",") if x] or None)
     return 0 if all(r["status"] == "passed" for r in summary) else 1
 
 

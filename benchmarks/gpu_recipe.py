@@ -34,7 +34,7 @@ import time
 import traceback
 from datetime import datetime
 
-from benchmarks.common import REPO, child_env
+from benchmarks.common import REPO, child_env, deadline_left
 from benchmarks.gpu_recipe_acceptance import (IN_FORMAT, LENGTHS, LIMIT_S, RECIPE, REHEARSAL_SCALE, SCORED, TASKS,
                                               judge, recipe_yaml, scaled, stages)
 
@@ -172,6 +172,17 @@ def call(command: str, main, argv: list[str], log_path: str):
                 torch.cuda.empty_cache()
     with open(log_path) as f:
         raise RuntimeError(f"longstride eval {command} failed; the end of {log_path}:\n{f.read()[-3000:]}")
+
+
+def phase(result: dict, name: str, work, empty):
+    """work() for one eval phase; a failure (out of memory, a pass with nothing to run) is kept in
+    result["errors"][name] and `empty` returned, so the phases after it still run in the time left."""
+    try:
+        return work()
+    except (RuntimeError, ValueError) as e:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        result.setdefault("errors", {})[name] = str(e)[-3000:]
+        print(f"{name} failed, going on with the next phase:\n{e}", flush=True)
+        return empty
 
 
 def train_command(args, cuda: bool) -> list[str]:
@@ -325,6 +336,8 @@ def main(argv=None) -> int:
 
     args.out, t0, cuda = os.path.abspath(args.out), time.perf_counter(), torch.cuda.is_available()
     args.limit_s = (LIMIT_S if cuda else 0) if args.limit_s is None else args.limit_s
+    if args.limit_s:  # inside the device window: its cut, less a margin to save the results, when that is sooner
+        args.limit_s = min(args.limit_s, deadline_left(args.limit_s + 10) - 10)
     os.makedirs(args.out, exist_ok=True)
     env, scale = child_env(), REHEARSAL_SCALE if args.rehearsal else 1
     # the eval runs in this process: offline here as in the children (huggingface_hub reads these when first
@@ -349,17 +362,18 @@ def main(argv=None) -> int:
     result["stages"] = stage_rows(os.path.join(args.out, "runs", RECIPE), log)
     save(args.out, result)  # after each phase: a window cut short keeps what was measured
     t, dtype = time.perf_counter(), "bfloat16" if cuda else "float32"
-    result["ruler"] = ruler(args, scale, dtype, passes(args)[:1])
+    result["ruler"] = phase(result, "ruler_acceptance", lambda: ruler(args, scale, dtype, passes(args)[:1]), [])
     save(args.out, result)  # the acceptance task's scores, before the other tasks
     t_rest = time.perf_counter()
-    result["ruler"] = merge_rows(result["ruler"], ruler(args, scale, dtype, passes(args)[1:2]))
+    result["ruler"] = merge_rows(result["ruler"], phase(
+        result, "ruler_tasks", lambda: ruler(args, scale, dtype, passes(args)[1:2]), []))
     rest_s = time.perf_counter() - t_rest
     result["ruler_seconds"] = round(time.perf_counter() - t, 1)
     if result["ruler"]:
         plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
     save(args.out, result)
     t = time.perf_counter()
-    result["ppl"] = perplexity(args, result["ruler"], scale)
+    result["ppl"] = phase(result, "ppl", lambda: perplexity(args, result["ruler"], scale), [])
     result["ppl_seconds"] = round(time.perf_counter() - t, 1)
     save(args.out, result)
     t = time.perf_counter()  # the diagnosis last: a window cut short loses it first
@@ -371,7 +385,8 @@ def main(argv=None) -> int:
         result["in_format_skipped"] = f"an estimated {need:.0f} s with {left:.0f} s left of --limit-s {args.limit_s}"
         print(f"{IN_FORMAT} skipped: {result['in_format_skipped']}", flush=True)
     else:
-        result["ruler"] = merge_rows(result["ruler"], ruler(args, scale, dtype, passes(args)[2:]))
+        result["ruler"] = merge_rows(result["ruler"], phase(
+            result, "in_format", lambda: ruler(args, scale, dtype, passes(args)[2:]), []))
     result["in_format_seconds"] = round(time.perf_counter() - t, 1)
     if result["ruler"]:
         plot_ruler(args.out, result["ruler"], args.samples, args.rest_samples)
@@ -386,7 +401,9 @@ def main(argv=None) -> int:
     print(f"{IN_FORMAT} (the training format, not the acceptance): {result['in_format']}")
     print(f"total {result['total_seconds']} s (train {result['train_seconds']}, RULER {result['ruler_seconds']}, "
           f"ppl {result['ppl_seconds']}, {IN_FORMAT} {result['in_format_seconds']}); {args.out}/gpu_recipe.json")
-    return 1 if "train_error" in result else 0
+    for name, error in result.get("errors", {}).items():
+        print(f"{name} failed: {error.splitlines()[0]}")
+    return 1 if "train_error" in result or result.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -145,6 +145,56 @@ def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_pat
     assert "gpu_recipe" not in [s["step"] for s in steps]  # a window of its own: only when --only names it
 
 
+def test_a_running_step_is_packed_as_it_goes_and_killed_whole_at_its_cap(tmp_path):
+    """The window packs its results while a step runs, not only after it: a device call that ends the whole window
+    mid-step (its time limit) still returns what the step wrote. The step sees LONGSTRIDE_DEADLINE, its cap's end,
+    and at the cap its process group is killed, a grandchild included."""
+    import sys
+    import time
+
+    from benchmarks.device_window import run_step
+
+    marker, child, grandchild = tmp_path / "grandchild_alive", tmp_path / "child.py", tmp_path / "grandchild.py"
+    grandchild.write_text(f"import time\ntime.sleep(2.5)\nopen({str(marker)!r}, 'w').close()\n")
+    child.write_text(
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, {str(grandchild)!r}])\n"
+        "print('deadline', os.environ['LONGSTRIDE_DEADLINE'], flush=True)\n"
+        "time.sleep(30)\n")
+    packs, row = [], {}
+    t0 = time.time()
+    text = run_step([sys.executable, str(child)], 1.5, dict(os.environ), str(tmp_path / "step.log"), row,
+                    lambda: packs.append((tmp_path / "step.log").read_text()), every=0.4)
+    assert row["status"] == "timed out at 2 s" and time.time() - t0 < 10
+    assert any(p.startswith("deadline ") for p in packs), "packed while running, with the step's output so far"
+    assert abs(float(text.split()[1]) - (t0 + 1.5)) < 2 and row["status"] != "running"
+    time.sleep(2)
+    assert not marker.exists(), "the step's whole process group was killed at its cap"
+
+
+def test_a_failed_eval_phase_of_the_gpu_recipe_does_not_end_the_ones_after_it(tmp_path, monkeypatch):
+    """An eval phase that fails (here the acceptance task's RULER pass, as an out-of-memory error would) is kept in
+    the result's errors and the command goes on to the other tasks and perplexity, then exits 1."""
+    from benchmarks import gpu_recipe
+
+    calls = []
+
+    def ruler(args, scale, dtype, chosen):
+        calls.append(chosen[0][0])
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return []
+
+    monkeypatch.setattr(gpu_recipe, "run", lambda cmd, log_path, env: open(log_path, "w").close() or "")
+    monkeypatch.setattr(gpu_recipe, "stage_rows", lambda run, log: [])
+    monkeypatch.setattr(gpu_recipe, "ruler", ruler)
+    monkeypatch.setattr(gpu_recipe, "perplexity", lambda args, rows, scale: calls.append("ppl") or [{"ppl": 2.0}])
+    rc = gpu_recipe.main(["--rehearsal", "--out", str(tmp_path), "--limit-s", "0"])
+    got = json.loads((tmp_path / "gpu_recipe.json").read_text())
+    assert rc == 1 and "CUDA out of memory" in got["errors"]["ruler_acceptance"]
+    assert len(calls) == 4 and calls[-2] == "ppl" and got["ppl"] == [{"ppl": 2.0}], calls
+
+
 def test_collect_keeps_a_gpu_recipe_cut_short_during_ruler(tmp_path):
     """A window whose gpu_recipe step was killed at its cap while scoring: gpu_recipe.json has the stages only,
     the first RULER pass saved its rows; --collect returns both, the rows marked incomplete."""

@@ -43,7 +43,7 @@ from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, 
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import restore_stage, save_stage
 from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum
-from longstride.recipes.run.tracking import peak_memory_gib
+from longstride.recipes.run.tracking import peak_memory_gib, reset_peak_memory
 
 if TYPE_CHECKING:  # the types of the run's objects, for readers and checkers only
     from accelerate import Accelerator
@@ -353,6 +353,7 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
         remove_partial(stage_dir)
     acc.wait_for_everyone()
     resume = from_main(lambda: latest_checkpoint(stage_dir, warn=tracker.warning))
+    reset_peak_memory(acc.device)
     run = build_stage(ctx, plan, init_from, resume)
     if resume:
         restore_stage(ctx, run, resume)

@@ -5,6 +5,7 @@ methods do nothing. One wandb run per stage, grouped by recipe, closed in `final
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -23,6 +24,16 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     if device.type == "cuda":
         return "cuda_max_allocated", torch.cuda.max_memory_allocated(device) / 2**30
     return "cpu_peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """At a stage's start: the previous stage's model and optimizer freed (accelerate's prepared module is in a
+    reference cycle, which only the collector breaks) and the CUDA peak reset, so that each stage's logged peak is
+    its own, not the largest of the stages before it."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def rewind_metrics(path: str, first_step: int) -> None:
