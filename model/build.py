@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
+from longstride.model.manifest import check_manifest
 from longstride.model.rope import apply_yarn, max_positions, record_trained_length, set_rope_base, trained_length
 
 
@@ -85,10 +86,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 def check_checkpoint_weights(path: str, field_name: str) -> None:
     """An HF model directory whose weights from_pretrained can read: a weights file (or index) there, and every
-    safetensors file's header whole (a truncated or torn copy fails here, naming the file, before any compute)."""
+    safetensors file's header whole (a truncated or torn copy fails here, naming the file, before any compute);
+    a directory longstride wrote (a final, an export, a shipped model) also matches its manifest file by file."""
     import json
 
     from safetensors import SafetensorError, safe_open
+
+    check_manifest(path, field_name)
 
     found = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
     if not found:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+from longstride.model.manifest import write_manifest
 from longstride.overrides import parse, run
 
 
@@ -41,10 +44,11 @@ def convert(gguf: str, out: str) -> str:
 
     if not os.path.isfile(gguf):
         raise ValueError(f"gguf={gguf!r} does not exist")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        what = "already holds a checkpoint" if os.path.exists(os.path.join(out, "config.json")) else "is not empty"
+        raise ValueError(f"out={out!r} {what}; choose another directory or delete it")
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("the gguf package is needed to read GGUF files: pip install gguf")
-    if os.path.exists(os.path.join(out, "config.json")):
-        raise ValueError(f"out={out!r} already holds a checkpoint; choose another directory or delete it")
     folder, name = os.path.split(os.path.abspath(gguf))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
@@ -52,10 +56,17 @@ def convert(gguf: str, out: str) -> str:
     settings.pop("quantization_config", None)
     model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(settings))
     model.load_state_dict(loaded.state_dict())  # strict: every weight is carried over
-    tmp = out.rstrip("/") + ".tmp"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
+    parent, base = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=parent)  # this conversion's own: never an earlier crash's
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_manifest(tmp, world_size=1, extra={"converted_from": os.path.abspath(gguf)})
+        os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

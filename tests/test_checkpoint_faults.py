@@ -150,7 +150,7 @@ def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_dama
 
     def save(step: int, keep_last: int) -> None:
         with writing_checkpoint(str(stage / step_name(step)), rank=0, is_main=True, barrier=lambda: None,
-                                trainer_state={"step": step}, rank_state=None, meta={}, keep_last=keep_last) as d:
+                                trainer_state={"step": step}, rank_state={}, meta={}, keep_last=keep_last) as d:
             with open(os.path.join(d, "weights.bin"), "wb") as f:
                 f.write(bytes([step]) * 64)
 
@@ -163,6 +163,36 @@ def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_dama
     assert latest_checkpoint(str(stage)).endswith("step_000050") and verify(str(stage / "step_000050")) is None
     save(70, keep_last=2)  # past the damaged one: it is older now, and the newest keep_last are kept
     assert sorted(p.name for p in stage.iterdir()) == ["step_000060", "step_000070"]
+
+
+def test_a_manifest_that_lists_too_little_or_cannot_be_read_is_damage_naming_it(tmp_path, monkeypatch):
+    """verify() never raises: a manifest entry without its size, a file it cannot read, and a step checkpoint whose
+    manifest leaves out what a resume reads (trainer.pt, stage.json, a rank's state: the file removed with its entry)
+    are each reported as damage naming the file, so a resume falls back past them."""
+    from longstride.model import manifest as files
+    from longstride.recipes.checkpoint.format import verify, write_manifest
+
+    ck = tmp_path / "step_000004"
+    ck.mkdir()
+    for name in ("trainer.pt", "stage.json", "rank0.pt", "rank1.pt"):
+        (ck / name).write_bytes(name.encode())
+    write_manifest(str(ck), world_size=2)
+    assert verify(str(ck)) is None
+    manifest = json.loads((ck / "manifest.json").read_text())
+    del manifest["files"]["rank1.pt"]
+    (ck / "rank1.pt").unlink()
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(str(ck)) == "manifest.json does not list rank1.pt, which this checkpoint has"
+    del manifest["files"]["stage.json"]["bytes"]
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(str(ck)).startswith("manifest.json is unreadable (KeyError: 'bytes')")
+    write_manifest(str(ck), world_size=1)
+
+    def bad_sector(path):  # EIO from the disk (a permission test cannot fail here: the suite may run as root)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(files, "sha256", bad_sector)
+    assert verify(str(ck)) == "rank0.pt cannot be read ([Errno 5] Input/output error)"
 
 
 def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):

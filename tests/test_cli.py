@@ -85,13 +85,18 @@ def test_small_commands_name_what_is_wrong(tmp_path):
         export_hf("/no/such", str(tmp_path / "out"))
     with pytest.raises(ValueError, match=r"gguf='/no/such.gguf' does not exist"):
         convert("/no/such.gguf", str(tmp_path / "out"))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "used" / "notes").mkdir(parents=True)  # an out that is not empty would be replaced or merged into
+    with pytest.raises(ValueError, match=r"out='.*used' is not empty; choose another directory"):
+        convert(str(tmp_path / "model.gguf"), str(tmp_path / "used"))
     with pytest.raises(ValueError, match=r"threads=-1 must be >= 1"):
         parse_ruler([f"checkpoint={SHIPPED}/tiny_base_256", "threads=-1"])
 
 
 def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
-    """A torn copy (truncated safetensors) or a config-only directory is named by every eval command before the
-    model is loaded, as training's validation does (model/build.py check_checkpoint_weights)."""
+    """A torn copy (truncated safetensors), a config-only directory, or a copy that no longer matches the manifest
+    longstride wrote with it (bit rot in a weight) is named by every eval command before the model is loaded, as
+    training's validation does (model/build.py check_checkpoint_weights)."""
     from longstride.eval.ppl import parse as parse_ppl
     from longstride.eval.ruler.compare import CompareConfig, check
     from longstride.eval.ruler.run import parse as parse_ruler
@@ -99,11 +104,22 @@ def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
 
     torn = tmp_path / "torn"
     shutil.copytree(os.path.join(SHIPPED, "tiny_base_256"), torn)
+    (torn / "manifest.json").unlink()  # an HF directory as most are: no manifest to check against
     os.truncate(torn / "model.safetensors", (torn / "model.safetensors").stat().st_size // 2)
     bare = tmp_path / "bare"
     shutil.copytree(torn, bare)
     (bare / "model.safetensors").unlink()
+    rot = tmp_path / "rot"  # one byte of a weight flipped: the file reads, its manifest says otherwise
+    shutil.copytree(os.path.join(SHIPPED, "tiny_base_256"), rot)
+    with open(rot / "model.safetensors", "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
     for parse_cmd in (parse_ruler, parse_ppl):
+        with pytest.raises(ValueError, match=rf"checkpoint='{rot}' does not match its manifest.json: "
+                                             "model.safetensors does not match its checksum"):
+            parse_cmd([f"checkpoint={rot}"])
         with pytest.raises(ValueError, match=rf"checkpoint='{torn}': model.safetensors cannot be read"):
             parse_cmd([f"checkpoint={torn}"])
         with pytest.raises(ValueError, match=rf"checkpoint='{bare}' has no weights"):

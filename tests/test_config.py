@@ -314,16 +314,19 @@ def test_a_pretrained_model_is_refused_a_tokenizer_that_is_not_its_own(tmp_path)
 @pytest.mark.parametrize("damage, message", [
     ("no_weights", "has no weights (none of model.safetensors"),
     ("truncated", "model.safetensors cannot be read (Error while deserializing header"),
+    ("truncated_with_manifest", "does not match its manifest.json: model.safetensors has"),
 ])
 def test_a_base_checkpoint_without_readable_weights_is_refused_at_validation(tmp_path, damage, message):
     """The user's own base: missing or torn weights are named at validation, not met as transformers' traceback
-    after the corpus was built."""
+    after the corpus was built; a base longstride wrote (with its manifest) is checked against the manifest."""
     import shutil
 
     from longstride.recipes.config.schema import SHIPPED
 
     base = tmp_path / "base"
     shutil.copytree(os.path.join(SHIPPED, "tiny_base_256"), base)
+    if damage != "truncated_with_manifest":
+        (base / "manifest.json").unlink()  # an HF directory as most are
     weights = base / "model.safetensors"
     if damage == "no_weights":
         weights.unlink()

@@ -17,7 +17,6 @@ warning about each one it passes over.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -32,12 +31,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from longstride.model.manifest import MANIFEST, check_files, fsync_path, write_manifest
 from longstride.parallel.shards import METADATA as SHARD_METADATA, UnsafeCheckpoint
 from longstride.recipes.run.faults import test_kill
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp-"
-MANIFEST = "manifest.json"
 
 
 class CheckpointError(ValueError):
@@ -55,56 +54,13 @@ def step_checkpoints(stage_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None) -> None:
-    """Lists every file of a written checkpoint (size, SHA-256) with the run's layout (`extra`: dp, cp,
-    config fingerprint), then fsyncs it and the directory."""
-    files = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name != MANIFEST and os.path.isfile(path):
-            fsync_path(path)
-            files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"world_size": world_size, **(extra or {}), "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(directory)
-
-
 def verify(directory: str) -> Optional[str]:
-    """None if the checkpoint matches its manifest, else why not (naming the file)."""
-    try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            files = json.load(f)["files"]
-    except FileNotFoundError:
-        return f"no {MANIFEST} (the write did not finish)"
-    except (ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is unreadable ({e})"
-    for name, want in files.items():
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            return f"{name} is missing"
-        if os.path.getsize(path) != want["bytes"]:
-            return f"{name} has {os.path.getsize(path)} bytes, the manifest says {want['bytes']}"
-        if sha256(path) != want["sha256"]:
-            return f"{name} does not match its checksum"
-    return None
+    """None if the checkpoint matches its manifest, else why not (naming the file: model/manifest.py). A step
+    checkpoint's manifest must also list what a resume reads: trainer.pt, stage.json, each rank's state (not the
+    shards' .metadata: a checkpoint from before shards lacks it, and its load says what to do)."""
+    step = STEP_RE.match(os.path.basename(os.path.normpath(directory)))
+    return check_files(directory, lambda world: ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)))
+                       if step else ())
 
 
 def manifest_world(directory: str) -> int:

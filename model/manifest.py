@@ -1,0 +1,85 @@
+"""A checkpoint directory's manifest: every file's size and SHA-256 (with the writer's layout), written last and
+checked before the directory is used. A step checkpoint, a stage's final and a shipped model all carry one
+(recipes/checkpoint/format.py writes them); evaluation and training check one wherever it is present.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Optional
+
+MANIFEST = "manifest.json"
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None) -> None:
+    """Lists every file of a written checkpoint (size, SHA-256) with the run's layout (`extra`: dp, cp,
+    config fingerprint), then fsyncs it and the directory."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name != MANIFEST and os.path.isfile(path):
+            fsync_path(path)
+            files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"world_size": world_size, **(extra or {}), "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(directory)
+
+
+def check_files(directory: str, required: Callable[[int], tuple] = lambda world: ()) -> Optional[str]:
+    """None if `directory` matches its manifest, else why not, naming the file. `required(world_size)`: names the
+    manifest must list (what the directory's reader needs). A file that cannot be read counts as damage, as a wrong
+    size or checksum does; a manifest that cannot be parsed is damage too: this never raises."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            manifest = json.load(f)
+        files = {name: (int(want["bytes"]), str(want["sha256"])) for name, want in manifest["files"].items()}
+        world = int(manifest.get("world_size", 1))
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the write did not finish)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    unlisted = [n for n in required(world) if n not in files]
+    if unlisted:
+        return f"{MANIFEST} does not list {', '.join(unlisted)}, which this checkpoint has"
+    for name, (size, digest) in files.items():
+        path = os.path.join(directory, name)
+        try:
+            if not os.path.isfile(path):
+                return f"{name} is missing"
+            if os.path.getsize(path) != size:
+                return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+            if sha256(path) != digest:
+                return f"{name} does not match its checksum"
+        except OSError as e:
+            return f"{name} cannot be read ({e})"
+    return None
+
+
+def check_manifest(path: str, field_name: str) -> None:
+    """A model directory given as `field_name`: when it carries a manifest (longstride wrote it), every file must
+    match it; a corrupt or tampered copy fails here, naming the file, before it is loaded."""
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return
+    problem = check_files(path)
+    if problem:
+        raise ValueError(f"{field_name}={path!r} does not match its {MANIFEST}: {problem}; copy the checkpoint again "
+                         "(or, for a directory you changed on purpose, remove its manifest.json)")
