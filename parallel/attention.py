@@ -1,11 +1,11 @@
 """longstride's attention inside transformers models, through transformers' registries.
 
 `register()` adds the name "longstride" to AttentionInterface and AttentionMaskInterface. The mask
-function builds no L x L mask: it returns None, or a note that the mask would hold padding or documents that
-no doc_layout describes, which the attention refuses (MaskBeyondCausal); the attention function reads the batch's
-document layout from the `doc_layout` keyword that the training step passes to the model forward,
-which transformers forwards untouched to every attention call, and the layer's own pattern (sliding
-window, chunk, sinks: parallel/pattern.py) from the layer and the arguments it passes.
+function builds no L x L mask: it returns None, or a note of what the model's own mask would hold beyond plain
+causal attention (padding, documents, a window: MaskNote), which the attention checks its call against. The
+attention function reads the batch's document layout from the `doc_layout` keyword that the training step passes
+to the model forward, which transformers forwards untouched to every attention call, and the layer's own pattern
+(sliding window, chunk, sinks: parallel/pattern.py) from the layer and the arguments it passes.
 
 With context parallelism, `parallel.cp.shard_for_cp` cuts a packed batch into this rank's share and
 builds the ring plan from the full batch's document ids; the model then sees only local tokens (RoPE
@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from longstride.model.tiling import autocast_on
 from longstride.parallel.cp import DocLayout, method
 from longstride.parallel.kernels import doc_attention
-from longstride.parallel.pattern import ABSENT, LAYER_TYPES, layer_pattern
+from longstride.parallel.pattern import ABSENT, LAYER_TYPES, Pattern, layer_pattern
 
 NAME = "longstride"
 
@@ -134,12 +134,6 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         if kwargs.get(key_name) is not None:
             raise NotImplementedError(f"{where} asks for {what} ({key_name}), which longstride's attention does not "
                                       "implement; refused rather than dropped")
-    if isinstance(attention_mask, MaskBeyondCausal) and (attention_mask.padding or doc_layout is None):
-        what = "padding (zeros in attention_mask)" if attention_mask.padding else \
-            "more than causal attention (packed documents: position_ids restarting at 0; or a model's own mask rule)"
-        raise NotImplementedError(f"{where}: the batch's mask holds {what}, and longstride's attention reads documents "
-                                  "only from doc_layout; pack the rows with longstride's collator (LongstrideCollator: "
-                                  "documents, padding as a trailing document), or run the model's own attention")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"{where}: value heads of size {value.shape[-1]} against query heads of size "
                                   f"{query.shape[-1]}; longstride's kernels take one head size")
@@ -147,6 +141,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
     longest = key.shape[2] * (layout.cp.degrees.cp if layout.cp.method else 1)
     pattern = layer_pattern(module, kwargs.get("sliding_window", ABSENT)).within(longest)
+    check_mask(where, attention_mask, doc_layout, pattern, longest)
     sinks = kwargs.get("s_aux")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "
@@ -176,17 +171,49 @@ def _same_dtype(q, k, v):
 
 
 @dataclass(frozen=True)
-class MaskBeyondCausal:
-    """In place of transformers' mask, which longstride's attention does not read (documents come as `doc_layout`),
-    what that mask would have held beyond causal attention: padding (zeros in attention_mask), or anything else
-    (documents from position_ids restarting at 0, a model's extra mask functions). Refused by the attention unless
-    a doc_layout says what the rows hold."""
-    padding: bool
+class MaskNote:
+    """In place of transformers' mask, which longstride's attention does not build (documents come as
+    `doc_layout`), what that mask would hold beyond plain causal attention: padding (zeros in attention_mask),
+    anything else (documents from position_ids restarting at 0, a model's extra mask rules), and the window or
+    chunk (`local`) the model's own mask gives the layers it is built for. None stands for a plain causal mask.
+    `padding`: padding before a real token (left or inside a row: "padding (zeros in attention_mask)")."""
+    padding: bool = False
+    beyond_causal: bool = False
+    local: Optional[int] = None
 
 
-def no_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
-    padding = attention_mask is not None and not bool(attention_mask.all())
-    return MaskBeyondCausal(padding) if padding or not allow_is_causal_skip else None
+def no_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, local_size: Optional[int] = None, **kwargs):
+    """transformers' mask call -> None or a MaskNote. Right padding is not padding here: causal attention computes
+    every real token exactly without it (only the padding's own outputs, which nothing reads, differ)."""
+    padding = False
+    if attention_mask is not None and attention_mask.dim() == 2:
+        real = attention_mask.bool()
+        padding = bool((~real[:, :-1] & real[:, 1:]).any())  # a padded position before a real one
+    note = MaskNote(padding, not allow_is_causal_skip, int(local_size) if local_size else None)
+    return None if note == MaskNote() else note
+
+
+def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> None:
+    """The attention call against the mask transformers' eager attention would have used (no_mask's note): refused
+    where they differ, never computed one way or the other. Padding, and documents no doc_layout describes, are
+    not computed; nor is a layer whose call asks for another window or chunk than its mask holds (a config whose
+    layer types and sliding_window disagree; a model whose mask ignores the window its calls pass)."""
+    if mask is not None and not isinstance(mask, MaskNote):
+        return  # a mask built elsewhere (a 4D tensor the caller passed): transformers' own concern
+    note = mask or MaskNote()
+    if note.padding or (note.beyond_causal and doc_layout is None):
+        what = "padding (zeros in attention_mask)" if note.padding else \
+            "more than causal attention (packed documents: position_ids restarting at 0; or a model's own mask rule)"
+        raise NotImplementedError(f"{where}: the batch's mask holds {what}, and longstride's attention reads documents "
+                                  "only from doc_layout; pack the rows with longstride's collator (LongstrideCollator: "
+                                  "documents, padding as a trailing document), or run the model's own attention")
+    masked, called = Pattern(note.local).within(longest).window, pattern.window or pattern.chunk
+    if masked != called:
+        raise NotImplementedError(
+            f"{where}: its attention call asks for {'a window or chunk of ' + str(called) if called else 'no window'}"
+            f" and transformers' own mask for it holds {'one of ' + str(masked) if masked else 'none'} (see "
+            "config.sliding_window, config.layer_types, use_sliding_window); refused rather than computing one of "
+            "them. Make the config consistent, or run the model's own attention")
 
 
 def register() -> str:

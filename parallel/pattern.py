@@ -85,28 +85,17 @@ def layer_pattern(module, sliding_window=ABSENT) -> Pattern:
     passes none, its own `sliding_window`: Qwen2-MoE), and its layer type's chunking (Llama 4:
     config.layer_types[i] == "chunked_attention" with config.attention_chunk_size). An explicit
     sliding_window=None is a full layer, whatever the module keeps (EXAONE 4 keeps the window on every layer and
-    passes None on its full ones). Where the config lists layer types, the window must be the one transformers'
-    own mask gives that type (config.sliding_window on sliding_attention layers, none elsewhere): a layer whose
-    call and mask disagree is refused, not computed one way or the other."""
+    passes None on its full ones)."""
     window = getattr(module, "sliding_window", None) if sliding_window is ABSENT else sliding_window
-    window = int(window) if window else None
     chunk = None
     cfg, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
     types = getattr(cfg, "layer_types", None)
-    if types and idx is not None and idx < len(types):
-        masked = getattr(cfg, "sliding_window", None) if types[idx] == "sliding_attention" else None
-        if window != (int(masked) if masked else None):
-            raise NotImplementedError(
-                f"{type(module).__name__} layer {idx}: its attention call uses sliding window {window}, while "
-                f"transformers' own mask for its layer type {types[idx]!r} uses {masked} (config.sliding_window="
-                f"{getattr(cfg, 'sliding_window', None)}, config.layer_types); refused rather than computing one of "
-                "them. Make the config consistent (e.g. use_sliding_window, layer_types)")
-        if types[idx] == "chunked_attention":
-            chunk = getattr(cfg, "attention_chunk_size", None)
-            if not chunk:
-                raise ValueError(f"{type(module).__name__} layer {idx} is a chunked_attention layer but "
-                                 "config.attention_chunk_size is not set; set it or change config.layer_types")
-    return Pattern(window, int(chunk) if chunk else None)
+    if types and idx is not None and idx < len(types) and types[idx] == "chunked_attention":
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        if not chunk:
+            raise ValueError(f"{type(module).__name__} layer {idx} is a chunked_attention layer but "
+                             "config.attention_chunk_size is not set; set it or change config.layer_types")
+    return Pattern(int(window) if window else None, int(chunk) if chunk else None)
 
 
 def chunk_bounds(bounds, chunk: Optional[int]):

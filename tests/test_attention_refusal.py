@@ -5,6 +5,7 @@ layers without a chunk size. Sliding windows, chunks and sinks are computed (tes
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import transformers as T
 
-from longstride.parallel.attention import longstride_attention, unsupported_attention, use_longstride_attention
+from longstride.parallel.attention import MaskNote, longstride_attention, unsupported_attention, use_longstride_attention
 from longstride.parallel.cp import CPContext
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -71,14 +72,15 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     with pytest.raises(ValueError, match="s_aux"):
         longstride_attention(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(3))
     plain, _ = longstride_attention(torch.nn.Module(), q, k, v, None)
-    wide, _ = longstride_attention(torch.nn.Module(), q, k, v, None, sliding_window=8)
-    narrow, _ = longstride_attention(torch.nn.Module(), q, k, v, None, sliding_window=2)
+    # each with the mask note transformers' sliding-window mask call gives it (MaskNote: no_mask)
+    wide, _ = longstride_attention(torch.nn.Module(), q, k, v, MaskNote(local=8), sliding_window=8)
+    narrow, _ = longstride_attention(torch.nn.Module(), q, k, v, MaskNote(local=2), sliding_window=2)
     assert torch.equal(plain, wide) and not torch.allclose(plain, narrow)
 
 
 def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     """longstride's attention reads documents only from doc_layout. Called as a plain attention implementation, a
-    padded batch (zeros in attention_mask) or packed rows (position_ids restarting at 0, which transformers' own
+    left-padded batch (zeros in attention_mask before a real token) or packed rows (position_ids restarting at 0, which transformers' own
     mask turns into documents) are refused; they were computed as one causal sequence, 0.2 away from eager. The
     same rows with a doc_layout, a plain batch, and an all-ones mask run."""
     from longstride.parallel.cp import shard_for_cp
@@ -95,6 +97,11 @@ def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     pad[0, :5] = 0
     with pytest.raises(NotImplementedError, match=r"holds padding \(zeros in attention_mask\)"):
         model(input_ids=ids, attention_mask=pad)
+    right = pad.flip(1)  # right padding: every real token is computed exactly, as eager does
+    model.set_attn_implementation("eager")
+    ref = model(input_ids=ids, attention_mask=right).logits[0, :-5]
+    use_longstride_attention(model)
+    assert (model(input_ids=ids, attention_mask=right).logits[0, :-5] - ref).abs().max() < 1e-5
     local, layout = shard_for_cp(batch, True, CPContext())
     with pytest.raises(NotImplementedError, match="holds padding"):  # padding is refused even with documents
         model(input_ids=ids, position_ids=pos, attention_mask=pad, doc_layout=layout)
@@ -103,18 +110,44 @@ def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     model(input_ids=ids)
 
 
-def test_a_layer_whose_call_and_mask_disagree_on_its_window_is_refused():
-    """transformers' eager mask takes a layer's window from config.layer_types and config.sliding_window; the
-    attention call from its sliding_window keyword. SmolLM3 with sliding layers listed but use_sliding_window=False
-    passes no window while the mask has one: refused, naming both, rather than computing either."""
-    cfg = T.SmolLM3Config(**SMALL, sliding_window=8, use_sliding_window=False, pad_token_id=0, bos_token_id=0, eos_token_id=1,
-                          layer_types=["sliding_attention", "full_attention"])
-    model = T.SmolLM3ForCausalLM(cfg)
+WINDOW_CASES = {  # a layer's call against the mask transformers' eager attention builds for it
+    # listed sliding layers, use_sliding_window=False: the calls pass no window, the mask has one
+    "smollm3_inconsistent": (lambda: T.SmolLM3ForCausalLM(T.SmolLM3Config(
+        **SMALL, sliding_window=8, use_sliding_window=False, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+        layer_types=["sliding_attention", "full_attention"])), "asks for no window and transformers' own mask for it "
+                                                               "holds one of 8"),
+    # the calls pass no window, the mask has one (PhiMoE), or the other way round (OLMoE): 0.2 off eager before
+    "phimoe": (lambda: T.PhimoeForCausalLM(T.PhimoeConfig(**SMALL, sliding_window=8, num_local_experts=2)),
+               "asks for no window and transformers' own mask for it holds one of 8"),
+    "olmoe": (lambda: T.OlmoeForCausalLM(T.OlmoeConfig(**SMALL, sliding_window=8, num_experts=2,
+                                                       num_experts_per_tok=1)),
+              "asks for a window or chunk of 8 and transformers' own mask for it holds none"),
+    # Mistral takes layer_types as an extra key and windows every layer, calls and mask alike: computed
+    "mistral_with_layer_types": (lambda: T.MistralForCausalLM(T.MistralConfig(
+        **SMALL, sliding_window=8, layer_types=["sliding_attention", "full_attention"])), None),
+    "mistral_window_past_the_sequence": (lambda: T.MistralForCausalLM(T.MistralConfig(
+        **SMALL, sliding_window=4096, layer_types=["sliding_attention", "full_attention"])), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_CASES))
+def test_a_layer_whose_call_and_mask_disagree_on_its_window_is_refused(name):
+    """transformers' eager attention windows a layer by the mask the model builds for it; the attention call by its
+    sliding_window keyword. Where they differ, the model's own attention implementations disagree too (flash follows
+    the call, eager the mask): refused, naming both. Where they agree longstride equals eager."""
+    make, refused = WINDOW_CASES[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    model.config.use_cache = False
+    ids = torch.randint(2, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    model.set_attn_implementation("eager")
+    ref = model(input_ids=ids).logits
     use_longstride_attention(model)
-    with pytest.raises(NotImplementedError, match=r"SmolLM3Attention layer 0: its attention call uses sliding window "
-                                                  r"None, while transformers' own mask for its layer type "
-                                                  r"'sliding_attention' uses 8"):
-        model(input_ids=torch.randint(2, 64, (1, 24)))
+    if refused:
+        with pytest.raises(NotImplementedError, match=re.escape(refused)):
+            model(input_ids=ids)
+    else:
+        assert (model(input_ids=ids).logits - ref).abs().max() < 1e-5
 
 
 def test_a_recipe_on_a_soft_capped_checkpoint_fails_before_any_data(tmp_path):
