@@ -118,7 +118,14 @@ def steps(work: str) -> list[Step]:
 
 
 def _size(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except FileNotFoundError:  # removed by a running step since the walk listed it
+                pass
+    return total
 
 
 def pack(work: str, out: str, log: list[str], summary: list[dict], started: float, budget: float) -> None:
@@ -143,12 +150,15 @@ def _tar(work: str, path: str) -> None:
         for root, dirs, files in os.walk(work):
             # each run's metrics, configs and logs come back; step checkpoints stay behind, and final ones unless
             # small (the main job's: its scores can then be checked on a CPU)
-            dirs[:] = [d for d in dirs if d not in ("wandb", ".hydra") and not d.startswith("step_")
+            dirs[:] = [d for d in dirs if d not in ("wandb", ".hydra") and not d.startswith(("step_", ".tmp-"))
                        and not (d == "final" and _size(os.path.join(root, d)) > 16 << 20)]
             for name in files:
                 path = os.path.join(root, name)
-                if os.path.getsize(path) < 8 << 20:
-                    tar.add(path, arcname=os.path.relpath(path, work))
+                try:
+                    if os.path.getsize(path) < 8 << 20:
+                        tar.add(path, arcname=os.path.relpath(path, work))
+                except FileNotFoundError:  # replaced or removed by a running step since the walk listed it
+                    continue
 
 
 def window(out: str, budget: float, smoke: bool, only: list[str] | None = None) -> list[dict]:
@@ -197,19 +207,27 @@ def run_step(cmd: list[str], cap: float, env: dict, log_path: str, row: dict, ch
     with open(log_path, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "LONGSTRIDE_DEADLINE": f"{deadline:.0f}"}, stdout=sink,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        while True:
-            try:
-                proc.wait(timeout=max(0.0, min(every, deadline - time.time())))
-                row["status"] = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-                break
-            except subprocess.TimeoutExpired:
-                if time.time() >= deadline:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    row["status"] = f"timed out at {cap:.0f} s"
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=max(0.0, min(every, deadline - time.time())))
+                    row["status"] = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
                     break
-                row["status"] = "running"
-                checkpoint()
+                except subprocess.TimeoutExpired:
+                    if time.time() >= deadline:
+                        row["status"] = f"timed out at {cap:.0f} s"
+                        break
+                    row["status"] = "running"
+                    try:
+                        checkpoint()
+                    except OSError as e:  # a file the step replaced mid-pack: the next pack takes it
+                        print(f"window: packing while {cmd[-1]} runs failed ({e}); trying again", flush=True)
+        finally:  # the group, whatever ended the wait: a launcher's workers may outlive the launcher itself
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     with open(log_path, errors="replace") as f:
         return f.read()
 

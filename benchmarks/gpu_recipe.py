@@ -128,9 +128,12 @@ def stage_rows(run: str, log: str) -> list[dict]:
 
 
 def save(out: str, result: dict) -> None:
+    """gpu_recipe.json, judged, written aside and renamed: the device window packs it while this runs."""
     judge(result)
-    with open(os.path.join(out, "gpu_recipe.json"), "w") as f:
+    path = os.path.join(out, "gpu_recipe.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def run(cmd: list[str], log_path: str, env: dict) -> str:

@@ -148,7 +148,7 @@ def test_device_window_skips_what_the_budget_cannot_hold_and_still_packs(tmp_pat
 def test_a_running_step_is_packed_as_it_goes_and_killed_whole_at_its_cap(tmp_path):
     """The window packs its results while a step runs, not only after it: a device call that ends the whole window
     mid-step (its time limit) still returns what the step wrote. The step sees LONGSTRIDE_DEADLINE, its cap's end,
-    and at the cap its process group is killed, a grandchild included."""
+    and at the cap, or when the step ends, its process group is killed, a grandchild included."""
     import sys
     import time
 
@@ -170,6 +170,12 @@ def test_a_running_step_is_packed_as_it_goes_and_killed_whole_at_its_cap(tmp_pat
     assert abs(float(text.split()[1]) - (t0 + 1.5)) < 2 and row["status"] != "running"
     time.sleep(2)
     assert not marker.exists(), "the step's whole process group was killed at its cap"
+    # a step that ends (here failing at once) takes its group with it too: a launcher's workers may outlive it
+    child.write_text(f"import subprocess, sys\nsubprocess.Popen([sys.executable, {str(grandchild)!r}])\nsys.exit(1)\n")
+    run_step([sys.executable, str(child)], 30, dict(os.environ), str(tmp_path / "step.log"), row, lambda: None)
+    assert row["status"] == "failed (exit 1)"
+    time.sleep(3)
+    assert not marker.exists(), "the step's process group was killed when its launcher ended"
 
 
 def test_a_failed_eval_phase_of_the_gpu_recipe_does_not_end_the_ones_after_it(tmp_path, monkeypatch):
