@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Smo
 
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.manifest import check_manifest
-from longstride.model.rope import apply_yarn, max_positions, record_trained_length, set_rope_base, trained_length
+from longstride.model.rope import apply_yarn, record_trained_length, set_rope_base, trained_length
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -175,17 +175,17 @@ def build_model(
 def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resume: str) -> None:
     """A resumed stage keeps the RoPE its step checkpoint was trained with: a config that now gives the stage another
     one (a changed rope_theta, model.yarn or model.rope_layer_types, through train.resume_from) is refused, never
-    logged as applied while the checkpoint's goes on."""
+    logged as applied while the checkpoint's goes on. Only rope_parameters are compared (YaRN's factor and original
+    window are in them): max positions change nothing computed, and a stage may resume at another seq_len."""
     def rope(config):
-        text = config.get_text_config(decoder=True)
-        return text.rope_parameters, max_positions(config)
+        return config.get_text_config(decoder=True).rope_parameters
 
     if rope(saved) != rope(planned):
-        raise ValueError(f"the step checkpoint {resume} was trained with RoPE {rope(saved)[0]} ({rope(saved)[1]} "
-                         f"positions), and this config gives the stage {rope(planned)[0]} ({rope(planned)[1]}): a "
-                         "stage's RoPE (its rope_theta, model.yarn, model.rope_layer_types) cannot change mid-stage. "
-                         "Resume with the settings it was written with, or start the stage over from the previous "
-                         "stage's final (train.resume_from=<previous stage>/final)")
+        raise ValueError(f"the step checkpoint {resume} was trained with RoPE {rope(saved)}, and this config gives "
+                         f"the stage {rope(planned)}: a stage's RoPE (its rope_theta, model.yarn, "
+                         "model.rope_layer_types) cannot change mid-stage. Resume with the settings it was written "
+                         "with, or start the stage over from the previous stage's final (train.resume_from=<previous "
+                         "stage>/final)")
 
 
 def save_config(lm: torch.nn.Module, directory: str) -> None:

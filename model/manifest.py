@@ -44,10 +44,12 @@ def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None
     fsync_path(directory)
 
 
-def check_files(directory: str, required: Callable[[int], tuple] = lambda world: ()) -> Optional[str]:
+def check_files(directory: str, required: Callable[[int], tuple] = lambda world: (),
+                hashes: bool = True) -> Optional[str]:
     """None if `directory` matches its manifest, else why not, naming the file. `required(world_size)`: names the
-    manifest must list (what the directory's reader needs). A file that cannot be read counts as damage, as a wrong
-    size or checksum does; a manifest that cannot be parsed is damage too: this never raises."""
+    manifest must list (what the directory's reader needs); `hashes`: False compares sizes only. A file that cannot be
+    read counts as damage, as a wrong size or checksum does; a manifest that cannot be parsed is damage too: this
+    never raises."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
@@ -67,7 +69,7 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
                 return f"{name} is missing"
             if os.path.getsize(path) != size:
                 return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
-            if sha256(path) != digest:
+            if hashes and sha256(path) != digest:
                 return f"{name} does not match its checksum"
         except OSError as e:
             return f"{name} cannot be read ({e})"
@@ -76,10 +78,11 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
 
 def check_manifest(path: str, field_name: str) -> None:
     """A model directory given as `field_name`: when it carries a manifest (longstride wrote it), every file must
-    match it; a corrupt or tampered copy fails here, naming the file, before it is loaded."""
+    match it; a corrupt or tampered copy fails here, naming the file, before it is loaded. In a launched run every
+    process validates its config: only the first (RANK 0) reads every byte, the others compare sizes."""
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         return
-    problem = check_files(path)
+    problem = check_files(path, hashes=os.environ.get("RANK", "0") == "0")
     if problem:
         raise ValueError(f"{field_name}={path!r} does not match its {MANIFEST}: {problem}; copy the checkpoint again "
                          "(or, for a directory you changed on purpose, remove its manifest.json)")

@@ -140,6 +140,20 @@ def test_a_resume_from_a_step_checkpoint_under_another_rope_base_is_refused(kill
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_a_resume_compares_the_rope_not_the_max_positions(tmp_path):
+    """The resume check compares rope_parameters only: a stage resumed at another seq_len (train.resume_from with
+    train.resume_data=false, say after an out-of-memory) keeps its RoPE and resumes; another base is refused."""
+    from longstride.model.build import build_model, stage_config
+    from tests.conftest import compose_cfg
+
+    model = compose_cfg(["recipe=tiny"]).model
+    stage_config(model, 1e4, 256, 300, 0, 1).save_pretrained(tmp_path)  # the step checkpoint's config
+    lm = build_model(model, 1e4, 512, 300, 0, 1, resume=str(tmp_path))
+    assert lm.config.rope_parameters["rope_theta"] == 1e4
+    with pytest.raises(ValueError, match="cannot change mid-stage"):
+        build_model(model, 2e4, 256, 300, 0, 1, resume=str(tmp_path))
+
+
 def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_damaged_one(tmp_path):
     """Steps 20, 40, 60 written, 60 damaged: a resume falls back to 40, then saves 50 with train.keep_last=1 (a
     resumed run may lower it). Counting 60, the save deleted 40 and the 50 it had just written, leaving only the
