@@ -294,6 +294,21 @@ def manual_topics() -> tuple[str, ...]:
     return tuple(topics[k] for k in sorted(topics))
 
 
+def check_manual_held_out(sources: dict) -> None:
+    """Refuses a stdlib source that reads pydoc_data/topics.py beside a pymanual source: the manual's documents are
+    that file's text, so the topics the pymanual source holds out for validation would be trained on."""
+    manuals = [n for n, s in sources.items() if s.kind == "pymanual"]
+    if not manuals:
+        return
+    topics = str(stdlib_root() / "pydoc_data" / "topics.py")
+    for name, src in sources.items():
+        if src.kind == "stdlib" and topics in walk_files(src, f"data.sources.{name}"):
+            raise ValueError(f"data.sources.{name} reads pydoc_data/topics.py, the text of data.sources.{manuals[0]} "
+                             "(kind pymanual), whose held-out topics it would then train on; add it to "
+                             f"data.sources.{name}.exclude (e.g. exclude=\"{src.exclude + ',' if src.exclude else ''}"
+                             "pydoc_data/topics.py\")")
+
+
 def _check_pymanual(src: SourceConfig, field: str) -> None:
     if not STDLIB_SNAPSHOT.is_file():
         raise ValueError(f"{field}.kind=pymanual reads the manual's topics from {STDLIB_SNAPSHOT}, which is missing; "

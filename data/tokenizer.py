@@ -50,23 +50,44 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
     return AutoTokenizer.from_pretrained(final)
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] where the tokenizer puts it before text (Llama, Gemma: models that have only ever seen text after it),
+    else [] (SmolLM2, Qwen, the shipped tokenizers). Training opens every document with it, and evaluation every
+    prompt, so the two agree."""
+    bos = tokenizer.bos_token_id
+    return [bos] if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else []
+
+
 def tokenize_fn(tokenizer):
-    """A batched `datasets.map` function: each document's token ids with EOS appended. Rows with a
-    `loss_from` column (synthetic sources) store the tokens that end at or before that character as
-    context only (`context_only`), so they are seen but never trained on."""
-    eos = tokenizer.eos_token_id
+    """A batched `datasets.map` function: each document's token ids, after BOS where the tokenizer opens text with
+    it (bos_prefix), with EOS appended. Rows with a `loss_from` column (synthetic sources) store the tokens that end
+    at or before that character as context only (`context_only`), so they are seen but never trained on."""
+    eos, start = tokenizer.eos_token_id, bos_prefix(tokenizer)
 
     def tokenize(batch):
-        if "loss_from" not in batch:
-            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-            return {"input_ids": [x + [eos] for x in ids]}
-        enc = tokenizer(batch["text"], add_special_tokens=False, return_offsets_mapping=True)
+        if "loss_from" not in batch:  # verbose=False: documents longer than model_max_length are packed, not fed whole
+            ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+            return {"input_ids": [start + x + [eos] for x in ids]}
+        enc = tokenizer(batch["text"], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         out = []
-        for x, offsets, start in zip(enc["input_ids"], enc["offset_mapping"], batch["loss_from"]):
-            out.append([t if end > start else context_only(t) for t, (_, end) in zip(x, offsets)] + [eos])
+        for x, offsets, begin in zip(enc["input_ids"], enc["offset_mapping"], batch["loss_from"]):
+            out.append([context_only(t) for t in start]
+                       + [t if end > begin else context_only(t) for t, (_, end) in zip(x, offsets)] + [eos])
         return {"input_ids": out}
 
     return tokenize
+
+
+def save_tokenizer(tokenizer, directory: str, positions: int) -> None:
+    """The run's tokenizer into a checkpoint, its model_max_length raised to the model's max positions where it was
+    lower: a SmolLM2 tokenizer says 8192, and extended to 32K its checkpoint would still tell a downstream
+    truncation=True to cut at 8K. (The run's tokenizer object keeps its own value.)"""
+    before = tokenizer.model_max_length
+    tokenizer.model_max_length = max(int(before or 0), int(positions))
+    try:
+        tokenizer.save_pretrained(directory)
+    finally:
+        tokenizer.model_max_length = before
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them

@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 
 from longstride.data.files import list_files, stdlib_root
+from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
@@ -63,8 +64,7 @@ def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
     """Token ids of up to max_docs local documents of at least min_len tokens, each opening with the BOS token
     where the tokenizer puts one before text (Llama, Gemma: models that have only ever seen text after it)."""
     root = stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
-    bos = tokenizer.bos_token_id
-    start = [bos] if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else []
+    start = bos_prefix(tokenizer)  # as training opens each document (data/tokenizer.py)
     docs = []
     for path in list_files(root, cfg.glob):  # sorted: the same documents on every machine
         if os.path.getsize(path) < min_len:  # a token is at least one byte

@@ -376,6 +376,18 @@ def test_output_root_that_is_a_file(micro, tmp_path):
         validate(compose_cfg(micro + [f"paths.output_root={tmp_path / 'afile'}"]), 1)
 
 
+def test_a_stdlib_source_reading_the_manual_beside_a_pymanual_source_is_refused():
+    """The pymanual source's documents are pydoc_data/topics.py's text and it holds some out for validation; a stdlib
+    source reading that file trained on them (gpu_extend_64k's exclude had dropped it)."""
+    from longstride.recipes.config.plan import _check_data
+
+    over = ["recipe=gpu_extend_64k"]
+    _check_data(compose_cfg(over))
+    with pytest.raises(ValueError, match=r"data.sources.stdlib reads pydoc_data/topics.py, the text of "
+                                         r"data.sources.pymanual .*exclude=\"test/test_\[t-z\]\*.py,pydoc_data/topics.py\""):
+        _check_data(compose_cfg(over + ["data.sources.stdlib.exclude='test/test_[t-z]*.py'"]))
+
+
 def test_a_held_out_stdlib_file_that_synthetic_filler_would_train_on_is_refused():
     """Synthetic filler takes lines from the first standard-library files; holding one of them out of the stdlib
     source (for `eval ppl`) while a synthetic source draws filler from it would train on it anyway."""

@@ -228,3 +228,48 @@ def test_the_stage_logs_each_sources_share_of_its_tokens(tmp_path, cache_dir, to
     _, up = stage_sequences(cfg, corpus, 512, tok.pad_token_id, {"short": 0.75, "long": 0.25},
                             LongDocConfig(min_tokens=300, min_share=0.6))
     assert up["source_token_share"]["long"] >= 0.55, up  # the long source's documents repeated past its weight
+
+
+def test_documents_open_with_bos_where_the_tokenizer_opens_text_with_it():
+    """Training tokenizes without special tokens and appends EOS; a tokenizer that puts BOS before text (Llama,
+    Gemma) gets it at every document's start too, as evaluation puts it before every prompt (eval/ppl.py), so a
+    BOS model is not extended on text it never saw. In a synthetic row BOS is context (never a target either way:
+    the EOS before it has no label). A tokenizer without BOS (the shipped one, SmolLM2) is unchanged."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from longstride.data.batch import context_only
+    from longstride.data.tokenizer import bos_prefix, tokenize_fn
+    from longstride.recipes.config.schema import SHIPPED
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(SHIPPED, "tiny_base_256"))
+    plain = tokenize_fn(tok)({"text": ["hello world"]})["input_ids"][0]
+    assert bos_prefix(tok) == [] and plain == tok("hello world")["input_ids"] + [tok.eos_token_id]
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    assert tok("hello world")["input_ids"] == [bos] + plain[:-1]  # what the model saw in pretraining
+    assert tokenize_fn(tok)({"text": ["hello world"]})["input_ids"][0] == [bos] + plain
+    synthetic = tokenize_fn(tok)({"text": ["q: 1 a: 2"], "loss_from": [5]})["input_ids"][0]
+    assert synthetic[0] == context_only(bos) and bos_prefix(tok) == [bos]
+
+
+def test_a_checkpoints_tokenizer_says_the_models_max_positions(tmp_path):
+    """A tokenizer whose model_max_length is below the extended model's positions (SmolLM2's says 8192) is saved
+    with the model's, so a downstream truncation=True does not cut the extended context; a higher one is kept, and
+    the run's own tokenizer object is unchanged. Tokenizing a document past the limit warns nothing."""
+    from transformers import AutoTokenizer
+
+    from longstride.data.tokenizer import save_tokenizer, tokenize_fn
+    from longstride.recipes.config.schema import SHIPPED
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(SHIPPED, "tiny_base_256"))
+    tok.model_max_length = 64
+    save_tokenizer(tok, str(tmp_path / "a"), 4096)
+    assert AutoTokenizer.from_pretrained(tmp_path / "a").model_max_length == 4096 and tok.model_max_length == 64
+    tok.model_max_length = 10**6
+    save_tokenizer(tok, str(tmp_path / "b"), 4096)
+    assert AutoTokenizer.from_pretrained(tmp_path / "b").model_max_length == 10**6
+    tok.model_max_length = 64
+    assert len(tokenize_fn(tok)({"text": ["word " * 500]})["input_ids"][0]) > 64
+    assert not tok.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum")

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Optional
 
-from longstride.data.sources import check_source
+from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig
@@ -246,6 +246,7 @@ def _check_data(cfg: Config) -> None:
     for name, src in d.sources.items():
         check_source(src, f"data.sources.{name}")
     check_filler_held_out(d.sources)
+    check_manual_held_out(d.sources)
     for name, s in cfg.recipe.stages.items():
         unknown = set(s.mixture or ()) - set(d.sources)
         if unknown:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 
-from longstride.data.tokenizer import has_tokenizer, load_tokenizer, tokenizer_fingerprint
+from longstride.data.tokenizer import has_tokenizer, load_tokenizer, save_tokenizer, tokenizer_fingerprint
 from longstride.model.build import save_config
+from longstride.model.rope import max_positions
 from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, manifest_world, rng_state,
                                                   set_rng_state, writing_checkpoint)
 from longstride.recipes.run.faults import check_finite_parameters, stage_input
@@ -41,7 +42,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
         if acc.is_main_process:
             if with_state:
                 save_config(run.lm, directory)
-            ctx.tokenizer.save_pretrained(directory)
+            save_tokenizer(ctx.tokenizer, directory, max_positions(run.lm.config))
 
 
 def restore_stage(ctx, run, path: str) -> None:
