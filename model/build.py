@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Smo
 
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.manifest import check_manifest
-from longstride.model.rope import apply_yarn, record_trained_length, set_rope_base, trained_length
+from longstride.model.rope import apply_yarn, max_positions, record_trained_length, set_rope_base, trained_length
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -157,6 +157,8 @@ def build_model(
         if source is None or os.path.isfile(os.path.join(source, "config.json")):  # else: nothing to compare with
             check_resumed_rope(config, stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from),
                                resume)
+        text = config.get_text_config(decoder=True)  # resumed at a longer seq_len: max positions as set_rope_base sets
+        text.max_position_embeddings = max(int(seq_len), int(text.max_position_embeddings or 0))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -172,20 +174,32 @@ def build_model(
     return model
 
 
+# RoPE types whose frequencies do not read max positions (a stage may resume at another seq_len under them)
+LENGTH_FREE_ROPE = (None, "default", "linear")
+
+
 def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resume: str) -> None:
     """A resumed stage keeps the RoPE its step checkpoint was trained with: a config that now gives the stage another
     one (a changed rope_theta, model.yarn or model.rope_layer_types, through train.resume_from) is refused, never
-    logged as applied while the checkpoint's goes on. Only rope_parameters are compared (YaRN's factor and original
-    window are in them): max positions change nothing computed, and a stage may resume at another seq_len."""
+    logged as applied while the checkpoint's goes on. rope_parameters are compared (YaRN's factor and original
+    window are in them), and max positions too where a RoPE type reads them (dynamic NTK, longrope, ...): under
+    plain RoPE a stage may resume at another seq_len."""
     def rope(config):
-        return config.get_text_config(decoder=True).rope_parameters
+        text = config.get_text_config(decoder=True)
+        params = text.rope_parameters or {}
+        entries = params.values() if params and all(isinstance(v, dict) or v is None for v in params.values()) \
+            else [params]
+        reads_length = any((e or {}).get("rope_type") not in LENGTH_FREE_ROPE for e in entries)
+        return params, max_positions(config) if reads_length else None
 
     if rope(saved) != rope(planned):
-        raise ValueError(f"the step checkpoint {resume} was trained with RoPE {rope(saved)}, and this config gives "
-                         f"the stage {rope(planned)}: a stage's RoPE (its rope_theta, model.yarn, "
-                         "model.rope_layer_types) cannot change mid-stage. Resume with the settings it was written "
-                         "with, or start the stage over from the previous stage's final (train.resume_from=<previous "
-                         "stage>/final)")
+        (theirs, their_len), (mine, my_len) = rope(saved), rope(planned)
+        length = f" over {their_len} positions" if their_len or my_len else ""
+        raise ValueError(f"the step checkpoint {resume} was trained with RoPE {theirs}{length}, and this config gives "
+                         f"the stage {mine}{f' over {my_len} positions' if length else ''}: a stage's RoPE (its "
+                         "rope_theta, model.yarn, model.rope_layer_types, and the seq_len a length-dependent RoPE "
+                         "reads) cannot change mid-stage. Resume with the settings it was written with, or start the "
+                         "stage over from the previous stage's final (train.resume_from=<previous stage>/final)")
 
 
 def save_config(lm: torch.nn.Module, directory: str) -> None:

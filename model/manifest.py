@@ -79,10 +79,11 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
 def check_manifest(path: str, field_name: str) -> None:
     """A model directory given as `field_name`: when it carries a manifest (longstride wrote it), every file must
     match it; a corrupt or tampered copy fails here, naming the file, before it is loaded. In a launched run every
-    process validates its config: only the first (RANK 0) reads every byte, the others compare sizes."""
+    process validates its config: the first on each node (LOCAL_RANK 0, which reads that node's copy) reads every
+    byte, the others compare sizes."""
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         return
-    problem = check_files(path, hashes=os.environ.get("RANK", "0") == "0")
+    problem = check_files(path, hashes=os.environ.get("LOCAL_RANK", "0") == "0")
     if problem:
         raise ValueError(f"{field_name}={path!r} does not match its {MANIFEST}: {problem}; copy the checkpoint again "
                          "(or, for a directory you changed on purpose, remove its manifest.json)")

@@ -198,8 +198,11 @@ def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> 
     where they differ, never computed one way or the other. Padding, and documents no doc_layout describes, are
     not computed; nor is a layer whose call asks for another window or chunk than its mask holds (a config whose
     layer types and sliding_window disagree; a model whose mask ignores the window its calls pass)."""
-    if mask is not None and not isinstance(mask, MaskNote):
-        return  # a mask built elsewhere (a 4D tensor the caller passed): transformers' own concern
+    if mask is not None and not isinstance(mask, MaskNote):  # transformers passes a caller's 4D mask on as it is
+        raise NotImplementedError(f"{where}: the call carries a mask built outside longstride's mask function (a 4D "
+                                  f"attention_mask, {type(mask).__name__}), which longstride's attention would not "
+                                  "read; give documents as doc_layout (LongstrideCollator) or run the model's own "
+                                  "attention")
     note = mask or MaskNote()
     if note.padding or (note.beyond_causal and doc_layout is None):
         what = "padding (zeros in attention_mask)" if note.padding else \

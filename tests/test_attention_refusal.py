@@ -80,9 +80,10 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
 
 def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     """longstride's attention reads documents only from doc_layout. Called as a plain attention implementation, a
-    left-padded batch (zeros in attention_mask before a real token) or packed rows (position_ids restarting at 0, which transformers' own
-    mask turns into documents) are refused; they were computed as one causal sequence, 0.2 away from eager. The
-    same rows with a doc_layout, a plain batch, and an all-ones mask run."""
+    left-padded batch (zeros in attention_mask before a real token), packed rows (position_ids restarting at 0,
+    which transformers' own mask turns into documents) or a caller's own 4D mask are refused; they were computed as
+    one causal sequence, 0.2 away from eager. The same rows with a doc_layout, a plain batch, and an all-ones mask
+    run."""
     from longstride.parallel.cp import shard_for_cp
     from tests.test_attention_patterns import make_model, packed_batch
 
@@ -108,6 +109,10 @@ def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     model(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout)
     model(input_ids=ids, attention_mask=torch.ones_like(ids))
     model(input_ids=ids)
+    block = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool).tril()  # a caller's own 4D mask
+    block[..., 30:, :30] = False
+    with pytest.raises(NotImplementedError, match="a mask built outside longstride's mask function"):
+        model(input_ids=ids, attention_mask=block)
 
 
 WINDOW_CASES = {  # a layer's call against the mask transformers' eager attention builds for it
