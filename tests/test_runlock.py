@@ -1,0 +1,205 @@
+"""One run per output directory (recipes/run/runlock.py): a second run on a directory is refused and the lock
+dies with its holder, even while a run moves its directory aside; every rank must see the directory rank 0 locked;
+a rerun with another config is refused, moved aside, or continued from a checkpoint (a rewind killed mid-way is
+redone); the run's identity reads the same across schema versions and checkouts."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holder(micro, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from longstride.recipes.run.runlock import RunLock
+    from tests.conftest import REPO
+
+    long_run = micro + ["stage=s1_256", "recipe.stages.s1_256.steps=100000", "recipe.stages.s1_256.save_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "longstride.recipes.train", *long_run], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        stage_dir = tmp_path / "out" / "tiny" / "s1_256"
+        deadline = time.time() + 300
+        while not (stage_dir / "metrics.jsonl").exists() and time.time() < deadline:  # training has started
+            time.sleep(0.1)
+        second = run_cli(micro)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another run ({{\"pid\": {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr and first.poll() is None
+        assert not (tmp_path / "out" / "tiny" / "s2_2k").exists(), "the refused run wrote nothing"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
+
+
+def test_a_run_moving_its_directory_aside_keeps_the_lock_through_the_move(tmp_path, monkeypatch):
+    """train.resume=false renames the run directory aside while its run holds the lock. A second run arriving just
+    after the rename is refused: with the lock file inside the directory it moved away too, and that run locked a
+    new one in the gap, two runs then writing one directory."""
+    import longstride.recipes.run.runlock as runlock
+
+    run = tmp_path / "tiny"
+    holder = runlock.RunLock(str(run)).acquire()
+    runlock.check_identity(str(run), {"optim": {"lr": 1.0}}, resume=True)
+    late, rename = [], os.rename
+
+    def rename_then_second_run(src, dst):
+        rename(src, dst)
+        try:
+            late.append(runlock.RunLock(str(run)).acquire())
+        except ValueError as e:
+            late.append(e)
+
+    monkeypatch.setattr(runlock.os, "rename", rename_then_second_run)
+    runlock.check_identity(str(run), {"optim": {"lr": 0.5}}, resume=False)
+    assert isinstance(late[0], ValueError) and "is in use by another run" in str(late[0]), late
+    assert json.loads((run / "run.json").read_text())["config"] == {"optim.lr": 0.5}
+    holder.release()
+
+
+def _shared_worker(rank, world, dirs):
+    from longstride.recipes.run.runlock import RunLock, check_shared
+
+    lock = RunLock(dirs[0]).acquire() if rank == 0 else None
+    try:
+        check_shared(dirs[0], lock)  # every rank sees rank 0's directory
+        try:  # the same path on a node that does not share it: here, another directory for rank 1
+            check_shared(dirs[rank], lock, wait_s=1.0)
+        except ValueError as e:
+            assert "is not the same directory for rank 1 on" in str(e) and "paths.output_root" in str(e), e
+        else:
+            raise AssertionError("a rank that does not see rank 0's run directory passed")
+    finally:
+        if lock:
+            lock.release()
+
+
+def test_every_rank_must_see_the_run_directory_rank_0_locked(tmp_path):
+    """Several nodes need one shared output directory (each rank writes its shards there); one that another rank
+    sees as a different directory fails before any data or model is built, on every rank."""
+    from longstride.parallel.spawn import run_gloo
+
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    (tmp_path / "node1").mkdir()
+    run_gloo(_shared_worker, 2, dirs)
+
+
+def test_rerun_with_another_config_is_refused_naming_the_keys(micro, tmp_path):
+    one = micro + ["stage=s1_256"]
+    assert run_cli(one).returncode == 0
+    # what is watched, and how often it is saved: the same run
+    assert run_cli(one + ["logger.log_every=2", "train.keep_last=5", "recipe.stages.s1_256.save_every=1",
+                          "train.trace_memory=true"]).returncode == 0
+    r = run_cli(one + ["recipe.stages.s1_256.lr=0.01", "model.nope_interval=0"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "holds a run with another config: model.nope_interval (was 2, now 0); recipe.stages.s1_256.lr " \
+           "(was 0.003, now 0.01)" in r.stderr
+    before = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
+    r = run_cli(one + ["recipe.stages.s1_256.lr=0.01", "train.resume=false"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    (aside,) = [p for p in (tmp_path / "out").iterdir() if p.name.startswith("tiny.prev-")]
+    assert (aside / "s1_256" / "final" / "model.safetensors").read_bytes() == before, "the old run is kept"
+    new = (tmp_path / "out" / "tiny" / "s1_256" / "final" / "model.safetensors").read_bytes()
+    assert new != before, "trained afresh with the new lr"
+
+
+def test_a_rewind_to_resume_from_killed_before_its_moves_is_done_again_by_the_same_command(tmp_path):
+    """train.resume_from moves aside what is newer than the checkpoint, and run.json records it so that a requeued job
+    does not go back again. Recorded first, a kill (here a failing move) between the two left it recorded with the
+    newer checkpoints in place, and the same command then resumed from the newest under the new config."""
+    from longstride.recipes.run.runlock import check_identity
+
+    run = tmp_path / "tiny"
+    run.mkdir()
+    old, new, back = {"optim": {"lr": 1.0}}, {"optim": {"lr": 0.5}}, str(run / "s1_256" / "step_000002")
+    check_identity(str(run), old, resume=True)
+    moves = []
+
+    def killed():
+        raise OSError("killed mid-move")
+
+    with pytest.raises(OSError):
+        check_identity(str(run), new, resume=True, resume_from=back, rewind=killed)
+    assert "resumed_from" not in json.loads((run / "run.json").read_text())
+    assert check_identity(str(run), new, resume=True, resume_from=back, rewind=lambda: moves.append(1))
+    assert moves == [1] and json.loads((run / "run.json").read_text())["resumed_from"] == back
+    assert not check_identity(str(run), new, resume=True, resume_from=back, rewind=lambda: moves.append(2))
+    assert moves == [1], "a requeued job resumes normally once the rewind is recorded"
+
+
+def test_a_run_that_trained_nothing_gives_way_to_the_fixed_command(tmp_path, capsys):
+    """A run that recorded its config and then failed on a setting (before any step or checkpoint) does not block
+    the corrected command; once a step is logged or a checkpoint saved, another config is refused as before."""
+    from longstride.recipes.run.runlock import check_identity
+
+    run = tmp_path / "tiny"
+    old, fixed = {"model": {"yarn": {"factor": 0.5}}}, {"model": {"yarn": {"factor": 2.0}}}
+    run.mkdir()
+    check_identity(str(run), old, resume=True)
+    (run / "s1_256").mkdir()
+    (run / "s1_256" / "metrics.jsonl").write_text("")  # opened, nothing logged
+    check_identity(str(run), fixed, resume=True)
+    assert "trained nothing" in capsys.readouterr().err
+    assert json.loads((run / "run.json").read_text())["config"] == {"model.yarn.factor": 2.0}
+    (run / "s1_256" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"holds a run with another config: model.yarn.factor \(was 2.0, now 0.5\)"):
+        check_identity(str(run), old, resume=True)
+    (run / "s1_256" / "metrics.jsonl").unlink()
+    (run / "s1_256" / "step_000002").mkdir()
+    with pytest.raises(ValueError, match="holds a run with another config"):
+        check_identity(str(run), old, resume=True)
+
+
+# --- stop signals, stuck ranks, a killed launcher: real signals to real processes
+
+
+def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path):
+    """A run recorded by a longstride whose schema had a field this one lacks (a removed field such as
+    model.rope_theta) resumes; a value both versions have and that differs is still refused."""
+
+    from longstride.recipes.run.runlock import check_identity
+
+    resolved = {"model": {"hidden_size": 32}, "recipe": {"name": "tiny"}}
+    assert check_identity(str(tmp_path), resolved, resume=True) is False  # first run: recorded
+    (tmp_path / "s1_256" / "final").mkdir(parents=True)  # and it trained
+    path = tmp_path / "run.json"
+    recorded = json.loads(path.read_text())
+    recorded["config"]["model.rope_theta"] = 10000.0
+    path.write_text(json.dumps(recorded))
+    assert check_identity(str(tmp_path), resolved, resume=True) is False
+    with pytest.raises(ValueError, match=r"model.hidden_size \(was 32, now 64\)"):
+        check_identity(str(tmp_path), {"model": {"hidden_size": 64}, "recipe": {"name": "tiny"}}, resume=True)
+
+
+def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path):
+    """The main job's base, `${shipped:tiny_base_256}`, resolves to this checkout's absolute path; the run records
+    it by name, so a run recorded by an older longstride (the relative model/shipped/...) or from another clone
+    resumes, and another base is still refused."""
+
+    from longstride.recipes.config.schema import SHIPPED
+    from longstride.recipes.run.runlock import check_identity, identity
+
+    def resolved(path):
+        return {"model": {"checkpoint": path}, "data": {"tokenizer": path}}
+
+    here = os.path.join(SHIPPED, "tiny_base_256")
+    assert check_identity(str(tmp_path), resolved(here), resume=True) is False
+    (tmp_path / "s2_2k" / "step_000002").mkdir(parents=True)  # it trained
+    recorded = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert recorded["model.checkpoint"] == recorded["data.tokenizer"] == "${shipped:tiny_base_256}"
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"model.checkpoint": "model/shipped/tiny_base_256",
+                                                              "data.tokenizer": "model/shipped/tiny_base_256"}}))
+    assert check_identity(str(tmp_path), resolved(here), resume=True) is False
+    with pytest.raises(ValueError, match=r"model.checkpoint \(was \$\{shipped:tiny_base_256\}, now "):
+        check_identity(str(tmp_path), resolved(str(tmp_path / "mine")), resume=True)
+    # a folder of the user's own that only looks like it (relative to another working directory) keeps its path
+    assert identity(resolved("model/shipped/tiny_base_256"))["model.checkpoint"] == "model/shipped/tiny_base_256"
