@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Smo
 
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.manifest import check_manifest
-from longstride.model.rope import apply_yarn, max_positions, record_trained_length, set_rope_base, trained_length
+from longstride.model.rope import (apply_yarn, max_positions, per_type_keys, record_trained_length, set_rope_base,
+                                   trained_length)
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -149,11 +150,11 @@ def build_model(
     `cfg.checkpoint`, else freshly initialised from `seed`. The stage's RoPE base is written into
     the config before the rotary embedding is built, so its inverse frequencies are right. `resume`: a step
     checkpoint to resume, whose model is built from its saved config (no weights read: the shards fill them)."""
+    source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
     if resume is not None:  # a step checkpoint: its config is the stage's; its weights come from its shards
         config = AutoConfig.from_pretrained(resume)
         # a step checkpoint written before stages recorded their length: record it, so the stage's final has it
         record_trained_length(config, seq_len)
-        source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
         if source is None or os.path.isfile(os.path.join(source, "config.json")):  # else: nothing to compare with
             check_resumed_rope(config, stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from),
                                resume)
@@ -162,7 +163,6 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
     config = stage_config(cfg, rope_theta, seq_len, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
                           init_from=init_from)
     if source is not None:
@@ -187,13 +187,12 @@ def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resum
     def rope(config):
         text = config.get_text_config(decoder=True)
         params = text.rope_parameters or {}
-        entries = params.values() if params and all(isinstance(v, dict) or v is None for v in params.values()) \
-            else [params]
+        entries = [params[key] for key in per_type_keys(text)] or [params]
         reads_length = any((e or {}).get("rope_type") not in LENGTH_FREE_ROPE for e in entries)
         return params, max_positions(config) if reads_length else None
 
-    if rope(saved) != rope(planned):
-        (theirs, their_len), (mine, my_len) = rope(saved), rope(planned)
+    (theirs, their_len), (mine, my_len) = rope(saved), rope(planned)
+    if (theirs, their_len) != (mine, my_len):
         length = f" over {their_len} positions" if their_len or my_len else ""
         raise ValueError(f"the step checkpoint {resume} was trained with RoPE {theirs}{length}, and this config gives "
                          f"the stage {mine}{f' over {my_len} positions' if length else ''}: a stage's RoPE (its "

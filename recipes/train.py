@@ -183,11 +183,7 @@ def main(raw: DictConfig) -> None:
 def entry() -> None:
     """`longstride train` and `python -m longstride.recipes.train`: Hydra's main, after the one composition error
     Hydra cannot word: a stage added on the command line (schema.added_stage_hint)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from longstride.overrides import _reason
-    from longstride.recipes.config.schema import added_stage_hint
+    from longstride.recipes.config.schema import AddedStageError
     from longstride.recipes.memory.memplan import compose_training
 
     argv = sys.argv[1:]
@@ -195,12 +191,10 @@ def entry() -> None:
         plain = [a for i, a in enumerate(argv) if ("=" in a and not a.startswith("-")) or a.startswith("--config-dir")
                  or a == "-cd" or (i and argv[i - 1] in ("--config-dir", "-cd"))]
         try:
-            compose_training(plain)
-        except (HydraException, OmegaConfBaseException) as e:
-            hint = added_stage_hint(plain, _reason(e))
-            if hint:
-                print(f"longstride: {hint}", file=sys.stderr)
-                sys.exit(2)
+            compose_training(plain, "longstride train")
+        except AddedStageError as e:
+            print(f"longstride: {e}", file=sys.stderr)
+            sys.exit(2)
         except ValueError:
             pass  # reported by main, as for any other run
     main()

@@ -160,6 +160,10 @@ def to_schema(raw: DictConfig) -> Config:
         raise ValueError(f"config field {e.full_key}: {e.msg.splitlines()[0]}") from None
 
 
+class AddedStageError(ValueError):
+    """A stage added on the command line, with how to add one instead (added_stage_hint)."""
+
+
 def added_stage_hint(overrides: list[str], error: str) -> str:
     """How to add a stage, when `error` is Hydra failing on an override that adds one: OmegaConf cannot build a
     typed stage from the command line (`+recipe.stages.NEW={...}`, `recipe.stages.NEW.seq_len=...`). "" if not."""

@@ -29,7 +29,7 @@ from longstride.overrides import parse, run
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.recipes.config.plan import seq_len_unit, validate
-from longstride.recipes.config.schema import added_stage_hint, to_schema
+from longstride.recipes.config.schema import AddedStageError, added_stage_hint, to_schema
 from longstride.recipes.memory.trace import stage_program, trace_step
 
 GIB = 2 ** 30
@@ -70,7 +70,8 @@ def hardware(name: str) -> Hardware:
 
 def compose_training(overrides: list[str], command: str = ""):
     """The training config that `overrides` compose (Hydra's own exceptions); with `command`, a composition error
-    is a one-line ValueError pointing at that command's --help."""
+    is a one-line ValueError pointing at that command's --help, an AddedStageError for a stage added on the command
+    line."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -85,7 +86,10 @@ def compose_training(overrides: list[str], command: str = ""):
         if not command:
             raise
         reason = _reason(e)
-        raise ValueError(added_stage_hint(overrides, reason) or f"{reason} (see {command} --help)") from None
+        hint = added_stage_hint(overrides, reason)
+        if hint:
+            raise AddedStageError(hint) from None
+        raise ValueError(f"{reason} (see {command} --help)") from None
 
 
 def config_dirs(argv: list[str]) -> list[str]:
