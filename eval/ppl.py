@@ -87,13 +87,11 @@ def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
     for ids in docs:
         x = torch.tensor(ids[:length], device=model.device)[None]
         labels = torch.cat([x[:, 1:], torch.full((1, 1), -100, device=x.device)], dim=1)
-        hidden = model.model(input_ids=x, use_cache=False).last_hidden_state
-        q = length - length // 4
-        head_labels, tail_labels = labels.clone(), labels.clone()
-        head_labels[:, q:] = -100  # two disjoint halves: the chunked loss skips label-less tiles,
-        tail_labels[:, :q] = -100  # so each tile's logits are computed once
-        tail_sum = float(chunked_cross_entropy_sum(hidden, output_head(model), tail_labels, tile))
-        total += float(chunked_cross_entropy_sum(hidden, output_head(model), head_labels, tile)) + tail_sum
+        hidden = model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+        q = length - length // 4  # the last quarter scored on its own: each position's logits computed once
+        head = output_head(model)
+        tail_sum = float(chunked_cross_entropy_sum(hidden[:, q:], head, labels[:, q:], tile))
+        total += float(chunked_cross_entropy_sum(hidden[:, :q], head, labels[:, :q], tile)) + tail_sum
         tail += tail_sum
         n_total += length - 1
         n_tail += length - 1 - q
@@ -142,7 +140,10 @@ def main(argv: list[str]) -> list[dict]:
         use_longstride_attention(model)
     docs = long_documents(tok, cfg, max(cfg.lengths))
     if not docs:
-        raise ValueError(f"no document of >= {max(cfg.lengths)} tokens under docs_dir; lower lengths or set docs_dir")
+        root = stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
+        raise ValueError(f"no document of >= {max(cfg.lengths)} tokens among the {len(list_files(root, cfg.glob))} "
+                         f"files matching glob={cfg.glob!r} under {root}; lower lengths, or set docs_dir and glob "
+                         "(e.g. glob='**/*.txt')")
     rows = []
     for L in cfg.lengths:
         r = {"length": L, "yarn_factor": cfg.yarn.factor or 1.0, "trained_len": base_max,

@@ -13,8 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Smo
 
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.manifest import check_manifest
-from longstride.model.rope import (apply_yarn, max_positions, per_type_keys, record_trained_length, set_rope_base,
-                                   trained_length)
+from longstride.model.rope import (YARN_ORIGINAL_RULE, apply_yarn, max_positions, per_type_keys, record_trained_length,
+                                   set_rope_base, trained_length, yarn_original_ok)
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -65,6 +65,9 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
     positions before YaRN."""
     config = AutoConfig.from_pretrained(checkpoint)
     trained = trained_length(config)
+    if not yarn_original_ok(yarn.factor, yarn.original_max_position_embeddings):
+        raise ValueError(f"yarn.original_max_position_embeddings={yarn.original_max_position_embeddings} must be "
+                         + YARN_ORIGINAL_RULE.format("yarn"))
     if yarn.factor:
         apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field, stretch=True,
                    yarn_field="yarn")

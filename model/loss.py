@@ -92,12 +92,13 @@ class _Stub(torch.nn.Module):
 
 @torch.no_grad()
 def _own_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    decoder = lm.model
-    lm.model = _Stub(hidden)
+    name = lm.base_model_prefix  # the decoder's attribute: model (Llama, Qwen, ...), transformer (GPT-2), ...
+    decoder = getattr(lm, name)
+    setattr(lm, name, _Stub(hidden))
     try:
         return lm(input_ids=torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)).logits.float()
     finally:
-        lm.model = decoder
+        setattr(lm, name, decoder)
 
 
 def _head_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:

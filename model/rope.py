@@ -119,6 +119,15 @@ def set_rope_base(config: PretrainedConfig, rope_theta: float, seq_len: int,
     return config
 
 
+def yarn_original_ok(factor: Optional[float], original: Optional[int]) -> bool:
+    """Whether a YaRN original window (model.yarn / eval's yarn .original_max_position_embeddings) may be used:
+    unset, or at least one token together with a factor (alone it would do nothing)."""
+    return original is None or (original >= 1 and bool(factor))
+
+
+YARN_ORIGINAL_RULE = "null (the trained length), or >= 1 tokens together with {}.factor"
+
+
 def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_embeddings: Optional[int] = None,
                layer_types: Optional[list[str]] = None, field: str = FIELD, stretch: bool = False,
                yarn_field: str = "model.yarn", default_original: Optional[int] = None) -> PretrainedConfig:

@@ -152,6 +152,16 @@ def test_bad_input_is_named(two, tmp_path):
               f"out={tmp_path}/short", "threads=1"])
     with pytest.raises(ValueError, match="Key 'sample' not in 'CompareConfig'"):
         main([f"checkpoints=[{two[0]}]", "sample=3"])
+    # a YaRN row the last checkpoint's RoPE refuses is named before the plain rows are scored, not after them
+    linear = tmp_path / "linear"
+    shutil.copytree(two[1], linear)
+    cfg = json.loads((linear / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (linear / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="yarn.factor=2: .* already scaled"):
+        main([f"checkpoints=[{two[0]},{linear}]", "yarn=[2]", "tasks=[niah_single_1]", "num_samples=1",
+              f"out={tmp_path}/linear_out"])
+    assert not (tmp_path / "linear_out").exists()
 
 
 def test_answers_end_once_scored_with_the_same_scores(two):

@@ -280,7 +280,8 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("model.rms_norm_eps=-1", "model.rms_norm_eps=-1.0 must be > 0"),
     ("model.initializer_range=-1", "model.initializer_range=-1.0 must be > 0"),
     ("model.yarn.original_max_position_embeddings=-5",
-     "model.yarn.original_max_position_embeddings=-5 must be null (the trained length) or >= 1"),
+     "model.yarn.original_max_position_embeddings=-5 must be null (the trained length), or >= 1 tokens together "
+     "with model.yarn.factor"),
     ("model.checkpoint=/nonexistent", "model.checkpoint=/nonexistent is read only with model.arch=checkpoint"),
     ("recipe.stages.s2_2k.schedule=wsd recipe.stages.s2_2k.warmup_steps=3 recipe.stages.s2_2k.decay_fraction=0.5",
      "recipe.stages.s2_2k.warmup_steps=3 runs into the wsd decay, which starts at step 2 of 4"),

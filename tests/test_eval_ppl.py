@@ -29,6 +29,15 @@ def test_yarn_helper_applies_transformers_yarn(checkpoint):
     assert AutoConfig.from_pretrained(checkpoint).rope_parameters["rope_type"] == "default", "saved dir untouched"
 
 
+@pytest.mark.parametrize("factor, original", [(2.0, -64), (2.0, 0), (None, 128)])
+def test_a_yarn_window_that_would_fail_or_do_nothing_is_named(checkpoint, factor, original):
+    """A negative window failed later in a logarithm, 0 was replaced by the trained length and a window without a
+    factor was ignored: each is refused naming the field."""
+    with pytest.raises(ValueError, match=rf"yarn.original_max_position_embeddings={original} must be null \(the "
+                                         r"trained length\), or >= 1 tokens together with yarn.factor"):
+        load_config_with_yarn(str(checkpoint), YarnConfig(factor=factor, original_max_position_embeddings=original))
+
+
 def test_ppl_with_and_without_yarn(checkpoint, tmp_path):
     plain = main([f"checkpoint={checkpoint}", "lengths=[64,256]", "max_docs=2", f"out={tmp_path}"])
     yarn = main([f"checkpoint={checkpoint}", "lengths=[64,256]", "max_docs=2", "yarn.factor=2", f"out={tmp_path}"])
@@ -39,6 +48,34 @@ def test_ppl_with_and_without_yarn(checkpoint, tmp_path):
     saved = json.loads((tmp_path / "ppl_yarn2.json").read_text())
     assert saved["results"] == yarn
     assert (tmp_path / "ppl.csv").is_file() and (tmp_path / "ppl.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_perplexities_are_the_model_s_own_cross_entropy(arch):
+    """Whole and last-quarter perplexity against the model's own logits, for a decoder under `model` (Llama) and
+    one under `transformer` (GPT-2, which eval ppl once failed on)."""
+    import torch
+    import transformers as T
+
+    from longstride.eval.ppl import perplexities
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        lm = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=97, n_positions=128))
+    else:
+        lm = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, vocab_size=97, bos_token_id=1, eos_token_id=2))
+    lm.eval()
+    docs = [torch.randint(3, 97, (80,)).tolist() for _ in range(2)]
+    got = perplexities(lm, docs, 64, tile=16)
+    losses = []
+    with torch.no_grad():
+        for ids in docs:
+            x = torch.tensor(ids[:64])[None]
+            losses.append(torch.nn.functional.cross_entropy(lm(x).logits[0, :-1], x[0, 1:], reduction="none"))
+    losses = torch.stack(losses)
+    assert got["ppl"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)
+    assert got["tail_ppl"] == pytest.approx(math.exp(losses[:, 48:].mean().item()), rel=1e-5)
 
 
 def test_bad_input(tmp_path):

@@ -194,6 +194,42 @@ def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoin
             [(r["task"], r["index"], r["prediction"]) for r in one["records"]], mode
 
 
+def _uneven_share_worker(rank, world, checkpoint, out):
+    import os
+
+    os.environ["WORLD_SIZE"] = str(world)  # what torchrun sets; the process group exists already
+    torch.set_num_threads(1)
+    for name, args in _UNEVEN.items():
+        got = main([f"checkpoint={checkpoint}", *args, f"out={out}/{name}", "threads=1"])
+        if rank == 0:
+            with open(f"{out}/{name}.json", "w") as f:
+                json.dump({k: got[k] for k in ("records", "skipped")}, f)
+
+
+# one sample on two processes (rank 1's share is empty); synth_kv's sample 0 does not fit 100 tokens in the shipped
+# tokenizer and sample 1 does, so rank 0 alone finds that it does not fit
+_UNEVEN = {"one_sample": ["lengths=[256]", "num_samples=1", "tasks=[synth_kv]"],
+           "fit_on_one_rank": ["lengths=[100,256]", "num_samples=2", "tasks=[synth_kv]"]}
+
+
+def test_two_processes_with_uneven_shares_score_what_one_process_does(tmp_path):
+    """num_samples below the processes left a rank nothing to score (it crashed on samples[0]); a task at a length
+    that one rank's sample does not fit was skipped there and scored on the other's half. Both now give what
+    one process gives."""
+    from longstride.parallel.spawn import run_gloo
+    from longstride.recipes.config.schema import SHIPPED
+
+    SHIPPED_BASE = f"{SHIPPED}/tiny_base_256"
+    run_gloo(_uneven_share_worker, 2, SHIPPED_BASE, str(tmp_path))
+    for name, args in _UNEVEN.items():
+        one = main([f"checkpoint={SHIPPED_BASE}", *args, f"out={tmp_path}/one_{name}", "threads=1"])
+        two = json.loads((tmp_path / f"{name}.json").read_text())
+        assert [(r["task"], r["length"], r["index"], r["prediction"]) for r in two["records"]] == \
+            [(r["task"], r["length"], r["index"], r["prediction"]) for r in one["records"]], name
+        assert two["skipped"] == one["skipped"], name
+    assert {r["length"] for r in one["records"]} == {256} and "synth_kv does not fit in 100" in one["skipped"][0]
+
+
 def test_nothing_fitting_any_length_is_an_error_not_an_empty_table(checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"nothing to run: no task fits any of lengths \[64\]"):
         main([f"checkpoint={checkpoint}", "lengths=[64]", "num_samples=1", "tasks=[niah_single_1]",

@@ -136,14 +136,14 @@ def test_prompt_ids_are_the_tokenizers_own_ids(tok, chat, monkeypatch):
 
     from tokenizers import normalizers, processors
 
-    from longstride.eval.ruler.fit import encode
+    from longstride.eval.hf_adapter import encode
 
     rich = copy.deepcopy(tok)
-    rich.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    rich.add_special_tokens({"bos_token": "<s>", "additional_special_tokens": ["<|user|>", "<|assistant|>"]})
     rich.backend_tokenizer.normalizer = normalizers.NFKC()
-    bos = rich.convert_tokens_to_ids(rich.eos_token)
+    bos = rich.bos_token_id
     rich.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{rich.eos_token} $A", special_tokens=[(rich.eos_token, bos)])
+        single="<s> $A", special_tokens=[("<s>", bos)])
     monkeypatch.setattr(rich, "chat_template", CHAT if chat else None)
     for name in SYNTHETIC:
         r = Sampler(TASKS[name], 1024, 42, 0).render(8)
@@ -171,6 +171,24 @@ def test_prompt_ids_are_the_tokenizers_own_ids(tok, chat, monkeypatch):
     assert encode(marked, text, True) == marked(text)["input_ids"] != tok(text)["input_ids"]
 
 
+def test_a_prompt_never_ends_in_the_eos_a_tokenizer_appends(tok):
+    """A tokenizer whose post-processor appends EOS to text (add_eos_token-style) would end a prompt without chat
+    template in EOS after the answer prefix; prompts open as training's documents do (bos_prefix) instead."""
+    import copy
+
+    from tokenizers import processors
+
+    appending = copy.deepcopy(tok)
+    eos = appending.eos_token_id
+    appending.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {appending.eos_token}", special_tokens=[(appending.eos_token, eos)])
+    assert appending("a")["input_ids"][-1] == eos
+    r = Sampler(TASKS["niah_single_1"], 1024, 42, 0).render(8)
+    got = prompt_ids(appending, r.content, r.answer_prefix, chat=False)
+    assert got == appending(r.content + r.answer_prefix, add_special_tokens=False)["input_ids"] and got[-1] != eos
+    assert make_sample(TASKS["niah_single_1"], 1024, 0, appending, chat=False).prompt_ids[-1] != eos
+
+
 def test_without_chat_template_and_qa_sample(tok, squad):
     qa = load_qa("squad", squad)
     assert len(qa.questions) == 60 and len(qa.docs) == 60, "unanswerable questions are dropped"
@@ -196,6 +214,17 @@ def test_metrics_follow_ruler_definitions():
     assert postprocess("  a\x00b\tc \n") == "a\nb\nc"
     with pytest.raises(ValueError, match="unknown metric"):
         sample_score("a", ["a"], "exact")
+
+
+def test_the_depth_heatmap_holds_the_single_needle_tasks_only():
+    from longstride.eval.ruler.report import depth_grid
+
+    recs = [{"task": "niah_single_2", "length": 1024, "depth": 5.0, "score": 1.0},
+            {"task": "niah_multikey_2", "length": 1024, "depth": 5.0, "score": 0.0},  # its first needle's depth
+            {"task": "synth_kv", "length": 1024, "depth": 5.0, "score": 0.0},
+            {"task": "vt", "length": 1024, "depth": None, "score": 0.0}]
+    grid = depth_grid(recs, [1024])
+    assert grid[0] == [100.0] and all(row == [None] for row in grid[1:])
 
 
 def test_summary_weighted_averages_and_effective_length():
@@ -261,7 +290,7 @@ def test_cwe_fills_lengths_past_its_word_list():
 class _WordTok:
     """One token per whitespace-separated word: a tokenizer under which cwe's 8,166-word list fits in ~25K tokens."""
 
-    chat_template = None
+    chat_template = bos_token_id = None
 
     def __call__(self, text, add_special_tokens=True):
         return {"input_ids": [1] * len(text.split())}

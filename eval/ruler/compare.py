@@ -118,6 +118,8 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
         r.lengths = lengths
     yarn_lengths = sorted(cfg.yarn_lengths) or [2 * last, 4 * last]
     base = rows[-1]
+    for f in cfg.yarn:  # a scaling YaRN may not stretch, or bad rope_layer_types: refused before any row is scored
+        eval_config(base.checkpoint, YarnConfig(factor=f), cfg.rope_layer_types)
     rows = rows if cfg.plain_rows else []
     rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)
              for f in cfg.yarn]

@@ -54,7 +54,7 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     with attention_implementation(model, NAME, _attention_keeping_kv, no_mask):
-        model.model(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout,
+        model.get_decoder()(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout,
                     kv_out=kv, use_cache=False)
     for layer in range(len(kv)):
         parts = []

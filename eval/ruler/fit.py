@@ -3,7 +3,8 @@ chat template, plus the task's new-token budget fits the target length.
 
 The prompt is the user turn through the chat template (when the tokenizer has one and chat is on)
 followed by the task's answer prefix, so the model continues the prefix; without a template it is
-the user text and the prefix as plain text. Where a larger haystack never has fewer tokens
+BOS where training opens documents with it (data/tokenizer.py bos_prefix), then the user text and the
+prefix as plain text. Where a larger haystack never has fewer tokens
 (`Sampler.monotone`), the size is found by aiming over `Sampler.render(units)` with the average tokens a
 unit (tokens grow about linearly with size), from a guess when given (the size another sample of the same task
 and length found): 3-4 full tokenizations a guessed sample on average, up to about 7, and about 10 for a
@@ -16,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from longstride.data.tokenizer import bos_prefix
+from longstride.eval.hf_adapter import encode
 from longstride.eval.ruler.tasks import QAData, Sampler, Task
 
 
@@ -36,31 +39,13 @@ class Sample:
     metric: str
 
 
-def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """`tokenizer(text)["input_ids"]`, through the Rust tokenizer's path without character offsets where the
-    tokenizer is transformers' plain TokenizersBackend (no subclass encoding its own way) and the call would not
-    change its Rust tokenizer (no truncation, padding or special-token splitting set): the same ids in about half
-    the time, which the search's full tokenizations of 64K-128K-token prompts spend."""
-    from transformers import TokenizersBackend
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    own_call = (isinstance(tokenizer, TokenizersBackend)  # a subclass that encodes its own way takes its call
-                and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
-                and type(tokenizer).__call__ is PreTrainedTokenizerBase.__call__)
-    if (own_call and hasattr(backend, "encode_batch_fast") and backend.truncation is None
-            and backend.padding is None and not getattr(tokenizer, "split_special_tokens", False)
-            and not getattr(backend, "encode_special_tokens", False)):
-        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-
-
 def prompt_ids(tokenizer, content: str, answer_prefix: str, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
         return encode(tokenizer, text + answer_prefix, add_special_tokens=False)
-    return encode(tokenizer, content + answer_prefix, add_special_tokens=True)
+    # BOS where training opens documents with it (bos_prefix), never a post-processor's EOS after the prefix
+    return bos_prefix(tokenizer) + encode(tokenizer, content + answer_prefix, add_special_tokens=False)
 
 
 def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 42, chat: bool = True,

@@ -41,8 +41,14 @@ def write_files(out: str, stem: str, config: dict, summary: dict, records: list[
                                                              if r["task"] == task and r["length"] == length)])
 
 
+def single_needle(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["task"].startswith("niah_single") and r.get("depth") is not None]
+
+
 def depth_grid(records: list[dict], lengths: list[int]) -> list[list[Optional[float]]]:
-    """Mean score (percent) per depth bin (rows) and length (columns) over single-needle samples."""
+    """Mean score (percent) per depth bin (rows) and length (columns) over the niah_single samples (a multi-key
+    or synth task's depth is one needle's among several)."""
+    records = single_needle(records)
     grid = []
     for lo, hi in zip(DEPTH_BINS, DEPTH_BINS[1:]):
         row = []
@@ -82,7 +88,7 @@ def plot(out: str, stem: str, summary: dict, records: list[dict], title: str) ->
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    if any(r.get("depth") is not None for r in records):
+    if single_needle(records):
         grid = np.array([[np.nan if v is None else v for v in row] for row in depth_grid(records, lengths)])
         fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 3.8))
         im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")

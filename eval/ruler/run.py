@@ -173,9 +173,22 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     return groups
 
 
+def common_groups(groups: list[tuple], skipped: list[str], world: int) -> list[tuple]:
+    """The (task, length) groups every rank kept, with every rank's skip messages in `skipped` (in place). A
+    task's fixed parts differ from sample to sample, so a sample that does not fit on one rank drops the task at
+    that length on every rank, as it does in one process, instead of scoring it on the other ranks' share."""
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, ([(name, L) for name, L, _ in groups], list(skipped)))
+    kept = set.intersection(*(set(keys) for keys, _ in gathered))
+    skipped[:] = list(dict.fromkeys(msg for _, msgs in gathered for msg in msgs))
+    return [g for g in groups if (g[0], g[1]) in kept]
+
+
 def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPContext] = None) -> list[dict]:
     """One record per sample of one task and length: the greedy answer and its score. cp: every prompt's
     prefill split over the processes (prefill=cp)."""
+    if not samples:  # a rank whose share of the samples is empty (num_samples below the processes)
+        return []
     budget = samples[0].max_new_tokens
     if cp is not None:
         preds = [greedy_generate_cached(model, tok, s.prompt_ids, cp_prefill(model, s.prompt_ids, cp), budget)
@@ -216,6 +229,8 @@ def main(argv: list[str]) -> Optional[dict]:
         if found:
             raise ValueError(f"prefill=cp: {'; '.join(found)}; use prefill=local (samples split over the processes)")
     groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped)
+    if world > 1 and not cp:
+        groups = common_groups(groups, skipped, world)
     if not groups:
         raise ValueError(f"nothing to run: no task fits any of lengths {lengths} (see the messages above); give "
                          "longer lengths")

@@ -16,7 +16,7 @@ from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig
-from longstride.model.rope import apply_yarn, rope_targets
+from longstride.model.rope import YARN_ORIGINAL_RULE, apply_yarn, rope_targets, yarn_original_ok
 from longstride.parallel.attention import head_shape
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
@@ -90,8 +90,7 @@ def _range_rules(cfg: Config) -> list[tuple]:
               "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)")]
     y = m.yarn
     rules += [("model.yarn.original_max_position_embeddings", y.original_max_position_embeddings,
-               y.original_max_position_embeddings is None or y.original_max_position_embeddings >= 1,
-               "null (the trained length) or >= 1 tokens")]
+               yarn_original_ok(y.factor, y.original_max_position_embeddings), YARN_ORIGINAL_RULE.format("model.yarn"))]
     docs = [("data.long_docs", cfg.data.long_docs)] + [(f"recipe.stages.{n}.long_docs", s.long_docs)
                                                        for n, s in cfg.recipe.stages.items() if s.long_docs]
     rules += [(f"{f}.min_share", ld.min_share, not ld.min_tokens or 0 <= ld.min_share < 1,
