@@ -92,7 +92,9 @@ class _Stub(torch.nn.Module):
 
 @torch.no_grad()
 def _own_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    name = lm.base_model_prefix  # the decoder's attribute: model (Llama, Qwen, ...), transformer (GPT-2), ...
+    # the decoder's attribute: transformer (GPT-2) where get_decoder names a child, else model (Llama, Qwen,
+    # Llama 4's text model, whose get_decoder reaches past its own `model`)
+    name = next((n for n, child in lm.named_children() if child is lm.get_decoder()), "model")
     decoder = getattr(lm, name)
     setattr(lm, name, _Stub(hidden))
     try:
