@@ -28,7 +28,7 @@ from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
-from longstride.model.loss import chunked_cross_entropy_sum, output_head
+from longstride.model.loss import chunked_cross_entropy_sum, decoder_name, output_head
 from longstride.model.rope import max_positions
 from longstride.overrides import run
 
@@ -87,7 +87,7 @@ def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
     for ids in docs:
         x = torch.tensor(ids[:length], device=model.device)[None]
         labels = torch.cat([x[:, 1:], torch.full((1, 1), -100, device=x.device)], dim=1)
-        hidden = model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+        hidden = getattr(model, decoder_name(model))(input_ids=x, use_cache=False).last_hidden_state
         q = length - length // 4  # the last quarter scored on its own: each position's logits computed once
         head = output_head(model)
         tail_sum = float(chunked_cross_entropy_sum(hidden[:, q:], head, labels[:, q:], tile))

@@ -91,10 +91,14 @@ class _Stub(torch.nn.Module):
 
 
 @torch.no_grad()
+def decoder_name(lm: torch.nn.Module) -> str:
+    """The attribute holding a causal LM's decoder: the child get_decoder names (transformer: GPT-2; model: Llama,
+    Qwen, ...), else model (Llama 4's text model, whose get_decoder returns the causal LM itself)."""
+    return next((n for n, child in lm.named_children() if child is lm.get_decoder()), "model")
+
+
 def _own_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    # the decoder's attribute: transformer (GPT-2) where get_decoder names a child, else model (Llama, Qwen,
-    # Llama 4's text model, whose get_decoder reaches past its own `model`)
-    name = next((n for n, child in lm.named_children() if child is lm.get_decoder()), "model")
+    name = decoder_name(lm)
     decoder = getattr(lm, name)
     setattr(lm, name, _Stub(hidden))
     try:

@@ -50,17 +50,21 @@ def test_ppl_with_and_without_yarn(checkpoint, tmp_path):
     assert (tmp_path / "ppl.csv").is_file() and (tmp_path / "ppl.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "llama4"])
 def test_perplexities_are_the_model_s_own_cross_entropy(arch):
     """Whole and last-quarter perplexity against the model's own logits, for a decoder under `model` (Llama) and
-    one under `transformer` (GPT-2, which eval ppl once failed on)."""
+    one under `transformer` (GPT-2, which eval ppl once failed on) and Llama 4, whose get_decoder is itself."""
     import torch
     import transformers as T
 
     from longstride.eval.ppl import perplexities
 
     torch.manual_seed(0)
-    if arch == "gpt2":
+    if arch == "llama4":  # its get_decoder returns the causal LM itself
+        lm = T.Llama4ForCausalLM(T.Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                    head_dim=16, vocab_size=97))
+    elif arch == "gpt2":
         lm = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=97, n_positions=128))
     else:
         lm = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
