@@ -28,7 +28,7 @@ from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import eval_config, load_eval_model
 from longstride.model.config import YarnConfig
-from longstride.model.loss import chunked_cross_entropy_sum, decoder_name, output_head
+from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
 from longstride.model.rope import max_positions
 from longstride.overrides import run
 
@@ -60,10 +60,14 @@ def parse(argv: list[str]) -> PplConfig:
     return cfg
 
 
+def docs_root(cfg: PplConfig) -> Path:
+    return stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
+
+
 def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
     """Token ids of up to max_docs local documents of at least min_len tokens, each opening with the BOS token
     where the tokenizer puts one before text (Llama, Gemma: models that have only ever seen text after it)."""
-    root = stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
+    root = docs_root(cfg)
     start = bos_prefix(tokenizer)  # as training opens each document (data/tokenizer.py)
     docs = []
     for path in list_files(root, cfg.glob):  # sorted: the same documents on every machine
@@ -84,12 +88,12 @@ def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
 @torch.no_grad()
 def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
     total = tail = n_total = n_tail = 0.0
+    body, head = decoder(model), output_head(model)
     for ids in docs:
         x = torch.tensor(ids[:length], device=model.device)[None]
         labels = torch.cat([x[:, 1:], torch.full((1, 1), -100, device=x.device)], dim=1)
-        hidden = getattr(model, decoder_name(model))(input_ids=x, use_cache=False).last_hidden_state
+        hidden = body(input_ids=x, use_cache=False).last_hidden_state
         q = length - length // 4  # the last quarter scored on its own: each position's logits computed once
-        head = output_head(model)
         tail_sum = float(chunked_cross_entropy_sum(hidden[:, q:], head, labels[:, q:], tile))
         total += float(chunked_cross_entropy_sum(hidden[:, :q], head, labels[:, :q], tile)) + tail_sum
         tail += tail_sum
@@ -140,7 +144,7 @@ def main(argv: list[str]) -> list[dict]:
         use_longstride_attention(model)
     docs = long_documents(tok, cfg, max(cfg.lengths))
     if not docs:
-        root = stdlib_root() if cfg.docs_dir is None else Path(cfg.docs_dir)
+        root = docs_root(cfg)
         raise ValueError(f"no document of >= {max(cfg.lengths)} tokens among the {len(list_files(root, cfg.glob))} "
                          f"files matching glob={cfg.glob!r} under {root}; lower lengths, or set docs_dir and glob "
                          "(e.g. glob='**/*.txt')")

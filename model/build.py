@@ -63,11 +63,11 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
     """A saved checkpoint's config with YaRN applied (to `layer_types` on a model with RoPE per layer type, see
     model/rope.py; `field` names them in errors), for evaluation beyond the trained length, and its max
     positions before YaRN."""
-    config = AutoConfig.from_pretrained(checkpoint)
-    trained = trained_length(config)
     if not yarn_original_ok(yarn.factor, yarn.original_max_position_embeddings):
         raise ValueError(f"yarn.original_max_position_embeddings={yarn.original_max_position_embeddings} must be "
                          + YARN_ORIGINAL_RULE.format("yarn"))
+    config = AutoConfig.from_pretrained(checkpoint)
+    trained = trained_length(config)
     if yarn.factor:
         apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field, stretch=True,
                    yarn_field="yarn")

@@ -90,21 +90,26 @@ class _Stub(torch.nn.Module):
         return _StubOutput(last_hidden_state=self.hidden)
 
 
-@torch.no_grad()
 def decoder_name(lm: torch.nn.Module) -> str:
     """The attribute holding a causal LM's decoder: the child get_decoder names (transformer: GPT-2; model: Llama,
     Qwen, ...), else model (Llama 4's text model, whose get_decoder returns the causal LM itself)."""
     return next((n for n, child in lm.named_children() if child is lm.get_decoder()), "model")
 
 
+def decoder(lm: torch.nn.Module) -> torch.nn.Module:
+    """A causal LM's decoder (decoder_name): its forward gives the hidden states the output head reads."""
+    return getattr(lm, decoder_name(lm))
+
+
+@torch.no_grad()
 def _own_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     name = decoder_name(lm)
-    decoder = getattr(lm, name)
+    body = getattr(lm, name)
     setattr(lm, name, _Stub(hidden))
     try:
         return lm(input_ids=torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)).logits.float()
     finally:
-        setattr(lm, name, decoder)
+        setattr(lm, name, body)
 
 
 def _head_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:

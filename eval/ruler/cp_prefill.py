@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from longstride.eval.hf_adapter import DynamicCache, attention_implementation, new_cache
+from longstride.model.loss import decoder
 from longstride.parallel.attention import head_shape, longstride_attention, no_mask
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
-from longstride.model.loss import decoder_name
 from longstride.parallel.kernels import resolve_kernel
 from longstride.parallel.zigzag import unshard
 
@@ -55,8 +55,8 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     with attention_implementation(model, NAME, _attention_keeping_kv, no_mask):
-        getattr(model, decoder_name(model))(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout,
-                    kv_out=kv, use_cache=False)
+        decoder(model)(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout,
+                       kv_out=kv, use_cache=False)
     for layer in range(len(kv)):
         parts = []
         for x in kv[layer]:
