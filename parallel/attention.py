@@ -134,6 +134,12 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         if kwargs.get(key_name) is not None:
             raise NotImplementedError(f"{where} asks for {what} ({key_name}), which longstride's attention does not "
                                       "implement; refused rather than dropped")
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            f"{where}: {query.shape[2]} query positions against {key.shape[2]} key positions (a forward with a KV "
+            "cache: model.generate, or past_key_values/cache). longstride's attention computes whole packed "
+            "sequences, for training and evaluation; decode with the model's own attention: "
+            "model.set_attn_implementation('sdpa')")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"{where}: value heads of size {value.shape[-1]} against query heads of size "
                                   f"{query.shape[-1]}; longstride's kernels take one head size")

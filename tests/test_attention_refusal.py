@@ -78,6 +78,28 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     assert torch.equal(plain, wide) and not torch.allclose(plain, narrow)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_a_cached_decoding_step_is_refused_and_the_model_s_own_attention_decodes_it(name):
+    """A forward with a KV cache hands attention fewer queries than keys; longstride's attention, which takes
+    document and window bounds from one sequence, would compute the step wrongly (a Mistral window of 4 gave
+    logits off by 0.2), so it refuses, naming the switch back to the model's own attention, which then decodes the
+    step as the full forward scores it. The uncached forward, and the prefill that fills the cache, are computed."""
+    torch.manual_seed(0)
+    model = (T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=4)) if name == "mistral"
+             else COMPUTED["llama"]()).eval()
+    use_longstride_attention(model)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        full = model(ids).logits
+        prefill = model(ids[:, :-1], use_cache=True)
+        torch.testing.assert_close(prefill.logits, full[:, :-1])
+        with pytest.raises(NotImplementedError, match=re.escape("model.set_attn_implementation('sdpa')")):
+            model(ids[:, -1:], past_key_values=prefill.past_key_values)
+        model.set_attn_implementation("sdpa")
+        step = model(ids[:, -1:], past_key_values=model(ids[:, :-1], use_cache=True).past_key_values).logits
+    torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
 def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     """longstride's attention reads documents only from doc_layout. Called as a plain attention implementation, a
     left-padded batch (zeros in attention_mask before a real token), packed rows (position_ids restarting at 0,
