@@ -180,6 +180,36 @@ def test_run_identity_ignores_fields_another_version_of_the_schema_has(tmp_path)
         check_identity(str(tmp_path), {"model": {"hidden_size": 64}, "recipe": {"name": "tiny"}}, resume=True)
 
 
+def test_a_source_stage_or_weight_added_or_removed_is_a_changed_config(tmp_path):
+    """Keys on one side only are another schema's fields, except in dicts whose keys the user names: a source, a
+    stage, a mixture weight or a synthetic kind added or removed, or a group set where it was None (a stage's
+    long_docs), is refused, named; a new schema field inside a source still resumes."""
+    from longstride.recipes.run.runlock import check_identity
+
+    def resolved(**extra):
+        sources = {"code": {"kind": "stdlib", "weight": 1.0, **extra.get("code", {})}, **extra.get("sources", {})}
+        stage = {"lr": 1e-3, "mixture": extra.get("mixture", {}), "long_docs": extra.get("long_docs")}
+        stages = {"s1": stage, **extra.get("stages", {})}
+        return {"data": {"sources": sources}, "recipe": {"name": "r", "stages": stages}}
+
+    assert check_identity(str(tmp_path), resolved(), resume=True) is False
+    (tmp_path / "s1" / "final").mkdir(parents=True)  # it trained
+    for extra, named in [({"sources": {"qa": {"kind": "synthetic", "weight": 2.0}}}, r"data.sources.qa \(added\)"),
+                         ({"mixture": {"code": 1.0}}, r"recipe.stages.s1.mixture.code \(added\)"),
+                         ({"stages": {"s2": {"lr": 1e-4}}}, r"recipe.stages.s2 \(added\)"),
+                         ({"code": {"synthetic": {"kinds": {"copy": 1.0}}}},
+                          r"data.sources.code.synthetic.kinds.copy \(added\)"),
+                         ({"long_docs": {"min_tokens": 64, "min_share": 0.5}},
+                          r"recipe.stages.s1.long_docs \(was None, now min_share=0.5, min_tokens=64\)")]:
+        with pytest.raises(ValueError, match=named):
+            check_identity(str(tmp_path), resolved(**extra), resume=True)
+    assert check_identity(str(tmp_path), resolved(code={"new_field": 3}), resume=True) is False  # schema's
+    check_identity(str(tmp_path), resolved(sources={"qa": {"kind": "synthetic"}}), resume=False)  # recorded anew
+    with pytest.raises(ValueError, match=r"data.sources.qa \(removed\)"):
+        (tmp_path / "s1" / "final").mkdir(parents=True)
+        check_identity(str(tmp_path), resolved(), resume=True)
+
+
 def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path):
     """The main job's base, `${shipped:tiny_base_256}`, resolves to this checkout's absolute path; the run records
     it by name, so a run recorded by an older longstride (the relative model/shipped/...) or from another clone

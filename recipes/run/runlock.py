@@ -149,6 +149,43 @@ def trained_nothing(directory: str) -> bool:
     return True
 
 
+# Dicts whose keys the user names (a source, a stage, a mixture weight, a synthetic kind): an entry on one side only
+# is a change of the config, not of the schema
+USER_KEYED = ("data.sources.*", "data.sources.*.synthetic.kinds.*", "recipe.stages.*", "recipe.stages.*.mixture.*")
+
+
+def _entry(key: str) -> Optional[str]:
+    """The longest prefix of `key` that names an entry of a USER_KEYED dict, or None."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if any(len(p := pattern.split(".")) == n and all(map(fnmatch.fnmatchcase, parts[:n], p))
+               for pattern in USER_KEYED):
+            return ".".join(parts[:n])
+    return None
+
+
+def differences(theirs: dict, mine: dict) -> list[str]:
+    """What differs between a recorded identity and this run's, one line per key: a value both sides have and that
+    differs; an entry of a USER_KEYED dict on one side only (a source or mixture weight added or removed); a group
+    on one side where the other has one value (a stage's long_docs set where it was None). Other keys on one side
+    only come from another longstride version's schema (a field added or removed), which this run's code cannot read
+    differently."""
+    lines = {k: f"{k} (was {theirs[k]}, now {mine[k]})" for k in set(theirs) & set(mine) if theirs[k] != mine[k]}
+    for side, other, what in ((theirs, mine, "removed"), (mine, theirs, "added")):
+        for key in sorted(set(side) - set(other)):
+            entry = _entry(key)
+            if entry and not any(k == entry or k.startswith(entry + ".") for k in other):
+                lines[entry] = f"{entry} ({what})"
+                continue
+            parts = key.split(".")
+            value = next((p for p in (".".join(parts[:n]) for n in range(1, len(parts))) if p in other), None)
+            if value is not None:
+                group = ", ".join(f"{k[len(value) + 1:]}={side[k]}" for k in sorted(side) if k.startswith(value + "."))
+                lines[value] = (f"{value} (was {other[value]}, now {group})" if what == "added"
+                                else f"{value} (was {group}, now {other[value]})")
+    return [lines[k] for k in sorted(lines)]
+
+
 def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None,
                    rewind: Callable[[], None] = lambda: None) -> bool:
     """Main process, under the lock, before anything is written. The first run of a directory records its
@@ -165,18 +202,15 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
         with open(path) as f:
             recorded = json.load(f)
         theirs = {k: shipped_name(v, recorded=True) for k, v in recorded["config"].items()}
-        # keys on one side only come from another longstride version's schema (a field added or removed), which
-        # this run's code cannot read differently: only values both sides have are compared
-        changed = sorted(k for k in set(theirs) & set(mine) if theirs[k] != mine[k])
-        if resume_from and not changed and recorded.get("resumed_from") == os.path.normpath(resume_from):
+        diff = differences(theirs, mine)
+        if resume_from and not diff and recorded.get("resumed_from") == os.path.normpath(resume_from):
             return False
         if not resume:
             aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
             os.rename(directory, aside)
             os.makedirs(directory, exist_ok=True)  # a second run refused in between may have made it (empty)
             print(f"longstride: train.resume=false: the previous run is now {aside}", file=sys.stderr)
-        elif changed:
-            diff = [f"{k} (was {theirs[k]}, now {mine[k]})" for k in changed]
+        elif diff:
             if resume_from:  # asked for: continue from that checkpoint under the new config
                 print(f"longstride: continuing from {resume_from} with a changed config: {'; '.join(diff)}",
                       file=sys.stderr)
