@@ -91,7 +91,11 @@ def loss_curve(steps: list[dict], points: int = 24) -> list[list]:
     stage's loss fell (in-context copying forms as a sudden drop) at a glance, without the whole log."""
     width = -(-len(steps) // points)
     runs = [steps[i:i + width] for i in range(0, len(steps), width)]
-    return [[run[-1]["step"], round(statistics.fmean(r["loss"] for r in run), 3)] for run in runs]
+    def mean(run):  # a skipped step's loss is null
+        losses = [r["loss"] for r in run if r["loss"] is not None]
+        return round(statistics.fmean(losses), 3) if losses else None
+
+    return [[run[-1]["step"], mean(run)] for run in runs]
 
 
 def stage_summary(records: list[dict]) -> dict | None:

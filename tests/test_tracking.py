@@ -42,6 +42,15 @@ def test_wandb_takes_a_resumed_stages_steps_again(tmp_path, monkeypatch, capfd):
         for step in [1, 2, 3, 4, 5, 6, 4, 5, 6]:
             tracker.log(step, {"loss": 1.0 / step, "lr": 1e-3, "tokens_per_s": 1.0})
         tracker.log_values(6, {"val_loss": 0.5})
+        tracker.log(7, {"loss": float("nan"), "lr": 1e-3, "tokens_per_s": 1.0, "skipped": True})  # a skipped step
+        tracker.log_values(7, {"val_loss": float("inf"), "per_source": {"a": float("nan")}})
     finally:
         tracker.close()
+
+    def strict(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    records = [json.loads(line, parse_constant=strict) for line in (tmp_path / "s1" / "metrics.jsonl").open()]
+    assert records[-2]["loss"] is None and records[-2]["skipped"] and records[-1] == {
+        "step": 7, "val_loss": None, "per_source": {"a": None}}
     assert "less than the current step" not in capfd.readouterr().err

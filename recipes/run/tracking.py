@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import resource
 import uuid
@@ -67,6 +68,16 @@ def wandb_run_id(stage_dir: str, prefix: str, resuming: bool) -> str:
     with open(path, "w") as f:
         f.write(run_id)
     return run_id
+
+
+def finite(value):
+    """`value` with every non-finite float (a skipped step's loss) as None: metrics.jsonl holds null there, since
+    NaN is not JSON and strict readers (jq, JavaScript) reject the line."""
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class Tracker:
@@ -142,7 +153,7 @@ class Tracker:
             self._record(step, values, to_wandb=True)
 
     def _record(self, step: int, values: dict, to_wandb: bool) -> None:
-        self.metrics_file.write(json.dumps({"step": step, **values}) + "\n")
+        self.metrics_file.write(json.dumps(finite({"step": step, **values}), allow_nan=False) + "\n")
         self.metrics_file.flush()
         if self.run is not None and to_wandb:
             self.run.log({"step": step, **values})
