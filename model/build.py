@@ -159,8 +159,9 @@ def build_model(
         # a step checkpoint written before stages recorded their length: record it, so the stage's final has it
         record_trained_length(config, seq_len)
         if source is None or os.path.isfile(os.path.join(source, "config.json")):  # else: nothing to compare with
-            check_resumed_rope(config, stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from),
-                               resume)
+            planned = stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from)
+            check_resumed_architecture(config, planned, resume)
+            check_resumed_rope(config, planned, resume)
         text = config.get_text_config(decoder=True)  # resumed at a longer seq_len: max positions as set_rope_base sets
         text.max_position_embeddings = max(int(seq_len), int(text.max_position_embeddings or 0))
         with torch.random.fork_rng(devices=[]):
@@ -179,6 +180,25 @@ def build_model(
 
 # RoPE types whose frequencies do not read max positions (a stage may resume at another seq_len under them)
 LENGTH_FREE_ROPE = (None, "default", "linear")
+
+
+# What a step checkpoint's model is built with and a config could now give otherwise (model.* of a new model)
+ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "tie_word_embeddings", "no_rope_layers")
+
+
+def check_resumed_architecture(saved: PretrainedConfig, planned: PretrainedConfig, resume: str) -> None:
+    """A resumed stage keeps the architecture its step checkpoint was trained with: a config that now gives it other
+    sizes or NoPE layers (model.*, through train.resume_from) is refused, naming each, never logged while the
+    checkpoint's goes on."""
+    theirs, mine = saved.get_text_config(decoder=True), planned.get_text_config(decoder=True)
+    changed = [f"{k} (was {getattr(theirs, k, None)}, now {getattr(mine, k, None)})" for k in ARCHITECTURE
+               if getattr(theirs, k, None) != getattr(mine, k, None)]
+    if changed:
+        raise ValueError(f"the step checkpoint {resume} was trained with another architecture than this config gives "
+                         f"the stage: {'; '.join(changed)}. A stage's model (model.* sizes, nope_interval, "
+                         "nope_layers) cannot change mid-stage; resume with the settings it was written with, or start "
+                         "the stage over from the previous stage's final (train.resume_from=<previous stage>/final)")
 
 
 def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resume: str) -> None:

@@ -59,6 +59,12 @@ class CPDegrees:
         """The context-parallel degree: ring x ulysses."""
         return self.ring * self.ulysses
 
+    @property
+    def seq_len_unit(self) -> int:
+        """A split sequence's length must be a multiple of this: the ring's 2 x ring chunks, each split over the
+        Ulysses group (ring x lcm(2, ulysses) covers both)."""
+        return self.ring * math.lcm(2, self.ulysses)
+
 
 def describe_cp(impl: str, d: CPDegrees, kv_heads: int = 0) -> str:
     """' upipe: ring 2 x ulysses 2, 2 heads per stage' for the stage log; states the K/V heads that travel

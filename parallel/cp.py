@@ -100,5 +100,10 @@ def shard_for_cp(batch: dict, doc_masking: bool, cp: CPContext) -> tuple[dict, D
         if docs is not None:
             check_doc_runs(docs.cpu().numpy())
         return batch, DocLayout(docs, cp=cp)
+    length, d = batch["input_ids"].shape[-1], cp.degrees
+    if length % d.seq_len_unit:
+        raise ValueError(f"a packed batch of {length} tokens, split by cp_impl={cp.method} over ring {d.ring} x "
+                         f"ulysses {d.ulysses}: its length must be a multiple of {d.seq_len_unit} (2 chunks per ring "
+                         f"rank, each split over the Ulysses group); pack to such a length")
     local, plan = method(cp.method).shard(batch, docs, cp)
     return local, DocLayout(None, plan, cp)

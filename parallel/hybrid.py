@@ -17,6 +17,10 @@ def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
         raise ValueError(f"parallel.ulysses={u}: hybrid needs a Ulysses degree that divides {where}={cp} "
                          f"(ring degree = cp / ulysses); set parallel.ulysses to one of {divisors(cp)}")
     check_ulysses(u, cp, heads, where)
+    if u == 1 and cfg.upipe_heads:
+        raise ValueError(f"parallel.upipe_heads={cfg.upipe_heads} splits a Ulysses group's heads into stages, and "
+                         f"parallel.ulysses=1 makes no group ({where}={cp} is all ring); drop parallel.upipe_heads or "
+                         f"set parallel.ulysses to one of {[d for d in divisors(cp) if d > 1]}")
     return CPDegrees(cp // u, u, stage_heads(cfg.upipe_heads, u, heads) if cfg.upipe_heads else 0)
 
 

@@ -111,6 +111,10 @@ def test_cp_impl_degrees_checked_against_the_model_heads():
                  r"parallel.upipe_heads=3 must be a multiple of the Ulysses degree 2 and divide the 4 query heads; "
                  r"valid: \[2, 4\]")
     expect_error(["parallel.cp_impl=hybrid"], r"parallel.ulysses=0: hybrid .*one of \[1, 2\]")
+    expect_error(["parallel.cp_impl=hybrid", "parallel.ulysses=1", "parallel.upipe_heads=2"],
+                 r"parallel.upipe_heads=2 splits a Ulysses group's heads into stages, and parallel.ulysses=1 makes "
+                 r"no group \(recipe.stages.s2_2k.cp=2 is all ring\); drop parallel.upipe_heads or set "
+                 r"parallel.ulysses to one of \[2\]")
     world4 = ["recipe.stages.s1_256.batch_tokens=8192", "recipe.stages.s2_2k.cp=4", "recipe.stages.s3_4k.cp=4"]
     expect_error(["parallel.cp_impl=ulysses", "model.num_attention_heads=6", "model.num_key_value_heads=2",
                   "model.head_dim=16", *world4],
@@ -146,6 +150,18 @@ def test_missing_checkpoint_dir(tmp_path):
 
 def test_a_source_keeping_no_documents_is_refused():
     expect_error(["data.sources.stdlib.max_docs=0"], r"data.sources.stdlib.max_docs=0 must be >= 1")
+
+
+def test_a_new_model_s_sizes_beside_a_checkpoint_are_refused():
+    """model=checkpoint keeps the checkpoint's architecture: sizes or NoPE layers set beside it would be dropped."""
+    from longstride.recipes.config.schema import SHIPPED
+
+    base = ["model=checkpoint", f"model.checkpoint={SHIPPED}/tiny_base_256", f"data.tokenizer={SHIPPED}/tiny_base_256"]
+    expect_error([*base, "model.nope_interval=2", "model.hidden_size=64"],
+                 r"model.hidden_size=64, model.nope_interval=2: read only for a new model \(model.arch=smollm3\), "
+                 r"and model.arch=checkpoint keeps .*tiny_base_256's architecture \(its sizes and NoPE layers\); "
+                 r"drop them")
+    validate(compose_cfg(base), 2)
 
 
 def test_mandatory_values_named():
@@ -273,6 +289,7 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("data.long_docs={min_tokens:100,min_share:1.5}", "data.long_docs.min_share=1.5 must be in [0, 1)"),
     ("model.yarn.factor=0.5", "model.yarn.factor=0.5 must be > 1"),
     ("data.tokenizer_train_bytes=0", "data.tokenizer_train_bytes=0 must be >= 1"),
+    ("data.seed=-1", "data.seed=-1 must be >= 0"),
     # the micro model is 32 wide: 6 heads would be 5.33 wide, 16 heads 2-wide is fine, 32 heads 1-wide is odd
     ("model.num_attention_heads=6", "model.num_attention_heads=6 must be a divisor of model.hidden_size=32 leaving "
                                     "an even head size"),

@@ -6,6 +6,7 @@ sharded, ring forward and backward, gathered and unsharded, compared with an fp6
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,3 +243,18 @@ def test_bad_input_errors():
     q, k = torch.zeros(1, 6, 8, 4), torch.zeros(1, 4, 8, 4)
     with pytest.raises(ValueError, match="query heads 6 must be a multiple of key/value heads 4"):
         ring_forward(q, k, k, ring_plan(None, 1, 8, 1, 0), "sdpa", 0.5, None)
+
+
+@pytest.mark.parametrize("impl, degrees, unit", [("ulysses", (1, 3), 6), ("hybrid", (2, 3), 12), ("ring", (3, 1), 6)])
+def test_a_batch_split_over_cp_names_the_length_its_method_needs(impl, degrees, unit):
+    """shard_for_cp (the HF Trainer collator's and CP prefill's way in) names the multiple the whole layout needs
+    (2 chunks per ring rank, each split over the Ulysses group), not only the ring's 2 x ring."""
+    from longstride.data.batch import collate, packed_item
+    from longstride.parallel.config import CPDegrees
+
+    cp = CPContext(impl, CPDegrees(*degrees))
+    batch = collate([packed_item([np.arange(1, 20), np.arange(1, 14)], 33, 0)])
+    ring, ulysses = degrees
+    with pytest.raises(ValueError, match=rf"a packed batch of 33 tokens, split by cp_impl={impl} over ring {ring} "
+                                         rf"x ulysses {ulysses}: its length must be a multiple of {unit}"):
+        shard_for_cp(batch, True, cp)

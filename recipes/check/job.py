@@ -49,7 +49,7 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     """Every check of the command's input, before any data is read or model built. world: the processes a
     launcher started (1: none, the CP ranks are local gloo processes)."""
     from longstride.parallel.kernels import resolve_kernel
-    from longstride.recipes.config.plan import check_model_and_data, seq_len_unit
+    from longstride.recipes.config.plan import check_model_and_data
     from longstride.recipes.config.schema import selected_stages
     from longstride.recipes.train import use_cpu
 
@@ -65,7 +65,7 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     if cp < 2:
         raise ValueError(f"cp={cp}: the check compares a run over cp >= 2 ranks with one device; give cp=2 or more")
     degrees = cp_degrees(cfg.parallel, cp, heads, where="cp")
-    unit = seq_len_unit(degrees)
+    unit = degrees.seq_len_unit
     if seq_len < unit or seq_len % unit:
         near = sorted({max(unit, seq_len // unit * unit), (seq_len // unit + 1) * unit})
         raise ValueError(f"{where}={seq_len}: {cfg.parallel.cp_impl} cp={cp} (ring {degrees.ring} x ulysses "

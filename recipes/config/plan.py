@@ -87,7 +87,8 @@ def _range_rules(cfg: Config) -> list[tuple]:
              ("data.tokenizer_train_bytes", cfg.data.tokenizer_train_bytes, cfg.data.tokenizer_train_bytes >= 1,
               ">= 1 (bytes of text the BPE is trained on when data.tokenizer=null; e.g. 8000000)"),
              ("data.vocab_size", cfg.data.vocab_size, cfg.data.vocab_size > 256 or bool(cfg.data.tokenizer),
-              "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)")]
+              "> 256 (the BPE trained when data.tokenizer=null holds the 256 bytes and then merges; e.g. 4096)"),
+             ("data.seed", cfg.data.seed, cfg.data.seed >= 0, ">= 0 (numpy's seeds are non-negative; e.g. 1234)")]
     y = m.yarn
     rules += [("model.yarn.original_max_position_embeddings", y.original_max_position_embeddings,
                yarn_original_ok(y.factor, y.original_max_position_embeddings), YARN_ORIGINAL_RULE.format("model.yarn"))]
@@ -208,6 +209,23 @@ def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
         raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
 
 
+# What only a new model (model.arch=smollm3) reads: a checkpoint keeps its own sizes and NoPE layers
+NEW_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
+                    "initializer_range", "nope_interval", "nope_layers")
+
+
+def _check_new_model_fields(m: ModelConfig) -> None:
+    """model.arch=checkpoint with a NEW_MODEL_FIELDS field set away from its default is refused, naming it: the
+    checkpoint's architecture is what trains, and the setting would be dropped."""
+    default = ModelConfig()
+    found = [f"model.{k}={getattr(m, k)}" for k in NEW_MODEL_FIELDS if getattr(m, k) != getattr(default, k)]
+    if found:
+        raise ValueError(f"{', '.join(found)}: read only for a new model (model.arch=smollm3), and model.arch="
+                         f"checkpoint keeps {m.checkpoint}'s architecture (its sizes and NoPE layers); drop "
+                         f"{'them' if len(found) > 1 else 'it'}, or change that checkpoint's config.json")
+
+
 def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int, int]:
     """The model's (query heads, head size) (a checkpoint's from its config), after the model group's checks."""
     m = cfg.model
@@ -216,6 +234,7 @@ def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int,
 
         if not m.checkpoint:
             raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
+        _check_new_model_fields(m)
         check_checkpoint_dir(m.checkpoint, "model.checkpoint")
         if split_longest is None:  # the longest stage a recipe splits over CP ranks
             split_longest = max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1), default=0)
@@ -307,12 +326,6 @@ def check_model_and_data(cfg: Config, split_longest: Optional[int] = None) -> in
     return heads
 
 
-def seq_len_unit(degrees: CPDegrees) -> int:
-    """seq_len must be a multiple of this for a CP layout of these degrees: the ring's 2 x ring chunks, each
-    split over the Ulysses group (ring x lcm(2, ulysses) covers both)."""
-    return degrees.ring * math.lcm(2, degrees.ulysses)
-
-
 def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:
     """Length order, step budget, and the sequence cut that the stage's CP layout needs."""
     if s.seq_len < prev_len:  # an equal length is a data or schedule change at that length (a warm-up, an anneal)
@@ -335,9 +348,9 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
     if degrees.ulysses == 1 and s.seq_len % (2 * s.cp):
         raise ValueError(f"{f}.seq_len={s.seq_len} is not divisible by 2 x cp = {2 * s.cp} "
                          f"(the zig-zag layout cuts it into 2 x cp chunks); use a multiple of {2 * s.cp}")
-    if s.seq_len % seq_len_unit(degrees):
+    if s.seq_len % degrees.seq_len_unit:
         raise ValueError(f"{f}.seq_len={s.seq_len}: {impl} with ring {degrees.ring} x ulysses {degrees.ulysses} "
-                         f"needs a multiple of {seq_len_unit(degrees)}")
+                         f"needs a multiple of {degrees.seq_len_unit}")
 
 
 def resolve_precision(precision: str, assume_gpu: bool = False, on_gpu: bool = True) -> str:

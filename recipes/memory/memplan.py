@@ -28,7 +28,7 @@ from longstride.model.memory import estimate
 from longstride.overrides import parse, run
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
-from longstride.recipes.config.plan import seq_len_unit, validate
+from longstride.recipes.config.plan import validate
 from longstride.recipes.config.schema import AddedStageError, added_stage_hint, to_schema
 from longstride.recipes.memory.trace import stage_program, trace_step
 
@@ -141,7 +141,7 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     length and twice it. When the answer is within CHECK_WITHIN x the stage's length a trace there checks it
     (stepping down 5% while it does not fit); further out a trace would take minutes (its loss and MLP tiles
     grow with the length), and the line stands. Returns (length or 0, checked, the traces made)."""
-    unit = 1 if prog.cp == 1 else seq_len_unit(prog.degrees)
+    unit = 1 if prog.cp == 1 else prog.degrees.seq_len_unit
     L1 = prog.seq_len
     fixed, slope, second = peak_line(prog, first, 2 * L1)
     points = [(L1, first["peak"]), (2 * L1, second["peak"])]
