@@ -5,6 +5,7 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -97,6 +98,24 @@ def test_corpus_appends_eos_and_mixes_sources(tmp_path, cache_dir, tok):
     docs = mixture_documents(corpus, {"a": 1.0, "b": 3.0}, seed=0)
     share_b = corpus.doc_len[docs][corpus.doc_source[docs] == 1].sum() / corpus.doc_len[docs].sum()
     assert 0.72 < share_b < 0.78, share_b  # token weight 3:1, up to one document of rounding
+
+
+def test_a_source_of_few_long_documents_comes_nearest_its_weight():
+    """A source stops short of the document that crosses its share where that one overshoots by more than 5% and
+    stopping short comes nearer: 3 books of 40K tokens at weight 0.2 of 220K tokens take one book (share 0.185),
+    not the two that cross the target (0.31, as before); a source whose one document is far above its share still
+    gives that document (never dropped)."""
+    from longstride.data.corpus import Corpus, mixture_documents
+    from longstride.data.pipeline import source_shares
+
+    lens = np.r_[[40000] * 3, [100] * 1000]
+    src = np.r_[[0] * 3, [1] * 1000].astype(np.int16)
+    corpus = Corpus(np.zeros(lens.sum(), np.int32), np.cumsum(lens) - lens, lens, src, ["books", "code"])
+    for seed in range(3):
+        shares = source_shares(corpus, mixture_documents(corpus, {"books": 0.2, "code": 0.8}, seed))
+        assert abs(shares["source_token_share"]["books"] - 0.2) < 0.02, shares
+    docs = mixture_documents(corpus, {"books": 0.01, "code": 0.99}, 0)
+    assert (corpus.doc_source[docs] == 0).sum() == 1
 
 
 def test_links_fifos_and_loops_are_skipped_and_counted(tmp_path, cache_dir):
