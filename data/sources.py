@@ -336,19 +336,23 @@ class Kind:
     check: Callable
     load: Callable
     stream: Callable
+    reads: tuple = ()  # the OPTIONAL fields it reads (every kind reads kind, weight and max_docs)
 
 
 def _no_check(src, field):
     return None
 
 
+# A source's fields that only some kinds read: one set away from its default on a kind that does not is refused
+OPTIONAL = ("path", "glob", "exclude", "name", "subset", "split", "text_column", "synthetic")
+
 KINDS = {  # data.sources.<name>.kind -> its Kind; a new kind is one entry here and its functions above
-    "stdlib": Kind(_no_check, _load_walked, _stream_walked),
-    "local_dir": Kind(_needs_path, _load_walked, _stream_walked),
-    "files": Kind(_needs_path, _load_files, _stream_files),
-    "disk": Kind(_needs_path, _load_disk, _stream_disk),
-    "hub": Kind(_check_hub, _load_hub, _stream_hub),
-    "synthetic": Kind(synthetic.check_source, synthetic.load_synthetic, synthetic.stream_synthetic),
+    "stdlib": Kind(_no_check, _load_walked, _stream_walked, ("exclude",)),
+    "local_dir": Kind(_needs_path, _load_walked, _stream_walked, ("path", "glob", "exclude")),
+    "files": Kind(_needs_path, _load_files, _stream_files, ("path", "text_column")),
+    "disk": Kind(_needs_path, _load_disk, _stream_disk, ("path", "split", "text_column")),
+    "hub": Kind(_check_hub, _load_hub, _stream_hub, ("name", "subset", "split", "text_column")),
+    "synthetic": Kind(synthetic.check_source, synthetic.load_synthetic, synthetic.stream_synthetic, ("synthetic",)),
     "pymanual": Kind(_check_pymanual, _load_pymanual, _stream_pymanual),
 }
 
@@ -357,6 +361,13 @@ def check_source(src: SourceConfig, field: str) -> Kind:
     """The source's Kind, after its checks; a ValueError naming the field otherwise."""
     if src.kind not in KINDS:
         raise ValueError(f"{field}.kind={src.kind!r} is unknown; use one of {list(KINDS)}")
+    default = SourceConfig()
+    unread = [f for f in OPTIONAL if f not in KINDS[src.kind].reads and getattr(src, f) != getattr(default, f)]
+    if unread:
+        reads = ", ".join(KINDS[src.kind].reads) or "none of them"
+        raise ValueError(f"{', '.join(f'{field}.{f}' for f in unread)}: not read by kind={src.kind} (of "
+                         f"{', '.join(OPTIONAL)} it reads {reads}); drop {'them' if len(unread) > 1 else 'it'}, or "
+                         "pick the kind that reads it")
     if src.max_docs is not None and src.max_docs < 1:
         raise ValueError(f"{field}.max_docs={src.max_docs} must be >= 1 (null = every document)")
     KINDS[src.kind].check(src, field)

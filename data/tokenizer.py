@@ -53,7 +53,7 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
 def bos_prefix(tokenizer) -> list[int]:
     """[BOS] where the tokenizer puts it before text (Llama, Gemma: models that have only ever seen text after it),
     else [] (SmolLM2, Qwen, the shipped tokenizers). Training opens every document with it, and evaluation every
-    prompt, so the two agree."""
+    prompt, so the two agree (a piece packing cuts from an over-long document continues it, without one)."""
     bos = tokenizer.bos_token_id
     return [bos] if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else []
 

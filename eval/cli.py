@@ -4,17 +4,19 @@ from __future__ import annotations
 import os
 
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
-from longstride.overrides import parse
+from longstride.overrides import parse, writable_dir
 
 
 def parse_overrides(schema: type, argv: list[str], command: str, doc: str, example: str):
     """argv (key=value ...) into an instance of `schema`, whose `checkpoint` must be an HF model dir with readable
-    weights."""
+    weights, and whose results folder (`out`, or default_out) one can write to."""
     cfg = parse(schema, argv, command, doc)
     if not cfg.checkpoint:
         raise ValueError(f"checkpoint=<dir> is required ({example})")
     check_checkpoint_dir(cfg.checkpoint, "checkpoint")
     check_checkpoint_weights(cfg.checkpoint, "checkpoint")
+    if hasattr(cfg, "out"):
+        writable_dir(cfg.out or default_out(cfg.checkpoint))
     return cfg
 
 

@@ -39,7 +39,7 @@ class PplConfig:
     lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
     yarn: YarnConfig = field(default_factory=YarnConfig)
     rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
-    docs_dir: Optional[str] = None  # None = the Python standard library (found on every machine)
+    docs_dir: Optional[str] = None  # None = the shipped CPython 3.11.7 standard library snapshot (data/shipped/)
     glob: str = "**/*.py"
     max_docs: int = 8  # documents per length
     out: Optional[str] = None  # results folder; None = outputs/eval/<checkpoint path>

@@ -5,7 +5,7 @@
     longstride eval ppl checkpoint=DIR lengths=[1024,2048,4096] [key=value ...]
     longstride eval compare run=outputs/tiny_extend [key=value ...]  # base + every stage, same samples
     longstride convert-gguf out=checkpoints/smollm2-135m-instruct [gguf=FILE]
-    longstride export-hf checkpoint=outputs/tiny/s1_256/step_000003 out=DIR  # a sharded step checkpoint as HF
+    longstride export-hf checkpoint=outputs/tiny/s1_256/step_000040 out=DIR  # a sharded step checkpoint as HF
     longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1  # memory per stage (estimate)
     longstride check checkpoint=DIR seq_len=1024 cp=2 parallel.cp_impl=ring  # CP and kernels vs one device, eager
     longstride <command> --help                              # every option of that command

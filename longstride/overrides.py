@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
 import sys
+import tempfile
 import typing
 from enum import Enum
 from typing import Callable, Optional
@@ -82,12 +84,30 @@ def parse(schema: type, argv: list[str], command: str, doc: str = ""):
     try:
         with initialize(version_base="1.3", config_path=None):
             cfg = OmegaConf.to_object(compose(config_name=name, overrides=list(argv)))
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(_reason(e) + f" (see {command} --help)") from None
+    except (HydraException, OmegaConfBaseException, ValueError) as e:  # ValueError: a list index that is a name
+        raise ValueError(_reason(e) + _shape_hint(schema, argv) + f" (see {command} --help)") from None
     threads = getattr(cfg, "threads", None)  # the eval commands' torch.set_num_threads
     if threads is not None and threads < 1:
         raise ValueError(f"threads={threads} must be >= 1 (null = torch's default)")
     return cfg
+
+
+def _shape_hint(schema: type, argv: list[str]) -> str:
+    """Where an override gives a list field a dotted key (yarn.factor=2 to eval compare's yarn list) or a group a
+    single value (yarn=2 to eval ruler's yarn group), how that command spells it; "" otherwise."""
+    hints = typing.get_type_hints(schema)
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        top, dotted = key.split(".", 1)[0], "." in key
+        kind = hints.get(top)
+        if kind is None:
+            continue
+        if dotted and typing.get_origin(kind) in (list, typing.List):
+            return f"; {top} is a list here: {top}=[{value}]"
+        if not dotted and dataclasses.is_dataclass(kind) and not value.startswith("{"):
+            names = [f.name for f in dataclasses.fields(kind)]
+            return f"; {top} is a group here: {top}.{names[0]}={value} (its fields: {', '.join(names)})"
+    return ""
 
 
 def _reason(e: BaseException) -> str:
@@ -110,3 +130,17 @@ def run(command: str, main: Callable[[list[str]], object], argv: Optional[list[s
     except (ValueError, NotImplementedError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def writable_dir(path: str, field: str = "out", shown: Optional[str] = None) -> str:
+    """`path`, a command's results folder, created and written to once (a probe file, removed), so that an out=
+    under a file, or where the user may not write, fails while parsing, naming `field` (as `shown`, where it names
+    a file in `path`), not after the compute."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"{field}={shown or path!r}: results cannot be written there ({e.strerror or e}); give a "
+                         "folder you can write to") from None
+    return path

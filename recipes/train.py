@@ -157,9 +157,11 @@ def run(cfg: Config, raw: DictConfig | None = None) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(raw: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     skip_exit_collection()
     try:
-        prepared = setup(to_schema(raw), raw)
+        prepared = setup(to_schema(raw, HydraConfig.get().overrides.task), raw)
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)

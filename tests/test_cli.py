@@ -52,6 +52,32 @@ def test_every_command_has_help(command, expect, tmp_path):
     assert not any(tmp_path.iterdir()), "--help writes nothing"
 
 
+def test_train_takes_a_mixture_on_the_command_line_as_the_whole_mixture(tmp_path):
+    """`longstride train` (Hydra's main) replaces a stage's mixture given as {...}: stdlib alone at weight 0 has no
+    positive weight and is refused at validation; merged into the recipe's other weights it would have trained."""
+    r = _run([shutil.which("longstride"), "train", "recipe=tiny_extend", "recipe.stages.s2_2k.mixture={stdlib:0.0}",
+              "logger.wandb_mode=disabled"], tmp_path)
+    assert r.returncode == 2 and "recipe.stages.s2_2k.mixture={'stdlib': 0.0} must be source weights >= 0 with a " \
+        "positive sum" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", [["eval", "ruler", "lengths=[512]"], ["eval", "ppl"], ["eval", "compare"],
+                                     ["plan", "recipe=tiny"]])
+def test_an_out_that_cannot_be_written_fails_before_any_compute(tmp_path, command):
+    """out= under a file (the eval commands' results folder, plan's JSON file) exits 2 naming out= while the
+    command's arguments are read, not with a traceback once the scoring is done."""
+    from longstride.recipes.config.schema import SHIPPED
+
+    (tmp_path / "afile").write_text("")
+    base = f"{SHIPPED}/tiny_base_256"
+    where = {"ruler": [f"checkpoint={base}"], "ppl": [f"checkpoint={base}"],
+             "compare": [f"checkpoints=[{base},{base}]", "tasks=[niah_single_1]"]}.get(command[1], [])
+    out = "afile/plan.json" if command[0] == "plan" else "afile/results"
+    r = _run([shutil.which("longstride"), *command, *where, f"out={out}"], tmp_path)
+    assert r.returncode == 2 and f"out='{out}': results cannot be written there" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_choice_typos_name_the_key_and_the_choices(tmp_path):
     r = _run([shutil.which("longstride"), "train", "parallel.balance=zigzg"], tmp_path)
     assert r.returncode != 0 and "expected one of [zigzag, docs]" in r.stderr
@@ -153,3 +179,16 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
     r = _run([shutil.which("longstride"), "train", "recipe=tiny", "recipe.stages.s2_2k.steps=-1", "--cfg", "job"],
              tmp_path)
     assert "not a stage of this recipe" not in r.stderr  # an existing stage's field is not the hint's case
+
+
+def test_a_list_or_a_group_given_the_other_shape_says_how_the_command_spells_it():
+    """eval compare's yarn is a list of factors, eval ruler's a group: each command's error for the other's
+    spelling says its own."""
+    from longstride.eval.ruler.compare import CompareConfig
+    from longstride.eval.ruler.run import RulerConfig
+    from longstride.overrides import parse
+
+    with pytest.raises(ValueError, match=r"yarn is a list here: yarn=\[2\] \(see longstride eval compare --help\)"):
+        parse(CompareConfig, ["yarn.factor=2"], "longstride eval compare")
+    with pytest.raises(ValueError, match=r"yarn is a group here: yarn.factor=2 \(its fields: factor, "):
+        parse(RulerConfig, ["yarn=2"], "longstride eval ruler")

@@ -152,6 +152,16 @@ def test_a_source_keeping_no_documents_is_refused():
     expect_error(["data.sources.stdlib.max_docs=0"], r"data.sources.stdlib.max_docs=0 must be >= 1")
 
 
+def test_a_source_field_its_kind_does_not_read_is_refused():
+    """stdlib walks its own *.py files and `files` has no exclude: a glob or exclude set there was dropped."""
+    expect_error(["data.sources.stdlib.glob=json/*.py"],
+                 r"data.sources.stdlib.glob: not read by kind=stdlib \(of path, glob, exclude, name, subset, split, "
+                 r"text_column, synthetic it reads exclude\); drop it, or pick the kind that reads it")
+    expect_error(["data=files", "data.sources.main.path=x.jsonl", "data.sources.main.exclude=a*",
+                  "data.sources.main.name=b"], r"data.sources.main.exclude, data.sources.main.name: not read by "
+                                               r"kind=files .* it reads path, text_column\); drop them")
+
+
 def test_a_new_model_s_sizes_beside_a_checkpoint_are_refused():
     """model=checkpoint keeps the checkpoint's architecture: sizes or NoPE layers set beside it would be dropped."""
     from longstride.recipes.config.schema import SHIPPED
@@ -162,6 +172,23 @@ def test_a_new_model_s_sizes_beside_a_checkpoint_are_refused():
                  r"and model.arch=checkpoint keeps .*tiny_base_256's architecture \(its sizes and NoPE layers\); "
                  r"drop them")
     validate(compose_cfg(base), 2)
+
+
+def test_a_weight_dict_on_the_command_line_is_the_whole_dict():
+    """recipe.stages.NAME.mixture={...} and a synthetic source's kinds={...} replace the recipe's dict (Hydra merges
+    them: {stdlib:1.0} trained on 56% stdlib beside the recipe's other weights); a weight set after the dict is
+    added to it; a single weight still changes only that one."""
+    def mixture(*overrides):
+        return compose_cfg(["recipe=tiny_extend", *overrides]).recipe.stages["s2_2k"].mixture
+
+    recipe = mixture()
+    assert len(recipe) > 1 and mixture("recipe.stages.s2_2k.mixture={stdlib:1.0}") == {"stdlib": 1.0}
+    assert mixture("recipe.stages.s2_2k.mixture={stdlib:1.0}", "recipe.stages.s2_2k.mixture.retrieval_mid=0.5") == {
+        "stdlib": 1.0, "retrieval_mid": 0.5}
+    assert mixture("recipe.stages.s2_2k.mixture.retrieval_mid=0.5") == {**recipe, "retrieval_mid": 0.5}
+    assert mixture("recipe.stages.s2_2k.mixture={}") == {}
+    kinds = compose_cfg(["recipe=tiny_retrieval", "data.sources.retrieval_short.synthetic.kinds={copy:1.0}"])
+    assert kinds.data.sources["retrieval_short"].synthetic.kinds == {"copy": 1.0}
 
 
 def test_mandatory_values_named():
@@ -355,8 +382,8 @@ def test_a_base_checkpoint_without_readable_weights_is_refused_at_validation(tmp
 
 
 def test_wandb_online_without_a_login_is_refused_before_compute(micro, tmp_path, monkeypatch):
-    """wandb.init would raise its UsageError after the corpus and model are built; the check reads what wandb reads
-    (WANDB_API_KEY, the netrc entry for its host)."""
+    """wandb.init would raise its UsageError after the corpus and model are built (eval ruler's after scoring); the
+    check reads what wandb reads (WANDB_API_KEY, the netrc entry for its host)."""
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
@@ -364,6 +391,11 @@ def test_wandb_online_without_a_login_is_refused_before_compute(micro, tmp_path,
     online = micro + ["logger.wandb_mode=online"]
     with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
         validate(compose_cfg(online), 1)
+    from longstride.eval.ruler.run import parse
+    from longstride.recipes.config.schema import SHIPPED
+
+    with pytest.raises(ValueError, match=r"^wandb=online needs a wandb login"):  # eval ruler too, before it loads
+        parse([f"checkpoint={SHIPPED}/tiny_base_256", "wandb=online", f"out={tmp_path / 'eval'}"])
     (tmp_path / "netrc").write_text("machine github.com\n  login user\n  password abc\n")  # another host's login
     with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
         validate(compose_cfg(online), 1)

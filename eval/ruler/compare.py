@@ -29,7 +29,7 @@ from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, n
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import YarnConfig
 from longstride.model.rope import rope_base
-from longstride.overrides import parse
+from longstride.overrides import parse, writable_dir
 
 
 @dataclass
@@ -54,7 +54,7 @@ class CompareConfig:
     prefill_chunk: int = 8192  # prompt tokens per prefill forward
     dtype: Dtype = Dtype.float32
     threads: Optional[int] = None
-    out: Optional[str] = None  # None = outputs/eval/compare-<run folder name or last checkpoint's stage>
+    out: Optional[str] = None  # None = outputs/eval/compare-<run folder name, or last checkpoint's: s3_4k-final>
 
 
 @dataclass
@@ -263,12 +263,12 @@ def main(argv: list[str]) -> dict:
         note(msg)
     if not tasks:
         raise ValueError("nothing to run: no runnable task (see the messages above)")
-    rows = plan_rows(cfg, named)
-    hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
-    hf_logging.disable_progress_bar()
     name = os.path.basename(os.path.normpath(cfg.run)) if cfg.run else \
         "-".join(os.path.normpath(named[-1][1]).split(os.sep)[-2:])
-    out = cfg.out or os.path.join("outputs", "eval", f"compare-{name}")
+    rows = plan_rows(cfg, named)
+    out = writable_dir(cfg.out or os.path.join("outputs", "eval", f"compare-{name}"))  # nothing written before
+    hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
+    hf_logging.disable_progress_bar()
     title = f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell"
     t0, scored = time.perf_counter(), Scored()
     for i in score_rows(cfg, rows, tasks, qa, skipped, t0, scored):

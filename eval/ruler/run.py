@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch
 
-from longstride.choices import Choice, WandbMode
+from longstride.choices import Choice, WandbMode, check_wandb
 from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
@@ -101,6 +101,7 @@ def parse(argv: list[str]) -> RulerConfig:
     if not cfg.lengths or any(L < 16 for L in cfg.lengths):
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
     check_generation(cfg)
+    check_wandb(cfg.wandb, "wandb")
     if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise ValueError("prefill=cp splits each prompt over several processes: launch with "
                          "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")

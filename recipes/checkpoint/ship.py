@@ -5,7 +5,7 @@
 The manifest (recipes/checkpoint/format.py's, so `verify` checks it) lists every file's size and SHA-256 and adds
 the provenance: the run's recipe and overrides (from the run's config.yaml and run.json), the stage and
 its training seed, the commit, and the checkpoint's RULER scores at its trained length and 2x it
-(niah_single_1 and the in-format synth_kv), measured here on `num_samples` samples each.
+(niah_single_1 and the in-format synth_kv), measured here on `--samples` samples each (20 by default).
 """
 from __future__ import annotations
 

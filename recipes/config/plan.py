@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Optional
 
+from longstride.choices import check_wandb
 from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
 from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
@@ -150,9 +151,7 @@ def _check_numbers(cfg: Config) -> None:
 def _check_run(cfg: Config) -> None:
     """Finite numbers in range, consistent restart options, a usable output root."""
     _check_numbers(cfg)
-    if str(cfg.logger.wandb_mode) == "online" and not _wandb_key():
-        raise ValueError("logger.wandb_mode=online needs a wandb login on this machine (wandb login, or "
-                         "WANDB_API_KEY); or use logger.wandb_mode=offline (wandb sync later) or disabled")
+    check_wandb(cfg.logger.wandb_mode, "logger.wandb_mode")
     root = cfg.paths.output_root
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"paths.output_root={root!r} is a file; give a directory (it is created if missing)")
@@ -167,30 +166,6 @@ def _check_run(cfg: Config) -> None:
     if cfg.stage and cfg.stage != first and (cfg.train.resume_from or not cfg.train.resume):
         raise ValueError(f"stage={cfg.stage} with train.resume=false or train.resume_from: those decide where the "
                          "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
-
-
-def _wandb_key() -> bool:
-    """Whether wandb could find credentials, by the places it reads: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, an
-    api_key in its settings file (`wandb login --host`), or `wandb login`'s netrc entry for its host (by host name or
-    host:port)."""
-    import netrc
-    from urllib.parse import urlparse
-
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    settings = os.path.join(os.path.expanduser(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")), "settings")
-    try:
-        with open(settings) as f:
-            if "api_key" in f.read():
-                return True
-    except OSError:
-        pass
-    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-    try:
-        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
-    except (OSError, netrc.NetrcParseError):
-        return False
-    return url.hostname in hosts or url.netloc in hosts
 
 
 def _check_attention_supported(checkpoint: str, split_longest: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 import longstride.model
@@ -140,8 +140,39 @@ def unknown_keys(node, path: str = "") -> list[str]:
     return found
 
 
-def to_schema(raw: DictConfig) -> Config:
-    """Composed Hydra config -> typed Config; unknown keys, wrong types and missing values fail here."""
+# Dicts of weights whose keys the user names: a {...} given on the command line is the whole dict (Hydra would merge
+# it into the recipe's, keeping every weight it does not name)
+WEIGHT_DICTS = ("recipe.stages.*.mixture", "data.sources.*.synthetic.kinds")
+
+
+def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
+    """Sets each WEIGHT_DICTS key that `overrides` gives a {...} (key=, +key=, ++key=) to exactly that dict, as the
+    user wrote it: `recipe.stages.s2_2k.mixture={stdlib:1.0}` trains on stdlib only, not stdlib beside the recipe's
+    other weights. Later overrides of single weights (mixture.a=0.5) still apply on top, in order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("~")])
+    for i, o in enumerate(parsed):
+        key = o.key_or_group
+        if not (isinstance(o.value(), dict) and any(_matches(key, pattern) for pattern in WEIGHT_DICTS)):
+            continue
+        OmegaConf.update(raw, key, o.value(), merge=False)
+        for later in parsed[i + 1:]:  # a single weight set after the dict (a key the dict may lack: open)
+            if later.key_or_group.startswith(key + ".") and not isinstance(later.value(), dict):
+                with open_dict(OmegaConf.select(raw, key)):
+                    OmegaConf.update(raw, later.key_or_group, later.value(), merge=False)
+
+
+def _matches(key: str, pattern: str) -> bool:
+    parts, want = key.split("."), pattern.split(".")
+    return len(parts) == len(want) and all(w == "*" or w == p for p, w in zip(parts, want))
+
+
+def to_schema(raw: DictConfig, overrides: tuple = ()) -> Config:
+    """Composed Hydra config (and the command line's `overrides`: replace_weight_dicts) -> typed Config; unknown
+    keys, wrong types and missing values fail here."""
+    if overrides:
+        replace_weight_dicts(raw, list(overrides))
     unknown = unknown_keys(raw)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}: check their spelling against the schema in the "

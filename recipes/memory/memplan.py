@@ -2,7 +2,7 @@
 sequence that fits, and for a stage that does not fit the smallest change that makes it fit.
 
     longstride plan recipe=smollm3_3b_64k hardware=h100_80g gpus_per_node=8 nodes=1
-    longstride plan recipe=tiny_extend hardware=a100_40g gpus_per_node=1 [any training override]
+    longstride plan recipe=tiny_extend hardware=a100_40g gpus_per_node=2 [any training override]
 
 Each stage's step is traced (recipes/memory/trace.py: fake tensors, one rank of gpus_per_node x nodes under a fake
 process group, bf16, torch's flash attention, the stage's CP, checkpointing, tiling, offload and FSDP2 as
@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from longstride.model.build import stage_config
 from longstride.model.memory import estimate
-from longstride.overrides import parse, run
+from longstride.overrides import parse, run, writable_dir
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.recipes.config.plan import validate
@@ -81,7 +81,7 @@ def compose_training(overrides: list[str], command: str = ""):
     overrides = config_dirs(overrides)
     try:
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-            return to_schema(compose("config", overrides=list(overrides)))
+            return to_schema(compose("config", overrides=list(overrides)), overrides)
     except (HydraException, OmegaConfBaseException) as e:
         if not command:
             raise
@@ -237,6 +237,10 @@ def main(argv: list[str]) -> list[dict]:
     hw = hardware(pc.hardware)
     if pc.gpus_per_node < 1 or pc.nodes < 1:
         raise ValueError(f"gpus_per_node={pc.gpus_per_node} and nodes={pc.nodes} must be >= 1")
+    if pc.out and os.path.isdir(pc.out):
+        raise ValueError(f"out={pc.out!r} is a folder; give the JSON file to write, e.g. out=plan.json")
+    if pc.out:
+        writable_dir(os.path.dirname(pc.out) or ".", shown=pc.out)
     world = pc.gpus_per_node * pc.nodes
     cfg = compose_training(pc.overrides, "longstride plan")
     plans = validate(cfg, world, "cuda", assume_gpu=True, check_data=False)
