@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from longstride.model.loss import decoder, decoder_layers
 from longstride.model.offload import ActivationOffload
 
 MODES = ("none", "full", "selective")
@@ -66,13 +67,12 @@ def enable_checkpointing(lm: torch.nn.Module, mode: str, offload: bool = False,
     if not (offload or simulate_offload):
         return None
     offloader = ActivationOffload(simulate=simulate_offload)
-    body = getattr(lm, "model", None)
-    if body is None or not any(getattr(m, "gradient_checkpointing", False) for m in body.modules()):
+    body = decoder(lm)
+    if not any(getattr(m, "gradient_checkpointing", False) for m in body.modules()):
         raise ValueError(f"model.offload_activations: {type(lm).__name__} has no transformers checkpointing "
                          f"layers to offload from; set model.offload_activations=false")
     # The offload hooks are saved-tensor hooks around the decoder stack's forward, up to the end of its last
     # layer. Inside each checkpointed layer torch's checkpoint installs its own hooks, which take precedence,
     # so what reaches the offloader is what checkpoint keeps: each layer's inputs.
-    layers = getattr(body, "layers", None)
-    offloader.attach(body, until=layers[-1] if layers else None)
+    offloader.attach(body, until=decoder_layers(lm)[-1])
     return offloader

@@ -101,6 +101,20 @@ def decoder(lm: torch.nn.Module) -> torch.nn.Module:
     return getattr(lm, decoder_name(lm))
 
 
+def decoder_layers(lm: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's stack of layers (what checkpointing, tiling and FSDP wrap one by one): its ModuleList of
+    config.num_hidden_layers modules (layers: Llama, Qwen, GPT-NeoX; h: GPT-2). A ValueError naming the model where
+    there is none."""
+    body, config = decoder(lm), lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    n = getattr(config, "num_hidden_layers", None)
+    found = [c for c in body.children() if isinstance(c, torch.nn.ModuleList) and len(c) == n]
+    if len(found) != 1:
+        raise ValueError(f"{type(lm).__name__}: longstride trains a decoder with one stack of config.num_hidden_layers"
+                         f"={n} layers, and {type(body).__name__} holds {len(found)} such lists; train it with the "
+                         "HF Trainer path (recipes/hf/trainer.py) or another trainer")
+    return found[0]
+
+
 @torch.no_grad()
 def _own_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     name = decoder_name(lm)
@@ -167,10 +181,11 @@ class ChunkedLossLM(torch.nn.Module):
         self.lm, self.tile = lm, tile
         # read (and a head the loss cannot compute refused) here, before any step and before DDP / FSDP2 wrap lm
         self.terms = head_terms(lm)
+        self.body = decoder_name(lm)  # model (Llama, Qwen...), gpt_neox, transformer (GPT-2)
 
     def forward(self, input_ids, labels, position_ids, **attn_kwargs) -> torch.Tensor:
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                               **attn_kwargs).last_hidden_state
+        hidden = getattr(self.lm, self.body)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                             **attn_kwargs).last_hidden_state
         # the weight and bias read at each forward: FSDP2 swaps them for their gathered copies around it
         head = self.lm.get_output_embeddings()
         return chunked_cross_entropy_sum(hidden, Head(head.weight, head.bias, *self.terms), labels, self.tile)

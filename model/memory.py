@@ -28,13 +28,19 @@ from __future__ import annotations
 import torch
 
 
+def kv_heads(config) -> int:
+    """Key/value heads: num_key_value_heads, or the query heads where a config has none (GPT-NeoX, GPT-2)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
              act_bytes: int = 4, offload: bool = False) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank."""
-    H, I, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    H, n = config.hidden_size, config.num_hidden_layers
+    I = getattr(config, "intermediate_size", None) or 4 * H  # GPT-2 style configs: n_inner, None = 4 x hidden
     d = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q = config.num_attention_heads * d
-    qkv = q + 2 * config.num_key_value_heads * d
+    qkv = q + 2 * kv_heads(config) * d
     if mlp_tile:  # bytes per token one layer keeps without checkpointing
         layer = act_bytes * (2 * H + qkv + q) + 4 * config.num_attention_heads
     else:

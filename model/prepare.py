@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from longstride.model.checkpointing import disable_checkpointing, enable_checkpointing
+from longstride.model.loss import decoder_layers
 from longstride.model.offload import ActivationOffload
 from longstride.model.rmsnorm import lean_forwards
 from longstride.model.tiling import tiled_forwards
@@ -62,7 +63,7 @@ def patch_model(lm: torch.nn.Module, checkpointing: str, offload: bool, mlp_tile
     lean = lean_forwards(lm) if lean_norms else {}
     tiled = tiled_forwards(lm, mlp_tile, lambda m: lean.get(m, m.forward))
     forwards = {**lean, **tiled}
-    done = Patched(lm, lean_norms=len(lean), tiled_layers=len(lm.model.layers) if tiled else 0,
+    done = Patched(lm, lean_norms=len(lean), tiled_layers=len(decoder_layers(lm)) if tiled else 0,
                    checkpointing=checkpointing)
     for module, forward in forwards.items():
         done.before[module] = vars(module).get("forward")

@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from longstride.model.loss import decoder_layers
+
 # Decoder layers whose forward is exactly the pre-norm form above. A class list, because the order of the
 # calls inside a forward is not visible from the module's structure; other layers get the MLP alone tiled.
 PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
@@ -112,7 +114,7 @@ def tiled_forwards(model: torch.nn.Module, tile: int, forward_of) -> dict:
     if tile <= 0:
         return {}
     out = {}
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         if type(layer).__name__ not in PRE_NORM_LAYERS:
             out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), None, None, tile)
             continue

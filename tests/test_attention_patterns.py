@@ -2,7 +2,7 @@
 
 Tiny random models of transformers' own classes: Mistral and Qwen2 (windows), Gemma 3 (local + global layers),
 GPT-OSS (sinks + windows), Llama 4 (chunked + NoPE layers), OLMo 3 and EXAONE 4 (windows + full), Llama as the
-plain causal control. Logits, loss and every parameter's gradient with longstride's attention equal the model's eager
+plain causal control, GPT-NeoX as another layout (its decoder under gpt_neox, partial rotary). Logits, loss and every parameter's gradient with longstride's attention equal the model's eager
 attention within 1e-5 relative in fp32: on one device with each kernel (the CPU flash op, the math path, the
 varlen contract that torch's flash kernel runs on CUDA, emulated here), with and without document masks (the
 reference runs each document alone), and under ring (N = 2, 3), Ulysses, UPipe and hybrid on gloo processes,
@@ -44,6 +44,10 @@ MODELS = {  # name -> (config for a window/chunk size, class)
     "exaone4": (lambda w: T.Exaone4Config(**SMALL, sliding_window=w, layer_types=["sliding_attention",
                                                                                  "full_attention"] * 2),
                 T.Exaone4ForCausalLM),
+    # another layout: decoder gpt_neox, attention module `attention`, partial rotary, parallel residual
+    "gpt_neox": (lambda w: T.GPTNeoXConfig(**{k: v for k, v in SMALL.items() if k not in ("head_dim",
+                                                                                         "num_key_value_heads")}),
+                 T.GPTNeoXForCausalLM),
     "olmo3": (lambda w: T.Olmo3Config(**{k: v for k, v in SMALL.items() if k != "head_dim"}, sliding_window=w,
                                       eos_token_id=0, pad_token_id=1), T.Olmo3ForCausalLM),
 }

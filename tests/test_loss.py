@@ -97,3 +97,30 @@ def test_config_fields_a_model_does_not_apply_leave_its_head_plain():
     assert head_terms(lm) == (1.0, None)
     assert head_terms(HEADS["granite_logits_scaling"](T)) == (0.25, None)
     assert head_terms(HEADS["hyperclovax_logits_scaling_multiplies"](T)) == (4.0, None)
+
+
+def test_a_decoder_without_one_stack_of_its_layers_is_named():
+    """decoder_layers finds the decoder's list of config.num_hidden_layers layers (layers, h, ...), and names a model
+    with none (an encoder-decoder, a config whose count the list does not match) instead of an AttributeError."""
+    from types import SimpleNamespace
+
+    from longstride.model.loss import decoder_layers
+
+    class Body(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.h = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(n))
+
+    class LM(torch.nn.Module):
+        def __init__(self, n, layers):
+            super().__init__()
+            self.config, self.transformer = SimpleNamespace(num_hidden_layers=layers), Body(n)
+
+        def get_decoder(self):
+            return self.transformer
+
+    lm = LM(3, 3)
+    assert decoder_layers(lm) is lm.transformer.h
+    with pytest.raises(ValueError, match=r"LM: longstride trains a decoder with one stack of "
+                                         r"config.num_hidden_layers=4 layers, and Body holds 0 such lists"):
+        decoder_layers(LM(3, 4))

@@ -214,3 +214,38 @@ def test_offloaded_activations_same_gradients_and_prefetched_in_order():
             assert fetched < n_prev, f"tensor {i} was fetched only when needed, not prefetched"
     with pytest.raises(ValueError, match="activation checkpointing mode"):
         enable_checkpointing(tiny_model().lm, "some")
+
+
+def test_a_model_of_another_layout_trains_through_the_same_step_parts():
+    """GPT-NeoX keeps its decoder under gpt_neox and its layers' attention under `attention`: ChunkedLossLM with
+    tiled MLPs, full checkpointing and offload (simulated) and longstride's attention gives the model's own eager
+    loss and gradients over packed documents (each document run alone as the reference)."""
+    import transformers as T
+
+    from longstride.model.loss import ChunkedLossLM, decoder_layers
+    from longstride.parallel.attention import use_longstride_attention
+    from longstride.parallel.cp import DocLayout
+
+    def neox():
+        torch.manual_seed(3)
+        cfg = T.GPTNeoXConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4)
+        cfg._attn_implementation = "eager"
+        return T.GPTNeoXForCausalLM(cfg).float()
+
+    b = packed_batch()
+    ref = neox()
+    total = 0.0
+    for d in b["doc_ids"][0].unique():
+        at = (b["doc_ids"][0] == d).nonzero()[:, 0]
+        logits = ref(input_ids=b["input_ids"][:, at], position_ids=b["position_ids"][:, at]).logits
+        total = total + torch.nn.functional.cross_entropy(logits[0], b["labels"][0, at], reduction="sum")
+    total.backward()
+    lm = neox()
+    assert len(decoder_layers(lm)) == 2
+    patched = patch_model(lm, "full", offload=False, mlp_tile=16, lean_norms=True, simulate_offload=True)
+    assert patched.tiled_layers == 2
+    use_longstride_attention(lm)
+    model = ChunkedLossLM(lm, tile=20)
+    got = loss_and_grads(model)
+    assert_same(got, (total.detach(), {f"lm.{n}": p.grad for n, p in ref.named_parameters()}), "GPT-NeoX")

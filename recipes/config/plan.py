@@ -174,13 +174,15 @@ def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from longstride.model.loss import decoder_layers
     from longstride.parallel.attention import check_supported
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
     try:
         check_supported(skeleton, split_longest)
-    except NotImplementedError as e:
+        decoder_layers(skeleton)  # one stack of layers, which checkpointing, tiling and FSDP wrap
+    except (NotImplementedError, ValueError) as e:
         raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
 
 

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from longstride.data.batch import collate, packed_item
+from longstride.model.loss import decoder_layers
 from longstride.parallel.attention import register
 from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import cp_context
@@ -244,7 +245,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             with unset_fake_temporarily():  # the batch's share and plan are real, as in a run
                 local, layout = step.prep(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs))
             if prog.fsdp:
-                apply_fsdp(model, lm.model.layers, "cpu", prog.world, torch.bfloat16 if prog.bf16 else None, mesh)
+                apply_fsdp(model, decoder_layers(lm), "cpu", prog.world, torch.bfloat16 if prog.bf16 else None, mesh)
             opt = build_optimizer(model, prog.optim, lr=1e-4)  # the run's parameter groups
             mb = {k: mode.from_tensor(v).to(device) for k, v in local.items()}
             count = LiveBytes(round_to)

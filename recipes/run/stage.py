@@ -30,7 +30,8 @@ from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixtu
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
-from longstride.model.memory import device_memory_gib, estimate
+from longstride.model.loss import decoder_layers
+from longstride.model.memory import device_memory_gib, estimate, kv_heads
 from longstride.model.rope import rope_placement
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
@@ -241,7 +242,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     if plan.kernel == "torch_flash":
         activate_flash_impl(str(cfg.parallel.flash_impl))
     log_memory_estimate(ctx, plan, lm)
-    model = parallelize(built.module, lm.model.layers, plan.fsdp, acc, mesh)
+    model = parallelize(built.module, decoder_layers(lm), plan.fsdp, acc, mesh)
     optimizer = build_optimizer(lm, cfg.optim, stage.lr)
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
@@ -262,7 +263,7 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
                      f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
                      f"{offload}; MLP tile {spec.mlp_tile or 'off'}")
-    cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, run.lm.config.num_key_value_heads) if plan.dims.cp > 1 \
+    cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 \
         else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
     ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
