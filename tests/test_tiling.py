@@ -224,7 +224,6 @@ def test_a_model_of_another_layout_trains_through_the_same_step_parts():
 
     from longstride.model.loss import ChunkedLossLM, decoder_layers
     from longstride.parallel.attention import use_longstride_attention
-    from longstride.parallel.cp import DocLayout
 
     def neox():
         torch.manual_seed(3)
