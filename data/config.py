@@ -83,7 +83,7 @@ class DataConfig:
     split_digits: bool = False  # trained BPE only: one token per digit (Llama, Qwen), for copying numbers
     tokenizer_train_bytes: int = 8_000_000
     packing: Packing = Packing.best_fit
-    doc_masking: bool = True  # False = attend across documents (for comparison only)
+    doc_masking: bool = True  # False = attend across documents (for comparison only; positions still restart)
     num_proc: int = 1
     streaming: bool = False  # read sources lazily (corpora larger than memory), pack online: data/stream.py
     stream_open_seqs: int = 64  # streaming best-fit: sequences kept open for placing documents

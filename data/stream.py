@@ -42,8 +42,10 @@ class StreamPacker(torch.utils.data.IterableDataset):
     """Endless packed sequences (PackedBatch items) from token-weighted streamed sources."""
 
     def __init__(self, factories: dict[str, Callable[[], datasets.IterableDataset]], weights: dict[str, float],
-                 seq_len: int, pad_id: int, method: str = "best_fit", open_seqs: int = 64, held_rows=None):
+                 seq_len: int, pad_id: int, method: str = "best_fit", open_seqs: int = 64, held_rows=None,
+                 share: tuple[int, int] = (0, 1)):
         self.factories, self.seq_len, self.pad_id = factories, seq_len, pad_id
+        self.share = share  # (data-parallel rank, ranks) whose share of each source this reads (for errors)
         self.packer = OnlinePacker(seq_len, method, open_seqs)
         total = sum(weights.get(n, 0.0) for n in factories)
         self.weights = {n: weights.get(n, 0.0) / total for n in factories if weights.get(n, 0.0) > 0}
@@ -84,10 +86,15 @@ class StreamPacker(torch.utils.data.IterableDataset):
             row = next(it, None)
             if row is None:  # the source is exhausted: its next epoch
                 if not c["epoch_docs"][name]:
-                    held = self.held_rows.get(name, 0)
-                    raise ValueError(f"data.sources.{name}: no usable document in a whole pass (skipped: "
-                                     f"{c['skipped'][name]}" + (f"; {held} of its rows are held out for validation, "
-                                     "lower data.eval_sequences" if held else "") + "); the source is empty")
+                    held, (rank, ranks) = self.held_rows.get(name, 0), self.share
+                    where = "" if ranks == 1 else f" of data-parallel rank {rank}'s share (1 in {ranks} rows or files)"
+                    raise ValueError(
+                        f"data.sources.{name}: no usable document in a whole pass{where} (skipped: "
+                        f"{c['skipped'][name]}" + (f"; {held} of its rows are held out for validation, lower "
+                                                   "data.eval_sequences" if held else "") + ")" +
+                        ("; the source is empty" if ranks == 1 else
+                         f"; a streamed source needs at least {ranks} rows (files, for a walked source) so that "
+                         "every data-parallel rank reads some: add some, drop it, or stream with fewer ranks"))
                 c["epoch"][name] += 1
                 c["epoch_docs"][name] = 0
                 ds = self.factories[name]()
@@ -190,7 +197,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
                 rows[n] = max(rows.get(n, 0), r)
     held = {n: range(first[n], first[n] + r) for n, r in rows.items() if r}
     train = StreamPacker(factories(dp_rank, dp, held), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
-                         cfg.stream_open_seqs, held_rows=rows)
+                         cfg.stream_open_seqs, held_rows=rows, share=(dp_rank, dp))
     identity = {n: stream_rows_identity(s, f"data.sources.{n}", paths.get(n)) for n, s in cfg.sources.items()}
     return StreamLoader(train, micro_batch_size), held_out, {
         **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()},

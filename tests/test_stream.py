@@ -121,6 +121,14 @@ def test_bad_streaming_input(tmp_path, setup):
     with pytest.raises(ValueError, match=rf"data.sources.s: validating on its share of data.eval_sequences=8 x {L} "
                                          r"tokens reads all of its documents; lower data.eval_sequences"):
         streaming_stage(small, tok, L, 0, None, MB, 0, 1, d)
+    one = DataConfig(sources={"a": SourceConfig(kind="files", path=write_jsonl(tmp_path / "a.jsonl", ["a b"] * 9)),
+                              "book": SourceConfig(kind="files", path=write_jsonl(tmp_path / "b.jsonl", ["b " * 300]))},
+                     streaming=True, eval_sequences=0)
+    loader, _, _ = streaming_stage(one, tok, L, 0, None, MB, 1, 2, d)  # rank 1 of 2 gets no row of the one book
+    with pytest.raises(ValueError, match=r"data.sources.book: no usable document in a whole pass of data-parallel "
+                                         r"rank 1's share \(1 in 2 rows or files\) .*; a streamed source needs at "
+                                         r"least 2 rows"):
+        next(iter(loader))
     missing = DataConfig(sources={"m": SourceConfig(kind="files", path=str(tmp_path / "nope.jsonl"))}, streaming=True)
     with pytest.raises(ValueError, match=r"data.sources.m.path=.*nope.jsonl': file not found"):
         streaming_stage(missing, tok, L, 0, None, MB, 0, 1, d)
