@@ -207,10 +207,12 @@ def _listed(src: SourceConfig, field: str, paths) -> list[str]:
     return walk_files(src, field) if paths is None else paths
 
 
-def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0), paths=None):
+def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0), paths=None, rank: int = 0):
+    """A walked source's files less the held-out ones, this rank's every world-th of them: each rank opens only its
+    own files."""
     paths = _listed(src, field, paths)
-    return datasets.IterableDataset.from_generator(
-        _read_files, gen_kwargs={"paths": paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths})
+    kept = paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths
+    return datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": kept[rank::max(world, 1)]})
 
 
 def _size(path: str):
@@ -394,19 +396,19 @@ def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
 def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources", rank: int = 0, world: int = 1,
                   leave_out: range = range(0), paths=None) -> datasets.IterableDataset:
     """Rows {text, skip} read lazily (data.streaming=true): the rows in `leave_out` dropped (any range of a stdlib
-    or local_dir source's files, a prefix of any other kind), then rank's share of the rest (whole shards when the
-    shard count divides by world and nothing is left out, else every world-th row). `paths`: a stdlib or local_dir
+    or local_dir source's files, a prefix of any other kind), then rank's share of the rest (a walked source's every
+    world-th file, which only that rank opens; else whole shards when the shard count divides by world and nothing
+    is left out, else every world-th row, which every rank reads past). `paths`: a stdlib or local_dir
     source's files as the stage walked them once (walk_files), else walked here. Raises ValueError naming the
     field on bad input, before anything is read past the first row."""
     kind = check_source(src, field)
-    if kind.stream is _stream_walked:
-        ds = _stream_walked(src, cache_dir, field, world, leave_out, paths)
-    elif leave_out.start:
+    if kind.stream is _stream_walked:  # already this rank's files
+        return _stream_walked(src, cache_dir, field, world, leave_out, paths, rank)
+    if leave_out.start:
         raise ValueError(f"{field}: a {src.kind} source can leave out only its first rows, not {leave_out}")
-    else:
-        ds = kind.stream(src, cache_dir, field, world)
-        if leave_out:
-            ds = ds.skip(leave_out.stop)
+    ds = kind.stream(src, cache_dir, field, world)
+    if leave_out:
+        ds = ds.skip(leave_out.stop)
     if world > 1:
         from datasets.distributed import split_dataset_by_node
 

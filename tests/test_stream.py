@@ -213,3 +213,33 @@ def test_a_walked_source_is_listed_once_a_stage_and_read_as_listed(tmp_path, mon
     assert report["rows_identity"]["d"] != sources.stream_rows_identity(src, "data.sources.d")
     (root / "99.txt").unlink()
     assert report["rows_identity"]["d"] == sources.stream_rows_identity(src, "data.sources.d")
+
+
+def test_a_walked_source_s_ranks_each_open_only_their_own_files(tmp_path, monkeypatch):
+    """local_dir over 4 ranks with 2 files held out: each of the other 38 files is read by exactly one rank, and a
+    rank opens only the files it yields (split by rows, every rank read every file and kept one row in 4)."""
+    import builtins
+    import collections
+
+    from longstride.data.sources import stream_source
+
+    root = tmp_path / "docs"
+    root.mkdir()
+    for i in range(40):
+        (root / f"{i:02d}.txt").write_text(f"document {i}")
+    src = SourceConfig(kind="local_dir", path=str(root), glob="*.txt")
+    opened, real = collections.Counter(), builtins.open
+
+    def counting(path, *args, **kwargs):
+        if str(path).startswith(str(root)):
+            opened[path] += 1
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    seen = []
+    for rank in range(4):
+        opened.clear()
+        rows = [r["text"] for r in stream_source(src, str(tmp_path / "cache"), "x", rank, 4, range(0, 2))]
+        assert sum(opened.values()) == len(rows) in (9, 10), (rank, len(rows), sum(opened.values()))
+        seen += rows
+    assert sorted(seen) == sorted(f"document {i}" for i in range(2, 40))

@@ -27,6 +27,7 @@ import torch
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
                                       stage_sequences, validation_sequences)
+from longstride.data.sources import walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
@@ -206,7 +207,10 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
             meta = {"seq_len": stage.seq_len, "weights": mixture_weights(cfg.data, stage.mixture),
                     "packing": str(cfg.data.packing), "open_seqs": cfg.data.stream_open_seqs,
                     "micro_batch_size": stage.micro_batch_size, "held_out_rows": report["held_out_rows"],
-                    "rows": report.pop("rows_identity")}
+                    "rows": report.pop("rows_identity"),
+                    # a walked source's rank reads every dp-th file (before: every dp-th row of all of them)
+                    **({"walked_split": "files"} if dims.dp > 1 and any(walked(s) for s in cfg.data.sources.values())
+                       else {})}
             return loader, held_out, report, data_fingerprint(meta, *(h["input_ids"] for h in held_out))
         held = holdout_documents(cfg.data, ctx.corpus, stages)
         train_set, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,
