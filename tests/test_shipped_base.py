@@ -94,3 +94,23 @@ def test_a_missing_base_is_named_before_training(field, tmp_path):
                    "recipe.stages.s2_2k.cp=1", "recipe.stages.s3_4k.cp=1",
                    "logger.wandb_mode=disabled"], timeout=300)
     assert res.returncode != 0 and f"{tmp_path}/nowhere" in res.stderr
+
+
+def test_shipping_copies_the_weights_however_they_are_saved(tmp_path):
+    """A final saved in one file or in shards (a large model: model-0000N-of-0000M.safetensors and their index)
+    ships its weights; a folder without weights is refused before anything is copied."""
+    from longstride.recipes.checkpoint.ship import shipped_files
+
+    one, sharded, none = (tmp_path / n for n in ("one", "sharded", "none"))
+    for d, names in [(one, ["config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"]),
+                     (sharded, ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                "model.safetensors.index.json", "manifest.json"]),
+                     (none, ["config.json", "tokenizer.json"])]:
+        d.mkdir()
+        for n in names:
+            (d / n).write_text("")
+    assert shipped_files(str(one)) == ["config.json", "tokenizer.json", "model.safetensors"]
+    assert shipped_files(str(sharded)) == ["config.json", "model-00001-of-00002.safetensors",
+                                           "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    with pytest.raises(ValueError, match="holds no safetensors weights"):
+        shipped_files(str(none))

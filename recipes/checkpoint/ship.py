@@ -12,13 +12,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 
 from longstride.recipes.checkpoint.format import MANIFEST, verify, write_manifest
 
-SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SHIPPED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja")
+WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors$|model\.safetensors\.index\.json$")  # one file or shards
+
+
+def shipped_files(final: str) -> list[str]:
+    """The files of `final` a shipped model holds: SHIPPED_FILES where present, and its weights (one
+    model.safetensors, or the shards a large model is saved in with their index); a ValueError without weights."""
+    names = sorted(os.listdir(final))
+    weights = [n for n in names if WEIGHTS.match(n)]
+    if not any(n.endswith(".safetensors") for n in weights):
+        raise ValueError(f"{final} holds no safetensors weights (model.safetensors or model-*-of-*.safetensors); "
+                         "ship a final checkpoint")
+    return [n for n in names if n in SHIPPED_FILES] + weights
 
 
 def commit() -> str:
@@ -66,10 +79,10 @@ def ship(final: str, dest: str, samples: int) -> dict:
         raise ValueError(f"{final} does not verify ({problem}); ship a finished, intact final checkpoint")
     if os.path.exists(dest):
         raise ValueError(f"{dest} exists; move it aside first (a shipped model is never overwritten in place)")
+    names = shipped_files(final)
     os.makedirs(dest)
-    for name in SHIPPED_FILES:
-        if os.path.isfile(os.path.join(final, name)):
-            shutil.copy2(os.path.join(final, name), os.path.join(dest, name))
+    for name in names:
+        shutil.copy2(os.path.join(final, name), os.path.join(dest, name))
     extra = {"made_by": provenance(final), "commit": commit(), "ruler": own_scores(dest, samples)}
     write_manifest(dest, 1, extra)
     return extra
