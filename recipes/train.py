@@ -183,22 +183,22 @@ def main(raw: DictConfig) -> None:
 
 
 def entry() -> None:
-    """`longstride train` and `python -m longstride.recipes.train`: Hydra's main, after the one composition error
-    Hydra cannot word: a stage added on the command line (schema.added_stage_hint)."""
-    from longstride.recipes.config.schema import AddedStageError
+    """`longstride train` and `python -m longstride.recipes.train`: the command line composed once first, so that a
+    composition error (a mistyped key or choice, a stage added on the command line: schema.added_stage_hint) is one
+    line and exit 2, as every other bad input, not Hydra's traceback hint and exit 1; then Hydra's main. Hydra's own
+    flags (--cfg, --help, --multirun, ...) go to it untouched."""
     from longstride.recipes.memory.memplan import compose_training
 
     argv = sys.argv[1:]
-    if any("recipe.stages." in a.split("=", 1)[0] for a in argv):
-        plain = [a for i, a in enumerate(argv) if ("=" in a and not a.startswith("-")) or a.startswith("--config-dir")
-                 or a == "-cd" or (i and argv[i - 1] in ("--config-dir", "-cd"))]
+    dirs = ("--config-dir", "-cd")
+    flags = [a for i, a in enumerate(argv) if a.startswith("-") and a not in dirs and not a.startswith("--config-dir=")
+             and not (i and argv[i - 1] in dirs)]
+    if not flags:
         try:
-            compose_training(plain, "longstride train")
-        except AddedStageError as e:
+            compose_training(argv, "longstride train")
+        except ValueError as e:
             print(f"longstride: {e}", file=sys.stderr)
             sys.exit(2)
-        except ValueError:
-            pass  # reported by main, as for any other run
     main()
 
 

@@ -78,6 +78,14 @@ def test_an_out_that_cannot_be_written_fails_before_any_compute(tmp_path, comman
     assert "Traceback" not in r.stderr
 
 
+def test_a_mistyped_training_key_is_one_line_and_exit_2(tmp_path):
+    """A key the schema lacks fails while the command line is composed, as every other bad input: exit 2, one line
+    naming it, before Hydra's main (which exits 1 with its HYDRA_FULL_ERROR hint)."""
+    r = _run([shutil.which("longstride"), "train", "recipe=tiny", "recipe.stages.s2_2k.stepz=5"], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == ("longstride: Could not override 'recipe.stages.s2_2k.stepz': "
+                                                      "Key 'stepz' not in 'StageConfig' (see longstride train --help)")
+
+
 def test_choice_typos_name_the_key_and_the_choices(tmp_path):
     r = _run([shutil.which("longstride"), "train", "parallel.balance=zigzg"], tmp_path)
     assert r.returncode != 0 and "expected one of [zigzag, docs]" in r.stderr
