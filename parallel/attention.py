@@ -67,6 +67,9 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
     for name, mod in model.named_modules():
         if (name.endswith("attn") or name.endswith("attention")) and getattr(mod, "is_causal", True) is False:
             found.append(f"{name}.is_causal=False (bidirectional attention)")
+        if callable(getattr(mod, "prepare_dynamic_mask", None)):  # an additive mask from the values (Doge)
+            found.append(f"{name} ({type(mod).__name__}) adds a per-head mask computed from its values (dynamic mask "
+                         "attention)")
     return found + (position_dependent(cfg, split_longest) if split_longest else [])
 
 

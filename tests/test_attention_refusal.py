@@ -1,7 +1,7 @@
 """Attention that longstride does not implement is refused, naming it, never dropped: tiny random models of
 transformers' own classes with logit soft-capping (Gemma 2), bidirectional attention (Gemma 3 with
 use_bidirectional_attention), a layer type that is not attention longstride computes (linear attention), chunked
-layers without a chunk size. Sliding windows, chunks and sinks are computed (tests/test_attention_patterns.py)."""
+layers without a chunk size, Doge's dynamic mask (a per-head mask from the values). Sliding windows, chunks and sinks are computed (tests/test_attention_patterns.py)."""
 from __future__ import annotations
 
 import os
@@ -24,6 +24,7 @@ REFUSED = {  # model -> (config, class, what the refusal names)
                              T.Gemma3ForCausalLM, "is_causal=False"),
     "qwen2_linear_attention": (lambda: T.Qwen2Config(**SMALL, layer_types=["full_attention", "linear_attention"]),
                                T.Qwen2ForCausalLM, "linear_attention"),
+    "doge_dynamic_mask": (lambda: T.DogeConfig(**SMALL), T.DogeForCausalLM, "dynamic mask attention"),
     "llama4_chunks_without_size": (lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                                               layer_types=["chunked_attention", "full_attention"],
                                                               attention_chunk_size=None),
