@@ -270,8 +270,9 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 \
         else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
+    rounded = f" (tokens={s.tokens} rounded down to whole steps)" if s.tokens and s.tokens % s.batch_tokens else ""
     ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
-                     f"{s.batch_tokens} tokens (accumulation {plan.accum}, dp {plan.dims.dp}, cp {plan.dims.cp}{cp_text}); "
+                     f"{s.batch_tokens} tokens{rounded} (accumulation {plan.accum}, dp {plan.dims.dp}, cp {plan.dims.cp}{cp_text}); "
                      f"packing {packing}")
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
