@@ -160,5 +160,6 @@ def test_shard_for_cp_gives_each_rank_its_ring_share_then_its_ulysses_piece():
     # ring rank 1 of 2 holds chunks 1 and 2 of 4 (positions 4..11); its Ulysses rank 1 the second half
     assert local["input_ids"][0].tolist() == [8, 9, 10, 11]
     assert layout.plan.n == 2 and layout.cp is cp
-    with pytest.raises(ValueError, match="does not split into 3 Ulysses pieces"):
+    with pytest.raises(ValueError, match=r"a packed batch of 16 tokens, split by cp_impl=hybrid over ring 2 x "
+                                         r"ulysses 3: its length must be a multiple of 12"):
         shard_for_cp(batch, True, CPContext("hybrid", CPDegrees(2, 3), head_comm=HeadComm(None)))
