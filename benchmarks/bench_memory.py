@@ -38,7 +38,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, print_table, proc_status_bytes, reset_peak_rss, write_results
+from benchmarks.common import RESULTS, print_table, proc_status_bytes, write_results
+from longstride.recipes.run.tracking import reset_peak_rss
 from longstride.model.config import ModelConfig
 from longstride.parallel.spawn import gather_cat, run_gloo
 

@@ -44,7 +44,8 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, proc_status_bytes, reset_peak_rss, write_results
+from benchmarks.common import RESULTS, proc_status_bytes, write_results
+from longstride.recipes.run.tracking import reset_peak_rss
 from benchmarks.peer_impls import (IMPLS, SHAPES, ByteCounter, build, computed_bytes, local_index, make_inputs,
                                    reference)
 

@@ -48,12 +48,6 @@ def proc_status_bytes(key: str) -> int:
         return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def reset_peak_rss() -> None:
-    """Sets this process's VmHWM (peak resident memory) to its current VmRSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def deadline_left(default: float) -> float:
     """Seconds to LONGSTRIDE_DEADLINE (the epoch second the device window cuts this step at:
     device_window.run_step), else `default`."""

@@ -54,3 +54,20 @@ def test_wandb_takes_a_resumed_stages_steps_again(tmp_path, monkeypatch, capfd):
     assert records[-2]["loss"] is None and records[-2]["skipped"] and records[-1] == {
         "step": 7, "val_loss": None, "per_source": {"a": None}}
     assert "less than the current step" not in capfd.readouterr().err
+
+
+def test_a_stage_s_cpu_peak_is_its_own():
+    """On CPU the logged peak is the peak resident memory since the stage's reset, not the process's lifetime peak
+    (a 512 MiB array freed before the reset does not count)."""
+    import numpy as np
+    import torch
+
+    from longstride.recipes.run.tracking import peak_memory_gib, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    big = np.ones(2**26)  # 512 MiB, touched
+    before = peak_memory_gib(cpu)[1]
+    del big
+    reset_peak_memory(cpu)
+    after = peak_memory_gib(cpu)[1]
+    assert before - after > 0.4, (before, after)

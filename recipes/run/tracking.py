@@ -27,14 +27,26 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "cpu_peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def reset_peak_rss() -> None:
+    """Sets this process's peak resident memory (VmHWM, which ru_maxrss reads) to its current one (Linux's
+    /proc/self/clear_refs; elsewhere the peak stays the process's lifetime one)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """At a stage's start: the previous stage's model and optimizer freed (accelerate's prepared module is in a
-    reference cycle, which only the collector breaks) and the CUDA peak reset, so that each stage's logged peak is
-    its own, not the largest of the stages before it."""
+    reference cycle, which only the collector breaks) and the peak reset (CUDA's allocator peak; on CPU the peak
+    resident memory), so that each stage's logged peak is its own, not the largest of the stages before it."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
 
 
 def rewind_metrics(path: str, first_step: int) -> None:
