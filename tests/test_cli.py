@@ -42,6 +42,7 @@ def test_one_package_and_one_command_outside_the_checkout(tmp_path):
 
 @pytest.mark.parametrize("command,expect", [
     (["train", "--help"], "Configuration groups"),  # Hydra's help, configs found from the installed package
+    (["train", "--help"], "accelerate and hardware are listed above but are not training groups"),
     (["eval", "ruler", "--help"], "dtype=float32"),
     (["eval", "ppl", "--help"], "max_docs=8"),
     (["convert-gguf", "--help"], "out=null"),
