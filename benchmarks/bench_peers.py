@@ -45,9 +45,9 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, proc_status_bytes, write_results
-from longstride.recipes.run.tracking import reset_peak_rss
 from benchmarks.peer_impls import (IMPLS, SHAPES, ByteCounter, build, computed_bytes, local_index, make_inputs,
                                    reference)
+from longstride.recipes.run.tracking import reset_peak_rss
 
 PIECES = os.path.join(RESULTS, "bench_peers")
 CACHE = os.path.join(".cache", "bench_peers")
