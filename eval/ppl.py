@@ -26,7 +26,7 @@ import torch
 from longstride.data.files import list_files, stdlib_root
 from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import default_out, parse_overrides
-from longstride.eval.load import eval_config, load_eval_model
+from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
 from longstride.model.rope import max_positions
@@ -45,6 +45,8 @@ class PplConfig:
     out: Optional[str] = None  # results folder; None = outputs/eval/<checkpoint path>
     tile: int = 1024
     threads: Optional[int] = None
+    # float32: comparable with CPU runs; bfloat16 halves a long-context eval's memory on a GPU (the loss stays fp32)
+    dtype: Dtype = Dtype.float32
 
 
 def parse(argv: list[str]) -> PplConfig:
@@ -136,8 +138,7 @@ def main(argv: list[str]) -> list[dict]:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""
         print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "
               f"{max_positions(config)}; they are extrapolation{hint}", file=sys.stderr)
-    # fp32 (load_eval_model's default) on the GPU too: perplexities comparable with CPU runs
-    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
+    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype])
     if info.device.type == "cuda":
         # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
         # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel

@@ -48,6 +48,9 @@ def test_ppl_with_and_without_yarn(checkpoint, tmp_path):
     saved = json.loads((tmp_path / "ppl_yarn2.json").read_text())
     assert saved["results"] == yarn
     assert (tmp_path / "ppl.csv").is_file() and (tmp_path / "ppl.png").stat().st_size > 0
+    half = main([f"checkpoint={checkpoint}", "lengths=[64,256]", "max_docs=2", "dtype=bfloat16", f"out={tmp_path}"])
+    for p, h in zip(plain, half):  # bf16 weights and activations, the loss in fp32: near, not equal
+        assert h["ppl"] != p["ppl"] and abs(math.log(h["ppl"]) - math.log(p["ppl"])) < 0.05, (p, h)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "llama4"])
