@@ -118,20 +118,21 @@ def mixture_documents(corpus: Corpus, weights: dict[str, float], seed: int,
         src_tokens = corpus.doc_len[docs].sum()
         reps = int(target // src_tokens)
         cum = np.concatenate([[0], np.cumsum(corpus.doc_len[order])])
-        rest = order[:max(nearest(cum, target - reps * src_tokens), 0 if reps else 1)]  # never none of a source
+        rest = order[:max(nearest(cum, target - reps * src_tokens, slack_of=target), 0 if reps else 1)]
         picked.append(np.concatenate([np.tile(order, reps), rest]))
     return np.concatenate(picked)
 
 
-def nearest(cum: np.ndarray, target: float, slack: float = 0.05) -> int:
+def nearest(cum: np.ndarray, target: float, slack: float = 0.05, slack_of: Optional[float] = None) -> int:
     """How many of a seeded order's documents to take (cum: their running token total from 0) for `target` tokens:
-    up to the one that crosses it, unless that one overshoots by more than `slack` of the target and stopping
+    up to the one that crosses it, unless that one overshoots by more than `slack` of `slack_of` (the source's
+    whole share, where `target` is what is left of it after whole repeats; default `target`) and stopping
     short of it comes nearer (a source of a few long documents would otherwise overshoot its weight by most of a
     document: 0.31 for 0.2). Within the slack the crossing document stays, so a large corpus's epochs (and the
     checkpoints whose data position points into them) are the same as before the rule. mixture_documents takes at
     least one document of a source it draws from."""
     k = int(np.searchsorted(cum, target))  # cum[k - 1] < target <= cum[k]
-    if 0 < k < len(cum) and cum[k] - target > slack * target and target - cum[k - 1] < cum[k] - target:
+    if 0 < k < len(cum) and cum[k] - target > slack * (slack_of or target) and target - cum[k - 1] < cum[k] - target:
         return k - 1
     return k
 

@@ -158,6 +158,7 @@ def main(argv: list[str]) -> list[dict]:
     out = cfg.out or default_out(cfg.checkpoint)
     os.makedirs(out, exist_ok=True)
     suffix = f"_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else ""
+    suffix += "" if cfg.dtype == "float32" else f"_{cfg.dtype}"  # beside, not over, a float32 run's files
     with open(os.path.join(out, f"ppl{suffix}.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": rows}, f, indent=2)
     with open(os.path.join(out, f"ppl{suffix}.csv"), "w", newline="") as f:

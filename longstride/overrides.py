@@ -133,12 +133,17 @@ def run(command: str, main: Callable[[list[str]], object], argv: Optional[list[s
 
 
 def writable_dir(path: str, field: str = "out", shown: Optional[str] = None) -> str:
-    """`path`, a command's results folder, created and written to once (a probe file, removed), so that an out=
+    """`path`, a command's results folder: its nearest existing folder written to once (a probe file, removed;
+    nothing is created), so that an out=
     under a file, or where the user may not write, fails while parsing, naming `field` (as `shown`, where it names
     a file in `path`), not after the compute."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the nearest existing folder: nothing is created here
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise ValueError(f"{field}={shown or path!r}: results cannot be written there ({e.strerror or e}); give a "

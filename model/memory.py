@@ -37,7 +37,7 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
              act_bytes: int = 4, offload: bool = False) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank."""
     H, n = config.hidden_size, config.num_hidden_layers
-    I = getattr(config, "intermediate_size", None) or 4 * H  # GPT-2 style configs: n_inner, None = 4 x hidden
+    I = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H  # GPT-2: n_inner
     d = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q = config.num_attention_heads * d
     qkv = q + 2 * kv_heads(config) * d

@@ -2,7 +2,7 @@
 accelerate), behind one interface so that the training step, clipping and checkpointing never branch
 on which.
 
-    model = parallelize(ChunkedLossLM(lm, ...), lm.model.layers, fsdp, accelerator)
+    model = parallelize(ChunkedLossLM(lm, ...), decoder_layers(lm), fsdp, accelerator)
     with model.grad_sync(last=i == accum - 1): model.backward(model(...))
     norm = model.clip_grad_norm(max_norm)
 

@@ -186,14 +186,15 @@ def entry() -> None:
     """`longstride train` and `python -m longstride.recipes.train`: the command line composed once first, so that a
     composition error (a mistyped key or choice, a stage added on the command line: schema.added_stage_hint) is one
     line and exit 2, as every other bad input, not Hydra's traceback hint and exit 1; then Hydra's main. Hydra's own
-    flags (--cfg, --help, --multirun, ...) go to it untouched."""
+    flags (--cfg, --help, --multirun, ...) and hydra.mode=MULTIRUN sweeps go to it untouched."""
     from longstride.recipes.memory.memplan import compose_training
 
     argv = sys.argv[1:]
     dirs = ("--config-dir", "-cd")
     flags = [a for i, a in enumerate(argv) if a.startswith("-") and a not in dirs and not a.startswith("--config-dir=")
              and not (i and argv[i - 1] in dirs)]
-    if not flags:
+    sweep = any(a.split("=", 1)[0].lstrip("+") == "hydra.mode" for a in argv)  # multirun: sweeps Hydra expands
+    if not flags and not sweep:
         try:
             compose_training(argv, "longstride train")
         except ValueError as e:

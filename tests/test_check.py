@@ -70,6 +70,13 @@ def argv(root, checkpoint: str, *extra: str) -> list[str]:
             "data.eval_sequences=1", f"paths.cache_dir={root}/cache", f"seq_len={SEQ_LEN}", *extra]
 
 
+def test_check_passes_on_a_model_of_another_layout(corpus, capsys):
+    """GPT-NeoX keeps its decoder under gpt_neox: the check hooks the decoder get_decoder names, not lm.model."""
+    root, tok = corpus
+    rep = check.check(argv(root, save_checkpoint(root, tok, "gpt_neox"), "parallel.cp_impl=ring", "cp=2"))
+    assert rep.ok, capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma3", "gpt_oss", "llama4"])
 def test_check_passes_on_models_with_windows_chunks_and_sinks(name, corpus, capsys):
     root, tok = corpus

@@ -51,6 +51,10 @@ def test_ppl_with_and_without_yarn(checkpoint, tmp_path):
     half = main([f"checkpoint={checkpoint}", "lengths=[64,256]", "max_docs=2", "dtype=bfloat16", f"out={tmp_path}"])
     for p, h in zip(plain, half):  # bf16 weights and activations, the loss in fp32: near, not equal
         assert h["ppl"] != p["ppl"] and abs(math.log(h["ppl"]) - math.log(p["ppl"])) < 0.05, (p, h)
+    assert (tmp_path / "ppl_bfloat16.json").is_file()  # beside the float32 run's files, not over them
+    assert json.loads((tmp_path / "ppl.json").read_text())["results"] == plain
+    assert (tmp_path / "ppl_bfloat16.json").is_file() and json.loads((tmp_path / "ppl.json").read_text())["results"] \
+        == plain  # beside the float32 run's files, not over them
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "llama4"])

@@ -233,3 +233,11 @@ def test_run_identity_names_a_shipped_model_the_same_from_any_checkout(tmp_path)
         check_identity(str(tmp_path), resolved(str(tmp_path / "mine")), resume=True)
     # a folder of the user's own that only looks like it (relative to another working directory) keeps its path
     assert identity(resolved("model/shipped/tiny_base_256"))["model.checkpoint"] == "model/shipped/tiny_base_256"
+
+
+def test_an_added_stage_is_named_once_not_with_each_entry_inside_it():
+    from longstride.recipes.run.runlock import differences, flatten
+
+    old = flatten({"recipe": {"stages": {"s1": {"lr": 1}}}})
+    new = flatten({"recipe": {"stages": {"s1": {"lr": 1}, "s2": {"lr": 1, "mixture": {"a": 1.0, "b": 2.0}}}}})
+    assert differences(old, new) == ["recipe.stages.s2 (added)"]

@@ -110,6 +110,7 @@ def run_eager(lm, batch: dict, doc_masking: bool, device) -> Result:
 def run_longstride(lm, batch: dict, doc_masking: bool, cp: CPContext, device) -> Result:
     """longstride's attention on this rank's share of the batch (the whole batch on one device); the buffers hold
     this rank's tokens only."""
+    from longstride.model.loss import decoder
     from longstride.parallel.attention import use_longstride_attention
 
     use_longstride_attention(lm)
@@ -121,7 +122,7 @@ def run_longstride(lm, batch: dict, doc_masking: bool, cp: CPContext, device) ->
     rec = Recorder(lm, (B, L), device)
     rec.where = (torch.arange(B, device=device), local["index"])
     hidden = []  # the decoder's output, which the training loss reads (not the model's logits)
-    hook = lm.model.register_forward_hook(lambda module, args, out: hidden.append(out.last_hidden_state))
+    hook = decoder(lm).register_forward_hook(lambda module, args, out: hidden.append(out.last_hidden_state))
     try:
         logits = lm(input_ids=local["input_ids"], position_ids=local["position_ids"], doc_layout=layout).logits
     finally:

@@ -247,6 +247,7 @@ def main(argv: list[str]) -> list[dict]:
     rows = [plan_stage(cfg, p, hw, world, pc) for p in plans.values()]
     print_plan(rows, hw, world, cfg.recipe.name)
     if pc.out:
+        os.makedirs(os.path.dirname(pc.out) or ".", exist_ok=True)
         with open(pc.out, "w") as fh:
             json.dump({"recipe": cfg.recipe.name, "hardware": dataclasses.asdict(hw), "world": world,
                        "estimate": "traced, not measured on a GPU", "stages": rows}, fh, indent=1)

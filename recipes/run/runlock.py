@@ -167,7 +167,8 @@ def _entry(key: str) -> Optional[str]:
 def differences(theirs: dict, mine: dict) -> list[str]:
     """What differs between a recorded identity and this run's, one line per key: a value both sides have and that
     differs; an entry of a USER_KEYED dict on one side only (a source or mixture weight added or removed); a group
-    on one side where the other has one value (a stage's long_docs set where it was None). Other keys on one side
+    on one side where the other has one value (a stage's long_docs set where it was None; also a field another
+    schema version turned into a group). Other keys on one side
     only come from another longstride version's schema (a field added or removed), which this run's code cannot read
     differently."""
     lines = {k: f"{k} (was {theirs[k]}, now {mine[k]})" for k in set(theirs) & set(mine) if theirs[k] != mine[k]}
@@ -183,7 +184,8 @@ def differences(theirs: dict, mine: dict) -> list[str]:
                 group = ", ".join(f"{k[len(value) + 1:]}={side[k]}" for k in sorted(side) if k.startswith(value + "."))
                 lines[value] = (f"{value} (was {other[value]}, now {group})" if what == "added"
                                 else f"{value} (was {group}, now {other[value]})")
-    return [lines[k] for k in sorted(lines)]
+    whole = [k for k, line in lines.items() if line.endswith(("(added)", "(removed)"))]
+    return [lines[k] for k in sorted(lines) if not any(k.startswith(w + ".") for w in whole)]  # once per entry
 
 
 def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None,

@@ -272,8 +272,8 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
     rounded = f" (tokens={s.tokens} rounded down to whole steps)" if s.tokens and s.tokens % s.batch_tokens else ""
     ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
-                     f"{s.batch_tokens} tokens{rounded} (accumulation {plan.accum}, dp {plan.dims.dp}, cp {plan.dims.cp}{cp_text}); "
-                     f"packing {packing}")
+                     f"{s.batch_tokens} tokens{rounded} (accumulation {plan.accum}, dp {plan.dims.dp}, "
+                     f"cp {plan.dims.cp}{cp_text}); packing {packing}")
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
         ctx.tracker.info("stage %s: %s", plan.name, placement)
