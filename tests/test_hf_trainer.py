@@ -252,3 +252,43 @@ def test_trainer_over_accumulation_or_data_parallel_ranks_equals_the_longstride_
     differ, so a mean per micro-batch or per rank would give other losses and parameters."""
     run = _worker(tmp_path / "run.pt", procs, cp, "ring", batch=BATCH * cp // procs // accum, accum=accum)
     _matches_own_loop({f"{procs} processes, cp={cp}, accumulation {accum}": run}, own_loop())
+
+
+def test_evaluation_keeps_the_documents_whatever_remove_unused_columns_says(tmp_path):
+    """Trainer.evaluate on packed_dataset rows: the Trainer's column removal (remove_unused_columns=True, its
+    default) dropped doc_ids before the collator saw them and the eval failed; the mixin's eval loader leaves the
+    columns to the collator, so both settings give one loss, the documents' own."""
+    from transformers import Trainer, TrainingArguments
+
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, setup_cp
+
+    class T(LongstrideTrainerMixin, Trainer):
+        pass
+
+    data = packed_dataset(documents(), L, pad_id=1)
+    losses = []
+    for remove in (True, False):
+        model = tiny_lm()
+        use_longstride_attention(model)
+        args = TrainingArguments(output_dir=str(tmp_path / str(remove)), per_device_eval_batch_size=2, use_cpu=True,
+                                 report_to="none", remove_unused_columns=remove, disable_tqdm=True)
+        trainer = T(model=model, args=args, eval_dataset=data,
+                    data_collator=LongstrideCollator(setup_cp(1, model.config.num_attention_heads, "ring"), pad_id=1))
+        losses.append(trainer.evaluate()["eval_loss"])
+    assert losses[0] == losses[1], losses
+
+
+def test_loader_workers_under_cp_are_refused():
+    """The collator's DocLayout carries the CP communicators, which a worker process cannot hand back."""
+    from types import SimpleNamespace
+
+    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin
+
+    class Stub(LongstrideTrainerMixin):
+        def __init__(self, workers):
+            self.data_collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=2), method="ring"), 1)
+            self.args = SimpleNamespace(dataloader_num_workers=workers)
+
+    Stub(0)._refuse_workers_under_cp()
+    with pytest.raises(ValueError, match="dataloader_num_workers=2 with context parallelism"):
+        Stub(2)._refuse_workers_under_cp()

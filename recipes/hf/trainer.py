@@ -212,6 +212,11 @@ class LongstrideTrainerMixin:
         config = model.config
         collator.model_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         collator.drop_unused = bool(getattr(self.args, "remove_unused_columns", False))
+        self._refuse_workers_under_cp()
+        if not hasattr(self.train_dataset, "__len__"):
+            raise ValueError(f"LongstrideTrainerMixin: train_dataset is a {type(self.train_dataset).__name__} without "
+                             "a length; every CP rank of a group reads the same rows by index, so give an indexable "
+                             "dataset (packed_dataset, a datasets.Dataset), or stream with longstride's own recipe")
         sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
         batches = EpochBatchSampler(sampler, self._train_batch_size, drop_last=True)
         return EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=collator,
@@ -219,11 +224,38 @@ class LongstrideTrainerMixin:
 
     def get_eval_dataloader(self, eval_dataset=None):
         self._refuse_cp_eval("evaluation")
-        return super().get_eval_dataloader(eval_dataset)
+        if isinstance(eval_dataset, str) or eval_dataset is None:
+            named = self.eval_dataset if eval_dataset is None else self.eval_dataset[eval_dataset]
+        else:
+            named = eval_dataset
+        return self._plain_loader(named)
 
     def get_test_dataloader(self, test_dataset):
         self._refuse_cp_eval("prediction")
-        return super().get_test_dataloader(test_dataset)
+        return self._plain_loader(test_dataset)
+
+    def _plain_loader(self, dataset):
+        """Evaluation rows in order through the collator, sharded over processes by accelerate, without the
+        Trainer's column removal: it dropped the columns that carry the documents (seq_lengths, position_ids,
+        doc_ids) before the collator saw them, so evaluation ran each row as one document, or failed on
+        packed_dataset's rows. The collator drops what the model does not take (remove_unused_columns)."""
+        from torch.utils.data import DataLoader
+
+        collator = self._collator()
+        collator.drop_unused = bool(getattr(self.args, "remove_unused_columns", False))
+        self._refuse_workers_under_cp()
+        loader = DataLoader(dataset, batch_size=self.args.eval_batch_size, collate_fn=collator, shuffle=False,
+                            num_workers=self.args.dataloader_num_workers, drop_last=self.args.dataloader_drop_last)
+        return self.accelerator.prepare(loader)
+
+    def _refuse_workers_under_cp(self) -> None:
+        """Loader worker processes under CP would hand back each batch's DocLayout, whose communicators cannot
+        be pickled: the main process then waited forever."""
+        workers = self.args.dataloader_num_workers
+        if workers and self._collator().cp.degrees.cp > 1:
+            raise ValueError(f"TrainingArguments.dataloader_num_workers={workers} with context parallelism: the "
+                             "collator cuts each rank's share in the loader's workers, and its process groups "
+                             "cannot travel back to the main process; set dataloader_num_workers=0")
 
     def _collator(self) -> LongstrideCollator:
         if not isinstance(self.data_collator, LongstrideCollator):
