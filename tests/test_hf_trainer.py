@@ -183,15 +183,10 @@ def test_trainer_settings_that_would_change_the_loss_are_refused():
         check_loss_setup(args, 1, False, None)
     check_loss_setup(args, 1, False, lambda outputs, labels, num_items_in_batch=None: 0)
 
-    class Base:
-        def get_eval_dataloader(self, eval_dataset=None):
-            return "the Trainer's"
-
-    class Stub(LongstrideTrainerMixin, Base):
+    class Stub(LongstrideTrainerMixin):  # cp=1 evaluation: test_evaluation_keeps_the_documents_...
         def __init__(self, cp: int):
             self.data_collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=cp)), pad_id=0)
 
-    assert Stub(1).get_eval_dataloader() == "the Trainer's"
     with pytest.raises(NotImplementedError, match="evaluation with cp=2: the Trainer splits its rows"):
         Stub(2).get_eval_dataloader()
     planned = Stub(2)  # evaluation scheduled: refused before training, not eval_steps into it
