@@ -1,0 +1,46 @@
+"""Config fields the command line or a recipe sets that would be dropped or merged unseen: a source field its kind
+does not read, a new model's sizes beside a checkpoint, a weight dict given whole on the command line."""
+from __future__ import annotations
+
+from longstride.recipes.config.plan import validate
+from tests.conftest import compose_cfg
+from tests.test_config import expect_error
+
+
+def test_a_source_field_its_kind_does_not_read_is_refused():
+    """stdlib walks its own *.py files and `files` has no exclude: a glob or exclude set there was dropped."""
+    expect_error(["data.sources.stdlib.glob=json/*.py"],
+                 r"data.sources.stdlib.glob: not read by kind=stdlib \(of path, glob, exclude, name, subset, split, "
+                 r"text_column, synthetic it reads exclude\); drop it, or pick the kind that reads it")
+    expect_error(["data=files", "data.sources.main.path=x.jsonl", "data.sources.main.exclude=a*",
+                  "data.sources.main.name=b"], r"data.sources.main.exclude, data.sources.main.name: not read by "
+                                               r"kind=files .* it reads path, text_column\); drop them")
+
+
+def test_a_new_model_s_sizes_beside_a_checkpoint_are_refused():
+    """model=checkpoint keeps the checkpoint's architecture: sizes or NoPE layers set beside it would be dropped."""
+    from longstride.recipes.config.schema import SHIPPED
+
+    base = ["model=checkpoint", f"model.checkpoint={SHIPPED}/tiny_base_256", f"data.tokenizer={SHIPPED}/tiny_base_256"]
+    expect_error([*base, "model.nope_interval=2", "model.hidden_size=64"],
+                 r"model.hidden_size=64, model.nope_interval=2: read only for a new model \(model.arch=smollm3\), "
+                 r"and model.arch=checkpoint keeps .*tiny_base_256's architecture \(its sizes and NoPE layers\); "
+                 r"drop them")
+    validate(compose_cfg(base), 2)
+
+
+def test_a_weight_dict_on_the_command_line_is_the_whole_dict():
+    """recipe.stages.NAME.mixture={...} and a synthetic source's kinds={...} replace the recipe's dict (Hydra merges
+    them: {stdlib:1.0} trained on 56% stdlib beside the recipe's other weights); a weight set after the dict is
+    added to it; a single weight still changes only that one."""
+    def mixture(*overrides):
+        return compose_cfg(["recipe=tiny_extend", *overrides]).recipe.stages["s2_2k"].mixture
+
+    recipe = mixture()
+    assert len(recipe) > 1 and mixture("recipe.stages.s2_2k.mixture={stdlib:1.0}") == {"stdlib": 1.0}
+    assert mixture("recipe.stages.s2_2k.mixture={stdlib:1.0}", "recipe.stages.s2_2k.mixture.retrieval_mid=0.5") == {
+        "stdlib": 1.0, "retrieval_mid": 0.5}
+    assert mixture("recipe.stages.s2_2k.mixture.retrieval_mid=0.5") == {**recipe, "retrieval_mid": 0.5}
+    assert mixture("recipe.stages.s2_2k.mixture={}") == {}
+    kinds = compose_cfg(["recipe=tiny_retrieval", "data.sources.retrieval_short.synthetic.kinds={copy:1.0}"])
+    assert kinds.data.sources["retrieval_short"].synthetic.kinds == {"copy": 1.0}
