@@ -154,7 +154,7 @@ def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("~")])
     for i, o in enumerate(parsed):
         key = o.key_or_group
-        if not (isinstance(o.value(), dict) and any(_matches(key, pattern) for pattern in WEIGHT_DICTS)):
+        if not (isinstance(o.value(), dict) and any(dotted_match(key, pattern) for pattern in WEIGHT_DICTS)):
             continue
         OmegaConf.update(raw, key, o.value(), merge=False)
         for later in parsed[i + 1:]:  # a single weight set after the dict (a key the dict may lack: open)
@@ -163,7 +163,8 @@ def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
                     OmegaConf.update(raw, later.key_or_group, later.value(), merge=False)
 
 
-def _matches(key: str, pattern: str) -> bool:
+def dotted_match(key: str, pattern: str) -> bool:
+    """Whether dotted `key` matches `pattern` component by component, `*` standing for any one component."""
     parts, want = key.split("."), pattern.split(".")
     return len(parts) == len(want) and all(w == "*" or w == p for p, w in zip(parts, want))
 

@@ -156,10 +156,11 @@ USER_KEYED = ("data.sources.*", "data.sources.*.synthetic.kinds.*", "recipe.stag
 
 def _entry(key: str) -> Optional[str]:
     """The longest prefix of `key` that names an entry of a USER_KEYED dict, or None."""
+    from longstride.recipes.config.schema import dotted_match
+
     parts = key.split(".")
     for n in range(len(parts), 0, -1):
-        if any(len(p := pattern.split(".")) == n and all(map(fnmatch.fnmatchcase, parts[:n], p))
-               for pattern in USER_KEYED):
+        if any(dotted_match(".".join(parts[:n]), pattern) for pattern in USER_KEYED):
             return ".".join(parts[:n])
     return None
 
