@@ -1,0 +1,37 @@
+"""A resumed stage keeps the model its step checkpoint was trained with: another RoPE, or another architecture
+(sizes, NoPE layers), that the config now gives it is refused (model/build.py check_resumed_rope,
+check_resumed_architecture)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+
+def test_a_resume_compares_the_rope_and_the_max_positions_it_reads(tmp_path):
+    """The resume check compares rope_parameters, and max positions only where the RoPE reads them: under plain
+    RoPE a stage resumed at another seq_len (train.resume_from with train.resume_data=false, say after an
+    out-of-memory) keeps its RoPE, resumes, and has its max positions raised; another base is refused, and so is a
+    dynamic NTK RoPE over other max positions, and other NoPE layers (the architecture is compared too)."""
+    from longstride.model.build import build_model, stage_config
+    from tests.conftest import compose_cfg
+
+    import transformers as T
+
+    from longstride.model.build import check_resumed_rope
+
+    model = compose_cfg(["recipe=tiny"]).model
+    stage_config(model, 1e4, 256, 300, 0, 1).save_pretrained(tmp_path)  # the step checkpoint's config
+    lm = build_model(model, 1e4, 512, 300, 0, 1, resume=str(tmp_path))
+    assert lm.config.rope_parameters["rope_theta"] == 1e4 and lm.config.max_position_embeddings == 512
+    with pytest.raises(ValueError, match="cannot change mid-stage"):
+        build_model(model, 2e4, 256, 300, 0, 1, resume=str(tmp_path))
+    other = dataclasses.replace(model, nope_interval=model.nope_interval + 1)  # NoPE layers changed
+    with pytest.raises(ValueError, match=r"another architecture .*no_rope_layers \(was \[.*\], now \[.*\]\)"):
+        build_model(other, 1e4, 256, 300, 0, 1, resume=str(tmp_path))
+    # dynamic NTK reads max positions: resumed at another length it would compute other frequencies
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    at = [T.LlamaConfig(max_position_embeddings=n, rope_parameters=dict(dynamic)) for n in (16, 32)]
+    with pytest.raises(ValueError, match=r"over 16 positions, and this config gives the stage .* over 32 positions"):
+        check_resumed_rope(at[0], at[1], "ck")
+    check_resumed_rope(at[0], T.LlamaConfig(max_position_embeddings=16, rope_parameters=dict(dynamic)), "ck")
