@@ -27,6 +27,7 @@ from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, de
                                         flash_attn_available, torch_flash_available)
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
+FLASH_KERNELS = tuple(_AVAILABLE)  # bf16/fp16 only
 _INSTALL = {"torch_flash": "install a CUDA build of torch (pip install torch --index-url "
                            "https://download.pytorch.org/whl/cu128, or the build for your CUDA)",
             "flash_attn": "pip install 'longstride[gpu]' (flash-attn, built for your torch and CUDA)"}

@@ -67,7 +67,12 @@ def layer_types(cfg, n: Optional[int] = None) -> list[str]:
 def model_patterns(model) -> tuple:
     """((Pattern, number of layers), ...) of a transformers model's decoder layers, from its config: what the
     CP balancer weighs (parallel/balance.py)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config_patterns(model.config)
+
+
+def config_patterns(config) -> tuple:
+    """model_patterns from a model's config alone (no weights: `longstride check` reads it before building)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(cfg, "sliding_window", None)
     counts: dict = {}
     for t in layer_types(cfg):

@@ -17,6 +17,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -122,7 +123,8 @@ def test_bad_input_fails_before_compute_naming_the_field(corpus, tmp_path, capsy
              (argv(root, good, "cp=2", "seq_len=126"), "seq_len=126"),
              (argv(root, str(gemma2)), "attn_logit_softcapping"),
              (argv(root, good, "cp=3", "parallel.cp_impl=ulysses"), "must divide the model's 4 query heads"),
-             (argv(root, good, "model.loss_tile_tokens=0"), "model.loss_tile_tokens=0 must be >= 1")]  # training's rules
+             (argv(root, good, "model.loss_tile_tokens=0"), "model.loss_tile_tokens=0 must be >= 1"),  # training's rules
+             (argv(root, good, "parallel.kernel=torch_flash"), "compares in fp32")]  # bf16-only kernels
     for args, expect in cases:
         with pytest.raises(SystemExit) as e:
             cli.main(["check", *args])
@@ -136,3 +138,53 @@ def test_help_lists_the_options_and_not_the_test_hook(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and "tolerance=0.0001" in out and "seq_len=0" in out and "cp=0" in out
     assert check.TEST_FAULT not in out
+
+
+def _packed(*rows: list) -> dict:
+    """A PackedBatch from rows of document lengths (tokens 1.., every document labelled but its last token)."""
+    from longstride.data.batch import collate, packed_item
+
+    L = max(sum(r) for r in rows)
+    return collate([packed_item([np.arange(1, n + 1) for n in r], L, 0) for r in rows])
+
+
+@pytest.mark.parametrize("name, rows, doc_masking, expect", [
+    ("mistral", ([10, 20], [30]), True, []),  # two documents in a row, one longer than the window
+    ("mistral", ([10, 12], [15, 3]), True, ["the 16-token window (the longest document has 15 tokens)"]),
+    ("llama4", ([40], [50]), True, ["document masks (no row holds two documents)"]),
+    ("llama4", ([10, 1], [12]), True, ["document masks (no row holds two documents)",
+                                       "the 16-token chunk (the longest document has 12 tokens)"]),
+    ("gemma3", ([5, 5, 7],), False, []),  # without document masks the window cuts the 17-token row
+    ("gemma3", ([5, 5, 6],), False, ["the 16-token window (the longest row has 16 tokens)"]),
+    ("llama", ([3], [4]), False, []),  # plain causal, no document masks: nothing to miss
+])
+def test_unexercised_names_what_the_batch_does_not_test(name, rows, doc_masking, expect):
+    from longstride.recipes.check.inputs import unexercised
+
+    make, _ = MODELS[name]
+    assert unexercised(make(WINDOW), _packed(*rows), doc_masking) == expect
+
+
+def test_a_batch_that_tests_no_window_is_refused_before_compute_unless_allowed(corpus, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Documents of 1-2 words (every one shorter than the window of 16) cannot show a CP method that drops it:
+    exit 2 naming the window before any model is built; allow_unexercised=true runs the check and the verdict
+    says what went untested."""
+    root, tok = corpus
+    with open(tmp_path / "short.jsonl", "w") as fh:
+        for i in range(80):
+            fh.write(json.dumps({"text": ["a b", "x", "def f"][i % 3]}) + "\n")
+    args = [*argv(root, save_checkpoint(root, tok, "mistral"), "cp=2"), f"data.sources.main.path={tmp_path}/short.jsonl"]
+
+    def computed(*a, **k):
+        raise AssertionError("an untested window must be refused before a model is built")
+
+    with monkeypatch.context() as m:
+        m.setattr(check_runs, "load_model", computed)
+        with pytest.raises(SystemExit) as e:
+            cli.main(["check", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "16-token window" in err and "allow_unexercised=true" in err, err
+    rep = check.check([*args, "allow_unexercised=true"])
+    out = capsys.readouterr().out
+    assert rep.ok and "not tested by this batch" in out and "(not tested: the 16-token window" in out, out

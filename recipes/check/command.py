@@ -8,9 +8,15 @@
 One packed batch of the stage's own data (its tokenizer, mixture and packing: the first micro-batch its loader
 gives, with document ids) runs one forward and backward three ways, all in fp32:
   eager     the model's own eager attention, each document alone in its sequence (skipped with eager=false)
-  1 device  longstride's attention on one process with document masks, the kernel the stage runs there
-  CP        longstride's attention under parallel.cp_impl over cp ranks: without a launcher, cp local gloo
-            processes on the CPU; under torchrun / accelerate launch, the launched processes (NCCL on GPUs)
+  1 device  longstride's attention on one process with document masks, parallel.kernel's fp32 kernel (auto: sdpa)
+  CP        longstride's attention under parallel.cp_impl over cp ranks (auto: sdpa on CPU, math on CUDA): without
+            a launcher, cp local gloo processes on the CPU; under torchrun / accelerate launch, the launched
+            processes (NCCL on GPUs)
+The bf16 flash kernels that GPU training takes are not run here (a flash parallel.kernel is refused):
+tests/gpu/test_kernels_gpu.py holds them to these fp32 kernels on a GPU.
+A batch that would not test the model's document masks (no row holds two documents) or one of its windows or
+chunks (no document longer than it) is refused before any compute (allow_unexercised=true runs it anyway, and
+the verdict names what went untested).
 Compared: the logits, the loss, every decoder layer's output and every parameter's gradient; 1 device against
 eager (the kernels), CP against 1 device (the CP method). The table gives the worst relative error
 (max |a - b| / max |b| of a tensor, the worst tensor of the row) per layer type (config.layer_types) and for the

@@ -38,8 +38,47 @@ def stage_batch(job: Job) -> tuple[dict, Job]:
             loader = stage_loader(train, job.rows, 0, 1, data, index)
         batch = next(iter(loader))
     job = dataclasses.replace(job, vocab=len(tok), eos=tok.eos_token_id, pad=pad)
-    check_vocab(job, batch)
-    return batch, job
+    config = stage_model_config(job)
+    check_vocab(config, batch)
+    missed = unexercised(config, batch, job.cfg.data.doc_masking)
+    if missed and not job.allow_unexercised:
+        raise ValueError(f"stage {job.stage}: the check's batch ({job.rows} x {job.seq_len} tokens) would pass without "
+                         f"testing {'; '.join(missed)}. Give a longer seq_len= or more rows=, data with shorter documents "
+                         "(several to a row) and longer ones (beyond the window), or allow_unexercised=true to "
+                         "check the rest anyway")
+    return batch, dataclasses.replace(job, unexercised=tuple(missed))
+
+
+def stage_model_config(job: Job):
+    """The stage's model config (its RoPE base, its length, the tokenizer's sizes), without weights."""
+    from longstride.model.build import stage_config
+
+    s = job.cfg.recipe.stages[job.stage]
+    return stage_config(job.cfg.model, s.rope_theta, s.seq_len, job.vocab, job.eos, job.pad)
+
+
+def unexercised(config, batch: dict, doc_masking: bool) -> list[str]:
+    """What the model computes that this batch never tests: document masks when no row holds two documents with
+    loss targets; a window or chunk of w tokens when no document (the whole row, without document masking) is
+    longer than w, so it cuts nothing. Empty when the batch tests everything."""
+    from longstride.model.loss import IGNORE_INDEX
+    from longstride.parallel.pattern import config_patterns
+
+    B, L = batch["input_ids"].shape
+    if doc_masking:  # documents with a loss target (not the padding, not one-token documents)
+        rows = [[e - s for s, e in doc_spans(batch["doc_ids"][b]) if (batch["labels"][b, s:e] != IGNORE_INDEX).any()]
+                for b in range(B)]
+    else:
+        rows = [[L]] * B
+    longest, missed = max((n for row in rows for n in row), default=0), []
+    if doc_masking and all(len(row) < 2 for row in rows):
+        missed.append("document masks (no row holds two documents)")
+    for kind, size in sorted({(k, v) for p, _ in config_patterns(config) for k, v in
+                              (("window", p.window), ("chunk", p.chunk)) if v}):
+        if longest <= size:
+            missed.append(f"the {size}-token {kind} (the longest {'document' if doc_masking else 'row'} has "
+                          f"{longest} tokens)")
+    return missed
 
 
 def load_model(job: Job, device: torch.device) -> torch.nn.Module:
@@ -54,12 +93,8 @@ def load_model(job: Job, device: torch.device) -> torch.nn.Module:
     return lm.float().eval().to(device)
 
 
-def check_vocab(job: Job, batch: dict) -> None:
+def check_vocab(config, batch: dict) -> None:
     """The batch's token ids against the model's vocabulary (read from its config, no weights)."""
-    from longstride.model.build import stage_config
-
-    s = job.cfg.recipe.stages[job.stage]
-    config = stage_config(job.cfg.model, s.rope_theta, s.seq_len, job.vocab, job.eos, job.pad)
     vocab, top = config.get_text_config(decoder=True).vocab_size, int(batch["input_ids"].max())
     if top >= vocab:
         raise ValueError(f"data.tokenizer: the batch has token id {top} but the model's vocabulary is {vocab}; use the "
@@ -67,11 +102,11 @@ def check_vocab(job: Job, batch: dict) -> None:
 
 
 def decoder_layers(lm) -> tuple[str, torch.nn.ModuleList]:
-    """(dotted name, module) of the model's list of decoder layers."""
-    for name, mod in lm.named_modules():
-        if name.split(".")[-1] == "layers" and isinstance(mod, torch.nn.ModuleList):
-            return name, mod
-    raise NotImplementedError(f"{type(lm).__name__} has no ModuleList of decoder layers named 'layers' to group by")
+    """(dotted name, module) of the model's stack of decoder layers (model/loss.decoder_layers finds it)."""
+    from longstride.model.loss import decoder_layers as stack
+
+    layers = stack(lm)
+    return next(name for name, mod in lm.named_modules() if mod is layers), layers
 
 
 def layer_types(lm, n: int) -> list[str]:

@@ -17,6 +17,7 @@ class CheckConfig:
     rows: int = 0  # packed sequences in the batch; 0 = the stage's micro_batch_size
     tolerance: float = 1e-4  # worst relative error allowed (fp32)
     eager: bool = True  # also check the one-device run against the model's own eager attention
+    allow_unexercised: bool = False  # run although the batch tests no document mask / window / chunk it has
     overrides: list = field(default_factory=list)  # training overrides (recipe=, stage=, model.*, data.*, parallel.*)
 
 
@@ -39,6 +40,8 @@ class Job:
     vocab: int = 0  # the tokenizer's size, eos and pad ids (a from-scratch model is sized by them)
     eos: int = 0
     pad: int = 0
+    unexercised: tuple = ()  # what the model computes that the batch does not test (inputs.unexercised)
+    allow_unexercised: bool = False
 
     @property
     def what_cp(self) -> str:
@@ -48,7 +51,7 @@ class Job:
 def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     """Every check of the command's input, before any data is read or model built. world: the processes a
     launcher started (1: none, the CP ranks are local gloo processes)."""
-    from longstride.parallel.kernels import resolve_kernel
+    from longstride.parallel.kernels import FLASH_KERNELS, resolve_kernel
     from longstride.recipes.config.plan import check_model_and_data
     from longstride.recipes.config.schema import selected_stages
     from longstride.recipes.train import use_cpu
@@ -81,8 +84,13 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
                          f"--nproc-per-node {cp}) or set cp={world}")
     device_type = "cuda" if world > 1 and not use_cpu() else "cpu"
     kernel = str(cfg.parallel.kernel)
+    if kernel in FLASH_KERNELS:
+        raise ValueError(f"parallel.kernel={kernel}: longstride check compares in fp32 and the flash kernels take only "
+                         "bf16/fp16; check with parallel.kernel=auto or math (tests/gpu/test_kernels_gpu.py holds "
+                         f"{kernel} to the fp32 kernels on a GPU)")
     return Job(cfg, name, seq_len, rows=rows, cp=cp, degrees=degrees,
                kernel=resolve_kernel(kernel, device_type, ring=False, half=False),
                cp_kernel=resolve_kernel(kernel, device_type, ring=True, half=False),
                balance=str(s.balance if s.balance is not None else cfg.parallel.balance),
-               tolerance=cc.tolerance, eager=cc.eager, device_type=device_type)
+               tolerance=cc.tolerance, eager=cc.eager, device_type=device_type,
+               allow_unexercised=cc.allow_unexercised)

@@ -94,7 +94,8 @@ def report(job: Job, batch: dict, lm, *, eager: Optional[Result], one: Result, c
         title, key, (e, which) = max(((c.title, k, c.cells[k]) for c in comps for k in c.cells),
                                      key=lambda x: _order(x[2][0]))
         lines.append(f"check passed: every error within {tol:.0e}; the largest: {title}, {_row_name(key)}"
-                     + (f" {which}" if which else "") + f", {e:.1e}")
+                     + (f" {which}" if which else "") + f", {e:.1e}"
+                     + (f" (not tested: {'; '.join(job.unexercised)})" if job.unexercised else ""))
     return Report(not failures, "\n".join(lines), comps, failures)
 
 
@@ -110,6 +111,8 @@ def header(job: Job, batch: dict, lm, where: str) -> list[str]:
             f"{max(e - s for row in spans for s, e in row)} tokens), document masking "
             f"{'on' if cfg.data.doc_masking else 'off'}; fp32 on {job.device_type}",
             f"  layers: {describe_layers(lm, L)}",
+            *([f"  not tested by this batch (allow_unexercised=true): {'; '.join(job.unexercised)}"]
+              if job.unexercised else []),
             f"  1 device: kernel {job.kernel}; {job.what_cp}: ring {d.ring} x ulysses {d.ulysses}, kernel "
             f"{job.cp_kernel}, balance {job.balance}, {where}",
             f"worst relative error (max |a - b| / max |b| of a tensor, the worst tensor of each row; tolerance "
