@@ -24,16 +24,17 @@ def stateful_loader(dataset, **kwargs) -> StatefulDataLoader:
 
 
 class ShardSampler(torch.utils.data.Sampler):
-    """A seeded permutation per epoch, rank r of n taking every n-th index from `start` (0, or where a
-    run on another number of ranks stopped in this epoch); all ranks get the same count (the tail that
-    does not divide is dropped for that epoch)."""
+    """A seeded permutation per epoch (shuffle=False: the items in order), rank r of n taking every n-th index
+    from `start` (0, or where a run on another number of ranks stopped in this epoch); all ranks get the same
+    count (the tail that does not divide is dropped for that epoch)."""
 
-    def __init__(self, num_items: int, rank: int, world: int, seed: int):
+    def __init__(self, num_items: int, rank: int, world: int, seed: int, shuffle: bool = True):
         if num_items < world:
             raise ValueError(
                 f"only {num_items} packed sequences for {world} data-parallel ranks; use more data or fewer ranks"
             )
         self.num_items, self.rank, self.world, self.seed, self.epoch, self.start = num_items, rank, world, seed, 0, 0
+        self.shuffle = shuffle
 
     def __len__(self) -> int:
         return (self.num_items - self.start) // self.world
@@ -42,7 +43,8 @@ class ShardSampler(torch.utils.data.Sampler):
         self.epoch, self.start = epoch, 0
 
     def __iter__(self):
-        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_items)
+        perm = (np.random.default_rng([self.seed, self.epoch]).permutation(self.num_items) if self.shuffle
+                else np.arange(self.num_items))
         return iter(perm[self.start + self.rank: self.start + len(self) * self.world: self.world].tolist())
 
 

@@ -93,24 +93,63 @@ def test_trl_packed_rows_keep_their_documents_and_loss_masks():
         collator([{**row, "seq_lengths": [3, 2]}])
 
 
+def _mixin():
+    from longstride.recipes.hf.trainer import LongstrideTrainerMixin
+    return LongstrideTrainerMixin
+
+
+class _TrainStub(_mixin()):
+    """What get_train_dataloader reads of a Trainer on one process: the packed documents, cp=1, batches of
+    `batch` rows, real TrainingArguments (seed 0 unless given)."""
+
+    def __init__(self, batch: int = 1, data=None, **args):
+        from types import SimpleNamespace
+
+        import transformers as T
+
+        from longstride.recipes.hf.trainer import LongstrideCollator
+
+        self.model = SimpleNamespace(config=SimpleNamespace())
+        self.data_collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=1), method=None), 1)
+        self.train_dataset = packed_dataset(documents(), L, 1) if data is None else data
+        self.args = T.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, **{"seed": 0, **args})
+        self._train_batch_size = batch
+
+
+def test_the_mixins_train_loader_follows_the_training_arguments():
+    """data_seed orders the rows (seed when unset), train_sampling_strategy='sequential' keeps their order,
+    dataloader_drop_last keeps or drops a short last batch (transformers' default keeps it); grouping by length, a
+    batch larger than the data with drop_last, and one process
+    driving several GPUs (n_gpu > 1) are refused by name."""
+    data = _TrainStub().train_dataset
+    n = len(data)
+    first = lambda loader: [int(i) for i in next(iter(loader))["input_ids"][:, 0]]  # noqa: E731
+    by_seed = first(_TrainStub(batch=n, seed=7).get_train_dataloader())
+    assert first(_TrainStub(batch=n, data_seed=7, seed=0).get_train_dataloader()) == by_seed
+    assert first(_TrainStub(batch=n, seed=0).get_train_dataloader()) != by_seed
+    assert [len(b["input_ids"]) for b in _TrainStub(batch=n - 1).get_train_dataloader()] == [n - 1, 1]
+    assert [len(b["input_ids"]) for b in _TrainStub(batch=n - 1, dataloader_drop_last=True)
+            .get_train_dataloader()] == [n - 1]
+    in_order = [int(b["input_ids"][0, 0]) for b in _TrainStub(train_sampling_strategy="sequential")
+                .get_train_dataloader()]
+    assert in_order == [int(data[i]["input_ids"][0]) for i in range(n)]
+    with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length'"):
+        _TrainStub(train_sampling_strategy="group_by_length").get_train_dataloader()
+    with pytest.raises(ValueError, match=rf"{n} rows.*fewer than one batch of per_device_train_batch_size={n + 1}"):
+        _TrainStub(batch=n + 1, dataloader_drop_last=True).get_train_dataloader()
+    stub = _TrainStub()
+    stub.args._n_gpu = 2  # what TrainingArguments computes on a machine of two GPUs without a launcher
+    with pytest.raises(NotImplementedError, match="n_gpu=2"):
+        stub.get_train_dataloader()
+
+
 def test_the_mixins_dataloader_reshuffles_each_epoch_also_when_resumed_inside_one():
     """The Trainer sets the epoch on its dataloader, or on the batch sampler accelerate's skip_first_batches wraps
     when it resumes inside an epoch; the mixin's sampler takes it either way (a plain DataLoader did not: every
     epoch repeated epoch 0's order)."""
-    from types import SimpleNamespace
-
     from accelerate.data_loader import skip_first_batches
 
-    from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin
-
-    class Stub(LongstrideTrainerMixin):
-        def __init__(self):
-            self.model = SimpleNamespace(config=SimpleNamespace())
-            self.data_collator = LongstrideCollator(SimpleNamespace(degrees=SimpleNamespace(cp=1), method=None), 1)
-            self.train_dataset = packed_dataset(documents(), L, 1)
-            self.args = SimpleNamespace(seed=0, dataloader_num_workers=0, average_tokens_across_devices=True,
-                                        label_smoothing_factor=0.0)
-            self._train_batch_size = 1
+    Stub = _TrainStub
 
     def rows(loader):
         return [tuple(b["input_ids"][0, :8].tolist()) for b in loader]
@@ -145,8 +184,7 @@ def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past
     class Stub(LongstrideTrainerMixin):  # what get_train_dataloader reads of a Trainer, on one process
         def __init__(self, model, collator):
             self.model, self.data_collator, self.train_dataset = model, collator, packed_dataset(documents(), L, 1)
-            self.args = SimpleNamespace(seed=0, dataloader_num_workers=0, average_tokens_across_devices=True,
-                                        label_smoothing_factor=0.0, eval_strategy="no", load_best_model_at_end=False)
+            self.args = T.TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, seed=0)
             self._train_batch_size = BATCH
 
     phi3 = T.Phi3ForCausalLM(_phi3_longrope())

@@ -31,7 +31,10 @@ What each piece does:
   position_dependent), before the batch reaches the model.
 - The mixin's dataloader gives every CP rank of a group the same sequences and each data-parallel
   group its own share (data/loader.ShardSampler, the recipe's sampler), instead of accelerate's split
-  over all processes.
+  over all processes. It follows the TrainingArguments' data_seed (else seed), train_sampling_strategy
+  ('random' or 'sequential'; grouping by length is refused: rows are packed), dataloader_drop_last,
+  pin_memory, persistent_workers and prefetch_factor. One process driving several GPUs (n_gpu > 1,
+  DataParallel) is refused: launch one process per GPU.
 - Loss normalisation needs nothing extra: the Trainer counts the label tokens of every process
   (`average_tokens_across_devices`, on by default), each CP rank's loss is its tokens' sum over that
   global count times the process count, and DDP's gradient average then gives the gradient of the
@@ -217,10 +220,22 @@ class LongstrideTrainerMixin:
             raise ValueError(f"LongstrideTrainerMixin: train_dataset is a {type(self.train_dataset).__name__} without "
                              "a length; every CP rank of a group reads the same rows by index, so give an indexable "
                              "dataset (packed_dataset, a datasets.Dataset), or stream with longstride's own recipe")
-        sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, self.args.seed)
-        batches = EpochBatchSampler(sampler, self._train_batch_size, drop_last=True)
-        return EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=collator,
-                               num_workers=self.args.dataloader_num_workers)
+        args = self.args
+        strategy = train_sampling(args)
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        sampler = ShardSampler(len(self.train_dataset), dims.dp_rank(rank), dims.dp, seed,
+                               shuffle=strategy == "random")
+        batches = EpochBatchSampler(sampler, self._train_batch_size, drop_last=args.dataloader_drop_last)
+        if not len(batches):
+            raise ValueError(f"LongstrideTrainerMixin: train_dataset has {len(self.train_dataset)} rows, {len(sampler)} "
+                             f"for each of {dims.dp} data-parallel ranks, fewer than one batch of "
+                             f"per_device_train_batch_size={self._train_batch_size} (dataloader_drop_last=True); give "
+                             "more rows or a smaller batch")
+        workers = args.dataloader_num_workers
+        extra = {"persistent_workers": args.dataloader_persistent_workers,
+                 "prefetch_factor": args.dataloader_prefetch_factor} if workers else {}
+        return EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=collator, num_workers=workers,
+                               pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(), **extra)
 
     def get_eval_dataloader(self, eval_dataset=None):
         self._refuse_cp_eval("evaluation")
@@ -279,6 +294,18 @@ class LongstrideTrainerMixin:
                                   "evaluate with cp=1, or use the recipe's own validation loss")
 
 
+def train_sampling(args) -> str:
+    """TrainingArguments.train_sampling_strategy ("random" or "sequential"; transformers before it had the
+    group_by_length flag). Grouping or rebalancing by length is refused: the rows are packed sequences."""
+    strategy = getattr(args, "train_sampling_strategy", None)
+    if strategy is None:
+        strategy = "group_by_length" if getattr(args, "group_by_length", False) else "random"
+    if strategy not in ("random", "sequential"):
+        raise ValueError(f"TrainingArguments.train_sampling_strategy={strategy!r}: LongstrideCollator's rows are "
+                         "packed sequences with no lengths to group by; use 'random' or 'sequential'")
+    return strategy
+
+
 class EpochBatchSampler(torch.utils.data.BatchSampler):
     """Batches of a ShardSampler whose epoch the Trainer can set: the Trainer calls set_epoch on its dataloader,
     or, resuming inside an epoch (accelerate's skip_first_batches wraps this sampler), on the wrapped batch
@@ -296,6 +323,10 @@ class EpochDataLoader(torch.utils.data.DataLoader):
 def check_loss_setup(args, world: int, accepts_loss_kwargs: bool, compute_loss_func) -> None:
     """Refuses the Trainer settings under which its loss is not the token mean over the global batch (see the
     module docstring): args is the TrainingArguments."""
+    if args.n_gpu > 1:
+        raise NotImplementedError(f"TrainingArguments.n_gpu={args.n_gpu}: one process driving several GPUs "
+                                  "(torch.nn.DataParallel) would copy each batch's document layout whole to every "
+                                  "replica; launch one process per GPU (torchrun or accelerate launch)")
     if world > 1 and not args.average_tokens_across_devices:
         raise ValueError(f"TrainingArguments.average_tokens_across_devices=False over {world} processes averages each "
                          "process's mean loss (CP ranks hold different numbers of label tokens): set it to True")
