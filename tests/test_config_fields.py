@@ -31,8 +31,8 @@ def test_a_new_model_s_sizes_beside_a_checkpoint_are_refused():
 
 def test_a_weight_dict_on_the_command_line_is_the_whole_dict():
     """recipe.stages.NAME.mixture={...} and a synthetic source's kinds={...} replace the recipe's dict (Hydra merges
-    them: {stdlib:1.0} trained on 56% stdlib beside the recipe's other weights); a weight set after the dict is
-    added to it; a single weight still changes only that one."""
+    them: {stdlib:1.0} trained on 56% stdlib beside the recipe's other weights); a weight set (or removed: ~) after
+    the dict is added to (removed from) it; a single weight still changes only that one."""
     def mixture(*overrides):
         return compose_cfg(["recipe=tiny_extend", *overrides]).recipe.stages["s2_2k"].mixture
 
@@ -42,5 +42,7 @@ def test_a_weight_dict_on_the_command_line_is_the_whole_dict():
         "stdlib": 1.0, "retrieval_mid": 0.5}
     assert mixture("recipe.stages.s2_2k.mixture.retrieval_mid=0.5") == {**recipe, "retrieval_mid": 0.5}
     assert mixture("recipe.stages.s2_2k.mixture={}") == {}
+    assert mixture("recipe.stages.s2_2k.mixture={stdlib:1.0,retrieval_mid:0.5}", "~recipe.stages.s2_2k.mixture.retrieval_mid") == {
+        "stdlib": 1.0}  # a weight removed after the dict is removed from it
     kinds = compose_cfg(["recipe=tiny_retrieval", "data.sources.retrieval_short.synthetic.kinds={copy:1.0}"])
     assert kinds.data.sources["retrieval_short"].synthetic.kinds == {"copy": 1.0}

@@ -151,16 +151,23 @@ def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
     other weights. Later overrides of single weights (mixture.a=0.5) still apply on top, in order."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("~")])
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o or o.startswith("~")])
     for i, o in enumerate(parsed):
         key = o.key_or_group
-        if not (isinstance(o.value(), dict) and any(dotted_match(key, pattern) for pattern in WEIGHT_DICTS)):
+        if o.is_delete() or not (isinstance(o.value(), dict) and
+                                 any(dotted_match(key, pattern) for pattern in WEIGHT_DICTS)):
             continue
         OmegaConf.update(raw, key, o.value(), merge=False)
-        for later in parsed[i + 1:]:  # a single weight set after the dict (a key the dict may lack: open)
-            if later.key_or_group.startswith(key + ".") and not isinstance(later.value(), dict):
-                with open_dict(OmegaConf.select(raw, key)):
-                    OmegaConf.update(raw, later.key_or_group, later.value(), merge=False)
+        for later in parsed[i + 1:]:  # a single weight set or removed after the dict (a key it may lack: open)
+            name = later.key_or_group
+            if not name.startswith(key + ".") or (not later.is_delete() and isinstance(later.value(), dict)):
+                continue
+            node = OmegaConf.select(raw, key)
+            with open_dict(node):
+                if later.is_delete():
+                    node.pop(name[len(key) + 1:], None)
+                else:
+                    OmegaConf.update(raw, name, later.value(), merge=False)
 
 
 def dotted_match(key: str, pattern: str) -> bool:
