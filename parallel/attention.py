@@ -33,7 +33,7 @@ NAME = "longstride"
 # do not implement: refused when set, never dropped (logit soft-capping: Gemma 2; a T5-style position bias)
 UNSUPPORTED_KWARGS = {"softcap": "logit soft-capping", "position_bias": "an additive position bias",
                       "sinks": "attention sinks under the name sinks (longstride reads GPT-OSS's s_aux)",
-                      "block_indices": "block-sparse attention"}
+                      "block_indices": "block-sparse attention", "indices": "indexed sparse attention"}
 UNSUPPORTED_CONFIG = {"attn_logit_softcapping": "logit soft-capping"}
 
 
@@ -54,9 +54,15 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
                      + ("..." if len(other) > 6 else ""))
     if "chunked_attention" in types and not getattr(cfg, "attention_chunk_size", None):
         found.append("config.layer_types has chunked_attention layers but config.attention_chunk_size is not set")
+    if not dispatches(model):
+        found.append(f"{type(model).__name__} computes attention in its own code, not through transformers' attention "
+                     "interface, so longstride's attention would never run (each document would see the others, and "
+                     "a context-parallel rank only its own tokens)")
     for field, what in UNSUPPORTED_CONFIG.items():
         if getattr(cfg, field, None):
             found.append(f"config.{field}={getattr(cfg, field)} ({what})")
+    if getattr(cfg, "is_causal", True) is False:
+        found.append("config.is_causal=False (bidirectional attention)")
     v_dim = getattr(cfg, "v_head_dim", None)
     qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
     if v_dim and qk_dim and v_dim != qk_dim:
@@ -66,12 +72,23 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
         found.append(f"config.attention_dropout={cfg.attention_dropout} (attention dropout while training; set "
                      "it to 0.0 in the checkpoint's config.json to train without it)")
     for name, mod in model.named_modules():
-        if (name.endswith("attn") or name.endswith("attention")) and getattr(mod, "is_causal", True) is False:
+        attention = name.endswith(("attn", "attention")) or "Attention" in type(mod).__name__
+        if attention and getattr(mod, "is_causal", True) is False:  # BERT's sits at ...attention.self
             found.append(f"{name}.is_causal=False (bidirectional attention)")
         if callable(getattr(mod, "prepare_dynamic_mask", None)):  # an additive mask from the values (Doge)
             found.append(f"{name} ({type(mod).__name__}) adds a per-head mask computed from its values (dynamic mask "
                          "attention)")
     return found + (position_dependent(cfg, split_longest) if split_longest else [])
+
+
+def dispatches(model: torch.nn.Module) -> bool:
+    """Whether the model's attention goes through transformers' attention interface (config._attn_implementation),
+    where longstride's attention plugs in: already switched to it, or transformers' own test of the model's source
+    (Bloom, MPT, GPT-NeoX-Japanese and other older classes compute attention in their own code)."""
+    if getattr(model.config, "_attn_implementation", None) == NAME:
+        return True
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    return bool(can_set()) if can_set is not None else True
 
 
 def position_dependent(cfg, split_longest: int) -> list[str]:
@@ -131,7 +148,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstride attention")
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    if kwargs.get("is_causal") is False:
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise NotImplementedError(f"{where} asks for bidirectional attention (is_causal=False), which longstride's "
                                   "attention does not implement; refused rather than dropped")
     for key_name, what in UNSUPPORTED_KWARGS.items():
@@ -239,3 +256,7 @@ def use_longstride_attention(model: torch.nn.Module) -> None:
     check_supported(model)
     register()
     model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:  # transformers only warns when a model cannot switch
+        raise NotImplementedError(f"{type(model).__name__} kept attn_implementation="
+                                  f"{model.config._attn_implementation!r}: it computes attention in its own code, "
+                                  "so longstride's attention would never run; refused rather than ignored")

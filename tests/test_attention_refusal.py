@@ -1,7 +1,9 @@
 """Attention that longstride does not implement is refused, naming it, never dropped: tiny random models of
 transformers' own classes with logit soft-capping (Gemma 2), bidirectional attention (Gemma 3 with
-use_bidirectional_attention), a layer type that is not attention longstride computes (linear attention), chunked
-layers without a chunk size, Doge's dynamic mask (a per-head mask from the values). Sliding windows, chunks and sinks are computed (tests/test_attention_patterns.py)."""
+use_bidirectional_attention; BERT's encoder loaded as a causal LM; config.is_causal=False), a layer type that is not
+attention longstride computes (linear attention), chunked layers without a chunk size, Doge's dynamic mask (a per-head
+mask from the values), and a model that computes attention in its own code (Bloom), whose switch to longstride's
+attention transformers only warns about. Sliding windows, chunks and sinks are computed (tests/test_attention_patterns.py)."""
 from __future__ import annotations
 
 import os
@@ -25,6 +27,15 @@ REFUSED = {  # model -> (config, class, what the refusal names)
     "qwen2_linear_attention": (lambda: T.Qwen2Config(**SMALL, layer_types=["full_attention", "linear_attention"]),
                                T.Qwen2ForCausalLM, "linear_attention"),
     "doge_dynamic_mask": (lambda: T.DogeConfig(**SMALL), T.DogeForCausalLM, "dynamic mask attention"),
+    # attention in the model's own code, not transformers' interface: switching only warns, and it kept its own
+    "bloom_own_attention": (lambda: T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4),
+                            T.BloomForCausalLM, "computes attention in its own code"),
+    # an encoder's attention (at bert.encoder.layer.N.attention.self) loaded as a causal LM
+    "bert_encoder": (lambda: T.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, is_decoder=False),
+                     T.BertLMHeadModel, "attention.self.is_causal=False"),
+    "llama_config_not_causal": (lambda: T.LlamaConfig(**SMALL, is_causal=False), T.LlamaForCausalLM,
+                                "config.is_causal=False"),
     "llama4_chunks_without_size": (lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                                               layer_types=["chunked_attention", "full_attention"],
                                                               attention_chunk_size=None),
@@ -51,6 +62,17 @@ def test_models_with_attention_longstride_does_not_compute_are_refused_naming_it
     assert model.config._attn_implementation != "longstride"  # nothing was switched
 
 
+def test_a_model_that_keeps_its_own_attention_after_the_switch_is_refused(monkeypatch):
+    """Behind the source test (dispatches): whatever a model's source looks like, a switch that did not take is
+    refused, not trained on."""
+    from longstride.parallel import attention
+
+    monkeypatch.setattr(attention, "dispatches", lambda model: True)  # a model the source test misjudges
+    make, cls, _ = REFUSED["bloom_own_attention"]
+    with pytest.raises(NotImplementedError, match="kept attn_implementation='eager'"):
+        use_longstride_attention(cls(make()))
+
+
 @pytest.mark.parametrize("name", sorted(COMPUTED))
 def test_windows_sinks_and_chunks_are_accepted(name):
     model = COMPUTED[name]()
@@ -67,7 +89,11 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
         longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="bidirectional"):
         longstride_attention(torch.nn.Module(), q, k, v, None, is_causal=False)
-    for name in ("position_bias", "sinks", "block_indices"):
+    bidirectional = torch.nn.Module()
+    bidirectional.is_causal = False  # BERT's self-attention module, which passes no is_causal keyword
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        longstride_attention(bidirectional, q, k, v, None)
+    for name in ("position_bias", "sinks", "block_indices", "indices"):
         with pytest.raises(NotImplementedError, match=name):
             longstride_attention(torch.nn.Module(), q, k, v, None, **{name: torch.zeros(1)})
     with pytest.raises(ValueError, match="s_aux"):
