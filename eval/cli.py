@@ -25,6 +25,9 @@ def default_out(checkpoint: str) -> str:
     the working directory without a leading outputs/, or its last three parts), never inside the
     checkpoint, which may be uploaded as it is."""
     path = os.path.abspath(checkpoint)
+    if os.path.commonpath([path, os.getcwd()]) == path:
+        raise ValueError(f"out: the working directory is inside checkpoint={checkpoint!r}, so the default out "
+                         "(outputs/eval/...) would write into the checkpoint; give out=DIR, or run from outside it")
     rel = os.path.relpath(path)
     parts = rel.split(os.sep) if not rel.startswith("..") else path.split(os.sep)[-3:]
     if len(parts) > 1 and parts[0] == "outputs":

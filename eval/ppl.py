@@ -1,13 +1,13 @@
 """Perplexity vs context length of any local HF causal-LM checkpoint, with and without YaRN.
 
-For each length L, the first L tokens of every long local document (at least L tokens in the
-checkpoint's own tokenizer) are scored; reported: perplexity over all L tokens and over the last
+For each length L, the first L tokens of every long local document (at least max(lengths) tokens in the
+checkpoint's own tokenizer, so every length scores the same documents) are scored; reported: perplexity over all L tokens and over the last
 quarter (where long context helps or extrapolation breaks). Loss is chunked: no L x V logits.
 
     longstride eval ppl checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096,8192]
     longstride eval ppl checkpoint=outputs/tiny/s3_4k/final lengths=[4096,8192] yarn.factor=2
     (or python -m longstride.eval.ppl ...)
-Writes <out>/ppl[_yarnF].json, .csv and .png (default out: outputs/eval/<checkpoint path>, see
+Writes <out>/ppl[_yarnF][_DTYPE].json, .csv and .png (the dtype suffix when dtype= is not float32) (default out: outputs/eval/<checkpoint path>, see
 eval/cli.py; never inside the checkpoint unless out= says so).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from longstride.eval.cli import default_out, parse_overrides
 from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
-from longstride.model.rope import max_positions
+from longstride.model.rope import has_rope, max_positions
 from longstride.overrides import run
 
 
@@ -134,6 +134,10 @@ def main(argv: list[str]) -> list[dict]:
         torch.set_num_threads(cfg.threads)
     config, base_max = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     too_long = [L for L in cfg.lengths if L > max_positions(config)]
+    if too_long and not has_rope(config):
+        raise ValueError(f"lengths {too_long}: {type(config).__name__} has learned positions up to "
+                         f"{max_positions(config)} and no RoPE to extrapolate or stretch with YaRN; give lengths up to "
+                         f"{max_positions(config)}")
     if too_long:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""
         print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Smo
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.manifest import check_manifest
 from longstride.model.rope import (YARN_ORIGINAL_RULE, apply_yarn, max_positions, per_type_keys, record_trained_length,
-                                   set_rope_base, trained_length, yarn_original_ok)
+                                   rope_targets, set_rope_base, trained_length, yarn_original_ok)
 
 
 def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None) -> list[int]:
@@ -68,7 +68,9 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
                          + YARN_ORIGINAL_RULE.format("yarn"))
     config = AutoConfig.from_pretrained(checkpoint)
     trained = trained_length(config)
-    if yarn.factor:
+    if layer_types is not None:  # checked also where no YaRN reads it (a compare's rows without YaRN)
+        rope_targets(config.get_text_config(decoder=True), layer_types, field)
+    if yarn.factor is not None:  # 0 or 1 is refused by apply_yarn, not taken for "off"
         apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field, stretch=True,
                    yarn_field="yarn")
     return config, trained
@@ -131,7 +133,7 @@ def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: 
     else:
         config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta,
                                seq_len, cfg.rope_layer_types)
-    if cfg.yarn.factor:  # YaRN x factor over the window before this stage (the paper's L, the stage training L')
+    if cfg.yarn.factor is not None:  # YaRN x factor over the window before this stage (the paper's L, the stage training L')
         apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings, cfg.rope_layer_types,
                    default_original=before)
     config.use_cache = False

@@ -39,6 +39,11 @@ def rope_targets(config: PretrainedConfig, layer_types: Optional[list[str]],
     layer types named by `layer_types` (None: full_attention, DEFAULT_TYPES). A selection the config cannot
     express is a ValueError naming `field`, the config class and the fix."""
     name, keys = type(config).__name__, per_type_keys(config)
+    if not hasattr(config, "rope_parameters"):
+        raise ValueError(f"{name} has no RoPE (its positions are learned embeddings, max "
+                         f"{getattr(config, 'max_position_embeddings', None) or getattr(config, 'n_positions', '?')}): a "
+                         "stage's RoPE base (recipe.stages.*.rope_theta) and YaRN (yarn.factor, model.yarn) cannot "
+                         "apply to it; longstride extends models with RoPE")
     if not keys:
         if layer_types is not None:
             raise ValueError(
@@ -86,6 +91,31 @@ def trained_length(config: PretrainedConfig) -> int:
     original window are the stage's length, not the declared one."""
     text = config.get_text_config(decoder=True)
     return int(getattr(text, TRAINED, None) or text.max_position_embeddings)
+
+
+def length_dependent(config: PretrainedConfig) -> list[tuple[Optional[str], str, int]]:
+    """The RoPE entries whose frequencies transformers picks from each forward's largest position: (layer type, or
+    None for the one shared entry; rope_type; the window past which they change). longrope switches to its long
+    factors past its original window (Phi-3); dynamic NTK rescales past max positions."""
+    text = config.get_text_config(decoder=True)
+    params, keys, found = getattr(text, "rope_parameters", None) or {}, per_type_keys(text), []
+    for key, entry in ([(k, params[k]) for k in keys] if keys else [(None, params)]):
+        kind = (entry or {}).get("rope_type")
+        if kind == "longrope":
+            window = (entry.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                               0) or text.max_position_embeddings)
+        elif kind == "dynamic":
+            window = text.max_position_embeddings
+        else:
+            continue
+        found.append((key, kind, int(window or 0)))
+    return found
+
+
+def has_rope(config: PretrainedConfig) -> bool:
+    """Whether a config's text model has RoPE (GPT-2's learned positions end at max positions: no YaRN, no
+    extrapolation)."""
+    return hasattr(config.get_text_config(decoder=True), "rope_parameters")
 
 
 def max_positions(config: PretrainedConfig) -> int:
@@ -162,6 +192,15 @@ def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_em
             _rewrite(text, [key], lambda params, key=key: to_yarn(params, key))
     text.max_position_embeddings = max(int(text.max_position_embeddings),
                                        *(int(original * f) for f, original in plans.values()))
+    if getattr(text, "original_max_position_embeddings", None) is not None:
+        # transformers standardises rope_parameters again when it builds the model, and a top-level window (Phi-3's,
+        # for its longrope) then replaces the one written here: keep the two equal
+        originals = sorted({original for _, original in plans.values()})
+        if len(originals) > 1:
+            raise ValueError(f"{yarn_field}: {type(text).__name__} keeps one original_max_position_embeddings for "
+                             f"every layer type, and YaRN here would need {originals}; give "
+                             f"{yarn_field}.original_max_position_embeddings")
+        text.original_max_position_embeddings = originals[0]
     return config
 
 

@@ -99,16 +99,11 @@ def position_dependent(cfg, split_longest: int) -> list[str]:
     temperature on NoPE layers, which transformers takes from 0..n-1 over the tokens a process holds, from
     floor_scale positions on. Shorter stages compute neither, so they pass. (Dynamic NTK RoPE acts only past the
     model's max positions, which a stage raises to its own length: it never acts in training.)"""
-    from longstride.model.rope import per_type_keys
+    from longstride.model.rope import length_dependent
 
     found = []
-    params = getattr(cfg, "rope_parameters", None) or {}
-    keys = per_type_keys(cfg)
-    for key, entry in ([(k, params[k]) for k in keys] if keys else [(None, params)]):
-        entry = entry or {}
-        window = (entry.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", 0)
-                  or getattr(cfg, "max_position_embeddings", 0))
-        if entry.get("rope_type") == "longrope" and split_longest > int(window or 0):
+    for key, kind, window in length_dependent(cfg):
+        if kind == "longrope" and split_longest > window:
             found.append(f"config.rope_parameters{f'[{key!r}]' if key else ''} rope_type=longrope picks its "
                          f"frequencies from the batch's largest position, past {window} positions, and a "
                          f"context-parallel rank sees only its own (a {split_longest}-token stage with cp > 1; "

@@ -180,6 +180,24 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
     return cache, logits[0, -1]
 
 
+def check_prefill_chunk(config, chunk: int, longest: int) -> None:
+    """Refuses a prefill_chunk under which a chunked prefill would rotate keys otherwise than one forward over the
+    prompt: longrope takes its long factors only in forwards that reach past its window (so chunks must too, once
+    prompts do), dynamic NTK rescales by each forward's length (so a prompt past its window must be one chunk)."""
+    from longstride.model.rope import length_dependent
+
+    for key, kind, window in length_dependent(config):
+        where = f"rope_type={kind}" + (f" ({key} layers)" if key else "")
+        if kind == "longrope" and longest > window >= chunk:
+            raise ValueError(f"prefill_chunk={chunk}: the model's {where} picks its frequencies from each forward's "
+                             f"largest position, long past {window} positions, and prompts of up to {longest} tokens "
+                             f"would be prefilled in pieces that do not reach it; set prefill_chunk > {window}")
+        if kind == "dynamic" and longest > window and longest > chunk:
+            raise ValueError(f"prefill_chunk={chunk}: the model's {where} rescales its frequencies by each forward's "
+                             f"length past {window} positions, so a prompt of {longest} tokens must be prefilled in "
+                             f"one forward; set prefill_chunk >= {longest}")
+
+
 def shared_prefix(a: list[int], b: list[int]) -> int:
     """How many first tokens b shares with a, at most len(b) - 1 (b's last token is run for its logits)."""
     n = min(len(a), len(b) - 1)
@@ -203,6 +221,8 @@ class Generation:
 
     @classmethod
     def of(cls, model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **settings) -> Generation:
+        check_prefill_chunk(model.config, settings.get("prefill_chunk", cls.prefill_chunk),
+                            max(map(len, prompts), default=0))
         return cls(model, tokenizer, prompts, max_new_tokens=max_new_tokens, eos=stop_ids(model, tokenizer),
                    device=next(model.parameters()).device, kw=cache_kw(model), **settings)
 

@@ -33,7 +33,7 @@ from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent
 from longstride.model.config import YarnConfig
-from longstride.model.rope import max_positions
+from longstride.model.rope import has_rope, max_positions
 from longstride.parallel.cp import CPContext
 
 
@@ -130,10 +130,14 @@ def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
     return tasks, qa, skipped
 
 
-def reachable_lengths(cfg: RulerConfig, max_positions: int, original: int) -> tuple[list[int], list[str]]:
+def reachable_lengths(cfg: RulerConfig, max_positions: int, original: int,
+                      rope: bool = True) -> tuple[list[int], list[str]]:
     ok, skipped = [], []
     for L in sorted(dict.fromkeys(cfg.lengths)):
-        if L > max_positions and not cfg.extrapolate:
+        if L > max_positions and not rope:
+            skipped.append(f"length {L} skipped: the model's learned positions end at {max_positions} (no RoPE to "
+                           "extrapolate or stretch with YaRN)")
+        elif L > max_positions and not cfg.extrapolate:
             hint = f"yarn.factor={math.ceil(L / original)}" if not cfg.yarn.factor else \
                 f"a larger yarn.factor (now {cfg.yarn.factor:g})"
             skipped.append(f"length {L} skipped: the model's max positions are {max_positions}; add {hint} "
@@ -210,10 +214,10 @@ def main(argv: list[str]) -> Optional[dict]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tasks, qa, skipped = runnable_tasks(cfg)
-    if any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
+    if cfg.haystack is not None or any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
     config, original = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
-    lengths, too_long = reachable_lengths(cfg, max_positions(config), original)
+    lengths, too_long = reachable_lengths(cfg, max_positions(config), original, has_rope(config))
     skipped += too_long
     for msg in skipped:
         note(msg)
@@ -260,6 +264,7 @@ def _report(cfg: RulerConfig, records: list[dict], skipped: list[str]) -> dict:
     print(format_table(summary))
     out = cfg.out or default_out(cfg.checkpoint)
     stem = f"ruler_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else "ruler"
+    stem += "" if cfg.dtype == "float32" else f"_{cfg.dtype}"  # beside, not over, a float32 run's files
     name = "/".join(os.path.normpath(os.path.abspath(cfg.checkpoint)).split(os.sep)[-2:])  # e.g. s3_4k/final
     title = name + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")
     write_files(out, stem, asdict(cfg), summary, records, skipped)

@@ -1,0 +1,123 @@
+"""What the eval commands read from a checkpoint's config and their arguments, refused or taken as the model means it:
+YaRN over Phi-3's top-level window, models without RoPE (GPT-2), yarn.factor=0, rope_layer_types without YaRN, a
+haystack no task reads, a default out= inside the checkpoint, prefill chunks under longrope and dynamic NTK."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers as T
+
+from longstride.model.build import load_config_with_yarn
+from longstride.model.config import YarnConfig
+
+SMALL = dict(vocab_size=300, eos_token_id=0, pad_token_id=1, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def _save(model, path) -> str:
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_yarn_on_phi3_runs_over_the_window_it_reports(tmp_path):
+    """Phi-3 keeps original_max_position_embeddings at the top level too, and transformers standardises it back
+    over the rope entry when it builds the model: YaRN x2 ran over 128 positions while eval reported 256. The
+    model's frequencies now are YaRN x2 over the trained length (or the window given), as on a Llama of the same
+    head size."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    wide = {**SMALL, "hidden_size": 128, "num_attention_heads": 2}  # head size 64: YaRN's ramp sees the window
+    path = _save(T.Phi3ForCausalLM(T.Phi3Config(**wide, max_position_embeddings=256,
+                                                original_max_position_embeddings=128)), tmp_path / "phi3")
+    for original, want in ((None, 256), (200, 200)):
+        config, _ = load_config_with_yarn(path, YarnConfig(factor=2, original_max_position_embeddings=original))
+        model = T.AutoModelForCausalLM.from_pretrained(path, config=config)
+        llama = T.LlamaConfig(**wide, max_position_embeddings=2 * want,
+                              rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+                                               "original_max_position_embeddings": want})
+        expect, scale = ROPE_INIT_FUNCTIONS["yarn"](llama, "cpu")
+        assert torch.allclose(model.model.rotary_emb.inv_freq, expect), original
+        assert model.model.rotary_emb.attention_scaling == pytest.approx(scale)
+
+
+def test_a_model_without_rope_is_refused_yarn_and_lengths_past_its_positions(tmp_path, capsys):
+    from longstride.data.tokenizer import train_bpe
+    from longstride.eval import ppl
+    from longstride.eval.ruler.run import RulerConfig, reachable_lengths
+
+    path = _save(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=128)),
+                 tmp_path / "gpt2")
+    train_bpe(["a few words for a tokenizer"] * 4, 300).save_pretrained(path)
+    with pytest.raises(ValueError, match="GPT2Config has no RoPE"):
+        load_config_with_yarn(path, YarnConfig(factor=2))
+    with pytest.raises(ValueError, match=r"lengths \[256\]: GPT2Config has learned positions up to 128"):
+        ppl.main([f"checkpoint={path}", "lengths=[64,256]", f"out={tmp_path}/out"])
+    ok, skipped = reachable_lengths(RulerConfig(checkpoint=path, lengths=[64, 256], extrapolate=True), 128, 128,
+                                    rope=False)
+    assert ok == [64] and "learned positions end at 128" in skipped[0] and "yarn.factor" not in skipped[0]
+
+
+def test_yarn_factor_zero_and_unread_rope_layer_types_are_refused(tmp_path):
+    llama = _save(T.LlamaForCausalLM(T.LlamaConfig(**SMALL)), tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"yarn.factor=0.0 must be > 1"):
+        load_config_with_yarn(llama, YarnConfig(factor=0.0))
+    gemma = _save(T.Gemma3ForCausalLM(T.Gemma3TextConfig(**SMALL, head_dim=8)), tmp_path / "gemma3")
+    with pytest.raises(ValueError, match=r"rope_layer_types=\['bogus'\]"):  # no YaRN reads it: still checked
+        load_config_with_yarn(gemma, YarnConfig(), ["bogus"])
+    with pytest.raises(ValueError, match="rope_layer_types=.*one rope_parameters"):
+        load_config_with_yarn(llama, YarnConfig(), ["full_attention"])
+
+
+def test_a_haystack_is_checked_even_when_no_task_reads_it(ruler_checkpoint, tmp_path):
+    from longstride.eval.ruler.run import main
+
+    with pytest.raises(ValueError, match="haystack="):
+        main([f"checkpoint={ruler_checkpoint}", "tasks=[synth_kv]", "lengths=[512]", f"haystack={tmp_path}/none",
+              f"out={tmp_path}/out"])
+
+
+def test_the_default_out_is_never_inside_the_checkpoint(ruler_checkpoint, monkeypatch):
+    from longstride.eval.cli import default_out
+    from longstride.eval.ppl import parse
+
+    monkeypatch.chdir(ruler_checkpoint)
+    with pytest.raises(ValueError, match="working directory is inside checkpoint='.'"):
+        parse(["checkpoint=."])
+    parse(["checkpoint=.", "out=/tmp/elsewhere"])  # out= given: taken
+    monkeypatch.chdir(os.path.dirname(ruler_checkpoint))
+    assert default_out(str(ruler_checkpoint)) == os.path.join("outputs", "eval", os.path.basename(ruler_checkpoint))
+
+
+def _phi3_longrope():
+    window = 64
+    short = [1.0] * 4
+    return T.Phi3Config(**SMALL, max_position_embeddings=256, original_max_position_embeddings=window,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": short,
+                                         "long_factor": [4.0] * 4, "original_max_position_embeddings": window})
+
+
+def test_prefill_chunks_that_would_rotate_keys_otherwise_are_refused():
+    """longrope takes its long factors only in a forward reaching past its window: prefill chunks that do not
+    reach it rotated a prompt's first keys with the short ones (2e-3 off one forward here). Refused; a chunk past
+    the window gives the one forward's logits. Dynamic NTK rescales by each forward's length: one chunk only."""
+    from longstride.eval.hf_adapter import cache_kw
+    from longstride.eval.ruler.generate import _prefill, check_prefill_chunk
+
+    torch.manual_seed(0)
+    model = T.Phi3ForCausalLM(_phi3_longrope()).eval()
+    prompt = torch.randint(2, 300, (150,)).tolist()
+    with pytest.raises(ValueError, match=r"prefill_chunk=32: .*rope_type=longrope.*set prefill_chunk > 64"):
+        check_prefill_chunk(model.config, 32, len(prompt))
+    check_prefill_chunk(model.config, 32, 64)  # prompts within the window: every forward short, as one forward
+    check_prefill_chunk(model.config, 65, len(prompt))
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        _, chunked = _prefill(model, prompt, 65, torch.device("cpu"), cache_kw(model))
+    assert torch.allclose(chunked, full, atol=1e-5), (chunked - full).abs().max()
+    dynamic = T.LlamaConfig(**SMALL, max_position_embeddings=64,
+                            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match=r"rope_type=dynamic .* set prefill_chunk >= 150"):
+        check_prefill_chunk(dynamic, 100, 150)
+    check_prefill_chunk(dynamic, 150, 150)
