@@ -47,14 +47,22 @@ def eval_config(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_layer_t
     return load_config_with_yarn(checkpoint, yarn or YarnConfig(), rope_layer_types)
 
 
+def eval_tokenizer(checkpoint: str):
+    """The checkpoint's own tokenizer (loaded before its weights: samples and documents are checked with it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
 def load_eval_model(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_layer_types: Optional[list[str]] = None,
-                    device: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+                    device: Optional[str] = None, dtype: Optional[torch.dtype] = None, tokenizer=None):
     """(model, tokenizer, EvalModelInfo) of an HF model dir, with YaRN (None or factor None: off), on `device`
-    (None: eval_device()) in `dtype` (None: float32), in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    (None: eval_device()) in `dtype` (None: float32), in eval mode; `tokenizer`: the checkpoint's, already loaded
+    (eval_tokenizer: what a command checks its samples with before the weights load)."""
+    from transformers import AutoModelForCausalLM
 
     config, trained = eval_config(checkpoint, yarn, rope_layer_types)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = tokenizer or eval_tokenizer(checkpoint)
     dtype = dtype or torch.float32
     model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=dtype)
     model = model.to(device or eval_device()).eval()

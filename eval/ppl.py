@@ -26,10 +26,10 @@ import torch
 from longstride.data.files import list_files, stdlib_root
 from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import default_out, parse_overrides
-from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
+from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
-from longstride.model.rope import has_rope, max_positions
+from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.overrides import run
 
 
@@ -139,20 +139,23 @@ def main(argv: list[str]) -> list[dict]:
                          f"{max_positions(config)} and no RoPE to extrapolate or stretch with YaRN; give lengths up to "
                          f"{max_positions(config)}")
     if too_long:
-        hint = f" or use yarn.factor={math.ceil(max(too_long) / base_max)}" if not cfg.yarn.factor else ""
+        hint = f" or use yarn.factor={math.ceil(max(too_long) / yarn_unit(config, base_max))}" \
+            if not cfg.yarn.factor else ""
         print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "
               f"{max_positions(config)}; they are extrapolation{hint}", file=sys.stderr)
-    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype])
-    if info.device.type == "cuda":
-        # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
-        # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel
-        use_longstride_attention(model)
+    tok = eval_tokenizer(cfg.checkpoint)  # the documents first: too few fail before the weights load
     docs = long_documents(tok, cfg, max(cfg.lengths))
     if not docs:
         root = docs_root(cfg)
         raise ValueError(f"no document of >= {max(cfg.lengths)} tokens among the {len(list_files(root, cfg.glob))} "
                          f"files matching glob={cfg.glob!r} under {root}; lower lengths, or set docs_dir and glob "
                          "(e.g. glob='**/*.txt')")
+    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype],
+                                       tokenizer=tok)
+    if info.device.type == "cuda":
+        # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
+        # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel
+        use_longstride_attention(model)
     rows = []
     for L in cfg.lengths:
         r = {"length": L, "yarn_factor": cfg.yarn.factor or 1.0, "trained_len": base_max,

@@ -119,8 +119,25 @@ def has_rope(config: PretrainedConfig) -> bool:
 
 
 def max_positions(config: PretrainedConfig) -> int:
-    """A config's max positions (a multimodal model's text config's: Gemma 3's top-level config has none)."""
-    return int(config.get_text_config(decoder=True).max_position_embeddings)
+    """A config's max positions (a multimodal model's text config's: Gemma 3's top-level config has none), or
+    further where its own YaRN reaches further (Qwen3's way to switch YaRN on: x4 over 32768 beside a declared
+    40960)."""
+    text = config.get_text_config(decoder=True)
+    return max([int(text.max_position_embeddings), *(int(e["original_max_position_embeddings"] * e["factor"])
+                                                     for e in _yarn_entries(text))])
+
+
+def yarn_unit(config: PretrainedConfig, trained: int) -> int:
+    """What eval's yarn.factor multiplies (its hints divide a length by it): the reach of a checkpoint that is
+    already YaRN (apply_yarn stretches it), else the length it was trained at (YaRN runs over that)."""
+    return max_positions(config) if _yarn_entries(config.get_text_config(decoder=True)) else trained
+
+
+def _yarn_entries(text) -> list[dict]:
+    params = getattr(text, "rope_parameters", None) or {}
+    entries = [params[k] for k in per_type_keys(text)] or [params]
+    return [e for e in entries if e and e.get("rope_type") == "yarn" and e.get("original_max_position_embeddings")
+            and e.get("factor")]
 
 
 def rope_base(config: PretrainedConfig) -> Optional[float]:

@@ -121,3 +121,23 @@ def test_prefill_chunks_that_would_rotate_keys_otherwise_are_refused():
     with pytest.raises(ValueError, match=r"rope_type=dynamic .* set prefill_chunk >= 150"):
         check_prefill_chunk(dynamic, 100, 150)
     check_prefill_chunk(dynamic, 150, 150)
+
+
+def test_a_checkpoint_with_its_own_yarn_reaches_as_far_as_that_yarn(tmp_path):
+    """Qwen3's documented YaRN switch: x4 over 256 beside a declared 320 max positions. Lengths up to 1024 are in
+    reach (they were skipped past 320, with a hint that would have made it x8), and the hint for longer ones counts
+    in that reach."""
+    from longstride.eval.ruler.run import RulerConfig, reachable_lengths
+    from longstride.model.rope import max_positions, trained_length, yarn_unit
+
+    config = T.Qwen3Config(**SMALL, head_dim=8, max_position_embeddings=320,
+                           rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                            "original_max_position_embeddings": 256})
+    path = _save(T.Qwen3ForCausalLM(config), tmp_path / "qwen3")
+    config, trained = load_config_with_yarn(path, YarnConfig())
+    assert max_positions(config) == yarn_unit(config, trained) == 1024
+    ok, skipped = reachable_lengths(RulerConfig(checkpoint=path, lengths=[512, 1024, 3000]), max_positions(config),
+                                    yarn_unit(config, trained))
+    assert ok == [512, 1024] and "add yarn.factor=3 (YaRN)" in skipped[0], skipped
+    stretched, _ = load_config_with_yarn(path, YarnConfig(factor=3))
+    assert max_positions(stretched) == 3072 >= 3000  # the hint's factor reaches the length

@@ -107,6 +107,18 @@ def test_bad_settings_are_named_before_the_model_loads(checkpoint, override, mes
         parse([f"checkpoint={checkpoint}", override])
 
 
+def test_too_few_long_documents_fail_before_the_weights_load(checkpoint, tmp_path, monkeypatch):
+    from longstride.eval import ppl
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the documents are checked before the model loads")
+
+    monkeypatch.setattr(ppl, "load_eval_model", loaded)
+    (tmp_path / "short.txt").write_text("a few words")
+    with pytest.raises(ValueError, match="no document of >= 64 tokens among the 1 files"):
+        main([f"checkpoint={checkpoint}", "lengths=[64]", f"docs_dir={tmp_path}", "glob=*.txt", f"out={tmp_path}/o"])
+
+
 class _Tok:
     """A tokenizer that, like Llama's, puts BOS (id 9) before text unless told not to: one id per character."""
 

@@ -231,7 +231,13 @@ def test_two_processes_with_uneven_shares_score_what_one_process_does(tmp_path):
     assert {r["length"] for r in one["records"]} == {256} and "synth_kv does not fit in 100" in one["skipped"][0]
 
 
-def test_nothing_fitting_any_length_is_an_error_not_an_empty_table(checkpoint, tmp_path):
+def test_nothing_fitting_any_length_is_an_error_not_an_empty_table(checkpoint, tmp_path, monkeypatch):
+    from longstride.eval.ruler import run
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the samples are made before the model loads")
+
+    monkeypatch.setattr(run, "load_eval_model", loaded)
     with pytest.raises(ValueError, match=r"nothing to run: no task fits any of lengths \[64\]"):
         main([f"checkpoint={checkpoint}", "lengths=[64]", "num_samples=1", "tasks=[niah_single_1]",
               f"out={tmp_path}"])

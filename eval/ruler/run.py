@@ -23,7 +23,7 @@ import torch
 from longstride.choices import Choice, WandbMode, check_wandb
 from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
 from longstride.eval.cli import default_out, parse_overrides
-from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
+from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
@@ -33,7 +33,7 @@ from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent
 from longstride.model.config import YarnConfig
-from longstride.model.rope import has_rope, max_positions
+from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.parallel.cp import CPContext
 
 
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> Optional[dict]:
     if cfg.haystack is not None or any(ALL_TASKS[t].params.get("haystack") == "essay" for t in tasks):
         prose_words(cfg.haystack)  # a bad haystack source fails here, before any model is loaded
     config, original = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
-    lengths, too_long = reachable_lengths(cfg, max_positions(config), original, has_rope(config))
+    lengths, too_long = reachable_lengths(cfg, max_positions(config), yarn_unit(config, original), has_rope(config))
     skipped += too_long
     for msg in skipped:
         note(msg)
@@ -228,17 +228,19 @@ def main(argv: list[str]) -> Optional[dict]:
     rank, world = _dist()
     cp = cfg.prefill == "cp"
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
-    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype])
     if cp and world > 1:  # each prompt split over the ranks: what reads positions from a rank's own tokens is refused
-        found = position_dependent(model.config.get_text_config(decoder=True), max(lengths))
+        found = position_dependent(config.get_text_config(decoder=True), max(lengths))
         if found:
             raise ValueError(f"prefill=cp: {'; '.join(found)}; use prefill=local (samples split over the processes)")
+    tok = eval_tokenizer(cfg.checkpoint)  # the samples first: what fits no length fails before the weights load
     groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped)
     if world > 1 and not cp:
         groups = common_groups(groups, skipped, world)
     if not groups:
         raise ValueError(f"nothing to run: no task fits any of lengths {lengths} (see the messages above); give "
                          "longer lengths")
+    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype],
+                                       tokenizer=tok)
     records, cp_ctx = [], world_cp(info.device.type) if cp else None
     for name, L, samples in groups:
         part = score_group(model, tok, samples, cfg, cp_ctx)
