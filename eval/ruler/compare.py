@@ -22,7 +22,7 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from longstride.eval.load import DTYPES, Dtype, eval_config, load_eval_model
+from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
 from longstride.data.tokenizer import TOKENIZER_FILES
 from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, note, require_tokenizer, runnable_tasks,
                                        score_group)
@@ -217,16 +217,17 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
     groups_by_tok: dict[str, dict] = {}  # tokenizer digest -> {"tok": tokenizer, "groups": {(task, length): samples}}
     digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
     for i, r in enumerate(rows):
-        model, tok, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
-                                        dtype=DTYPES[cfg.dtype])
         digest = digests[r.checkpoint]
-        if digest not in groups_by_tok:
+        if digest not in groups_by_tok:  # the samples before the weights: what fits no length fails first
+            tok = eval_tokenizer(r.checkpoint)
             made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(cfg.num_samples), qa=qa, skipped=skipped)
             if not made:
                 raise ValueError(f"nothing to run: no task fits any of lengths {all_lengths} in {r.checkpoint}'s "
                                  "tokenizer (see the messages above); give longer lengths")
             groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
         tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
+        model, _, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
+                                      dtype=DTYPES[cfg.dtype], tokenizer=tok)
         out.scores[i], out.counts[i] = {}, {}
         for task in tasks:
             for L in r.lengths:
