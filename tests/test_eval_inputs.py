@@ -141,3 +141,22 @@ def test_a_checkpoint_with_its_own_yarn_reaches_as_far_as_that_yarn(tmp_path):
     assert ok == [512, 1024] and "add yarn.factor=3 (YaRN)" in skipped[0], skipped
     stretched, _ = load_config_with_yarn(path, YarnConfig(factor=3))
     assert max_positions(stretched) == 3072 >= 3000  # the hint's factor reaches the length
+
+
+def test_soft_capped_full_attention_decodes_as_the_model_s_own_generate():
+    """Gemma 2 with full attention in every layer: its soft-capped scores are the model's own attention's to
+    compute (they failed at the first prompt); greedy answers equal transformers' generate."""
+    from longstride.data.tokenizer import train_bpe
+    from longstride.eval.ruler.generate import greedy_generate
+
+    tok = train_bpe(["some words to train a tokenizer on, and a few more words"] * 4, 300)
+    config = T.Gemma2Config(**{**SMALL, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id},
+                            head_dim=8, layer_types=["full_attention"] * 2, attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    model = T.Gemma2ForCausalLM(config).eval()
+    prompts = [torch.randint(3, 300, (n,)).tolist() for n in (40, 70)]
+    got = greedy_generate(model, tok, prompts, 8, prefill_chunk=32)
+    for p, answer in zip(prompts, got):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[],
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert answer == tok.decode(ref, skip_special_tokens=True)

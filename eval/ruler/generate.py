@@ -86,6 +86,14 @@ def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[
     return out
 
 
+def plain_scores(model) -> bool:
+    """Whether the model's attention scores are plain softmax ones, which this module's attention computes: no logit
+    soft-capping (Gemma 2) and no sinks (GPT-OSS); otherwise the model's own attention runs, with its masks."""
+    text = model.config.get_text_config(decoder=True)
+    return not getattr(text, "attn_logit_softcapping", None) and not any(
+        isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+
+
 def _full_attention_only(name: str, dropout: float, kwargs: dict) -> None:
     if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{name} is full causal attention: no dropout, window, softcap or sinks")
@@ -174,7 +182,7 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    with _attention(model, PREFILL_ATTENTION if plain_layers(cache) else None):
+    with _attention(model, PREFILL_ATTENTION if plain_layers(cache) and plain_scores(model) else None):
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     return cache, logits[0, -1]
@@ -449,7 +457,8 @@ def _decode_rows(g: Generation, rows: list[int], widths: list[int], first: list[
     (1 + draft) columns, each step also verifies up to g.draft prompt-lookup tokens per row (module docstring)."""
     batch = _Decoding(g, rows, widths, first, cache, mask)
     done = [r for r, (i, t) in enumerate(zip(rows, first)) if batch.add(r, i, t)]
-    with _attention(g.model, DECODE_ATTENTION if cpu_kernels(g.device) and full_attention_layers(cache) else None):
+    ours = cpu_kernels(g.device) and full_attention_layers(cache) and plain_scores(g.model)
+    with _attention(g.model, DECODE_ATTENTION if ours else None):
         while len(done) < len(batch.live):
             if done:
                 batch.drop(done)
