@@ -6,8 +6,9 @@ RULER's generation (eval/ruler/generate.py) keeps a batch's KV cache in buffers 
 answer (`BufferLayer`, a DynamicLayer that writes in place instead of concatenating) and moves prompts'
 caches into and out of them (`buffer_cache`, `put_row`, `row_prefix`, `keep_rows`); the context-parallel
 prefill (eval/ruler/cp_prefill.py) and generation swap the model's attention for a block
-(`attention_implementation`). When transformers changes its cache, attention or tokenizer plumbing, this file is what
-changes.
+(`attention_implementation`). Which models our attention reproduces in decoding (`plain_scores`), and which
+prefill chunks transformers' length-dependent RoPE would rotate otherwise than one forward (`check_prefill_chunk`).
+When transformers changes its cache, attention or tokenizer plumbing, this file is what changes.
 """
 from __future__ import annotations
 
@@ -158,3 +159,29 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
             and not getattr(backend, "encode_special_tokens", False)):
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def plain_scores(model) -> bool:
+    """Whether the model's attention scores are plain softmax ones, which this module's attention computes: no logit
+    soft-capping (Gemma 2) and no sinks (GPT-OSS); otherwise the model's own attention runs, with its masks."""
+    text = model.config.get_text_config(decoder=True)
+    return not getattr(text, "attn_logit_softcapping", None) and not any(
+        isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+
+
+def check_prefill_chunk(config, chunk: int, longest: int) -> None:
+    """Refuses a prefill_chunk under which a chunked prefill would rotate keys otherwise than one forward over the
+    prompt: longrope takes its long factors only in forwards that reach past its window (so chunks must too, once
+    prompts do), dynamic NTK rescales by each forward's length (so a prompt past its window must be one chunk)."""
+    from longstride.model.rope import length_dependent
+
+    for key, kind, window in length_dependent(config):
+        where = f"rope_type={kind}" + (f" ({key} layers)" if key else "")
+        if kind == "longrope" and longest > window >= chunk:
+            raise ValueError(f"prefill_chunk={chunk}: the model's {where} picks its frequencies from each forward's "
+                             f"largest position, long past {window} positions, and prompts of up to {longest} tokens "
+                             f"would be prefilled in pieces that do not reach it; set prefill_chunk > {window}")
+        if kind == "dynamic" and longest > window and longest > chunk:
+            raise ValueError(f"prefill_chunk={chunk}: the model's {where} rescales its frequencies by each forward's "
+                             f"length past {window} positions, so a prompt of {longest} tokens must be prefilled in "
+                             f"one forward; set prefill_chunk >= {longest}")

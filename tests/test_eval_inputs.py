@@ -103,7 +103,8 @@ def test_prefill_chunks_that_would_rotate_keys_otherwise_are_refused():
     reach it rotated a prompt's first keys with the short ones (2e-3 off one forward here). Refused; a chunk past
     the window gives the one forward's logits. Dynamic NTK rescales by each forward's length: one chunk only."""
     from longstride.eval.hf_adapter import cache_kw
-    from longstride.eval.ruler.generate import _prefill, check_prefill_chunk
+    from longstride.eval.hf_adapter import check_prefill_chunk
+    from longstride.eval.ruler.generate import _prefill
 
     torch.manual_seed(0)
     model = T.Phi3ForCausalLM(_phi3_longrope()).eval()
@@ -128,7 +129,7 @@ def test_a_checkpoint_with_its_own_yarn_reaches_as_far_as_that_yarn(tmp_path):
     reach (they were skipped past 320, with a hint that would have made it x8), and the hint for longer ones counts
     in that reach."""
     from longstride.eval.ruler.run import RulerConfig, reachable_lengths
-    from longstride.model.rope import max_positions, trained_length, yarn_unit
+    from longstride.model.rope import max_positions, yarn_unit
 
     config = T.Qwen3Config(**SMALL, head_dim=8, max_position_embeddings=320,
                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from longstride.eval.hf_adapter import (SDPA_MASK, DynamicCache, attention_implementation, buffer_cache,
-                                        buffer_columns, buffered, cache_kw, full_attention_layers, keep_rows,
-                                        new_cache, plain_layers, put_row, row_prefix)
+                                        buffer_columns, buffered, cache_kw, check_prefill_chunk, full_attention_layers,
+                                        keep_rows, new_cache, plain_layers, plain_scores, put_row, row_prefix)
 from longstride.eval.ruler.score import sample_score
 from longstride.parallel.attention import no_mask
 from longstride.parallel.kernels import block_forward, expand_kv
@@ -84,14 +84,6 @@ def batches(widths: list[int], batch_size: int, batch_tokens: int) -> list[list[
         else:
             out.append([i])
     return out
-
-
-def plain_scores(model) -> bool:
-    """Whether the model's attention scores are plain softmax ones, which this module's attention computes: no logit
-    soft-capping (Gemma 2) and no sinks (GPT-OSS); otherwise the model's own attention runs, with its masks."""
-    text = model.config.get_text_config(decoder=True)
-    return not getattr(text, "attn_logit_softcapping", None) and not any(
-        isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
 
 
 def _full_attention_only(name: str, dropout: float, kwargs: dict) -> None:
@@ -186,24 +178,6 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     return cache, logits[0, -1]
-
-
-def check_prefill_chunk(config, chunk: int, longest: int) -> None:
-    """Refuses a prefill_chunk under which a chunked prefill would rotate keys otherwise than one forward over the
-    prompt: longrope takes its long factors only in forwards that reach past its window (so chunks must too, once
-    prompts do), dynamic NTK rescales by each forward's length (so a prompt past its window must be one chunk)."""
-    from longstride.model.rope import length_dependent
-
-    for key, kind, window in length_dependent(config):
-        where = f"rope_type={kind}" + (f" ({key} layers)" if key else "")
-        if kind == "longrope" and longest > window >= chunk:
-            raise ValueError(f"prefill_chunk={chunk}: the model's {where} picks its frequencies from each forward's "
-                             f"largest position, long past {window} positions, and prompts of up to {longest} tokens "
-                             f"would be prefilled in pieces that do not reach it; set prefill_chunk > {window}")
-        if kind == "dynamic" and longest > window and longest > chunk:
-            raise ValueError(f"prefill_chunk={chunk}: the model's {where} rescales its frequencies by each forward's "
-                             f"length past {window} positions, so a prompt of {longest} tokens must be prefilled in "
-                             f"one forward; set prefill_chunk >= {longest}")
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
