@@ -200,7 +200,33 @@ def entry() -> None:
         except ValueError as e:
             print(f"longstride: {e}", file=sys.stderr)
             sys.exit(2)
+    elif {"--cfg", "-c"} & set(flags):
+        note_replaced_weights(argv, flags)
     main()
+
+
+def note_replaced_weights(argv: list[str], flags: list[str]) -> None:
+    """Hydra's --cfg prints its own merge of a {...} weight dict given on the command line; training replaces the
+    dict (schema.replace_weight_dicts): a note on stderr says what trains."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from longstride.recipes.config.schema import weight_dict_keys
+    from longstride.recipes.memory.memplan import compose_training
+
+    valued = ("--cfg", "-c", "--package", "-p")  # flags that take the next word (job, hydra, all; a package)
+    rest = [a for i, a in enumerate(argv) if a not in flags and not (i and argv[i - 1] in valued)]
+    keys = weight_dict_keys(rest)
+    if not keys:
+        return
+    try:
+        cfg = OmegaConf.structured(compose_training(rest))
+    except (ValueError, HydraException, OmegaConfBaseException):  # Hydra's own run reports a bad command line
+        return
+    for key in keys:
+        print(f"longstride: note: training replaces {key} with {dict(OmegaConf.select(cfg, key))} (Hydra's view "
+              "below merges it into the recipe's)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,10 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
     r = _run([shutil.which("longstride"), "train", "recipe=tiny", "recipe.stages.s2_2k.steps=-1", "--cfg", "job"],
              tmp_path)
     assert "not a stage of this recipe" not in r.stderr  # an existing stage's field is not the hint's case
+    r = _run([shutil.which("longstride"), "train", "recipe=tiny_extend", "recipe.stages.s2_2k.mixture={stdlib:1.0}",
+              "--cfg", "job"], tmp_path)  # Hydra prints its merge; a note says what trains
+    assert r.returncode == 0 and "training replaces recipe.stages.s2_2k.mixture with {'stdlib': 1.0}" in r.stderr, \
+        r.stderr
 
 
 def test_a_list_or_a_group_given_the_other_shape_says_how_the_command_spells_it():

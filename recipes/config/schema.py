@@ -170,6 +170,15 @@ def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
                     OmegaConf.update(raw, name, later.value(), merge=False)
 
 
+def weight_dict_keys(overrides: list[str]) -> list[str]:
+    """The WEIGHT_DICTS keys that `overrides` give a {...} (replace_weight_dicts replaces them whole)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("~")])
+    return [o.key_or_group for o in parsed if isinstance(o.value(), dict)
+            and any(dotted_match(o.key_or_group, pattern) for pattern in WEIGHT_DICTS)]
+
+
 def dotted_match(key: str, pattern: str) -> bool:
     """Whether dotted `key` matches `pattern` component by component, `*` standing for any one component."""
     parts, want = key.split("."), pattern.split(".")
