@@ -297,12 +297,14 @@ class LongstrideTrainerMixin:
 def train_sampling(args) -> str:
     """TrainingArguments.train_sampling_strategy ("random" or "sequential"; transformers before it had the
     group_by_length flag). Grouping or rebalancing by length is refused: the rows are packed sequences."""
-    strategy = getattr(args, "train_sampling_strategy", None)
+    strategy, field = getattr(args, "train_sampling_strategy", None), "train_sampling_strategy"
     if strategy is None:
-        strategy = "group_by_length" if getattr(args, "group_by_length", False) else "random"
+        grouped = getattr(args, "group_by_length", False)
+        strategy, field = ("group_by_length", "group_by_length") if grouped else ("random", field)
     if strategy not in ("random", "sequential"):
-        raise ValueError(f"TrainingArguments.train_sampling_strategy={strategy!r}: LongstrideCollator's rows are "
-                         "packed sequences with no lengths to group by; use 'random' or 'sequential'")
+        shown = "group_by_length=True" if field == "group_by_length" else f"{field}={strategy!r}"
+        raise ValueError(f"TrainingArguments.{shown}: LongstrideCollator's rows are packed sequences with no lengths "
+                         "to group by; sample them 'random' or 'sequential'")
     return strategy
 
 
