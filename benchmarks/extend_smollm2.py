@@ -48,12 +48,14 @@ def run_eval(args: list[str], out: str) -> float:
 
 
 def ruler(ckpt: str, lengths: list[int], samples: int, out: str, yarn: float | None = None) -> dict:
+    from longstride.eval.cli import results_stem
+
     args = ["ruler", f"checkpoint={ckpt}", f"lengths=[{','.join(map(str, lengths))}]",
             f"tasks=[{','.join(TASKS)}]", f"num_samples={samples}", "dtype=bfloat16", "extrapolate=true", f"out={out}"]
     if yarn:
         args.append(f"yarn.factor={yarn:g}")
     seconds = run_eval(args, out)
-    with open(os.path.join(out, f"ruler{f'_yarn{yarn:g}' if yarn else ''}.json")) as f:
+    with open(os.path.join(out, results_stem("ruler", yarn, "bfloat16") + ".json")) as f:
         summary = json.load(f)["summary"]
     return {"table": summary["table"], "mean": summary["mean"], "seconds": seconds}
 

@@ -111,6 +111,8 @@ def run_attention(args, device) -> None:
 def run_ruler(args, device) -> None:
     """RULER niah_single_1/2 at 4K, 8K and 16K with YaRN x2 (original window 8K), bf16: one eval per length, so
     that the time per sample is measured per length."""
+    from longstride.eval.cli import results_stem
+
     if not os.path.isdir(args.checkpoint):
         write("ruler", [], {"skipped": f"no checkpoint at {args.checkpoint} (longstride convert-gguf out=...)"},
               args.out)
@@ -127,7 +129,7 @@ def run_ruler(args, device) -> None:
         seconds = time.perf_counter() - t0
         if proc.returncode:
             raise RuntimeError(f"eval ruler at {length} failed:\n{proc.stderr[-3000:]}")
-        with open(os.path.join(out, "ruler_yarn2.json")) as f:
+        with open(os.path.join(out, results_stem("ruler", 2, "bfloat16") + ".json")) as f:
             table = json.load(f)["summary"]["table"]
         per_sample = seconds / (2 * args.samples)  # includes loading the model once
         rows.append({"seq_len": length, **{t: v[str(length)] for t, v in table.items()},

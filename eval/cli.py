@@ -20,12 +20,20 @@ def parse_overrides(schema: type, argv: list[str], command: str, doc: str, examp
     return cfg
 
 
+def results_stem(command: str, yarn_factor, dtype="float32") -> str:
+    """The name an eval command's files share: ruler / ppl, _yarnF with YaRN, _DTYPE when not float32 (beside, not
+    over, a float32 run's files): ruler_yarn2_bfloat16.json. Scripts that read the files build the name here."""
+    return (command + (f"_yarn{float(yarn_factor):g}" if yarn_factor else "")
+            + ("" if str(dtype) == "float32" else f"_{dtype}"))
+
+
 def default_out(checkpoint: str) -> str:
     """Where results go without out=: outputs/eval/<checkpoint path, '/' as '-'> (the path relative to
     the working directory without a leading outputs/, or its last three parts), never inside the
     checkpoint, which may be uploaded as it is."""
     path = os.path.abspath(checkpoint)
-    if os.path.commonpath([path, os.getcwd()]) == path:
+    real = os.path.realpath(path)  # a checkpoint reached through a link is still the folder the cwd is in
+    if os.path.commonpath([real, os.path.realpath(os.getcwd())]) == real:
         raise ValueError(f"out: the working directory is inside checkpoint={checkpoint!r}, so the default out "
                          "(outputs/eval/...) would write into the checkpoint; give out=DIR, or run from outside it")
     rel = os.path.relpath(path)

@@ -165,8 +165,9 @@ def plain_scores(model) -> bool:
     """Whether the model's attention scores are plain softmax ones, which this module's attention computes: no logit
     soft-capping (Gemma 2) and no sinks (GPT-OSS); otherwise the model's own attention runs, with its masks."""
     text = model.config.get_text_config(decoder=True)
-    return not getattr(text, "attn_logit_softcapping", None) and not any(
-        isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    from longstride.parallel.pattern import has_sinks
+
+    return not getattr(text, "attn_logit_softcapping", None) and not any(has_sinks(m) for m in model.modules())
 
 
 def check_prefill_chunk(config, chunk: int, longest: int) -> None:

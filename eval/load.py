@@ -34,6 +34,18 @@ class EvalModelInfo:
     dtype: torch.dtype
     max_positions: int  # the model's max positions, YaRN's stretch included
     trained: int  # its max positions before YaRN: the length it was trained at
+    position_limit: Optional[int] = None  # a table of learned positions ends here (GPT-2, OPT): no longer input
+
+
+def learned_positions(model: torch.nn.Module) -> Optional[int]:
+    """How many positions a model's learned position table holds (GPT-2's wpe, OPT's embed_positions less its
+    offset); None for a model without one (RoPE, ALiBi): past it the model cannot run at all, not even as
+    extrapolation."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Embedding) and name.split(".")[-1] in ("wpe", "embed_positions",
+                                                                              "position_embeddings"):
+            return mod.num_embeddings - int(getattr(mod, "offset", 0))
+    return None
 
 
 def eval_device() -> str:
@@ -66,5 +78,6 @@ def load_eval_model(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_lay
     dtype = dtype or torch.float32
     model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=dtype)
     model = model.to(device or eval_device()).eval()
-    info = EvalModelInfo(next(model.parameters()).device, dtype, max_positions(config), trained)
+    info = EvalModelInfo(next(model.parameters()).device, dtype, max_positions(config), trained,
+                         learned_positions(model))
     return model, tokenizer, info

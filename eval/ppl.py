@@ -1,14 +1,15 @@
 """Perplexity vs context length of any local HF causal-LM checkpoint, with and without YaRN.
 
 For each length L, the first L tokens of every long local document (at least max(lengths) tokens in the
-checkpoint's own tokenizer, so every length scores the same documents) are scored; reported: perplexity over all L tokens and over the last
-quarter (where long context helps or extrapolation breaks). Loss is chunked: no L x V logits.
+checkpoint's own tokenizer, so every length scores the same documents) are scored; reported: perplexity over all
+L tokens and over the last quarter (where long context helps or extrapolation breaks). Loss is chunked: no L x V
+logits.
 
     longstride eval ppl checkpoint=outputs/tiny/s3_4k/final lengths=[1024,2048,4096,8192]
     longstride eval ppl checkpoint=outputs/tiny/s3_4k/final lengths=[4096,8192] yarn.factor=2
     (or python -m longstride.eval.ppl ...)
-Writes <out>/ppl[_yarnF][_DTYPE].json, .csv and .png (the dtype suffix when dtype= is not float32) (default out: outputs/eval/<checkpoint path>, see
-eval/cli.py; never inside the checkpoint unless out= says so).
+Writes <out>/ppl[_yarnF][_DTYPE].json, .csv and .png (_DTYPE when dtype= is not float32; default out:
+outputs/eval/<checkpoint path>, see eval/cli.py; never inside the checkpoint unless out= says so).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 
 from longstride.data.files import list_files, stdlib_root
 from longstride.data.tokenizer import bos_prefix
-from longstride.eval.cli import default_out, parse_overrides
+from longstride.eval.cli import default_out, parse_overrides, results_stem
 from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
 from longstride.model.config import YarnConfig
 from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
@@ -134,13 +135,9 @@ def main(argv: list[str]) -> list[dict]:
         torch.set_num_threads(cfg.threads)
     config, base_max = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
     too_long = [L for L in cfg.lengths if L > max_positions(config)]
-    if too_long and not has_rope(config):
-        raise ValueError(f"lengths {too_long}: {type(config).__name__} has learned positions up to "
-                         f"{max_positions(config)} and no RoPE to extrapolate or stretch with YaRN; give lengths up to "
-                         f"{max_positions(config)}")
     if too_long:
         hint = f" or use yarn.factor={math.ceil(max(too_long) / yarn_unit(config, base_max))}" \
-            if not cfg.yarn.factor else ""
+            if not cfg.yarn.factor and has_rope(config) else ""
         print(f"eval.ppl: note: lengths {too_long} exceed the model's max positions "
               f"{max_positions(config)}; they are extrapolation{hint}", file=sys.stderr)
     tok = eval_tokenizer(cfg.checkpoint)  # the documents first: too few fail before the weights load
@@ -152,6 +149,10 @@ def main(argv: list[str]) -> list[dict]:
                          "(e.g. glob='**/*.txt')")
     model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype],
                                        tokenizer=tok)
+    beyond = [L for L in cfg.lengths if info.position_limit and L > info.position_limit]
+    if beyond:  # an index past the table, not extrapolation: refused before any scoring
+        raise ValueError(f"lengths {beyond}: {type(model).__name__} learns a table of {info.position_limit} positions "
+                         f"and cannot take longer inputs; give lengths up to {info.position_limit}")
     if info.device.type == "cuda":
         # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
         # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel
@@ -164,16 +165,15 @@ def main(argv: list[str]) -> list[dict]:
         print(f"length {L:>7}  ppl {r['ppl']:9.3f}  last-quarter ppl {r['tail_ppl']:9.3f}  ({r['docs']} docs)")
     out = cfg.out or default_out(cfg.checkpoint)
     os.makedirs(out, exist_ok=True)
-    suffix = f"_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else ""
-    suffix += "" if cfg.dtype == "float32" else f"_{cfg.dtype}"  # beside, not over, a float32 run's files
-    with open(os.path.join(out, f"ppl{suffix}.json"), "w") as f:
+    stem = results_stem("ppl", cfg.yarn.factor, cfg.dtype)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": rows}, f, indent=2)
-    with open(os.path.join(out, f"ppl{suffix}.csv"), "w", newline="") as f:
+    with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     try:
-        plot(rows, os.path.join(out, f"ppl{suffix}.png"), f"{os.path.basename(os.path.dirname(cfg.checkpoint))}"
+        plot(rows, os.path.join(out, f"{stem}.png"), f"{os.path.basename(os.path.dirname(cfg.checkpoint))}"
              + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else ""))
     except ImportError:
         print("eval.ppl: matplotlib not installed; skipping the plot (pip install 'longstride[eval]')")

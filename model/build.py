@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Smo
 
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.manifest import check_manifest
-from longstride.model.rope import (YARN_ORIGINAL_RULE, apply_yarn, max_positions, per_type_keys, record_trained_length,
+from longstride.model.rope import (YARN_ORIGINAL_RULE, apply_yarn, max_positions, record_trained_length, rope_entries,
                                    rope_targets, set_rope_base, trained_length, yarn_original_ok)
 
 
@@ -133,7 +133,7 @@ def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: 
     else:
         config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta,
                                seq_len, cfg.rope_layer_types)
-    if cfg.yarn.factor is not None:  # YaRN x factor over the window before this stage (the paper's L, the stage training L')
+    if cfg.yarn.factor is not None:  # YaRN x factor over the window before this stage (the paper's L; the stage: L')
         apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings, cfg.rope_layer_types,
                    default_original=before)
     config.use_cache = False
@@ -211,10 +211,8 @@ def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resum
     plain RoPE a stage may resume at another seq_len."""
     def rope(config):
         text = config.get_text_config(decoder=True)
-        params = text.rope_parameters or {}
-        entries = [params[key] for key in per_type_keys(text)] or [params]
-        reads_length = any((e or {}).get("rope_type") not in LENGTH_FREE_ROPE for e in entries)
-        return params, max_positions(config) if reads_length else None
+        reads_length = any(e.get("rope_type") not in LENGTH_FREE_ROPE for _, e in rope_entries(text))
+        return text.rope_parameters or {}, max_positions(config) if reads_length else None
 
     (theirs, their_len), (mine, my_len) = rope(saved), rope(planned)
     if (theirs, their_len) != (mine, my_len):

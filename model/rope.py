@@ -33,17 +33,23 @@ def per_type_keys(config: PretrainedConfig) -> list[str]:
     return [key for key in params if key in declared]
 
 
+def rope_entries(text) -> list[tuple[Optional[str], dict]]:
+    """A text config's RoPE entries: (layer type, its rope_parameters) for a model with RoPE per layer type, else
+    [(None, the shared rope_parameters)]; a NoPE type's entry is {}."""
+    params, keys = getattr(text, "rope_parameters", None) or {}, per_type_keys(text)
+    return [(k, params[k] or {}) for k in keys] if keys else [(None, params)]
+
+
 def rope_targets(config: PretrainedConfig, layer_types: Optional[list[str]],
                  field: str = FIELD) -> Optional[list[str]]:
     """The `rope_parameters` entries that a bump or YaRN writes: None = the one dict every layer shares; else the
     layer types named by `layer_types` (None: full_attention, DEFAULT_TYPES). A selection the config cannot
     express is a ValueError naming `field`, the config class and the fix."""
     name, keys = type(config).__name__, per_type_keys(config)
-    if not hasattr(config, "rope_parameters"):
-        raise ValueError(f"{name} has no RoPE (its positions are learned embeddings, max "
-                         f"{getattr(config, 'max_position_embeddings', None) or getattr(config, 'n_positions', '?')}): a "
-                         "stage's RoPE base (recipe.stages.*.rope_theta) and YaRN (yarn.factor, model.yarn) cannot "
-                         "apply to it; longstride extends models with RoPE")
+    if not has_rope(config):
+        raise ValueError(f"{name} keeps no rope_parameters (learned positions, ALiBi, or a fixed rotary_dim RoPE): a "
+                         "stage's RoPE base (recipe.stages.*.rope_theta) and YaRN (yarn.factor, model.yarn) cannot be "
+                         "written to it; longstride extends models whose RoPE transformers configures there")
     if not keys:
         if layer_types is not None:
             raise ValueError(
@@ -97,10 +103,9 @@ def length_dependent(config: PretrainedConfig) -> list[tuple[Optional[str], str,
     """The RoPE entries whose frequencies transformers picks from each forward's largest position: (layer type, or
     None for the one shared entry; rope_type; the window past which they change). longrope switches to its long
     factors past its original window (Phi-3); dynamic NTK rescales past max positions."""
-    text = config.get_text_config(decoder=True)
-    params, keys, found = getattr(text, "rope_parameters", None) or {}, per_type_keys(text), []
-    for key, entry in ([(k, params[k]) for k in keys] if keys else [(None, params)]):
-        kind = (entry or {}).get("rope_type")
+    text, found = config.get_text_config(decoder=True), []
+    for key, entry in rope_entries(text):
+        kind = entry.get("rope_type")
         if kind == "longrope":
             window = (entry.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
                                                                                0) or text.max_position_embeddings)
@@ -113,9 +118,10 @@ def length_dependent(config: PretrainedConfig) -> list[tuple[Optional[str], str,
 
 
 def has_rope(config: PretrainedConfig) -> bool:
-    """Whether a config's text model has RoPE (GPT-2's learned positions end at max positions: no YaRN, no
-    extrapolation)."""
-    return hasattr(config.get_text_config(decoder=True), "rope_parameters")
+    """Whether a config's text model keeps its RoPE in rope_parameters, where a base bump and YaRN are written (not
+    GPT-2's learned positions, Bloom's ALiBi, GPT-J's rotary_dim)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return hasattr(text, "rope_parameters")
 
 
 def max_positions(config: PretrainedConfig) -> int:
@@ -134,10 +140,8 @@ def yarn_unit(config: PretrainedConfig, trained: int) -> int:
 
 
 def _yarn_entries(text) -> list[dict]:
-    params = getattr(text, "rope_parameters", None) or {}
-    entries = [params[k] for k in per_type_keys(text)] or [params]
-    return [e for e in entries if e and e.get("rope_type") == "yarn" and e.get("original_max_position_embeddings")
-            and e.get("factor")]
+    return [e for _, e in rope_entries(text)
+            if e.get("rope_type") == "yarn" and e.get("original_max_position_embeddings") and e.get("factor")]
 
 
 def rope_base(config: PretrainedConfig) -> Optional[float]:

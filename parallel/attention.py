@@ -40,11 +40,12 @@ UNSUPPORTED_CONFIG = {"attn_logit_softcapping": "logit soft-capping"}
 def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> list[str]:
     """What in `model` longstride's attention would not compute: layer types other than full, sliding-window and
     chunked attention (parallel/pattern.py), soft-capped attention, chunked layers without a chunk size,
-    attention modules without a causal mask, a value head size other than the query's, a mask computed from the
-    values (Doge), attention dropout in a model being trained; and with `split_longest` (the longest sequence a
-    stage splits over context-parallel ranks, 0: none), what reads a token's position from the tokens one rank
-    holds (position_dependent). Empty for Llama, Qwen3, SmolLM3, Mistral, Qwen2, Gemma 3, OLMo 3, GPT-OSS,
-    Llama 4's text model and the like."""
+    attention modules without a causal mask (config.is_causal=False too), a model that computes attention in its
+    own code rather than through transformers' attention interface (dispatches), a value head size other than the
+    query's, a mask computed from the values (Doge), attention dropout in a model being trained; and with
+    `split_longest` (the longest sequence a stage splits over context-parallel ranks, 0: none), what reads a
+    token's position from the tokens one rank holds (position_dependent). Empty for Llama, Qwen3, SmolLM3,
+    Mistral, Qwen2, Gemma 3, OLMo 3, GPT-OSS, Llama 4's text model and the like."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])

@@ -130,6 +130,11 @@ def doc_starts(row: np.ndarray) -> np.ndarray:
 
 # ---- attention sinks: one more "block" of the merge, a zero value with logit sinks[h] ----
 
+def has_sinks(module: torch.nn.Module) -> bool:
+    """Whether an attention module learns sinks (GPT-OSS keeps them as `sinks` and passes them as s_aux)."""
+    return isinstance(getattr(module, "sinks", None), torch.nn.Parameter)
+
+
 def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor]):
     """out: (B, H, L, D) merged output, lse: (B, H, L) fp32, sinks: (H,) -> (out, lse) of the softmax that also
     holds each head's sink. The backward of every kernel, handed these, gives exact dQ/dK/dV (the sink's value

@@ -3,7 +3,8 @@ transformers' own classes with logit soft-capping (Gemma 2), bidirectional atten
 use_bidirectional_attention; BERT's encoder loaded as a causal LM; config.is_causal=False), a layer type that is not
 attention longstride computes (linear attention), chunked layers without a chunk size, Doge's dynamic mask (a per-head
 mask from the values), and a model that computes attention in its own code (Bloom), whose switch to longstride's
-attention transformers only warns about. Sliding windows, chunks and sinks are computed (tests/test_attention_patterns.py)."""
+attention transformers only warns about. Sliding windows, chunks and sinks are computed
+(tests/test_attention_patterns.py)."""
 from __future__ import annotations
 
 import os

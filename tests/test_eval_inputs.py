@@ -12,8 +12,8 @@ import transformers as T
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
 
-SMALL = dict(vocab_size=300, eos_token_id=0, pad_token_id=1, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(vocab_size=300, eos_token_id=0, pad_token_id=1, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def _save(model, path) -> str:
@@ -42,21 +42,33 @@ def test_yarn_on_phi3_runs_over_the_window_it_reports(tmp_path):
         assert model.model.rotary_emb.attention_scaling == pytest.approx(scale)
 
 
-def test_a_model_without_rope_is_refused_yarn_and_lengths_past_its_positions(tmp_path, capsys):
+def test_a_model_without_rope_is_refused_yarn_and_lengths_past_its_learned_positions(tmp_path, capsys):
+    """GPT-2 keeps no rope_parameters: YaRN is refused by name, and its learned table of positions ends at 128: a
+    longer length is refused (ppl) or skipped (ruler) before any scoring, where it failed with an index error;
+    the skip suggests no YaRN. GPT-J's rotary_dim RoPE has no table: it extrapolates as before."""
     from longstride.data.tokenizer import train_bpe
     from longstride.eval import ppl
-    from longstride.eval.ruler.run import RulerConfig, reachable_lengths
+    from longstride.eval.load import learned_positions
+    from longstride.eval.ruler.run import RulerConfig, main, reachable_lengths
 
     path = _save(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=128)),
                  tmp_path / "gpt2")
     train_bpe(["a few words for a tokenizer"] * 4, 300).save_pretrained(path)
-    with pytest.raises(ValueError, match="GPT2Config has no RoPE"):
+    with pytest.raises(ValueError, match="GPT2Config keeps no rope_parameters"):
         load_config_with_yarn(path, YarnConfig(factor=2))
-    with pytest.raises(ValueError, match=r"lengths \[256\]: GPT2Config has learned positions up to 128"):
-        ppl.main([f"checkpoint={path}", "lengths=[64,256]", f"out={tmp_path}/out"])
-    ok, skipped = reachable_lengths(RulerConfig(checkpoint=path, lengths=[64, 256], extrapolate=True), 128, 128,
-                                    rope=False)
-    assert ok == [64] and "learned positions end at 128" in skipped[0] and "yarn.factor" not in skipped[0]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)))
+    with pytest.raises(ValueError, match=r"lengths \[256\]: GPT2LMHeadModel learns a table of 128 positions"):
+        ppl.main([f"checkpoint={path}", "lengths=[64,256]", f"docs_dir={tmp_path}/docs", "glob=*.txt",
+                  f"out={tmp_path}/out"])
+    ok, skipped = reachable_lengths(RulerConfig(checkpoint=path, lengths=[64, 256]), 128, 128, rope=False)
+    assert ok == [64] and "yarn" not in skipped[0].lower() and "extrapolate=true" in skipped[0]
+    with pytest.raises(ValueError, match="no length within the model's 128 learned positions"):
+        main([f"checkpoint={path}", "lengths=[256]", "extrapolate=true", "tasks=[synth_kv]", "num_samples=1",
+              f"out={tmp_path}/ruler"])
+    assert "length 256 skipped: GPT2LMHeadModel learns a table of 128 positions" in capsys.readouterr().err
+    assert learned_positions(T.GPTJForCausalLM(T.GPTJConfig(vocab_size=300, n_embd=32, n_layer=1, n_head=4,
+                                                            rotary_dim=4))) is None
 
 
 def test_yarn_factor_zero_and_unread_rope_layer_types_are_refused(tmp_path):
@@ -102,8 +114,7 @@ def test_prefill_chunks_that_would_rotate_keys_otherwise_are_refused():
     """longrope takes its long factors only in a forward reaching past its window: prefill chunks that do not
     reach it rotated a prompt's first keys with the short ones (2e-3 off one forward here). Refused; a chunk past
     the window gives the one forward's logits. Dynamic NTK rescales by each forward's length: one chunk only."""
-    from longstride.eval.hf_adapter import cache_kw
-    from longstride.eval.hf_adapter import check_prefill_chunk
+    from longstride.eval.hf_adapter import cache_kw, check_prefill_chunk
     from longstride.eval.ruler.generate import _prefill
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from longstride.data.loader import ShardSampler
 from longstride.model.loss import ChunkedLossLM
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.cp import DocLayout
-from longstride.recipes.hf.trainer import _documents, packed_dataset
+from longstride.recipes.hf.trainer import LongstrideTrainerMixin, _documents, packed_dataset
 from tests.conftest import REPO
 from tests.hf_trainer_worker import BATCH, L, LR, STEPS, documents, tiny_lm
 
@@ -93,12 +93,7 @@ def test_trl_packed_rows_keep_their_documents_and_loss_masks():
         collator([{**row, "seq_lengths": [3, 2]}])
 
 
-def _mixin():
-    from longstride.recipes.hf.trainer import LongstrideTrainerMixin
-    return LongstrideTrainerMixin
-
-
-class _TrainStub(_mixin()):
+class _TrainStub(LongstrideTrainerMixin):
     """What get_train_dataloader reads of a Trainer on one process: the packed documents, cp=1, batches of
     `batch` rows, real TrainingArguments (seed 0 unless given)."""
 
@@ -137,6 +132,10 @@ def test_the_mixins_train_loader_follows_the_training_arguments():
         _TrainStub(train_sampling_strategy="group_by_length").get_train_dataloader()
     with pytest.raises(ValueError, match=rf"{n} rows.*fewer than one batch of per_device_train_batch_size={n + 1}"):
         _TrainStub(batch=n + 1, dataloader_drop_last=True).get_train_dataloader()
+    workers = _TrainStub(dataloader_num_workers=1, dataloader_persistent_workers=True, dataloader_prefetch_factor=3,
+                         dataloader_pin_memory=False).get_train_dataloader()
+    assert workers.num_workers == 1 and workers.persistent_workers and workers.prefetch_factor == 3
+    assert not workers.pin_memory
     stub = _TrainStub()
     stub.args._n_gpu = 2  # what TrainingArguments computes on a machine of two GPUs without a launcher
     with pytest.raises(NotImplementedError, match="n_gpu=2"):

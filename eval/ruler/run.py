@@ -5,10 +5,10 @@
     torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR ...   # samples split over processes
     torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR prefill=cp ...  # each prefill split
 
-Writes <out>/ruler[_yarnF].{json,csv} and plots (default out: outputs/eval/<checkpoint path>, see
-eval/cli.py; never inside the checkpoint unless out= says so). Bad items (an unknown task, a QA task
-without its file, a length past the model's positions, a length too short for a task) are reported
-and skipped; the rest still runs.
+Writes <out>/ruler[_yarnF][_DTYPE].{json,csv} and plots (_DTYPE when dtype= is not float32; default out:
+outputs/eval/<checkpoint path>, see eval/cli.py; never inside the checkpoint unless out= says so). Bad items (an
+unknown task, a QA task without its file, a length past the model's positions, a length too short for a task) are
+reported and skipped; the rest still runs.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 from longstride.choices import Choice, WandbMode, check_wandb
 from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
-from longstride.eval.cli import default_out, parse_overrides
+from longstride.eval.cli import default_out, parse_overrides, results_stem
 from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
@@ -134,14 +134,11 @@ def reachable_lengths(cfg: RulerConfig, max_positions: int, original: int,
                       rope: bool = True) -> tuple[list[int], list[str]]:
     ok, skipped = [], []
     for L in sorted(dict.fromkeys(cfg.lengths)):
-        if L > max_positions and not rope:
-            skipped.append(f"length {L} skipped: the model's learned positions end at {max_positions} (no RoPE to "
-                           "extrapolate or stretch with YaRN)")
-        elif L > max_positions and not cfg.extrapolate:
-            hint = f"yarn.factor={math.ceil(L / original)}" if not cfg.yarn.factor else \
-                f"a larger yarn.factor (now {cfg.yarn.factor:g})"
-            skipped.append(f"length {L} skipped: the model's max positions are {max_positions}; add {hint} "
-                           f"(YaRN), or extrapolate=true to measure it without")
+        if L > max_positions and not cfg.extrapolate:
+            hint = "" if not rope else f"add yarn.factor={math.ceil(L / original)} (YaRN), or " \
+                if not cfg.yarn.factor else f"add a larger yarn.factor (now {cfg.yarn.factor:g}) (YaRN), or "
+            skipped.append(f"length {L} skipped: the model's max positions are {max_positions}; {hint}"
+                           "extrapolate=true to measure it without")
         else:
             ok.append(L)
     return ok, skipped
@@ -241,6 +238,14 @@ def main(argv: list[str]) -> Optional[dict]:
                          "longer lengths")
     model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype],
                                        tokenizer=tok)
+    limit = info.position_limit  # a learned table of positions: past it an index error, not extrapolation
+    for L in sorted({L for _, L, _ in groups if limit and L > limit}):
+        skipped.append(f"length {L} skipped: {type(model).__name__} learns a table of {limit} positions and cannot "
+                       "take longer inputs")
+        note(skipped[-1])
+    groups = [g for g in groups if not (limit and g[1] > limit)]
+    if not groups:
+        raise ValueError(f"nothing to run: no length within the model's {limit} learned positions")
     records, cp_ctx = [], world_cp(info.device.type) if cp else None
     for name, L, samples in groups:
         part = score_group(model, tok, samples, cfg, cp_ctx)
@@ -265,8 +270,7 @@ def _report(cfg: RulerConfig, records: list[dict], skipped: list[str]) -> dict:
     summary = summarize(records, cfg.threshold)
     print(format_table(summary))
     out = cfg.out or default_out(cfg.checkpoint)
-    stem = f"ruler_yarn{cfg.yarn.factor:g}" if cfg.yarn.factor else "ruler"
-    stem += "" if cfg.dtype == "float32" else f"_{cfg.dtype}"  # beside, not over, a float32 run's files
+    stem = results_stem("ruler", cfg.yarn.factor, cfg.dtype)
     name = "/".join(os.path.normpath(os.path.abspath(cfg.checkpoint)).split(os.sep)[-2:])  # e.g. s3_4k/final
     title = name + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")
     write_files(out, stem, asdict(cfg), summary, records, skipped)

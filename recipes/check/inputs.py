@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from longstride.parallel.pattern import layer_types as pattern_layer_types
+from longstride.parallel.pattern import has_sinks, layer_types as pattern_layer_types
 from longstride.recipes.check.job import Job
 
 
@@ -40,12 +40,12 @@ def stage_batch(job: Job) -> tuple[dict, Job]:
     job = dataclasses.replace(job, vocab=len(tok), eos=tok.eos_token_id, pad=pad)
     config = stage_model_config(job)
     check_vocab(config, batch)
-    missed = unexercised(config, batch, job.cfg.data.doc_masking)
+    missed = unexercised(config, batch, job.cfg.data.doc_masking, job.cfg.recipe.stages[job.stage].seq_len)
     if missed and not job.allow_unexercised:
-        raise ValueError(f"stage {job.stage}: the check's batch ({job.rows} x {job.seq_len} tokens) would pass without "
-                         f"testing {'; '.join(missed)}. Give a longer seq_len= or more rows=, data with shorter documents "
-                         "(several to a row) and longer ones (beyond the window), or allow_unexercised=true to "
-                         "check the rest anyway")
+        raise ValueError(f"stage {job.stage}: the check's batch ({job.rows} x {job.seq_len} tokens) would pass "
+                         f"without testing {'; '.join(missed)}. Give a longer seq_len= or more rows=, data with "
+                         "shorter documents (several to a row) and longer ones (beyond the window), or "
+                         "allow_unexercised=true to check the rest anyway")
     return batch, dataclasses.replace(job, unexercised=tuple(missed))
 
 
@@ -57,10 +57,11 @@ def stage_model_config(job: Job):
     return stage_config(job.cfg.model, s.rope_theta, s.seq_len, job.vocab, job.eos, job.pad)
 
 
-def unexercised(config, batch: dict, doc_masking: bool) -> list[str]:
+def unexercised(config, batch: dict, doc_masking: bool, stage_len: int) -> list[str]:
     """What the model computes that this batch never tests: document masks when no row holds two documents with
     loss targets; a window or chunk of w tokens when no document (the whole row, without document masking) is
-    longer than w, so it cuts nothing. Empty when the batch tests everything."""
+    longer than w, so it cuts nothing. A window or chunk of at least the stage's length (`stage_len`) cuts nothing
+    in training either (Pattern.within): it is not asked for. Empty when the batch tests everything."""
     from longstride.model.loss import IGNORE_INDEX
     from longstride.parallel.pattern import config_patterns
 
@@ -73,8 +74,8 @@ def unexercised(config, batch: dict, doc_masking: bool) -> list[str]:
     longest, missed = max((n for row in rows for n in row), default=0), []
     if doc_masking and all(len(row) < 2 for row in rows):
         missed.append("document masks (no row holds two documents)")
-    for kind, size in sorted({(k, v) for p, _ in config_patterns(config) for k, v in
-                              (("window", p.window), ("chunk", p.chunk)) if v}):
+    patterns = [p.within(stage_len) for p, _ in config_patterns(config)]
+    for kind, size in sorted({(k, v) for p in patterns for k, v in (("window", p.window), ("chunk", p.chunk)) if v}):
         if longest <= size:
             missed.append(f"the {size}-token {kind} (the longest {'document' if doc_masking else 'row'} has "
                           f"{longest} tokens)")
@@ -138,7 +139,7 @@ def describe_layers(lm, seq_len: int) -> str:
             p = layer_pattern(attn, getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None)
             what += [f"{k} {v}" + (f" (>= seq_len {seq_len}: cuts nothing here)" if v >= seq_len else "")
                      for k, v in (("window", p.window), ("chunk", p.chunk)) if v]
-            if isinstance(getattr(attn, "sinks", None), torch.nn.Parameter):
+            if has_sinks(attn):
                 what.append("sinks")
         seen.setdefault((t, ", ".join(what)), []).append(i)
     return "; ".join(f"{t}{': ' + w if w else ''} (layers {', '.join(map(str, ix))})" for (t, w), ix in seen.items())

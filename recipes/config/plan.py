@@ -230,7 +230,7 @@ def _check_rope_layer_types(m: ModelConfig) -> None:
 
     config = AutoConfig.from_pretrained(m.checkpoint) if m.arch == "checkpoint" else SmolLM3Config()
     rope_targets(config.get_text_config(decoder=True), m.rope_layer_types)
-    if m.yarn.factor is not None:  # YaRN over another scaling, or another factor than the checkpoint's yarn: refused here
+    if m.yarn.factor is not None:  # YaRN over another scaling, or another factor than the checkpoint's: refused here
         apply_yarn(config, m.yarn.factor, m.yarn.original_max_position_embeddings, m.rope_layer_types)
 
 

@@ -227,8 +227,8 @@ class LongstrideTrainerMixin:
                                shuffle=strategy == "random")
         batches = EpochBatchSampler(sampler, self._train_batch_size, drop_last=args.dataloader_drop_last)
         if not len(batches):
-            raise ValueError(f"LongstrideTrainerMixin: train_dataset has {len(self.train_dataset)} rows, {len(sampler)} "
-                             f"for each of {dims.dp} data-parallel ranks, fewer than one batch of "
+            raise ValueError(f"LongstrideTrainerMixin: train_dataset has {len(self.train_dataset)} rows, "
+                             f"{len(sampler)} for each of {dims.dp} data-parallel ranks, fewer than one batch of "
                              f"per_device_train_batch_size={self._train_batch_size} (dataloader_drop_last=True); give "
                              "more rows or a smaller batch")
         workers = args.dataloader_num_workers
