@@ -90,13 +90,16 @@ def test_a_haystack_is_checked_even_when_no_task_reads_it(ruler_checkpoint, tmp_
               f"out={tmp_path}/out"])
 
 
-def test_the_default_out_is_never_inside_the_checkpoint(ruler_checkpoint, monkeypatch):
+def test_the_default_out_is_never_inside_the_checkpoint(ruler_checkpoint, tmp_path, monkeypatch):
     from longstride.eval.cli import default_out
     from longstride.eval.ppl import parse
 
     monkeypatch.chdir(ruler_checkpoint)
     with pytest.raises(ValueError, match="working directory is inside checkpoint='.'"):
         parse(["checkpoint=."])
+    os.symlink(ruler_checkpoint, tmp_path / "link")
+    with pytest.raises(ValueError, match="working directory is inside checkpoint"):  # named through a link
+        default_out(str(tmp_path / "link"))
     parse(["checkpoint=.", "out=/tmp/elsewhere"])  # out= given: taken
     monkeypatch.chdir(os.path.dirname(ruler_checkpoint))
     assert default_out(str(ruler_checkpoint)) == os.path.join("outputs", "eval", os.path.basename(ruler_checkpoint))
