@@ -126,6 +126,9 @@ def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: 
     if source is not None:
         check_checkpoint_dir(source, "model.checkpoint" if init_from is None else "previous stage checkpoint")
         config = AutoConfig.from_pretrained(source)
+        if init_from is not None and cfg.arch == "smollm3":  # the sizes this config gives must be the ones it continues
+            check_continued_sizes(config, smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta),
+                                  init_from)
         before = trained_length(config)
         config = set_rope_base(config, rope_theta, seq_len, cfg.rope_layer_types)
     elif cfg.arch != "smollm3":
@@ -168,7 +171,7 @@ def build_model(
         text.max_position_embeddings = max(int(seq_len), int(text.max_position_embeddings or 0))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return from_saved_config(resume, config)
     config = stage_config(cfg, rope_theta, seq_len, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
                           init_from=init_from)
     if source is not None:
@@ -180,6 +183,18 @@ def build_model(
     return model
 
 
+def from_saved_config(directory: str, config: PretrainedConfig) -> torch.nn.Module:
+    """An fp32 model of `config` without weights (a sharded checkpoint's shards fill them), with the generation
+    config saved beside it (from_config would derive a new one from config.json: its eos list, sampling settings
+    lost in the stage's final and in an export)."""
+    from transformers import GenerationConfig
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if os.path.isfile(os.path.join(directory, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    return model
+
+
 # RoPE types whose frequencies do not read max positions (a stage may resume at another seq_len under them)
 LENGTH_FREE_ROPE = (None, "default", "linear")
 
@@ -187,6 +202,19 @@ LENGTH_FREE_ROPE = (None, "default", "linear")
 # What a step checkpoint's model is built with and a config could now give otherwise (model.* of a new model)
 ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "tie_word_embeddings", "no_rope_layers")
+
+
+def check_continued_sizes(saved: PretrainedConfig, planned: PretrainedConfig, source: str) -> None:
+    """A stage continues the previous stage's model: model.* sizes or NoPE layers that differ from it (given with
+    train.resume_from, or changed between runs) are refused, naming each, not logged as applied and dropped."""
+    fields = [k for k in (*ARCHITECTURE, "rms_norm_eps") if k != "vocab_size"]  # the vocabulary: the tokenizer's
+    name = {"no_rope_layers": "nope_interval / nope_layers"}
+    changed = [f"model.{name.get(k, k)} gives {getattr(planned, k, None)} where it has {getattr(saved, k, None)}"
+               for k in fields if getattr(saved, k, None) != getattr(planned, k, None)]
+    if changed:
+        raise ValueError(f"{source} (the model this stage continues) was built with other sizes than this config "
+                         f"gives: {'; '.join(changed)}. A stage cannot change its predecessor's architecture; give the "
+                         "settings it was built with")
 
 
 def check_resumed_architecture(saved: PretrainedConfig, planned: PretrainedConfig, resume: str) -> None:

@@ -35,3 +35,47 @@ def test_a_resume_compares_the_rope_and_the_max_positions_it_reads(tmp_path):
     with pytest.raises(ValueError, match=r"over 16 positions, and this config gives the stage .* over 32 positions"):
         check_resumed_rope(at[0], at[1], "ck")
     check_resumed_rope(at[0], T.LlamaConfig(max_position_embeddings=16, rope_parameters=dict(dynamic)), "ck")
+
+
+def test_a_stage_refuses_sizes_other_than_the_model_it_continues(tmp_path):
+    """model.* sizes given beside train.resume_from (or changed between runs) were logged as a changed config and
+    dropped: the stage built its predecessor's architecture. They are refused, naming each."""
+    from longstride.model.build import stage_config
+    from tests.conftest import compose_cfg
+
+    model = compose_cfg(["recipe=tiny"]).model
+    stage_config(model, 1e4, 256, 300, 0, 1).save_pretrained(tmp_path)  # the previous stage's final
+    stage_config(model, 4e5, 512, 300, 0, 1, init_from=str(tmp_path))  # the same sizes: continued
+    wider = dataclasses.replace(model, hidden_size=2 * model.hidden_size)
+    with pytest.raises(ValueError, match=rf"model.hidden_size gives {2 * model.hidden_size} where it has "
+                                         rf"{model.hidden_size}"):
+        stage_config(wider, 4e5, 512, 300, 0, 1, init_from=str(tmp_path))
+
+
+def test_a_resumed_or_exported_model_keeps_its_saved_generation_config(tmp_path):
+    """from_config derives a new generation config from config.json: a resumed stage's final (and an export) lost
+    the saved one's eos list and sampling settings. The saved one is kept."""
+    from transformers import GenerationConfig
+
+    from longstride.model.build import build_model, stage_config
+    from tests.conftest import compose_cfg
+
+    model = compose_cfg(["recipe=tiny"]).model
+    stage_config(model, 1e4, 256, 300, 0, 1).save_pretrained(tmp_path)  # the step checkpoint's config
+    GenerationConfig(eos_token_id=[0, 7], do_sample=True, temperature=0.6).save_pretrained(tmp_path)
+    lm = build_model(model, 1e4, 256, 300, 0, 1, resume=str(tmp_path))
+    assert lm.generation_config.eos_token_id == [0, 7] and lm.generation_config.temperature == 0.6
+
+
+def test_one_run_directory_named_through_a_symlink_takes_the_same_lock(tmp_path):
+    from longstride.recipes.run.runlock import RunLock
+
+    (tmp_path / "real" / "run").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "name").symlink_to(tmp_path / "real" / "run")  # the run directory under another name
+    held = RunLock(str(tmp_path / "real" / "run")).acquire()
+    try:
+        with pytest.raises(ValueError, match="is in use by another run"):
+            RunLock(str(tmp_path / "other" / "name")).acquire()
+    finally:
+        held.release()

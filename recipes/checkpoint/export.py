@@ -15,7 +15,6 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from longstride.overrides import parse, run
@@ -30,7 +29,9 @@ class ExportConfig:
 
 
 def export_hf(checkpoint: str, out: str) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from longstride.model.build import from_saved_config
 
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint={checkpoint!r} does not exist; give a step checkpoint, e.g. "
@@ -43,7 +44,7 @@ def export_hf(checkpoint: str, out: str) -> str:
         raise ValueError(f"checkpoint={checkpoint!r} is damaged ({problem}); export an intact one")
     if os.path.exists(out):
         raise ValueError(f"out={out!r} exists; choose a new directory")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
+    model = from_saved_config(checkpoint, AutoConfig.from_pretrained(checkpoint))
     try:
         load_model_shards(checkpoint, model)
     except (UnsafeCheckpoint, CheckpointException) as e:

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 
 def lock_path(directory: str) -> str:
-    parent, name = os.path.split(os.path.abspath(directory))
+    """The lock file beside the run directory, found through any symlink (two names of one directory: one lock)."""
+    parent, name = os.path.split(os.path.realpath(directory))
     return os.path.join(parent, f".{name}.lock")
 
 
