@@ -5,6 +5,7 @@ from a checkpoint), so every saved stage loads with plain `AutoModelForCausalLM.
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional
 
@@ -169,6 +170,7 @@ def build_model(
             check_resumed_rope(config, planned, resume)
         text = config.get_text_config(decoder=True)  # resumed at a longer seq_len: max positions as set_rope_base sets
         text.max_position_embeddings = max(int(seq_len), int(text.max_position_embeddings or 0))
+        config.use_cache = text.use_cache = False  # saved with it on for generate(); a stage trains without
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return from_saved_config(resume, config)
@@ -254,8 +256,12 @@ def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resum
 
 def save_config(lm: torch.nn.Module, directory: str) -> None:
     """`lm`'s config and generation config as save_pretrained writes them (its class as `architectures`, its
-    parameters' dtype), for a directory whose weights are written another way (shards, a streamed gather)."""
+    parameters' dtype), for a directory whose weights are written another way (shards, a streamed gather). Saved
+    with the KV cache on: training runs without it (stage_config), a user's generate() on a final needs it."""
     lm.config.architectures = [type(lm).__name__]
     lm.config.dtype = next(iter(lm.parameters())).dtype
-    lm.config.save_pretrained(directory)
-    lm.generation_config.save_pretrained(directory)
+    config, generation = copy.deepcopy(lm.config), copy.deepcopy(lm.generation_config)
+    for c in {id(c): c for c in (config, config.get_text_config(decoder=True), generation)}.values():
+        c.use_cache = True
+    config.save_pretrained(directory)
+    generation.save_pretrained(directory)

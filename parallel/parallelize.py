@@ -65,6 +65,7 @@ class Parallelized:
         if not self.fsdp:
             if is_main:  # files of the same size as FSDP2's, so a final's layout does not depend on the wrapper
                 self.acc.unwrap_model(self.module).lm.save_pretrained(directory, max_shard_size=shard_bytes)
+                save_config(lm, directory)  # the configs as every saved directory has them (KV cache on)
             return
         stream_weights(lm, directory, is_main, shard_bytes)
         if is_main:

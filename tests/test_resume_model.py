@@ -79,3 +79,22 @@ def test_one_run_directory_named_through_a_symlink_takes_the_same_lock(tmp_path)
             RunLock(str(tmp_path / "other" / "name")).acquire()
     finally:
         held.release()
+
+
+def test_saved_configs_turn_the_kv_cache_on_and_a_resumed_stage_trains_without(tmp_path):
+    """A stage trains without a KV cache (stage_config), and its configs were saved so: a user's generate() on a
+    final recomputed the whole sequence for every new token. Saved directories say use_cache true; a stage resumed
+    from one trains without it again."""
+    import json
+
+    from longstride.model.build import build_model, save_config
+    from tests.conftest import compose_cfg
+
+    model = compose_cfg(["recipe=tiny"]).model
+    lm = build_model(model, 1e4, 256, 300, 0, 1)
+    assert lm.config.use_cache is False
+    save_config(lm, str(tmp_path))
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / name).read_text())["use_cache"] is True, name
+    assert lm.config.use_cache is False, "the training model's own config is left as it was"
+    assert build_model(model, 1e4, 256, 300, 0, 1, resume=str(tmp_path)).config.use_cache is False
