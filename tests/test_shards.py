@@ -221,3 +221,25 @@ def test_a_step_checkpoint_from_before_shards_is_refused_naming_what_to_do(tmp_p
     model.lm.save_pretrained(tmp_path)  # the old layout: whole weights, no shards
     with pytest.raises(CheckpointError, match=r"from before sharded checkpoints .* model\.checkpoint="):
         load_shards_checked(str(tmp_path), Parallelized(model, False, None), opt)
+
+
+def test_a_step_checkpoint_file_its_manifest_leaves_out_is_damage(tmp_path):
+    """A shard, its .metadata or config.json left out of a step checkpoint's manifest could be truncated or edited
+    unseen (a resume read it and failed, or trained on it, instead of falling back): every file the directory holds
+    must be listed."""
+    import json
+
+    from longstride.recipes.checkpoint.format import verify, write_manifest
+
+    ck = tmp_path / "step_000004"
+    ck.mkdir()
+    for name in ("trainer.pt", "stage.json", "rank0.pt", "__0_0.distcp", ".metadata", "config.json"):
+        (ck / name).write_bytes(name.encode())
+    write_manifest(str(ck), world_size=1)
+    assert verify(str(ck)) is None
+    for left_out in ("__0_0.distcp", ".metadata", "config.json"):
+        manifest = json.loads((ck / "manifest.json").read_text())
+        del manifest["files"][left_out]
+        (ck / "manifest.json").write_text(json.dumps(manifest))
+        assert verify(str(ck)) == f"manifest.json does not list {left_out}, which this checkpoint has"
+        write_manifest(str(ck), world_size=1)

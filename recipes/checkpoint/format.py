@@ -56,11 +56,16 @@ def step_checkpoints(stage_dir: str) -> list[tuple[int, str]]:
 
 def verify(directory: str) -> Optional[str]:
     """None if the checkpoint matches its manifest, else why not (naming the file: model/manifest.py). A step
-    checkpoint's manifest must also list what a resume reads: trainer.pt, stage.json, each rank's state (not the
-    shards' .metadata: a checkpoint from before shards lacks it, and its load says what to do)."""
+    checkpoint's manifest must also list what a resume reads: trainer.pt, stage.json, each rank's state, and every
+    other file the directory holds (the shards and their .metadata, config.json: a file the manifest leaves out
+    could be damaged unseen; a checkpoint from before shards lacks .metadata, and its load says what to do)."""
     step = STEP_RE.match(os.path.basename(os.path.normpath(directory)))
-    return check_files(directory, lambda world: ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)))
-                       if step else ())
+    if not step:
+        return check_files(directory)
+    present = tuple(sorted(n for n in os.listdir(directory) if n != MANIFEST
+                           and os.path.isfile(os.path.join(directory, n)))) if os.path.isdir(directory) else ()
+    return check_files(directory, lambda world: ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)),
+                                                 *present))
 
 
 def manifest_world(directory: str) -> int:
