@@ -206,13 +206,20 @@ ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
                 "head_dim", "vocab_size", "tie_word_embeddings", "no_rope_layers")
 
 
+def architecture_changes(saved: PretrainedConfig, planned: PretrainedConfig, fields=ARCHITECTURE) -> list[tuple]:
+    """(field, saved value, planned value) of each of `fields` on which two configs' text models differ."""
+    theirs, mine = saved.get_text_config(decoder=True), planned.get_text_config(decoder=True)
+    return [(k, getattr(theirs, k, None), getattr(mine, k, None)) for k in fields
+            if getattr(theirs, k, None) != getattr(mine, k, None)]
+
+
 def check_continued_sizes(saved: PretrainedConfig, planned: PretrainedConfig, source: str) -> None:
     """A stage continues the previous stage's model: model.* sizes or NoPE layers that differ from it (given with
     train.resume_from, or changed between runs) are refused, naming each, not logged as applied and dropped."""
     fields = [k for k in (*ARCHITECTURE, "rms_norm_eps") if k != "vocab_size"]  # the vocabulary: the tokenizer's
     name = {"no_rope_layers": "nope_interval / nope_layers"}
-    changed = [f"model.{name.get(k, k)} gives {getattr(planned, k, None)} where it has {getattr(saved, k, None)}"
-               for k in fields if getattr(saved, k, None) != getattr(planned, k, None)]
+    changed = [f"model.{name.get(k, k)} gives {mine} where it has {theirs}"
+               for k, theirs, mine in architecture_changes(saved, planned, fields)]
     if changed:
         raise ValueError(f"{source} (the model this stage continues) was built with other sizes than this config "
                          f"gives: {'; '.join(changed)}. A stage cannot change its predecessor's architecture; give the "
@@ -223,9 +230,7 @@ def check_resumed_architecture(saved: PretrainedConfig, planned: PretrainedConfi
     """A resumed stage keeps the architecture its step checkpoint was trained with: a config that now gives it other
     sizes or NoPE layers (model.*, through train.resume_from) is refused, naming each, never logged while the
     checkpoint's goes on."""
-    theirs, mine = saved.get_text_config(decoder=True), planned.get_text_config(decoder=True)
-    changed = [f"{k} (was {getattr(theirs, k, None)}, now {getattr(mine, k, None)})" for k in ARCHITECTURE
-               if getattr(theirs, k, None) != getattr(mine, k, None)]
+    changed = [f"{k} (was {theirs}, now {mine})" for k, theirs, mine in architecture_changes(saved, planned)]
     if changed:
         raise ValueError(f"the step checkpoint {resume} was trained with another architecture than this config gives "
                          f"the stage: {'; '.join(changed)}. A stage's model (model.* sizes, nope_interval, "

@@ -149,13 +149,10 @@ def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
     """Sets each WEIGHT_DICTS key that `overrides` gives a {...} (key=, +key=, ++key=) to exactly that dict, as the
     user wrote it: `recipe.stages.s2_2k.mixture={stdlib:1.0}` trains on stdlib only, not stdlib beside the recipe's
     other weights. Later overrides of single weights (mixture.a=0.5) still apply on top, in order."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o or o.startswith("~")])
+    parsed = _parsed_overrides(overrides)
     for i, o in enumerate(parsed):
         key = o.key_or_group
-        if o.is_delete() or not (isinstance(o.value(), dict) and
-                                 any(dotted_match(key, pattern) for pattern in WEIGHT_DICTS)):
+        if not _weight_dict(o):
             continue
         OmegaConf.update(raw, key, o.value(), merge=False)
         for later in parsed[i + 1:]:  # a single weight set or removed after the dict (a key it may lack: open)
@@ -172,11 +169,20 @@ def replace_weight_dicts(raw: DictConfig, overrides: list[str]) -> None:
 
 def weight_dict_keys(overrides: list[str]) -> list[str]:
     """The WEIGHT_DICTS keys that `overrides` give a {...} (replace_weight_dicts replaces them whole)."""
+    return [o.key_or_group for o in _parsed_overrides(overrides) if _weight_dict(o)]
+
+
+def _parsed_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of the key=value and ~key overrides (flags and bare words left out)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("~")])
-    return [o.key_or_group for o in parsed if isinstance(o.value(), dict)
-            and any(dotted_match(o.key_or_group, pattern) for pattern in WEIGHT_DICTS)]
+    return OverridesParser.create().parse_overrides([o for o in overrides if "=" in o or o.startswith("~")])
+
+
+def _weight_dict(o) -> bool:
+    """Whether a parsed override gives a WEIGHT_DICTS key a whole {...}."""
+    return (not o.is_delete() and isinstance(o.value(), dict)
+            and any(dotted_match(o.key_or_group, pattern) for pattern in WEIGHT_DICTS))
 
 
 def dotted_match(key: str, pattern: str) -> bool:
