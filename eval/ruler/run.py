@@ -130,13 +130,18 @@ def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
     return tasks, qa, skipped
 
 
-def reachable_lengths(cfg: RulerConfig, max_positions: int, original: int,
+def reachable_lengths(cfg: RulerConfig, max_positions: int, unit: int,
                       rope: bool = True) -> tuple[list[int], list[str]]:
+    """The lengths within the model's positions, and a note for each other one; `unit`: what yarn.factor
+    multiplies (model/rope.yarn_unit); `rope`: False for a model without rope_parameters (no YaRN hint)."""
     ok, skipped = [], []
     for L in sorted(dict.fromkeys(cfg.lengths)):
         if L > max_positions and not cfg.extrapolate:
-            hint = "" if not rope else f"add yarn.factor={math.ceil(L / original)} (YaRN), or " \
-                if not cfg.yarn.factor else f"add a larger yarn.factor (now {cfg.yarn.factor:g}) (YaRN), or "
+            hint = ""
+            if rope:
+                factor = f"a larger yarn.factor (now {cfg.yarn.factor:g})" if cfg.yarn.factor else \
+                    f"yarn.factor={math.ceil(L / unit)}"
+                hint = f"add {factor} (YaRN), or "
             skipped.append(f"length {L} skipped: the model's max positions are {max_positions}; {hint}"
                            "extrapolate=true to measure it without")
         else:
