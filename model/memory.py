@@ -4,11 +4,16 @@ will not fit, and the device memory it is compared with.
 The estimate, per rank, in bytes:
   parameters 4 P, gradients 4 P, AdamW state 8 P (fp32 master weights; divided by the FSDP world)
   activations per token, b bytes per element (4 fp32, 2 under bf16 autocast), with q = Hq d and
-  qkv = (Hq + 2 Hkv) d:
-    one layer, not checkpointed  plain: b (10 H + 2 qkv + 4 I)   (norms, residuals, q/k/v/o, the MLP's
-                                 gate/up/activation/product);
-                                 tiled (model/tiling.py, a pre-norm layer): b (2 H + qkv + q) + 4 Hq (its
-                                 input, the residual, post-RoPE q/k and v, the attention output, fp32 lse)
+  qkv = (Hq + 2 Hkv) d, for one layer (LayerParts, read from the model's first decoder layer):
+    one layer, not checkpointed  attention: b (qkv + q) + 4 Hq (post-RoPE q/k, v, its output, fp32 lse), plus
+                                 b (q + Hkv d) where v is a view of one fused q/k/v output (NeoX, Phi-3);
+                                 each norm on the hidden stream: what it keeps (lean RMSNorm b H + 4, LayerNorm
+                                 b H + 8, an RMSNorm of other form such as Gemma's b 2H + 4) and its output
+                                 b H (kept by the projection after it; an upper bound for a post-norm);
+                                 q/k norms (Qwen3, OLMo 2, Gemma 3) likewise on q and k, 4 bytes per row;
+                                 the MLP: b 4 I gated (gate, up, activation, product), b 2 I otherwise;
+                                 tiled (model/tiling.py): no MLP term, and in a pre-norm layer (its norms
+                                 folded into the tiles) b 2 H for the norms (the layer input, the residual)
     none                         every layer's set
     full checkpointing           b H per layer (its input), plus one layer's set while it is recomputed
     selective                    b 10 H per layer (the cheap ops' outputs; an upper bound: with the lean
@@ -19,13 +24,19 @@ The estimate, per rank, in bytes:
     attention output, q/k/v), and RoPE's cos/sin, b 2 d, read by every layer
   loss: min(L, tile) x V x 4 x 3 bytes (fp32 logits, their softmax and gradient, one tile at a time)
   MLP tile working set: tile x I x b x 4
-The constants follow the usual per-layer accounting (Korthikanti et al., 2022) for attention that
-never materialises L x L scores; tests/test_tiling.py pins the tiled layer's set exactly, and
-benchmarks/bench_memory.py measures the real figures (benchmarks/README.md).
+The per-layer terms count what autograd keeps, in the style of Korthikanti et al. (2022), for attention that never
+materialises L x L scores; tests/test_memory_estimate.py holds them against what the layers of six architectures
+keep, and benchmarks/bench_memory.py measures the real figures (benchmarks/README.md).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from longstride.model.loss import decoder_layers
+from longstride.model.rmsnorm import computes_rms_norm
+from longstride.model.tiling import PRE_NORM_LAYERS
 
 
 def kv_heads(config) -> int:
@@ -33,18 +44,71 @@ def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
-             act_bytes: int = 4, offload: bool = False) -> dict:
-    """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank."""
-    H, n = config.hidden_size, config.num_hidden_layers
+@dataclass(frozen=True)
+class LayerParts:
+    """The parts of a decoder layer whose activations the estimate counts; the default is the Llama form."""
+
+    pre_norm: bool = True        # tiles fold the norms in (model/tiling.PRE_NORM_LAYERS)
+    norms: tuple = ("lean", "lean")  # each norm on the hidden stream: lean | layer | other
+    qk_norm: str = ""            # "" none | head (one row per head: Qwen3, Gemma 3) | whole (OLMo 2)
+    qk_norm_kind: str = "lean"
+    gated_mlp: bool = True
+    fused_qkv: bool = False
+
+
+def _norm_kind(module: torch.nn.Module, lean: bool) -> str:
+    if isinstance(module, torch.nn.LayerNorm):
+        return "layer"
+    return "lean" if lean and computes_rms_norm(module) else "other"
+
+
+def layer_parts(model: torch.nn.Module, lean_norms: bool) -> LayerParts:
+    """The LayerParts of a transformers causal LM's first decoder layer; lean_norms: the lean RMSNorm is on."""
+    layer = decoder_layers(model)[0]
+    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    norms = tuple(_norm_kind(m, lean_norms) for _, m in layer.named_children() if "norm" in type(m).__name__.lower())
+    qn = getattr(attn, "q_norm", None)
+    qk = "" if qn is None else ("head" if qn.weight.numel() == getattr(attn, "head_dim", -1) else "whole")
+    mlp = layer.mlp
+    return LayerParts(pre_norm=type(layer).__name__ in PRE_NORM_LAYERS, norms=norms, qk_norm=qk,
+                      qk_norm_kind=_norm_kind(qn, lean_norms) if qn is not None else "lean",
+                      gated_mlp=any(hasattr(mlp, n) for n in ("gate_proj", "gate_up_proj")),
+                      fused_qkv=any(hasattr(attn, n) for n in ("query_key_value", "qkv_proj")))
+
+
+def _norm_keeps(kind: str, width: int, rows: int, b: int) -> int:
+    """Bytes per token a norm over `rows` rows of `width` elements in all keeps for backward."""
+    return {"lean": b * width + 4 * rows, "layer": b * width + 8 * rows, "other": 2 * b * width + 4 * rows}[kind]
+
+
+def _dims(config) -> tuple[int, int, int, int, int]:
+    """(H, I, head_dim, query heads, key/value heads) of a transformers config."""
+    H, Hq = config.hidden_size, config.num_attention_heads
     I = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H  # GPT-2: n_inner
-    d = getattr(config, "head_dim", None) or H // config.num_attention_heads
-    q = config.num_attention_heads * d
-    qkv = q + 2 * kv_heads(config) * d
-    if mlp_tile:  # bytes per token one layer keeps without checkpointing
-        layer = act_bytes * (2 * H + qkv + q) + 4 * config.num_attention_heads
-    else:
-        layer = act_bytes * (10 * H + 2 * qkv + 4 * I)
+    return H, I, getattr(config, "head_dim", None) or H // Hq, Hq, kv_heads(config)
+
+
+def layer_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
+    """Bytes per token one decoder layer keeps for backward, not checkpointed (the module docstring's terms)."""
+    H, I, d, Hq, Hkv = _dims(config)
+    q, kv = Hq * d, Hkv * d
+    keep = b * (q + 2 * kv + q) + 4 * Hq + (b * (q + kv) if parts.fused_qkv else 0)
+    if parts.qk_norm:
+        rows = (Hq, Hkv) if parts.qk_norm == "head" else (1, 1)
+        keep += _norm_keeps(parts.qk_norm_kind, q, rows[0], b) + _norm_keeps(parts.qk_norm_kind, kv, rows[1], b)
+    if tiled and parts.pre_norm:
+        return keep + b * 2 * H
+    keep += sum(_norm_keeps(kind, H, 1, b) + b * H for kind in parts.norms)
+    return keep if tiled else keep + b * (4 if parts.gated_mlp else 2) * I
+
+
+def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
+             act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts()) -> dict:
+    """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank; parts: the model's
+    layer_parts (the Llama form by default)."""
+    H, I, d, Hq, Hkv = _dims(config)
+    n, q, qkv = config.num_hidden_layers, Hq * d, (Hq + 2 * Hkv) * d
+    layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))  # bytes per token, not checkpointed
     peak = act_bytes * (H + q + qkv) + act_bytes * 2 * d  # gradients in one layer's backward, cos/sin
     per_layer = {"none": layer, "full": act_bytes * H, "selective": act_bytes * 10 * H}[ac]
     kept = n * per_layer + (layer if ac != "none" else 0) + peak

@@ -25,9 +25,11 @@ def loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def saved_per_layer(model) -> list[int]:
+def saved_per_layer(model, shared: bool = True) -> list[int]:
     """Bytes each decoder layer's forward hands autograd to keep for backward (parameters excluded; a storage
-    saved twice counted once), measured with saved-tensor hooks over one packed batch."""
+    saved twice counted once), measured with saved-tensor hooks over one packed batch; shared=False leaves out
+    the storages several layers save (RoPE's cos/sin, made once for the model)."""
+    from longstride.model.loss import decoder_layers
     from longstride.parallel.cp import DocLayout
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -39,14 +41,18 @@ def saved_per_layer(model) -> list[int]:
             saved.setdefault(current[0], {})[ptr] = t.untyped_storage().nbytes()
         return t
 
-    layers = model.lm.model.layers
+    layers = decoder_layers(model.lm)
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
     b = packed_batch()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
-    return [sum(saved.get(i, {}).values()) for i in range(len(layers))]
+    per_layer = [saved.get(i, {}) for i in range(len(layers))]
+    if not shared:
+        seen = [ptr for own in per_layer for ptr in own]
+        per_layer = [{p: n for p, n in own.items() if seen.count(p) == 1} for own in per_layer]
+    return [sum(own.values()) for own in per_layer]
 
 
 def assert_same(a, b, what):

@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from longstride.data.batch import collate, packed_item
 from longstride.model.loss import decoder_layers
+from longstride.model.memory import layer_parts
 from longstride.parallel.attention import register
 from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import cp_context
@@ -277,7 +278,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             "peak_backward": fb_peak + state, "peak_optimizer": opt_peak,
             "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls,
             "windowed_flash_calls": flash.windowed, "batch_keys": sorted(local), "optimizer_groups": group_summary(opt),
-            "seconds": time.perf_counter() - t0}
+            "layer_parts": layer_parts(lm, prog.step.lean_norms), "seconds": time.perf_counter() - t0}
 
 
 def _trace_child(conn, prog: StepProgram) -> None:

@@ -32,7 +32,7 @@ from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
 from longstride.model.loss import decoder_layers
-from longstride.model.memory import device_memory_gib, estimate, kv_heads
+from longstride.model.memory import device_memory_gib, estimate, kv_heads, layer_parts
 from longstride.model.rope import rope_placement
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
@@ -144,7 +144,7 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
                    ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
                    shard=acc.num_processes if plan.fsdp else 1, act_bytes=2 if acc.mixed_precision == "bf16" else 4,
-                   offload=spec.offload)
+                   offload=spec.offload, parts=layer_parts(lm, spec.lean_norms))
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
@@ -153,12 +153,13 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     if spec.offload:
         tracker.info("stage %s: %.2f GiB of checkpointed layer inputs per rank offloaded to pinned host memory",
                      plan.name, est["host_activations"])
+    need = est["total"]
     if acc.is_main_process and _trace_on(ctx.cfg.train.trace_memory, acc.device.type):
-        log_traced_memory(ctx, plan, lm, est["total"])
-    if est["total"] > 0.9 * avail:
+        need = max(need, log_traced_memory(ctx, plan, lm, est["total"]) or 0.0)
+    if need > 0.9 * avail:
         tracker.warning("stage %s will likely not fit: about %.1f GiB per rank against %.1f GiB; raise its cp, set "
                         "model.activation_checkpointing=true and mlp_tile_tokens, or lower micro_batch_size",
-                        plan.name, est["total"], avail)
+                        plan.name, need, avail)
 
 
 def _trace_on(choice: str, device_type: str) -> bool:
@@ -166,9 +167,9 @@ def _trace_on(choice: str, device_type: str) -> bool:
     return choice == "true" or (choice == "auto" and device_type == "cuda")
 
 
-def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float) -> None:
+def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float) -> float | None:
     """The stage's step traced for this device (recipes/memory/trace.py, in a child process) beside the analytic
-    estimate; a trace that fails is a warning, never a stopped run."""
+    estimate, and its peak GiB; a trace that fails is a warning (None), never a stopped run."""
     from longstride.recipes.memory.trace import stage_program, trace_in_child
 
     acc, gib = ctx.accelerator, 2 ** 30
@@ -180,12 +181,13 @@ def log_traced_memory(ctx: RunContext, plan: StagePlan, lm, analytic_gib: float)
     except Exception as e:  # noqa: BLE001 - a planning aid: the stage runs without it
         ctx.tracker.warning("stage %s: the memory trace failed (%s: %s); training goes on", plan.name,
                             type(e).__name__, e)
-        return
+        return None
     g = {k: r[k] / gib for k in ("peak", "parameters", "gradients", "optimizer", "activations")}
     ctx.tracker.info(f"stage {plan.name}: traced step per rank {g['peak']:.2f} GiB (parameters {g['parameters']:.2f}, "
                      f"gradients {g['gradients']:.2f}, optimizer {g['optimizer']:.2f}, activations "
                      f"{g['activations']:.2f}; recipes/memory/trace.py) against the analytic {analytic_gib:.2f} GiB "
                      f"({100 * (analytic_gib - g['peak']) / g['peak']:+.0f}%)")
+    return g["peak"]
 
 
 def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
