@@ -4,6 +4,7 @@ that made it still composes, and the main job's recipe starts from tiny_base_256
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -114,3 +115,29 @@ def test_shipping_copies_the_weights_however_they_are_saved(tmp_path):
                                            "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
     with pytest.raises(ValueError, match="holds no safetensors weights"):
         shipped_files(str(none))
+
+
+@pytest.mark.parametrize("scores_fail", [False, True])
+def test_shipping_builds_aside_and_renames_whole(tmp_path, monkeypatch, scores_fail):
+    """ship() copies, scores and writes the manifest in a sibling folder and renames it into place: the shipped
+    folder verifies; a failure while scoring leaves neither it nor the staging folder."""
+    from longstride.recipes.checkpoint import ship
+
+    def scores(directory, samples, name):
+        assert directory != str(dest) and not dest.exists(), "scored before it is in place"
+        if scores_fail:
+            raise RuntimeError("RULER failed")
+        return {"samples": samples, "name": name}
+
+    monkeypatch.setattr(ship, "own_scores", scores)
+    monkeypatch.setattr(ship, "provenance", lambda final: {"recipe": "test"})
+    dest = tmp_path / "shipped" / "m"
+    dest.parent.mkdir()
+    if scores_fail:
+        with pytest.raises(RuntimeError, match="RULER failed"):
+            ship.ship(str(SHIPPED), str(dest), 3)
+        assert os.listdir(dest.parent) == [], "nothing left behind"
+        return
+    extra = ship.ship(str(SHIPPED), str(dest), 3)
+    assert extra["ruler"] == {"samples": 3, "name": "m"} and verify(str(dest)) is None
+    assert os.listdir(dest.parent) == ["m"]

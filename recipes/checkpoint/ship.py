@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 
+from longstride.model.manifest import fsync_path
 from longstride.recipes.checkpoint.format import MANIFEST, verify, write_manifest
 
 SHIPPED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -59,8 +60,8 @@ def provenance(final: str) -> dict:
                        + " ".join(overrides or [f"recipe={cfg.recipe.name}"])}
 
 
-def own_scores(directory: str, samples: int) -> dict:
-    """RULER at the trained length and 2x it: {task: {length: score}}."""
+def own_scores(directory: str, samples: int, name: str) -> dict:
+    """RULER at the trained length and 2x it: {task: {length: score}}, written under outputs/eval/ship-<name>."""
     from longstride.eval.ruler.compare import main as compare
 
     from transformers import AutoConfig
@@ -69,7 +70,7 @@ def own_scores(directory: str, samples: int) -> dict:
 
     trained = trained_length(AutoConfig.from_pretrained(directory))
     res = compare([f"checkpoints=[{directory}]", f"lengths=[{trained},{2 * trained}]", "yarn=[]",
-                   f"num_samples={samples}", f"out={os.path.join('outputs', 'eval', 'ship-' + os.path.basename(directory))}"])
+                   f"num_samples={samples}", f"out={os.path.join('outputs', 'eval', 'ship-' + name)}"])
     return {"samples": samples, "scores": res["rows"][0]["scores"], "skipped": res["skipped"]}
 
 
@@ -80,11 +81,20 @@ def ship(final: str, dest: str, samples: int) -> dict:
     if os.path.exists(dest):
         raise ValueError(f"{dest} exists; move it aside first (a shipped model is never overwritten in place)")
     names = shipped_files(final)
-    os.makedirs(dest)
-    for name in names:
-        shutil.copy2(os.path.join(final, name), os.path.join(dest, name))
-    extra = {"made_by": provenance(final), "commit": commit(), "ruler": own_scores(dest, samples)}
-    write_manifest(dest, 1, extra)
+    extra = {"made_by": provenance(final), "commit": commit()}
+    # built in a sibling folder and renamed into place: dest exists only whole, with its manifest; a failure on the
+    # way (a copy, the scores) leaves nothing behind
+    staging = f"{os.path.normpath(dest)}.partial-{os.getpid()}"
+    os.makedirs(staging)
+    try:
+        for name in names:
+            shutil.copy2(os.path.join(final, name), os.path.join(staging, name))
+        extra["ruler"] = own_scores(staging, samples, os.path.basename(os.path.normpath(dest)))
+        write_manifest(staging, 1, extra)
+        os.rename(staging, dest)
+        fsync_path(os.path.dirname(os.path.abspath(dest)))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return extra
 
 

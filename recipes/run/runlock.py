@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Callable, Optional
 
+from longstride.model.manifest import fsync_path
+
 
 def lock_path(directory: str) -> str:
     """The lock file beside the run directory, found through any symlink (two names of one directory: one lock)."""
@@ -234,5 +236,8 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     with open(path + ".tmp", "w") as f:
         json.dump({"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {})}, f,
                   indent=1)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before it replaces the old record, which a crash never leaves half-written
     os.replace(path + ".tmp", path)
+    fsync_path(directory)
     return bool(resume_from)
