@@ -3,25 +3,28 @@ will not fit, and the device memory it is compared with.
 
 The estimate, per rank, in bytes:
   parameters 4 P, gradients 4 P, AdamW state 8 P (fp32 master weights; divided by the FSDP world)
-  activations per token, b bytes per element (4 fp32, 2 under bf16 autocast), with q = Hq d and
-  qkv = (Hq + 2 Hkv) d, for one layer (LayerParts, read from the model's first decoder layer):
+  activations per token: b bytes per element of a matmul's output (4 fp32, 2 bf16), r of the residual stream and
+  the norms (b; 4 under bf16 autocast over fp32 weights), q = Hq d, qkv = (Hq + 2 Hkv) d; for one layer (LayerParts,
+  read from the model's first decoder layer):
     one layer, not checkpointed  attention: b (qkv + q) + 4 Hq (post-RoPE q/k, v, its output, fp32 lse), plus
                                  b (q + Hkv d) where v is a view of one fused q/k/v output (NeoX, Phi-3);
-                                 each norm on the hidden stream: what it keeps (lean RMSNorm b H + 4, LayerNorm
-                                 b H + 8, an RMSNorm of other form such as Gemma's b 2H + 4) and its output
-                                 b H (kept by the projection after it; an upper bound for a post-norm);
+                                 each norm on the hidden stream: what it keeps (lean RMSNorm r H + 4, LayerNorm
+                                 r H + 8, an RMSNorm of another form, such as Gemma's, 8 H + 4 in fp32) and its
+                                 output as its readers keep it: r H, or under autocast b H per projection that
+                                 reads it (each casts its own copy; an upper bound for a post-norm);
                                  q/k norms (Qwen3, OLMo 2, Gemma 3) likewise on q and k, 4 bytes per row;
                                  the MLP: b 4 I gated (gate, up, activation, product), b 2 I otherwise;
-                                 tiled (model/tiling.py): no MLP term, and in a pre-norm layer (its norms
-                                 folded into the tiles) b 2 H for the norms (the layer input, the residual)
+                                 tiled (model/tiling.py): no MLP term, the tiles keep their input (r H), and in
+                                 a pre-norm layer (its norms folded in) r 2 H for the norms (input, residual)
     none                         every layer's set
-    full checkpointing           b H per layer (its input), plus one layer's set while it is recomputed
-    selective                    b 10 H per layer (the cheap ops' outputs; an upper bound: with the lean
+    full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
+    selective                    r 10 H per layer (the cheap ops' outputs; an upper bound: with the lean
                                  RMSNorm and tiles their ops recompute), plus one layer's set
-    with offload (CUDA)          the layer inputs (b H per layer) live in host memory instead; the device
+    with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
-    at the peak, in one layer's attention backward: the gradients b (H + q + qkv) (residual stream,
-    attention output, q/k/v), and RoPE's cos/sin, b 2 d, read by every layer
+    at the peak, in one layer's attention backward: the gradients r H + b (q + qkv) (residual stream,
+    attention output, q/k/v), and RoPE's cos/sin, r 2 d, read by every layer
+  autocast's bf16 copies of the weights, kept for backward: 2 P (every layer's), 2 P / layers when checkpointed
   loss: min(L, tile) x V x 4 x 3 bytes (fp32 logits, their softmax and gradient, one tile at a time)
   MLP tile working set: tile x I x b x 4
 The per-layer terms count what autograd keeps, in the style of Korthikanti et al. (2022), for attention that never
@@ -54,6 +57,7 @@ class LayerParts:
     qk_norm_kind: str = "lean"
     gated_mlp: bool = True
     fused_qkv: bool = False
+    mlp_inputs: int = 2          # projections reading the MLP's input: gate and up, or one (fused, or a plain MLP)
 
 
 def _norm_kind(module: torch.nn.Module, lean: bool) -> str:
@@ -73,12 +77,14 @@ def layer_parts(model: torch.nn.Module, lean_norms: bool) -> LayerParts:
     return LayerParts(pre_norm=type(layer).__name__ in PRE_NORM_LAYERS, norms=norms, qk_norm=qk,
                       qk_norm_kind=_norm_kind(qn, lean_norms) if qn is not None else "lean",
                       gated_mlp=any(hasattr(mlp, n) for n in ("gate_proj", "gate_up_proj")),
-                      fused_qkv=any(hasattr(attn, n) for n in ("query_key_value", "qkv_proj")))
+                      fused_qkv=any(hasattr(attn, n) for n in ("query_key_value", "qkv_proj")),
+                      mlp_inputs=2 if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") else 1)
 
 
 def _norm_keeps(kind: str, width: int, rows: int, b: int) -> int:
-    """Bytes per token a norm over `rows` rows of `width` elements in all keeps for backward."""
-    return {"lean": b * width + 4 * rows, "layer": b * width + 8 * rows, "other": 2 * b * width + 4 * rows}[kind]
+    """Bytes per token a norm over `rows` rows of `width` elements in all keeps for backward, its input in b bytes per
+    element; an RMSNorm of another form (Gemma's) computes in fp32 and keeps its fp32 input and normalised tensor."""
+    return {"lean": b * width + 4 * rows, "layer": b * width + 8 * rows, "other": 8 * width + 4 * rows}[kind]
 
 
 def _dims(config) -> tuple[int, int, int, int, int]:
@@ -88,40 +94,53 @@ def _dims(config) -> tuple[int, int, int, int, int]:
     return H, I, getattr(config, "head_dim", None) or H // Hq, Hq, kv_heads(config)
 
 
-def layer_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
-    """Bytes per token one decoder layer keeps for backward, not checkpointed (the module docstring's terms)."""
+def layer_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool = False) -> int:
+    """Bytes per token one decoder layer keeps for backward, not checkpointed (the module docstring's terms); b: bytes
+    per element of the matmuls' outputs; autocast: under bf16 autocast over fp32 weights, where the residual stream
+    and the norms stay fp32 and every projection keeps its own bf16 copy of its input."""
     H, I, d, Hq, Hkv = _dims(config)
     q, kv = Hq * d, Hkv * d
+    r = 4 if autocast else b  # the residual stream's bytes per element
     keep = b * (q + 2 * kv + q) + 4 * Hq + (b * (q + kv) if parts.fused_qkv else 0)
     if parts.qk_norm:
         rows = (Hq, Hkv) if parts.qk_norm == "head" else (1, 1)
         keep += _norm_keeps(parts.qk_norm_kind, q, rows[0], b) + _norm_keeps(parts.qk_norm_kind, kv, rows[1], b)
     if tiled and parts.pre_norm:
-        return keep + b * 2 * H
-    keep += sum(_norm_keeps(kind, H, 1, b) + b * H for kind in parts.norms)
+        return keep + r * 2 * H  # the layer input and the residual, which the tiles keep
+    # each norm's output as what reads it keeps it: the first feeds attention's projections, the others the MLP's
+    # (an upper bound for a norm whose output only joins the residual stream)
+    readers = (1 if parts.fused_qkv else 3, parts.mlp_inputs)
+    for i, kind in enumerate(parts.norms):
+        cast = autocast and not (tiled and i)  # a tiled MLP keeps the norm's own output
+        keep += _norm_keeps(kind, H, 1, r) + (b * readers[min(i, 1)] if cast else r) * H
     return keep if tiled else keep + b * (4 if parts.gated_mlp else 2) * I
 
 
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
-             act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts()) -> dict:
+             act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts(),
+             autocast: bool = False) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank; parts: the model's
-    layer_parts (the Llama form by default)."""
+    layer_parts (the Llama form by default); act_bytes: 2 under bf16, with autocast: True where bf16 autocast runs
+    over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision)."""
     H, I, d, Hq, Hkv = _dims(config)
     n, q, qkv = config.num_hidden_layers, Hq * d, (Hq + 2 * Hkv) * d
-    layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))  # bytes per token, not checkpointed
-    peak = act_bytes * (H + q + qkv) + act_bytes * 2 * d  # gradients in one layer's backward, cos/sin
-    per_layer = {"none": layer, "full": act_bytes * H, "selective": act_bytes * 10 * H}[ac]
+    r = 4 if autocast else act_bytes  # the residual stream's bytes per element
+    layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
+    peak = r * H + act_bytes * (q + qkv) + r * 2 * d  # gradients in one layer's backward, cos/sin
+    per_layer = {"none": layer, "full": r * H, "selective": r * 10 * H}[ac]
     kept = n * per_layer + (layer if ac != "none" else 0) + peak
     host = 0
     if offload and ac != "none":
-        host = n * act_bytes * H  # the layer inputs, in pinned host memory
-        kept += 2 * act_bytes * H - host
+        host = n * r * H  # the layer inputs, in pinned host memory
+        kept += 2 * r * H - host
     gib = 2 ** 30
     out = {
         "parameters": 4 * num_params / shard / gib,
         "gradients": 4 * num_params / shard / gib,
         "optimizer": 8 * num_params / shard / gib,
         "activations": kept * tokens / gib,
+        # autocast's bf16 copies of the weights, kept for backward: every layer's, or the recomputed layer's
+        "weight_casts": (2 * num_params / (1 if ac == "none" else n) / gib) if autocast else 0.0,
         "loss": min(tokens, loss_tile) * config.vocab_size * 4 * 3 / gib,
         "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
         "activation_bytes_per_token": kept,

@@ -2,6 +2,7 @@
 the MLP's wide activations really exist for one tile at a time, in forward and in the backward recompute."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -25,10 +26,11 @@ def loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def saved_per_layer(model, shared: bool = True) -> list[int]:
+def saved_per_layer(model, shared: bool = True, autocast: bool = False, weights: bool = True) -> list[int]:
     """Bytes each decoder layer's forward hands autograd to keep for backward (parameters excluded; a storage
     saved twice counted once), measured with saved-tensor hooks over one packed batch; shared=False leaves out
-    the storages several layers save (RoPE's cos/sin, made once for the model)."""
+    the storages several layers save (RoPE's cos/sin, made once for the model); autocast: under bf16 autocast;
+    weights=False leaves out the bf16 copies autocast makes of the weights (tensors without a token dimension)."""
     from longstride.model.loss import decoder_layers
     from longstride.parallel.cp import DocLayout
 
@@ -37,7 +39,7 @@ def saved_per_layer(model, shared: bool = True) -> list[int]:
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if current[0] is not None and ptr not in params:
+        if current[0] is not None and ptr not in params and (weights or L in t.shape):
             saved.setdefault(current[0], {})[ptr] = t.untyped_storage().nbytes()
         return t
 
@@ -46,7 +48,8 @@ def saved_per_layer(model, shared: bool = True) -> list[int]:
         layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
     b = packed_batch()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), bf16:
         model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
     per_layer = [saved.get(i, {}) for i in range(len(layers))]
     if not shared:

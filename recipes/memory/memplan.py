@@ -189,8 +189,9 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     usable = int(hw.usable_gib * GIB)
     n, step = r["num_params"], prog.step
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
-                   mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1, act_bytes=2,
-                   offload=step.offload, parts=r["layer_parts"])
+                   mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1,
+                   act_bytes=2 if prog.bf16 else 4, offload=step.offload, parts=r["layer_parts"],
+                   autocast=prog.bf16 and not prog.fsdp)
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": step.checkpointing, "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",
