@@ -39,7 +39,7 @@ import torch
 
 from longstride.model.loss import decoder_layers
 from longstride.model.rmsnorm import computes_rms_norm
-from longstride.model.tiling import PRE_NORM_LAYERS
+from longstride.model.tiling import pre_norm
 
 
 def kv_heads(config) -> int:
@@ -74,7 +74,7 @@ def layer_parts(model: torch.nn.Module, lean_norms: bool) -> LayerParts:
     qn = getattr(attn, "q_norm", None)
     qk = "" if qn is None else ("head" if qn.weight.numel() == getattr(attn, "head_dim", -1) else "whole")
     mlp = layer.mlp
-    return LayerParts(pre_norm=type(layer).__name__ in PRE_NORM_LAYERS, norms=norms, qk_norm=qk,
+    return LayerParts(pre_norm=pre_norm(layer), norms=norms, qk_norm=qk,
                       qk_norm_kind=_norm_kind(qn, lean_norms) if qn is not None else "lean",
                       gated_mlp=any(hasattr(mlp, n) for n in ("gate_proj", "gate_up_proj")),
                       fused_qkv=any(hasattr(attn, n) for n in ("query_key_value", "qkv_proj")),

@@ -32,6 +32,11 @@ PRE_NORM_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLaye
                    "SmolLM3DecoderLayer"}
 
 
+def pre_norm(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer has the pre-norm form (PRE_NORM_LAYERS), also once FSDP2 has wrapped its class."""
+    return any(c.__name__ in PRE_NORM_LAYERS for c in type(layer).__mro__)
+
+
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is on for this device type; the meta device (a traced step, recipes/memory/trace.py) has none."""
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
@@ -115,7 +120,7 @@ def tiled_forwards(model: torch.nn.Module, tile: int, forward_of) -> dict:
         return {}
     out = {}
     for layer in decoder_layers(model):
-        if type(layer).__name__ not in PRE_NORM_LAYERS:
+        if not pre_norm(layer):
             out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), None, None, tile)
             continue
         attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm

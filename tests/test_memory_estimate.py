@@ -159,3 +159,15 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     assert bool(messages) == warns, messages
     if warns:
         assert "about 9.5 GiB per rank against 10.0 GiB" in messages[0]
+
+
+def test_layer_parts_sees_the_pre_norm_form_through_a_wrapped_class():
+    """FSDP2 swaps a sharded layer's class for a subclass named FSDP<name>: the layer keeps its pre-norm form (the
+    tiles fold its norms) and its estimate."""
+    from longstride.model.tiling import pre_norm
+
+    lm = tiny_model().lm
+    layer = lm.model.layers[0]
+    assert pre_norm(layer) and layer_parts(lm, lean_norms=True).pre_norm
+    layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    assert pre_norm(layer) and layer_parts(lm, lean_norms=True) == LayerParts()

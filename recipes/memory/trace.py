@@ -243,6 +243,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, FlashOpCheck() as flash:
             step = _build(prog, device, cp)
             model, lm, offloader = step.module, step.lm, step.offloader
+            parts = layer_parts(lm, prog.step.lean_norms)  # read before FSDP2 wraps the layers
             with unset_fake_temporarily():  # the batch's share and plan are real, as in a run
                 local, layout = step.prep(synthetic_batch(prog.micro_batch, prog.seq_len, prog.docs))
             if prog.fsdp:
@@ -278,7 +279,7 @@ def trace_step(prog: StepProgram, rank: int = 0, device: str = "cpu") -> dict:
             "peak_backward": fb_peak + state, "peak_optimizer": opt_peak,
             "peak": max(fb_peak + state, opt_peak), "host": count.host_bytes, "flash_calls": flash.calls,
             "windowed_flash_calls": flash.windowed, "batch_keys": sorted(local), "optimizer_groups": group_summary(opt),
-            "layer_parts": layer_parts(lm, prog.step.lean_norms), "seconds": time.perf_counter() - t0}
+            "layer_parts": parts, "seconds": time.perf_counter() - t0}
 
 
 def _trace_child(conn, prog: StepProgram) -> None:
