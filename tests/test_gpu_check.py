@@ -18,13 +18,17 @@ def test_gpu_check_refuses_to_run_without_cuda_unless_smoke(capsys):
     assert "needs one" in capsys.readouterr().out
 
 
-def test_gpu_check_smoke_writes_every_part(tmp_path):
-    assert gpu_check.main(["--smoke", "--only", "throughput,attention,ruler", "--out", str(tmp_path),
-                           "--checkpoint", str(tmp_path / "absent")]) == 0
-    tp = json.loads((tmp_path / "throughput.json").read_text())
+def assert_throughput_rows(tp: dict) -> None:
+    """gpu_check's throughput JSON: the machine, the kernel, and a real rate for every system measured."""
     assert tp["machine"]["torch"] == torch.__version__ and tp["kernel"]
     assert {r["system"] for r in tp["rows"]} >= {"longstride", "hf_sdpa_packed", "hf_sdpa_causal"}
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in tp["rows"])
+
+
+def test_gpu_check_smoke_writes_every_part(tmp_path):
+    """Its attention and RULER parts (the throughput part runs in the device window's smoke, below)."""
+    assert gpu_check.main(["--smoke", "--only", "attention,ruler", "--out", str(tmp_path),
+                           "--checkpoint", str(tmp_path / "absent")]) == 0
     att = json.loads((tmp_path / "doc_attention.json").read_text())
     assert all(r["masked_ms"] > 0 and 0 < r["ideal_ratio"] <= 1 for r in att["rows"])
     ruler = json.loads((tmp_path / "ruler.json").read_text())
@@ -63,6 +67,7 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     with tarfile.open(out / "results.tgz") as tar:
         figures = json.load(tar.extractfile("kernels/kernel_figures.json"))
         compare = json.load(tar.extractfile("main_job_compare/compare.json"))
+        assert_throughput_rows(json.load(tar.extractfile("throughput/throughput.json")))
     assert {"throughput/throughput.json", "runs/gpu_probe/s2_32k/metrics.jsonl", "gpu_tests.xml"} <= packed
     assert not any("/step_" in n for n in packed)  # step checkpoints stay behind; the tiny finals come back
     assert "runs/tiny_extend/s3_4k/final/model.safetensors" in packed
