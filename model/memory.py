@@ -13,7 +13,8 @@ The estimate, per rank, in bytes:
                                  output as its readers keep it: r H, or under autocast b H per projection that
                                  reads it (each casts its own copy; an upper bound for a post-norm);
                                  q/k norms (Qwen3, OLMo 2, Gemma 3) likewise on q and k, 4 bytes per row;
-                                 the MLP: b 4 I gated (gate, up, activation, product), b 2 I otherwise;
+                                 the MLP: b 4 I gated (gate, up, activation, product), b 2 I otherwise, a
+                                 mixture of experts per expert a token goes to (_mlp_keeps);
                                  tiled (model/tiling.py): no MLP term, the tiles keep their input (r H), and in
                                  a pre-norm layer (its norms folded in) r 2 H for the norms (input, residual)
     none                         every layer's set
@@ -24,11 +25,11 @@ The estimate, per rank, in bytes:
                                  holds two of them (the one in use and the one being prefetched)
     at the peak, in one layer's attention backward: the gradients r H + b (q + qkv) (residual stream,
     attention output, q/k/v), and RoPE's cos/sin, r 2 d, read by every layer
-  autocast's bf16 copies of the weights, kept for backward: 2 P (every layer's), 2 P / layers when checkpointed
+  autocast's bf16 copies of the weights: 2 P (its cache holds every layer's until the forward ends, checkpointed or not)
   loss: min(L, tile) x V x 4 x 3 bytes (fp32 logits, their softmax and gradient, one tile at a time)
   MLP tile working set: tile x I x b x 4
 The per-layer terms count what autograd keeps, in the style of Korthikanti et al. (2022), for attention that never
-materialises L x L scores; tests/test_memory_estimate.py holds them against what the layers of six architectures
+materialises L x L scores; tests/test_memory_estimate.py holds them against what the layers of nine architectures
 keep, and benchmarks/bench_memory.py measures the real figures (benchmarks/README.md).
 """
 from __future__ import annotations
@@ -58,6 +59,18 @@ class LayerParts:
     gated_mlp: bool = True
     fused_qkv: bool = False
     mlp_inputs: int = 2          # projections reading the MLP's input: gate and up, or one (fused, or a plain MLP)
+    experts_per_token: int = 0   # a mixture of experts: the experts each token goes to (0: a dense MLP)
+    experts: int = 0             # ... and how many there are (the router's logits)
+    shared_expert: bool = False  # ... with a dense expert every token goes through (Qwen2-MoE, Llama 4)
+    act_kept: int = 0            # I-wide tensors the activation keeps beyond its input (Python GELUs: ACT_KEPT)
+
+
+ATTENTION = ("self_attn", "attention", "self_attention", "attn")
+MLP = ("mlp", "feed_forward", "block_sparse_moe")
+FUSED_QKV = ("query_key_value", "qkv_proj", "c_attn", "Wqkv")
+# activations written as several tensor ops keep intermediates: NewGELU measured (Phi-2: 3 I-wide tensors), FastGELU
+# and QuickGELU counted from their expressions; torch's own gelu/silu keep their input only
+ACT_KEPT = {"NewGELUActivation": 3, "FastGELUActivation": 4, "QuickGELUActivation": 1}
 
 
 def _norm_kind(module: torch.nn.Module, lean: bool) -> str:
@@ -66,19 +79,32 @@ def _norm_kind(module: torch.nn.Module, lean: bool) -> str:
     return "lean" if lean and computes_rms_norm(module) else "other"
 
 
+def _child(module: torch.nn.Module, names: tuple) -> torch.nn.Module | None:
+    return next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), torch.nn.Module)), None)
+
+
 def layer_parts(model: torch.nn.Module, lean_norms: bool) -> LayerParts:
-    """The LayerParts of a transformers causal LM's first decoder layer; lean_norms: the lean RMSNorm is on."""
-    layer = decoder_layers(model)[0]
-    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    """The LayerParts of a transformers causal LM's first decoder layer; lean_norms: the lean RMSNorm is on. A part it
+    does not find counts as the Llama form's (a gated MLP, unfused q/k/v)."""
+    layer, config = decoder_layers(model)[0], model.config
+    attn, mlp = _child(layer, ATTENTION), _child(layer, MLP)
     norms = tuple(_norm_kind(m, lean_norms) for _, m in layer.named_children() if "norm" in type(m).__name__.lower())
     qn = getattr(attn, "q_norm", None)
-    qk = "" if qn is None else ("head" if qn.weight.numel() == getattr(attn, "head_dim", -1) else "whole")
-    mlp = layer.mlp
+    qn_weight = getattr(qn, "weight", None)
+    qk = "" if qn is None else ("whole" if qn_weight is not None and qn_weight.numel() != getattr(attn, "head_dim", -1)
+                                else "head")
+    moe = mlp is not None and hasattr(mlp, "experts")
     return LayerParts(pre_norm=pre_norm(layer), norms=norms, qk_norm=qk,
                       qk_norm_kind=_norm_kind(qn, lean_norms) if qn is not None else "lean",
-                      gated_mlp=any(hasattr(mlp, n) for n in ("gate_proj", "gate_up_proj")),
-                      fused_qkv=any(hasattr(attn, n) for n in ("query_key_value", "qkv_proj")),
-                      mlp_inputs=2 if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") else 1)
+                      gated_mlp=mlp is None or moe or any(hasattr(mlp, n) for n in ("gate_proj", "gate_up_proj")),
+                      fused_qkv=any(hasattr(attn, n) for n in FUSED_QKV),
+                      mlp_inputs=2 if mlp is None or (hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")) else 1,
+                      experts_per_token=(getattr(config, "num_experts_per_tok", None) or 1) if moe else 0,
+                      experts=next((getattr(config, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+                                    if getattr(config, n, None)), 0) if moe else 0,
+                      shared_expert=moe and any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts")),
+                      act_kept=ACT_KEPT.get(type(_child(mlp, ("act_fn", "activation_fn", "act"))).__name__, 0)
+                      if mlp is not None else 0)
 
 
 def _norm_keeps(kind: str, width: int, rows: int, b: int) -> int:
@@ -109,11 +135,28 @@ def layer_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool =
         return keep + r * 2 * H  # the layer input and the residual, which the tiles keep
     # each norm's output as what reads it keeps it: the first feeds attention's projections, the others the MLP's
     # (an upper bound for a norm whose output only joins the residual stream)
-    readers = (1 if parts.fused_qkv else 3, parts.mlp_inputs)
+    readers = [1 if parts.fused_qkv else 3, parts.mlp_inputs]
+    one = len(parts.norms) == 1  # one norm feeds both attention and the MLP (Phi-2, GPT-J, Cohere)
+    readers[0] += parts.mlp_inputs if one and not tiled else 0
     for i, kind in enumerate(parts.norms):
         cast = autocast and not (tiled and i)  # a tiled MLP keeps the norm's own output
         keep += _norm_keeps(kind, H, 1, r) + (b * readers[min(i, 1)] if cast else r) * H
-    return keep if tiled else keep + b * (4 if parts.gated_mlp else 2) * I
+    keep += r * H if one and tiled and autocast else 0  # the MLP's tiles keep the norm's output beside the copies
+    return keep if tiled else keep + _mlp_keeps(config, parts, b, H, I)
+
+
+def _mlp_keeps(config, parts: LayerParts, b: int, H: int, I: int) -> int:
+    """Bytes per token an MLP keeps: gated b 4 I (gate, up, activation, product), plain b 2 I, plus what a Python
+    activation keeps (ACT_KEPT); a mixture of experts,
+    for each expert a token goes to, the expert's gated set on its moe_intermediate_size and 3 b H (the token's copy
+    gathered for it, its output, its weighted output), the router's fp32 logits, softmax and weights (16 bytes an
+    expert), and a shared expert's gated set."""
+    if not parts.experts_per_token:
+        return b * ((4 if parts.gated_mlp else 2) + parts.act_kept) * I
+    expert = getattr(config, "moe_intermediate_size", None) or I
+    shared = getattr(config, "shared_expert_intermediate_size", None) or I
+    return (parts.experts_per_token * (b * 4 * expert + 3 * b * H) + 16 * parts.experts
+            + ((b * 4 * shared + 3 * b * H) if parts.shared_expert else 0))
 
 
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
@@ -139,8 +182,9 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
         "gradients": 4 * num_params / shard / gib,
         "optimizer": 8 * num_params / shard / gib,
         "activations": kept * tokens / gib,
-        # autocast's bf16 copies of the weights, kept for backward: every layer's, or the recomputed layer's
-        "weight_casts": (2 * num_params / (1 if ac == "none" else n) / gib) if autocast else 0.0,
+        # autocast's bf16 copies of the weights: its cache holds every layer's until the forward ends, checkpointed
+        # or not
+        "weight_casts": (2 * num_params / gib) if autocast else 0.0,
         "loss": min(tokens, loss_tile) * config.vocab_size * 4 * 3 / gib,
         "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
         "activation_bytes_per_token": kept,

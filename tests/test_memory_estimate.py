@@ -41,17 +41,16 @@ def test_layer_estimate_matches_what_a_layer_keeps(ac, tile, autocast):
 
 
 def test_autocast_weight_copies_are_counted():
-    """Under autocast every layer keeps bf16 copies of its matmuls' weights for backward; the estimate's weight_casts
-    counts 2 bytes a parameter: every layer's without checkpointing, one layer's with it."""
+    """Under autocast every layer keeps bf16 copies of its matmuls' weights; the estimate's weight_casts (2 bytes a
+    parameter: autocast's cache holds them all until the forward ends, checkpointed or not) covers them."""
     model = tiny_model()
-    with_casts = saved_per_layer(model, autocast=True)
-    casts = sum(with_casts) - sum(saved_per_layer(model, autocast=True, weights=False))
-    P = sum(p.numel() for p in model.parameters())
+    casts = sum(saved_per_layer(model, autocast=True)) - sum(saved_per_layer(model, autocast=True, weights=False))
     assert casts == 2 * sum(p.numel() for p in model.lm.model.layers.parameters() if p.ndim == 2), casts
-    est = estimate(model.lm.config, P, L, "none", 0, 1024, act_bytes=2, autocast=True)["weight_casts"] * 2 ** 30
-    assert est == 2 * P, "an upper bound: the embedding and the norms' weights are read in fp32"
-    one = estimate(model.lm.config, P, L, "full", 0, 1024, act_bytes=2, autocast=True)["weight_casts"] * 2 ** 30
-    assert one == est / model.lm.config.num_hidden_layers
+    P = sum(p.numel() for p in model.parameters())
+    for ac in ("none", "full", "selective"):
+        est = estimate(model.lm.config, P, L, ac, 0, 1024, act_bytes=2, autocast=True)["weight_casts"] * 2 ** 30
+        assert casts <= est < 1.2 * casts, (ac, casts, est)
+    assert estimate(model.lm.config, P, L, "none", 0, 1024, act_bytes=2)["weight_casts"] == 0, "FSDP2's bf16 weights"
 
 
 def _arch(name):
@@ -65,24 +64,39 @@ def _arch(name):
             "gpt_neox": lambda: T.GPTNeoXConfig(**kw),
             "gemma3": lambda: T.Gemma3TextConfig(num_key_value_heads=2, head_dim=10, sliding_window=1000, **kw),
             "olmo2": lambda: T.Olmo2Config(num_key_value_heads=2, **kw),
-            "phi3": lambda: T.Phi3Config(num_key_value_heads=2, **kw)}[name]()
+            "phi3": lambda: T.Phi3Config(num_key_value_heads=2, **kw),
+            "phi": lambda: T.PhiConfig(**{**kw, "num_attention_heads": 5}),  # an even rotary width
+            "mixtral": lambda: T.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **kw),
+            "qwen2_moe": lambda: T.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=60, shared_expert_intermediate_size=100, **kw),
+            }[name]()
 
 
 # What sets each architecture apart in the estimate: q/k norms per head (Qwen3), LayerNorm, a fused q/k/v and a
 # two-matrix MLP (GPT-NeoX), four norms of Gemma's own form with q/k norms (Gemma 3), post-norms and q/k norms
-# over the whole projection (OLMo 2), a fused q/k/v under pre-norms outside PRE_NORM_LAYERS (Phi-3).
+# over the whole projection (OLMo 2), a fused q/k/v under pre-norms outside PRE_NORM_LAYERS (Phi-3), one norm
+# feeding attention and the MLP in parallel with a Python GELU (Phi-2), experts (Mixtral) with a shared one
+# (Qwen2-MoE).
 PARTS = {"llama": LayerParts(),
          "qwen3": LayerParts(qk_norm="head"),
          "gpt_neox": LayerParts(pre_norm=False, norms=("layer", "layer"), gated_mlp=False, fused_qkv=True,
                                 mlp_inputs=1),
          "gemma3": LayerParts(pre_norm=False, norms=("other",) * 4, qk_norm="head", qk_norm_kind="other"),
          "olmo2": LayerParts(pre_norm=False, qk_norm="whole"),
-         "phi3": LayerParts(pre_norm=False, fused_qkv=True, mlp_inputs=1)}
+         "phi3": LayerParts(pre_norm=False, fused_qkv=True, mlp_inputs=1),
+         "phi": LayerParts(pre_norm=False, norms=("layer",), gated_mlp=False, mlp_inputs=1, act_kept=3),
+         "mixtral": LayerParts(pre_norm=False, mlp_inputs=1, experts_per_token=2, experts=4),
+         "qwen2_moe": LayerParts(pre_norm=False, mlp_inputs=1, experts_per_token=2, experts=4, shared_expert=True)}
+MOE = ("mixtral", "qwen2_moe")
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("tile", [0, 16])
-@pytest.mark.parametrize("arch", sorted(PARTS))
+# The experts' routed tensors have no L-token dimension, so under autocast they cannot be told from the weights'
+# copies (saved_per_layer): mixtures of experts are held to the estimate in fp32.
+CASES = [(arch, tile, autocast) for arch in sorted(PARTS) for tile in (0, 16) for autocast in (False, True)
+         if not (autocast and arch in MOE)]
+
+
+@pytest.mark.parametrize("arch, tile, autocast", CASES)
 def test_layer_estimate_follows_the_architecture(arch, tile, autocast):
     """layer_parts reads what sets a model's layers apart, and with it the estimate of one layer's set (plain, or
     tiled: the MLP alone outside PRE_NORM_LAYERS; fp32 or bf16 autocast) is an upper bound within 20% of what every
@@ -99,7 +113,7 @@ def test_layer_estimate_follows_the_architecture(arch, tile, autocast):
     patch_model(lm, "none", offload=False, mlp_tile=tile, lean_norms=True)
     use_longstride_attention(lm)
     model = ChunkedLossLM(lm, tile=20)
-    measured = [b / L for b in saved_per_layer(model, shared=False, autocast=autocast, weights=False)]
+    measured = [b / L for b in saved_per_layer(model, shared=False, autocast=autocast, weights=arch in MOE)]
     est = estimate(lm.config, 1, L, "none", tile, 1024, act_bytes=2 if autocast else 4, parts=parts,
                    autocast=autocast)["layer_bytes_per_token"]
     assert all(m <= est <= 1.2 * m for m in measured), (est, measured)
@@ -171,3 +185,17 @@ def test_layer_parts_sees_the_pre_norm_form_through_a_wrapped_class():
     assert pre_norm(layer) and layer_parts(lm, lean_norms=True).pre_norm
     layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
     assert pre_norm(layer) and layer_parts(lm, lean_norms=True) == LayerParts()
+
+
+def test_layer_parts_reads_layers_of_other_names():
+    """Llama 4 names its MLP feed_forward (experts with a shared one); NanoChat's q/k norms have no weight: both are
+    read, not a crash before training (the estimate is a planning aid)."""
+    import transformers as T
+
+    kw = dict(vocab_size=50, hidden_size=40, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+              pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    llama4 = layer_parts(T.Llama4ForCausalLM(T.Llama4TextConfig(num_key_value_heads=2, head_dim=10, num_local_experts=2,
+                                                                intermediate_size_mlp=80, **kw)), lean_norms=True)
+    assert (llama4.experts_per_token, llama4.experts, llama4.shared_expert) == (1, 2, True), llama4
+    nanochat = layer_parts(T.AutoModelForCausalLM.from_config(T.NanoChatConfig(**kw)), lean_norms=True)
+    assert nanochat.qk_norm == "head" and not nanochat.experts_per_token, nanochat

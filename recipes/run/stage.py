@@ -149,8 +149,9 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
-                 f"activations {est['activations']:.2f} at {int(est['activation_bytes_per_token'])} B/token, loss "
-                 f"{est['loss']:.2f}) of {avail:.1f} GiB ({where})")
+                 f"activations {est['activations']:.2f} at {int(est['activation_bytes_per_token'])} B/token, "
+                 f"autocast's weight copies {est['weight_casts']:.2f}, loss {est['loss']:.2f}, MLP tiles "
+                 f"{est['mlp_tiles']:.2f}) of {avail:.1f} GiB ({where})")
     if spec.offload:
         tracker.info("stage %s: %.2f GiB of checkpointed layer inputs per rank offloaded to pinned host memory",
                      plan.name, est["host_activations"])
