@@ -13,7 +13,8 @@ from longstride.recipes.checkpoint.format import MANIFEST, verify
 from tests.conftest import REPO, compose_cfg
 
 SHIPPED = REPO / "model" / "shipped" / "tiny_base_256"
-ALL_SHIPPED = sorted(p for p in (REPO / "model" / "shipped").iterdir() if (p / MANIFEST).is_file())
+ALL_SHIPPED = sorted(p for p in (REPO / "model" / "shipped").iterdir()
+                     if (p / MANIFEST).is_file() and ".partial-" not in p.name)  # not one being shipped
 
 
 def manifest(folder=SHIPPED) -> dict:
@@ -120,7 +121,8 @@ def test_shipping_copies_the_weights_however_they_are_saved(tmp_path):
 @pytest.mark.parametrize("scores_fail", [False, True])
 def test_shipping_builds_aside_and_renames_whole(tmp_path, monkeypatch, scores_fail):
     """ship() copies, scores and writes the manifest in a sibling folder and renames it into place: the shipped
-    folder verifies; a failure while scoring leaves neither it nor the staging folder."""
+    folder verifies; a failure while scoring leaves neither it nor the staging folder; a killed ship's folder is
+    removed; a destination whose parent is missing is refused before anything is written."""
     from longstride.recipes.checkpoint import ship
 
     def scores(directory, samples, name):
@@ -132,7 +134,10 @@ def test_shipping_builds_aside_and_renames_whole(tmp_path, monkeypatch, scores_f
     monkeypatch.setattr(ship, "own_scores", scores)
     monkeypatch.setattr(ship, "provenance", lambda final: {"recipe": "test"})
     dest = tmp_path / "shipped" / "m"
+    with pytest.raises(ValueError, match="does not exist; create it"):
+        ship.ship(str(SHIPPED), str(dest), 3)
     dest.parent.mkdir()
+    (dest.parent / "m.partial-999999999").mkdir()  # a killed ship's folder: its process is gone
     if scores_fail:
         with pytest.raises(RuntimeError, match="RULER failed"):
             ship.ship(str(SHIPPED), str(dest), 3)
