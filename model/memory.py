@@ -159,6 +159,12 @@ def _mlp_keeps(config, parts: LayerParts, b: int, H: int, I: int) -> int:
             + ((b * 4 * shared + 3 * b * H) if parts.shared_expert else 0))
 
 
+def precision(bf16: bool, fsdp: bool) -> dict:
+    """estimate's act_bytes and autocast for a run: bf16 is autocast over fp32 weights (one process, DDP) or, under
+    FSDP2, its bf16 weights."""
+    return {"act_bytes": 2 if bf16 else 4, "autocast": bf16 and not fsdp}
+
+
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
              act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts(),
              autocast: bool = False) -> dict:

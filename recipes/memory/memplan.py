@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from omegaconf import OmegaConf
 
 from longstride.model.build import stage_config
-from longstride.model.memory import estimate
+from longstride.model.memory import estimate, precision
 from longstride.overrides import parse, run, writable_dir
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
@@ -190,8 +190,7 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     n, step = r["num_params"], prog.step
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
                    mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1,
-                   act_bytes=2 if prog.bf16 else 4, offload=step.offload, parts=r["layer_parts"],
-                   autocast=prog.bf16 and not prog.fsdp)
+                   offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp))
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": step.checkpointing, "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",

@@ -32,7 +32,7 @@ from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
 from longstride.model.loss import decoder_layers
-from longstride.model.memory import device_memory_gib, estimate, kv_heads, layer_parts
+from longstride.model.memory import device_memory_gib, estimate, kv_heads, layer_parts, precision
 from longstride.model.rope import rope_placement
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
@@ -141,11 +141,10 @@ def validation_loss(ctx: RunContext, run: StageRun) -> float:
 def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     """The stage's per-rank memory estimate (model/memory.py) against the device's, with a warning."""
     acc, tracker, s, spec = ctx.accelerator, ctx.tracker, plan.stage, plan.step
-    bf16 = acc.mixed_precision == "bf16"  # autocast over fp32 weights, or FSDP2's bf16 weights
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
                    ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
-                   shard=acc.num_processes if plan.fsdp else 1, act_bytes=2 if bf16 else 4, offload=spec.offload,
-                   parts=layer_parts(lm, spec.lean_norms), autocast=bf16 and not plan.fsdp)
+                   shard=acc.num_processes if plan.fsdp else 1, offload=spec.offload,
+                   parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp))
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
