@@ -11,6 +11,8 @@ import stat
 from functools import lru_cache
 from pathlib import Path
 
+from longstride.whole_dir import staged
+
 SKIP_EXCLUDED_DIRS = {"site-packages", "__pycache__", "dist-packages"}
 
 
@@ -49,7 +51,6 @@ def _unpack(archive: Path, root: Path, stamp: Path) -> None:
     (a partial folder, a tree without its stamp) is removed first."""
     import shutil
     import tarfile
-    import tempfile
 
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
@@ -61,18 +62,12 @@ def _unpack(archive: Path, root: Path, stamp: Path) -> None:
             pass
         if stamp.is_file() and stamp.read_text() == _archive_hash():
             return  # another process unpacked it while this one waited
-        for stale in root.parent.glob(f"{root.name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=root.name + ".partial-"))
-        try:
+        with staged(str(root)) as tmp:  # a killed unpack's partial folder is removed first
             with tarfile.open(archive) as tar:
                 # our own archive; the "data" filter (Python >= 3.10.12 / 3.11.4) refuses links and absolute paths
                 tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-            (tmp / stamp.name).write_text(_archive_hash())
-            shutil.rmtree(root, ignore_errors=True)
-            os.rename(tmp, root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            Path(tmp, stamp.name).write_text(_archive_hash())
+            shutil.rmtree(root, ignore_errors=True)  # a tree without its stamp, or another archive's
 
 
 def list_files(root: Path, patterns: str, unreadable: bool = False) -> list[str]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from longstride.data.batch import context_only
+from longstride.whole_dir import Appeared, staged
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -41,12 +41,14 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
     """Train once per `key`; written to a temporary dir and renamed, so a crash leaves no half file."""
     final = os.path.join(cache_dir, "tokenizers", key)
     if not os.path.isfile(os.path.join(final, "tokenizer.json")):
-        tmp = f"{final}.tmp-{os.getpid()}"
-        train_bpe(texts, vocab_size, split_digits).save_pretrained(tmp)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
         try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first: theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
+            with staged(final) as tmp:
+                train_bpe(texts, vocab_size, split_digits).save_pretrained(tmp)
+        except (Appeared, OSError):
+            if not os.path.isfile(os.path.join(final, "tokenizer.json")):
+                raise
+            # another process finished first: theirs is identical
     return AutoTokenizer.from_pretrained(final)
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 from longstride.model.manifest import write_manifest
 from longstride.overrides import parse, run
+from longstride.whole_dir import staged
 
 
 @dataclass
@@ -56,17 +55,11 @@ def convert(gguf: str, out: str) -> str:
     settings.pop("quantization_config", None)
     model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(settings))
     model.load_state_dict(loaded.state_dict())  # strict: every weight is carried over
-    parent, base = os.path.split(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=parent)  # this conversion's own: never an earlier crash's
-    try:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with staged(out) as tmp:  # a half-written directory never looks like a checkpoint
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         write_manifest(tmp, world_size=1, extra={"converted_from": os.path.abspath(gguf)})
-        os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

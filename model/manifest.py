@@ -9,6 +9,8 @@ import json
 import os
 from typing import Callable, Optional
 
+from longstride.whole_dir import fsync_path
+
 MANIFEST = "manifest.json"
 
 
@@ -18,14 +20,6 @@ def sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None) -> None:

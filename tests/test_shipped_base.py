@@ -10,11 +10,12 @@ import shutil
 import pytest
 
 from longstride.recipes.checkpoint.format import MANIFEST, verify
+from longstride.whole_dir import is_partial
 from tests.conftest import REPO, compose_cfg
 
 SHIPPED = REPO / "model" / "shipped" / "tiny_base_256"
 ALL_SHIPPED = sorted(p for p in (REPO / "model" / "shipped").iterdir()
-                     if (p / MANIFEST).is_file() and ".partial-" not in p.name)  # not one being shipped
+                     if (p / MANIFEST).is_file() and not is_partial(str(p)))  # not one being shipped
 
 
 def manifest(folder=SHIPPED) -> dict:

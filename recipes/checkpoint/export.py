@@ -10,8 +10,6 @@ under a temporary name and renamed into place. Any command that takes `checkpoin
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from longstride.overrides import parse, run
 from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
 from longstride.recipes.checkpoint.format import verify, write_manifest
+from longstride.whole_dir import staged
 
 
 @dataclass
@@ -49,16 +48,11 @@ def export_hf(checkpoint: str, out: str) -> str:
         load_model_shards(checkpoint, model)
     except (UnsafeCheckpoint, CheckpointException) as e:
         raise ValueError(f"checkpoint={checkpoint!r}: {e}") from None
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)  # beside `out`, so the rename stays on one disk
-    try:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with staged(out) as tmp:  # a half-written directory never looks like a checkpoint
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(checkpoint).save_pretrained(tmp)
         write_manifest(tmp, 1, {"exported_from": os.path.abspath(checkpoint)})
-        os.replace(tmp, out)  # a half-written directory never looks like a checkpoint
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

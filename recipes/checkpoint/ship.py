@@ -10,19 +10,17 @@ its training seed, the commit, and the checkpoint's RULER scores at its trained 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
 import shutil
 import subprocess
 
-from longstride.model.manifest import fsync_path
 from longstride.recipes.checkpoint.format import MANIFEST, verify, write_manifest
+from longstride.whole_dir import staged
 
 SHIPPED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja")
-STAGING = ".partial-"  # <dest>.partial-<pid>: a shipped folder being built
 WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors$|model\.safetensors\.index\.json$")  # one file or shards
 
 
@@ -84,40 +82,16 @@ def ship(final: str, dest: str, samples: int) -> dict:
         raise ValueError(f"{dest} exists; move it aside first (a shipped model is never overwritten in place)")
     names = shipped_files(final)
     extra = {"made_by": provenance(final), "commit": commit()}
-    # built in a sibling folder and renamed into place: dest exists only whole, with its manifest; a failure on the
-    # way (a copy, the scores) leaves nothing behind, and a killed ship's folder is removed by the next
-    dest = os.path.normpath(dest)
+    # built beside dest and renamed into place (longstride/whole_dir.py): dest exists only whole, with its manifest
     parent = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(parent):
         raise ValueError(f"{parent} does not exist; create it, or ship to a folder inside an existing one")
-    for stale in glob.glob(glob.escape(dest) + STAGING + "*"):
-        if not _alive(stale.rsplit(STAGING, 1)[1]):
-            shutil.rmtree(stale, ignore_errors=True)
-    staging = f"{dest}{STAGING}{os.getpid()}"
-    os.mkdir(staging)
-    try:
+    with staged(dest) as staging:
         for name in names:
             shutil.copy2(os.path.join(final, name), os.path.join(staging, name))
-        extra["ruler"] = own_scores(staging, samples, os.path.basename(dest))
+        extra["ruler"] = own_scores(staging, samples, os.path.basename(os.path.normpath(dest)))
         write_manifest(staging, 1, extra)
-        if os.path.exists(dest):  # made while this one scored: never replaced
-            raise ValueError(f"{dest} appeared while shipping; move it aside and ship again")
-        os.rename(staging, dest)
-        fsync_path(parent)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return extra
-
-
-def _alive(pid: str) -> bool:
-    """Whether a staging folder's process still runs (another ship of the same model)."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
 
 
 def main() -> None:
