@@ -17,6 +17,13 @@ CONFIGS = REPO / "configs"
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest tests first on every xdist worker (tests/schedule.py)."""
+    from tests.schedule import reorder
+
+    reorder(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 def micro_overrides(root: Path, cache: Path) -> list[str]:
     """A 3-stage recipe small enough for tests: 64 -> 128 -> 256 tokens on 60 stdlib files."""
     return [
