@@ -17,15 +17,13 @@ import sys
 from datetime import timedelta
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from longstride.process import skip_exit_collection
-from longstride.recipes.checkpoint.format import CheckpointError, final_dir, resume_from_stage, supersede_after, verified_final
-from longstride.recipes.run.faults import NonFiniteError, StageInputError, Stopped, die_with_parent
-from longstride.recipes.run.runlock import RunLock, check_identity, check_shared
 from longstride.recipes.config.schema import Config, selected_stages, to_schema
-from longstride.recipes.run.tracking import Tracker
+
+# torch, transformers, accelerate and the checkpoint code are imported where they are used, after the command line
+# composed: a typo, --help and --cfg answer without loading them (recipes/config/compose.py)
 
 
 def write_hydra_files(recipe_dir: str) -> None:
@@ -42,6 +40,8 @@ def write_hydra_files(recipe_dir: str) -> None:
 def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | None]:
     """(stages to run, the first one's init checkpoint): with stage=NAME, the previous stage's final one,
     which must exist."""
+    from longstride.recipes.checkpoint.format import final_dir, verified_final
+
     stages, names = selected_stages(cfg), list(cfg.recipe.stages)
     first = names.index(stages[0])
     init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
@@ -56,6 +56,7 @@ def use_cpu() -> bool:
     on a GPU machine (`accelerate launch --cpu` sets it; a config's `use_cpu: true` does so only for a single
     process, so a multi-process CPU run on a GPU machine needs ACCELERATE_USE_CPU=1 in the environment), so that
     precision and kernel are planned for the device that runs."""
+    import torch
     from accelerate.utils import parse_flag_from_env
 
     return not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
@@ -69,6 +70,7 @@ def make_accelerator(cfg: Config, world: int):
     from accelerate.utils import InitProcessGroupKwargs
 
     from longstride.recipes.config.plan import resolve_precision
+    from longstride.recipes.run.faults import die_with_parent
 
     if world > 1:
         die_with_parent()  # a killed launcher takes its workers with it
@@ -81,6 +83,9 @@ def make_accelerator(cfg: Config, world: int):
 def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: dict, tracker) -> None:
     """Main process: the restart decisions (train.resume_from, train.resume=false, a changed config; see
     recipes/run/runlock.py), then the run's config files. What a restart supersedes is moved aside, never deleted."""
+    from longstride.recipes.checkpoint.format import resume_from_stage, supersede_after
+    from longstride.recipes.run.runlock import check_identity
+
     names, resume_from = list(cfg.recipe.stages), cfg.train.resume_from
     if resume_from:
         resume_from_stage(resume_from, recipe_dir, names)
@@ -97,9 +102,13 @@ def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: d
 def setup(cfg: Config, raw: DictConfig | None):
     """Every check, then the tokenizer and corpus (once for all stages). Bad input fails here,
     before any model is built. Returns (context, stage names to run, first stage's init dir)."""
+    import torch
+
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.recipes.config.plan import validate
+    from longstride.recipes.run.runlock import RunLock, check_shared
     from longstride.recipes.run.stage import RunContext
+    from longstride.recipes.run.tracking import Tracker
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
     plans = validate(cfg, world, "cpu" if use_cpu() else "cuda")
@@ -159,6 +168,9 @@ def run(cfg: Config, raw: DictConfig | None = None) -> list[str]:
 def main(raw: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from longstride.recipes.checkpoint.format import CheckpointError
+    from longstride.recipes.run.faults import NonFiniteError, StageInputError, Stopped
+
     skip_exit_collection()
     try:
         prepared = setup(to_schema(raw, HydraConfig.get().overrides.task), raw)
@@ -187,7 +199,7 @@ def entry() -> None:
     composition error (a mistyped key or choice, a stage added on the command line: schema.added_stage_hint) is one
     line and exit 2, as every other bad input, not Hydra's traceback hint and exit 1; then Hydra's main. Hydra's own
     flags (--cfg, --help, --multirun, ...) and hydra.mode=MULTIRUN sweeps go to it untouched."""
-    from longstride.recipes.memory.memplan import compose_training
+    from longstride.recipes.config.compose import compose_training
 
     argv = sys.argv[1:]
     dirs = ("--config-dir", "-cd")
@@ -213,7 +225,7 @@ def note_replaced_weights(argv: list[str], flags: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from longstride.recipes.config.schema import weight_dict_keys
-    from longstride.recipes.memory.memplan import compose_training
+    from longstride.recipes.config.compose import compose_training
 
     valued = ("--cfg", "-c", "--package", "-p")  # flags that take the next word (job, hydra, all; a package)
     rest = [a for i, a in enumerate(argv) if a not in flags and not (i and argv[i - 1] in valued)]

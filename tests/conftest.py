@@ -48,7 +48,7 @@ def micro_overrides(root: Path, cache: Path) -> list[str]:
 
 
 def compose_cfg(overrides: list[str]):
-    from longstride.recipes.memory.memplan import compose_training
+    from longstride.recipes.config.compose import compose_training
 
     return compose_training(overrides)
 

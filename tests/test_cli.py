@@ -167,7 +167,7 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
     """A recipe file outside the package (--config-dir DIR, DIR/recipe/NAME.yaml) composes for training and for
     compose_training (`plan`, `check`); a stage added as an override, which OmegaConf cannot build as a typed stage,
     exits 2 saying how to add one instead of Hydra's "dict is not a subclass of StageConfig"."""
-    from longstride.recipes.memory.memplan import compose_training
+    from longstride.recipes.config.compose import compose_training
 
     (tmp_path / "mine" / "recipe").mkdir(parents=True)
     text = (REPO / "configs" / "recipe" / "tiny.yaml").read_text().replace("name: tiny\n", "name: mine\n", 1)

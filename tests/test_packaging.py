@@ -63,7 +63,7 @@ import json, sys
 from transformers import AutoConfig
 import longstride.recipes.train
 from longstride.data.tokenizer import load_tokenizer
-from longstride.recipes.memory.memplan import compose_training
+from longstride.recipes.config.compose import compose_training
 cfg = compose_training(["recipe=tiny_extend"])
 tok = load_tokenizer(cfg.data.tokenizer)
 print(json.dumps({"modules": sorted({m.__file__ for n, m in sys.modules.items() if n.split(".")[0] == "longstride"

@@ -56,7 +56,7 @@ def parse_args(argv: list[str]):
     """(CheckConfig, the composed training Config) from key=value arguments."""
     from longstride.data.tokenizer import has_tokenizer
     from longstride.model.build import check_checkpoint_dir
-    from longstride.recipes.memory.memplan import compose_training
+    from longstride.recipes.config.compose import compose_training
 
     names = {f.name for f in dataclasses.fields(CheckConfig)} - {"overrides"}
     mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]

@@ -29,11 +29,10 @@ from longstride.overrides import parse, run, writable_dir
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.recipes.config.plan import validate
-from longstride.recipes.config.schema import AddedStageError, added_stage_hint, to_schema
+from longstride.recipes.config.compose import CONFIGS, compose_training
 from longstride.recipes.memory.trace import stage_program, trace_step
 
 GIB = 2 ** 30
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 @dataclass
@@ -66,48 +65,6 @@ def hardware(name: str) -> Hardware:
         raise ValueError(f"hardware={name!r} is unknown; known: {', '.join(known)} (configs/hardware/)")
     merged = OmegaConf.merge(OmegaConf.structured(Hardware), OmegaConf.load(os.path.join(folder, f"{name}.yaml")))
     return OmegaConf.to_object(merged)
-
-
-def compose_training(overrides: list[str], command: str = ""):
-    """The training config that `overrides` compose (Hydra's own exceptions); with `command`, a composition error
-    is a one-line ValueError pointing at that command's --help, an AddedStageError for a stage added on the command
-    line."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from longstride.overrides import _reason
-
-    overrides = config_dirs(overrides)
-    try:
-        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-            return to_schema(compose("config", overrides=list(overrides)), overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        if not command:
-            raise
-        reason = _reason(e)
-        hint = added_stage_hint(overrides, reason)
-        if hint:
-            raise AddedStageError(hint) from None
-        raise ValueError(f"{reason} (see {command} --help)") from None
-
-
-def config_dirs(argv: list[str]) -> list[str]:
-    """Hydra's `--config-dir DIR` (also `--config-dir=DIR`, `-cd DIR`: a folder of your own config groups, e.g.
-    DIR/recipe/NAME.yaml, searched before longstride's) as the override that compose() takes."""
-    out, dirs, args = [], [], iter(argv)
-    for arg in args:
-        if arg in ("--config-dir", "-cd"):
-            dirs.append(next(args, ""))
-        elif arg.startswith("--config-dir="):
-            dirs.append(arg.split("=", 1)[1])
-        else:
-            out.append(arg)
-    for d in dirs:
-        if not os.path.isdir(d):
-            raise ValueError(f"--config-dir {d!r} is not a directory; name the folder that holds your recipe/NAME.yaml")
-    paths = ",".join(f"file://{os.path.abspath(d)}" for d in dirs)
-    return out + [f"hydra.searchpath=[{paths}]"] if dirs else out
 
 
 def model_config(cfg, stage):

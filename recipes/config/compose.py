@@ -1,0 +1,54 @@
+"""The training config a command line composes: Hydra's compose over configs/ (and a --config-dir of your own), checked
+against the schema. Light on purpose (Hydra, OmegaConf and the config dataclasses only): `longstride train`
+composes the command line before anything else is imported, so that a typo, --help and --cfg answer in about a
+second instead of after torch and transformers load.
+"""
+from __future__ import annotations
+
+import os
+
+from longstride.recipes.config.schema import AddedStageError, added_stage_hint, to_schema
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+def compose_training(overrides: list[str], command: str = ""):
+    """The training config that `overrides` compose (Hydra's own exceptions); with `command`, a composition error
+    is a one-line ValueError pointing at that command's --help, an AddedStageError for a stage added on the command
+    line."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from longstride.overrides import _reason
+
+    overrides = config_dirs(overrides)
+    try:
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            return to_schema(compose("config", overrides=list(overrides)), overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        if not command:
+            raise
+        reason = _reason(e)
+        hint = added_stage_hint(overrides, reason)
+        if hint:
+            raise AddedStageError(hint) from None
+        raise ValueError(f"{reason} (see {command} --help)") from None
+
+
+def config_dirs(argv: list[str]) -> list[str]:
+    """Hydra's `--config-dir DIR` (also `--config-dir=DIR`, `-cd DIR`: a folder of your own config groups, e.g.
+    DIR/recipe/NAME.yaml, searched before longstride's) as the override that compose() takes."""
+    out, dirs, args = [], [], iter(argv)
+    for arg in args:
+        if arg in ("--config-dir", "-cd"):
+            dirs.append(next(args, ""))
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise ValueError(f"--config-dir {d!r} is not a directory; name the folder that holds your recipe/NAME.yaml")
+    paths = ",".join(f"file://{os.path.abspath(d)}" for d in dirs)
+    return out + [f"hydra.searchpath=[{paths}]"] if dirs else out
