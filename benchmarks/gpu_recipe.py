@@ -100,9 +100,9 @@ def loss_curve(steps: list[dict], points: int = 24) -> list[list]:
 
 def stage_summary(records: list[dict]) -> dict | None:
     """One stage's metrics.jsonl records -> its length, base, steps, tokens, median tokens/s of the steps after
-    the first (the first carries warm-up), last loss and the loss curve, validation losses (before, after) and
-    peak memory with how it was measured; None for a stage cut short before its first step. The device window's
-    --collect reads its runs' stages with it too."""
+    the first (the first carries warm-up; also counting only the tokens that carry a loss: no padding), last loss
+    and the loss curve, validation losses (before, after) and peak memory with how it was measured; None for a stage
+    cut short before its first step. The device window's --collect reads its runs' stages with it too."""
     steps = [r for r in records if "loss" in r]
     if not steps:
         return None
@@ -111,6 +111,7 @@ def stage_summary(records: list[dict]) -> dict | None:
     return {"seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"], "steps": len(steps),
             "tokens": steps[-1]["tokens_seen"],
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps[1:] or steps),
+            "loss_tokens_per_s_median": statistics.median(r.get("loss_tokens_per_s", 0.0) for r in steps[1:] or steps),
             "final_loss": steps[-1]["loss"], "loss_curve": loss_curve(steps),
             "val_loss": [r["val_loss"] for r in records if "val_loss" in r][-2:],
             "peak_gib": max(r[f"peak_mem_gib_{method}"] for r in steps) if method else None, "peak_method": method}

@@ -105,6 +105,7 @@ def test_device_window_smoke_runs_the_gpu_recipe_window(tmp_path):
     assert recipe["rehearsal"] and [(r["stage"], r["seq_len"]) for r in recipe["stages"]] == [
         ("s0_copy", 256), ("s1_4k", 256), ("s2_32k", 2048), ("s3_64k", 4096)]
     assert all(r["tokens"] > 0 and r["seconds"] > 0 and len(r["val_loss"]) == 2 for r in recipe["stages"])
+    assert all(0 < r["loss_tokens_per_s_median"] < r["tokens_per_s_median"] for r in recipe["stages"])  # no padding
     assert [r["label"] for r in recipe["ruler"]] == ["s1_4k", "s2_32k", "s3_64k", "s3_64k + YaRN x2"]
     assert set(recipe["ruler"][0]["scores"]) == {"niah_single_1", "niah_single_2", "niah_multikey_1", "vt", "synth_kv"}
     assert set(recipe["in_format"]) == {"s1_4k at 512", "s1_4k at 2048", "s2_32k at 2048", "s3_64k at 4096"}

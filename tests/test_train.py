@@ -39,6 +39,8 @@ def test_recipe_chains_stages_and_bumps_rope_base(micro, tmp_path):
         assert sorted(metrics) == list(range(0, stage.steps + 1))
         assert "val_loss" in metrics[0] and "val_loss" in metrics[stage.steps]
         assert metrics[1]["rope_theta"] == stage.rope_theta and metrics[1]["seq_len"] == stage.seq_len
+        # every position of the batch against those with a loss (no padding, no document's last token)
+        assert all(0 < m["loss_tokens_per_s"] < m["tokens_per_s"] for s, m in metrics.items() if s)
     # Rerunning a finished recipe trains nothing and keeps the checkpoints.
     before = os.path.getmtime(os.path.join(finals[-1], "model.safetensors"))
     run(cfg)

@@ -319,9 +319,12 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     run.step += 1
     run.tokens_seen += stage.batch_tokens
     mem_method, mem = peak_memory_gib(acc.device)
-    return {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / (time.perf_counter() - t0),
-            "tokens_seen": run.tokens_seen, "rope_theta": stage.rope_theta, "seq_len": stage.seq_len,
-            "grad_norm": grad_norm, "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
+    seconds = time.perf_counter() - t0
+    # tokens_per_s: every position of the step's batch, padding included (as torchtitan counts); loss_tokens_per_s:
+    # the positions that carry a loss, over all ranks (no padding, no document's last token)
+    return {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / seconds,
+            "loss_tokens_per_s": count.item() / seconds, "tokens_seen": run.tokens_seen,
+            "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": grad_norm, "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
 
 
 def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, last_good: Optional[str]) -> None:
