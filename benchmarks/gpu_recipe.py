@@ -111,7 +111,8 @@ def stage_summary(records: list[dict]) -> dict | None:
     return {"seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"], "steps": len(steps),
             "tokens": steps[-1]["tokens_seen"],
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps[1:] or steps),
-            "loss_tokens_per_s_median": statistics.median(r.get("loss_tokens_per_s", 0.0) for r in steps[1:] or steps),
+            "loss_tokens_per_s_median": statistics.median(counted) if (counted := [
+                r["loss_tokens_per_s"] for r in steps[1:] or steps if "loss_tokens_per_s" in r]) else None,
             "final_loss": steps[-1]["loss"], "loss_curve": loss_curve(steps),
             "val_loss": [r["val_loss"] for r in records if "val_loss" in r][-2:],
             "peak_gib": max(r[f"peak_mem_gib_{method}"] for r in steps) if method else None, "peak_method": method}

@@ -19,9 +19,10 @@ The estimate, per rank, in bytes:
                                  a pre-norm layer (its norms folded in) r 2 H for the norms (input, residual)
     none                         every layer's set
     full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
-    selective                    r H per layer (its input) and the outputs of the cheap ops its cache keeps
-                                 (selective_keeps: RoPE's, the residual adds', the MLP's activation and product,
-                                 norms of other forms than the lean one, autocast's casts), plus one layer's set
+    selective                    the outputs of the cheap ops its cache keeps per layer (selective_keeps: RoPE's,
+                                 the residual adds', the last of which is the next layer's input, the MLP's
+                                 activation and product, norms of other forms than the lean one, autocast's casts),
+                                 plus one layer's set
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
     at the peak, in one layer's attention backward: the gradients r H + b (q + qkv) (residual stream,
@@ -196,7 +197,7 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bo
                                                                         if parts.shared_expert else 0)
     else:
         keep += b * I * (parts.act_ops + (1 if parts.gated_mlp else 0))
-    return int(keep)
+    return round(keep)
 
 
 def _rotary_fraction(config, head_dim: int) -> float:
@@ -239,7 +240,8 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     r = 4 if autocast else act_bytes  # the residual stream's bytes per element
     layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
     peak = r * H + act_bytes * (q + qkv) + r * 2 * d  # gradients in one layer's backward, cos/sin
-    per_layer = layer if ac == "none" else r * H if ac == "full" else r * H + selective_keeps(
+    # selective: the cache holds each layer's output (its last residual add), which is the next layer's input
+    per_layer = layer if ac == "none" else r * H if ac == "full" else selective_keeps(
         config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)
     kept = n * per_layer + (layer if ac != "none" else 0) + peak
     host = 0

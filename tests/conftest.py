@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection, so that the shares are sized on what runs
 def pytest_collection_modifyitems(config, items):
     """Longest tests first on every xdist worker (tests/schedule.py)."""
     from tests.schedule import reorder

@@ -39,14 +39,18 @@ def test_a_directory_made_meanwhile_is_kept_and_named(tmp_path):
     assert os.listdir(tmp_path) == ["m"] and os.listdir(out) == ["theirs"]
 
 
-def test_a_dead_writers_partial_folder_is_removed_and_a_live_ones_kept(tmp_path):
-    out = tmp_path / "m"
-    dead, live = tmp_path / "m.partial-999999999", tmp_path / f"m.partial-{os.getppid()}"
-    dead.mkdir()
-    live.mkdir()
-    with staged(str(out)):
-        pass
-    assert sorted(os.listdir(tmp_path)) == sorted(["m", live.name])
+def test_a_dead_writers_partial_folder_is_removed_and_a_live_or_remote_ones_kept(tmp_path):
+    """Whether a writer runs is known on its own host only: another host's folder (a shared file system) is kept."""
+    import socket
+
+    out, host = tmp_path / "m", socket.gethostname()
+    dead, live = tmp_path / f"m.partial-{host}-999999999", tmp_path / f"m.partial-{host}-{os.getppid()}"
+    remote, old_form = tmp_path / "m.partial-another-host-999999999", tmp_path / "m.partial-999999999"
+    for folder in (dead, live, remote, old_form):
+        folder.mkdir()
+    with staged(str(out)) as tmp:
+        assert os.path.basename(tmp) == f"m.partial-{host}-{os.getpid()}"
+    assert sorted(os.listdir(tmp_path)) == sorted(["m", live.name, remote.name])
 
 
 def test_a_tokenizer_another_process_cached_first_is_the_one_loaded(tmp_path, monkeypatch):
