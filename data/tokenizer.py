@@ -45,10 +45,8 @@ def cached_bpe(texts: Iterable[str], vocab_size: int, cache_dir: str, key: str,
         try:
             with staged(final) as tmp:
                 train_bpe(texts, vocab_size, split_digits).save_pretrained(tmp)
-        except (Appeared, OSError):
-            if not os.path.isfile(os.path.join(final, "tokenizer.json")):
-                raise
-            # another process finished first: theirs is identical
+        except Appeared:  # another process finished first: theirs is identical
+            pass
     return AutoTokenizer.from_pretrained(final)
 
 

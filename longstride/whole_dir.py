@@ -1,4 +1,4 @@
-"""A directory that exists only whole: written under `<out>.partial-<pid>` beside it, then renamed into place.
+"""A directory that exists only whole: written under `<out>.partial-<host>-<pid>` beside it, then renamed into place.
 
 Every command that writes a directory others read (convert-gguf, export-hf, ship, the embedded corpus's unpack,
 a cached tokenizer) writes it this way, so that a crash or a kill never leaves a half-written directory under the

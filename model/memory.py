@@ -141,9 +141,7 @@ def layer_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool =
         return keep + r * 2 * H  # the layer input and the residual, which the tiles keep
     # each norm's output as what reads it keeps it: the first feeds attention's projections, the others the MLP's
     # (an upper bound for a norm whose output only joins the residual stream)
-    readers = [1 if parts.fused_qkv else 3, parts.mlp_inputs]
-    one = len(parts.norms) == 1  # one norm feeds both attention and the MLP (Phi-2, GPT-J, Cohere)
-    readers[0] += parts.mlp_inputs if one and not tiled else 0
+    readers, one = _norm_readers(parts, tiled), len(parts.norms) == 1
     for i, kind in enumerate(parts.norms):
         cast = autocast and not (tiled and i)  # a tiled MLP keeps the norm's own output
         keep += _norm_keeps(kind, H, 1, r) + (b * readers[min(i, 1)] if cast else r) * H
@@ -176,8 +174,7 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bo
     else:
         per = rot * 4.5 * b + (b if split else 0)
     keep = (q + kv) * per + 2 * r * H
-    readers = [1 if parts.fused_qkv else 3, 0 if tiled else parts.mlp_inputs]
-    readers[0] += parts.mlp_inputs if len(parts.norms) == 1 and not tiled else 0
+    readers = _norm_readers(parts, tiled)
     for i, kind in enumerate(parts.norms):
         if tiled and parts.pre_norm:
             break  # folded into the tiles
@@ -207,6 +204,13 @@ def _rotary_fraction(config, head_dim: int) -> float:
         rope = next(iter(rope.values()))
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
     return int(head_dim * factor) / head_dim
+
+
+def _norm_readers(parts: LayerParts, tiled: bool) -> list[int]:
+    """The projections that read the first norm's output (attention's q/k/v, and the MLP's where one norm feeds both:
+    Phi-2, GPT-J, Cohere) and the later norms' (the MLP's; none where its tiles read it inside their Function)."""
+    mlp = 0 if tiled else parts.mlp_inputs
+    return [(1 if parts.fused_qkv else 3) + (mlp if len(parts.norms) == 1 else 0), mlp]
 
 
 def _mlp_keeps(config, parts: LayerParts, b: int, H: int, I: int) -> int:

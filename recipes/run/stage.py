@@ -324,7 +324,8 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     # the positions that carry a loss, over all ranks (no padding, no document's last token)
     return {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / seconds,
             "loss_tokens_per_s": count.item() / seconds, "tokens_seen": run.tokens_seen,
-            "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": grad_norm, "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
+            "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": grad_norm,
+            "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
 
 
 def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, last_good: Optional[str]) -> None:
