@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from benchmarks.common import print_table, write_results
-from longstride.eval.ruler.compare import run_checkpoints
+from longstride.eval.cli import run_checkpoints
 
 PACKAGES = ("recipes", "model", "data", "parallel", "eval", "configs")
 

@@ -26,7 +26,8 @@ import time
 from benchmarks.common import RESULTS, print_table, write_results
 from longstride.parallel.config import CPDegrees, ParallelConfig
 from longstride.parallel.cp import cp_degrees
-from longstride.recipes.memory.memplan import GIB, Hardware, hardware, peak_line
+from longstride.recipes.memory.memplan import GIB, peak_line
+from longstride.recipes.memory.plan_options import Hardware, hardware
 from longstride.recipes.memory.trace import StepProgram, trace_step
 from longstride.recipes.run.step import StepSpec
 

@@ -267,7 +267,7 @@ def ruler_cost(args) -> dict:
     attention is over-counted by one layer in 30)."""
     from transformers import AutoTokenizer
 
-    from longstride.eval.ruler.compare import CompareConfig
+    from longstride.eval.cli import CompareConfig
     from longstride.eval.ruler.generate import prefill_batches, shared_prefix
     from longstride.eval.ruler.run import make_groups
 

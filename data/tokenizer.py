@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from longstride.data.batch import context_only
+from longstride.model.model_dir import TOKENIZER_FILES
 from longstride.whole_dir import Appeared, staged
 
 EOS = "<|endoftext|>"
@@ -88,14 +89,6 @@ def save_tokenizer(tokenizer, directory: str, positions: int) -> None:
         tokenizer.save_pretrained(directory)
     finally:
         tokenizer.model_max_length = before
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
-
-
-def has_tokenizer(path: str) -> bool:
-    """Whether an HF directory holds a tokenizer (a checkpoint saved with its tokenizer does)."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

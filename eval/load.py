@@ -14,18 +14,12 @@ from typing import Optional
 
 import torch
 
-from longstride.choices import Choice
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
 from longstride.model.rope import max_positions
 
+# eval/cli.Dtype, the commands' dtype= choice, as a torch dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Dtype(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 @dataclass(frozen=True)

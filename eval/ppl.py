@@ -18,49 +18,18 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional
 
 import torch
 
 from longstride.data.files import list_files, stdlib_root
 from longstride.data.tokenizer import bos_prefix
-from longstride.eval.cli import default_out, parse_overrides, results_stem
-from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
-from longstride.model.config import YarnConfig
+from longstride.eval.cli import PplConfig, default_out, parse_ppl, results_stem
+from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
 from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
 from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.overrides import run
-
-
-@dataclass
-class PplConfig:
-    checkpoint: Optional[str] = None
-    lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    yarn: YarnConfig = field(default_factory=YarnConfig)
-    rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
-    docs_dir: Optional[str] = None  # None = the shipped CPython 3.11.7 standard library snapshot (data/shipped/)
-    glob: str = "**/*.py"
-    max_docs: int = 8  # documents per length
-    out: Optional[str] = None  # results folder; None = outputs/eval/<checkpoint path>
-    tile: int = 1024
-    threads: Optional[int] = None
-    # float32: comparable with CPU runs; bfloat16 halves a long-context eval's memory on a GPU (the loss stays fp32)
-    dtype: Dtype = Dtype.float32
-
-
-def parse(argv: list[str]) -> PplConfig:
-    cfg = parse_overrides(PplConfig, argv, "longstride eval ppl", __doc__, "an HF model dir, e.g. outputs/tiny/s3_4k/final")
-    if not cfg.lengths or any(L < 8 for L in cfg.lengths):  # the last quarter needs a token with a label
-        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 8, e.g. lengths=[1024,2048]")
-    for name, value in (("tile", cfg.tile), ("max_docs", cfg.max_docs)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1")
-    if cfg.docs_dir is not None and not os.path.isdir(cfg.docs_dir):
-        raise ValueError(f"docs_dir={cfg.docs_dir!r} is not a directory; give a folder of text files "
-                         "(default: the Python standard library)")
-    return cfg
 
 
 def docs_root(cfg: PplConfig) -> Path:
@@ -128,9 +97,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str]) -> list[dict]:
+    return execute(parse_ppl(argv))
+
+
+def execute(cfg: PplConfig) -> list[dict]:
+    """The command on parsed options (eval/cli.parse_ppl)."""
     from longstride.parallel.attention import use_longstride_attention
 
-    cfg = parse(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     config, base_max = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)

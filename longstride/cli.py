@@ -29,16 +29,31 @@ def _train(argv: list[str]) -> None:
     entry()
 
 
-def _eval(argv: list[str]) -> None:
-    from longstride.overrides import run
-
-    commands = {"ruler": "longstride.eval.ruler.run", "ppl": "longstride.eval.ppl",
-                "compare": "longstride.eval.ruler.compare"}
-    if not argv or argv[0] not in commands:
-        _usage(f"longstride eval: name one of {sorted(commands)}, e.g. longstride eval ruler checkpoint=DIR")
+def _parsed_first(command: str, parse: str, execute: str, argv: list[str]) -> None:
+    """The command's options parsed by the light `parse` ("module:function", no torch), then its work by `execute`,
+    whose module imports torch and transformers: --help, a typo or a bad checkpoint answers in about a second."""
     import importlib
 
-    run(f"longstride eval {argv[0]}", importlib.import_module(commands[argv[0]]).main, argv[1:])
+    from longstride.overrides import run
+
+    def function(where: str):
+        module, name = where.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def main(args: list[str]):
+        parsed = function(parse)(args)
+        return function(execute)(parsed)
+
+    run(command, main, argv)
+
+
+def _eval(argv: list[str]) -> None:
+    commands = {"ruler": ("longstride.eval.cli:parse_ruler", "longstride.eval.ruler.run:execute"),
+                "ppl": ("longstride.eval.cli:parse_ppl", "longstride.eval.ppl:execute"),
+                "compare": ("longstride.eval.cli:parse_compare", "longstride.eval.ruler.compare:execute")}
+    if not argv or argv[0] not in commands:
+        _usage(f"longstride eval: name one of {sorted(commands)}, e.g. longstride eval ruler checkpoint=DIR")
+    _parsed_first(f"longstride eval {argv[0]}", *commands[argv[0]], argv[1:])
 
 
 def _convert(argv: list[str]) -> None:
@@ -56,17 +71,13 @@ def _export(argv: list[str]) -> None:
 
 
 def _plan(argv: list[str]) -> None:
-    from longstride.overrides import run
-    from longstride.recipes.memory.memplan import main
-
-    run("longstride plan", main, argv)
+    _parsed_first("longstride plan", "longstride.recipes.memory.plan_options:parse_plan",
+                  "longstride.recipes.memory.memplan:execute", argv)
 
 
 def _check(argv: list[str]) -> None:
-    from longstride.overrides import run
-    from longstride.recipes.check.command import main
-
-    run("longstride check", main, argv)
+    _parsed_first("longstride check", "longstride.recipes.check.job:parse_args", "longstride.recipes.check.command:execute",
+                  argv)
 
 
 COMMANDS = {"train": _train, "eval": _eval, "convert-gguf": _convert, "export-hf": _export, "plan": _plan,

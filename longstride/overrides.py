@@ -4,7 +4,9 @@ mistyped key or choice fails naming it (and listing the choices), and `--help` p
 with its default and the comment beside it in the schema."""
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 import re
@@ -72,6 +74,13 @@ def help_text(schema: type, command: str, doc: str) -> str:
         opt = f"{k}={d}"
         lines.append(f"  {opt:<{width}}  {n}".rstrip() if len(opt) <= width or not n else f"  {opt}\n  {'':<{width}}  {n}")
     return "\n".join(lines)
+
+
+def module_doc(module: str) -> str:
+    """A module's docstring read from its source, without importing it: a command's --help text lives in the module
+    that does its work, which imports torch and transformers (seconds), while the options are parsed without them."""
+    with open(importlib.util.find_spec(module).origin) as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
 
 
 def parse(schema: type, argv: list[str], command: str, doc: str = ""):

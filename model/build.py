@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, SmolLM3Config, SmolLM3ForCausalLM
 
 from longstride.model.config import ModelConfig, YarnConfig
-from longstride.model.manifest import check_manifest
+from longstride.model.model_dir import check_checkpoint_dir
 from longstride.model.rope import (YARN_ORIGINAL_RULE, apply_yarn, max_positions, record_trained_length, rope_entries,
                                    rope_targets, set_rope_base, trained_length, yarn_original_ok)
 
@@ -75,46 +75,6 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
         apply_yarn(config, yarn.factor, yarn.original_max_position_embeddings, layer_types, field, stretch=True,
                    yarn_field="yarn")
     return config, trained
-
-
-def check_checkpoint_dir(path: str, field_name: str) -> None:
-    if not os.path.isdir(path):
-        what = "is a file" if os.path.exists(path) else "does not exist"
-        raise ValueError(f"{field_name}={path!r} {what}; point it at a local HF model directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
-    if os.path.isfile(os.path.join(path, ".metadata")):  # parallel/shards.py's step checkpoint: no HF weights
-        raise ValueError(f"{field_name}={path!r} is a sharded step checkpoint (training state, not an HF model); "
-                         f"convert it first: longstride export-hf checkpoint={path} out=DIR, then use DIR")
-
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def check_checkpoint_weights(path: str, field_name: str) -> None:
-    """An HF model directory whose weights from_pretrained can read: a weights file (or index) there, and every
-    safetensors file's header whole (a truncated or torn copy fails here, naming the file, before any compute);
-    a directory longstride wrote (a final, an export, a shipped model) also matches its manifest file by file."""
-    import json
-
-    from safetensors import SafetensorError, safe_open
-
-    check_manifest(path, field_name)
-
-    found = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
-    if not found:
-        raise ValueError(f"{field_name}={path!r} has no weights (none of {', '.join(WEIGHT_FILES)}); point it at a "
-                         "directory written by save_pretrained, weights included")
-    files = ["model.safetensors"] if found[0] == "model.safetensors" else []
-    if found[0] == "model.safetensors.index.json":
-        with open(os.path.join(path, found[0])) as f:
-            files = sorted(set(json.load(f).get("weight_map", {}).values()))
-    for name in files:
-        try:
-            with safe_open(os.path.join(path, name), framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:  # a torn file, or a shard the index names that is missing
-            raise ValueError(f"{field_name}={path!r}: {name} cannot be read ({e}); copy the checkpoint again") from None
 
 
 def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,

@@ -2,6 +2,7 @@
 bad input a message naming the field before any work, eval results outside the checkpoint."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -111,7 +112,7 @@ def test_eval_results_go_under_outputs_never_into_the_checkpoint(tmp_path, monke
 def test_small_commands_name_what_is_wrong(tmp_path):
     """export-hf on a missing path, convert-gguf on a missing file (before asking for the gguf package), and an eval
     command's threads below 1: each a one-line error naming the field."""
-    from longstride.eval.ruler.run import parse as parse_ruler
+    from longstride.eval.cli import parse_ruler
     from longstride.model.convert_gguf import convert
     from longstride.recipes.checkpoint.export import export_hf
     from longstride.recipes.config.schema import SHIPPED
@@ -132,9 +133,7 @@ def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
     """A torn copy (truncated safetensors), a config-only directory, or a copy that no longer matches the manifest
     longstride wrote with it (bit rot in a weight) is named by every eval command before the model is loaded, as
     training's validation does (model/build.py check_checkpoint_weights)."""
-    from longstride.eval.ppl import parse as parse_ppl
-    from longstride.eval.ruler.compare import CompareConfig, check
-    from longstride.eval.ruler.run import parse as parse_ruler
+    from longstride.eval.cli import parse_compare, parse_ppl, parse_ruler
     from longstride.recipes.config.schema import SHIPPED
 
     torn = tmp_path / "torn"
@@ -160,7 +159,7 @@ def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
         with pytest.raises(ValueError, match=rf"checkpoint='{bare}' has no weights"):
             parse_cmd([f"checkpoint={bare}"])
     with pytest.raises(ValueError, match=rf"checkpoints\[1\]='{torn}': model.safetensors cannot be read"):
-        check(CompareConfig(checkpoints=[os.path.join(SHIPPED, "tiny_base_256"), str(torn)]))
+        parse_compare([f"checkpoints=[{os.path.join(SHIPPED, 'tiny_base_256')},{torn}]", f"out={tmp_path / 'c'}"])
 
 
 def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line(tmp_path):
@@ -197,11 +196,47 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
 def test_a_list_or_a_group_given_the_other_shape_says_how_the_command_spells_it():
     """eval compare's yarn is a list of factors, eval ruler's a group: each command's error for the other's
     spelling says its own."""
-    from longstride.eval.ruler.compare import CompareConfig
-    from longstride.eval.ruler.run import RulerConfig
+    from longstride.eval.cli import CompareConfig, RulerConfig
     from longstride.overrides import parse
 
     with pytest.raises(ValueError, match=r"yarn is a list here: yarn=\[2\] \(see longstride eval compare --help\)"):
         parse(CompareConfig, ["yarn.factor=2"], "longstride eval compare")
     with pytest.raises(ValueError, match=r"yarn is a group here: yarn.factor=2 \(its fields: factor, "):
         parse(RulerConfig, ["yarn=2"], "longstride eval ruler")
+
+
+def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):
+    """Every command but train parses its options in a module that imports neither torch nor transformers (about
+    six CPU-seconds a process here), so --help, a mistyped key and a missing checkpoint answer at once: the modules
+    loaded after each are listed, and each bad input still exits 2 naming the field."""
+    code = """if True:
+        import contextlib, io, json, sys
+        from longstride.cli import main
+        runs = [["eval", "ruler", "--help"], ["eval", "ppl", "--help"], ["eval", "compare", "--help"],
+                ["check", "--help"], ["plan", "--help"], ["export-hf", "--help"], ["convert-gguf", "--help"],
+                ["eval", "ruler", "checkpoint=x", "prefill=ring"], ["eval", "ppl", "checkpoint=/no/such"],
+                ["eval", "compare", "run=/no/such"], ["plan", "recipe=tiny", "recipe.stages.s2_2k.stepz=5"],
+                ["plan", "hardware=h100"], ["check", "chekpoint=x"], ["check", "checkpoint=/no/such"]]
+        got = []
+        for argv in runs:
+            err = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                try:
+                    main(argv)
+                except SystemExit as e:
+                    got.append([e.code, err.getvalue().strip()])
+        print(json.dumps({"got": got, "heavy": [m for m in ("torch", "transformers") if m in sys.modules]}))
+    """
+    r = _run([sys.executable, "-c", code], tmp_path)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["heavy"] == [], out
+    codes = [c for c, _ in out["got"]]
+    assert codes == [0] * 7 + [2] * 7, out["got"]
+    errors = [e for _, e in out["got"][7:]]
+    assert "Invalid value 'ring', expected one of [local, cp]" in errors[0]
+    assert "checkpoint='/no/such' does not exist" in errors[1]
+    assert "run='/no/such' has no config.yaml" in errors[2]
+    assert "Key 'stepz' not in 'StageConfig'" in errors[3]
+    assert "hardware='h100' is unknown" in errors[4]
+    assert "Could not override 'chekpoint': Key 'chekpoint' not in 'Config'" in errors[5]
+    assert "checkpoint='/no/such' does not exist" in errors[6]

@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from longstride.eval.ruler.compare import checkpoint_label, main, run_checkpoints
+from longstride.eval.cli import checkpoint_label, run_checkpoints
+from longstride.eval.ruler.compare import main
 from longstride.eval.ruler.fit import make_sample
 from longstride.eval.ruler.generate import batches, greedy_generate
 from longstride.eval.ruler.tasks import ALL_TASKS, NOISE

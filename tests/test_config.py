@@ -352,11 +352,11 @@ def test_wandb_online_without_a_login_is_refused_before_compute(micro, tmp_path,
     online = micro + ["logger.wandb_mode=online"]
     with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
         validate(compose_cfg(online), 1)
-    from longstride.eval.ruler.run import parse
+    from longstride.eval.cli import parse_ruler
     from longstride.recipes.config.schema import SHIPPED
 
     with pytest.raises(ValueError, match=r"^wandb=online needs a wandb login"):  # eval ruler too, before it loads
-        parse([f"checkpoint={SHIPPED}/tiny_base_256", "wandb=online", f"out={tmp_path / 'eval'}"])
+        parse_ruler([f"checkpoint={SHIPPED}/tiny_base_256", "wandb=online", f"out={tmp_path / 'eval'}"])
     (tmp_path / "netrc").write_text("machine github.com\n  login user\n  password abc\n")  # another host's login
     with pytest.raises(ValueError, match=r"logger.wandb_mode=online needs a wandb login"):
         validate(compose_cfg(online), 1)

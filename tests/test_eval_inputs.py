@@ -49,7 +49,8 @@ def test_a_model_without_rope_is_refused_yarn_and_lengths_past_its_learned_posit
     from longstride.data.tokenizer import train_bpe
     from longstride.eval import ppl
     from longstride.eval.load import learned_positions
-    from longstride.eval.ruler.run import RulerConfig, main, reachable_lengths
+    from longstride.eval.cli import RulerConfig
+    from longstride.eval.ruler.run import main, reachable_lengths
 
     path = _save(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=128)),
                  tmp_path / "gpt2")
@@ -92,15 +93,15 @@ def test_a_haystack_is_checked_even_when_no_task_reads_it(ruler_checkpoint, tmp_
 
 def test_the_default_out_is_never_inside_the_checkpoint(ruler_checkpoint, tmp_path, monkeypatch):
     from longstride.eval.cli import default_out
-    from longstride.eval.ppl import parse
+    from longstride.eval.cli import parse_ppl
 
     monkeypatch.chdir(ruler_checkpoint)
     with pytest.raises(ValueError, match="working directory is inside checkpoint='.'"):
-        parse(["checkpoint=."])
+        parse_ppl(["checkpoint=."])
     os.symlink(ruler_checkpoint, tmp_path / "link")
     with pytest.raises(ValueError, match="working directory is inside checkpoint"):  # named through a link
         default_out(str(tmp_path / "link"))
-    parse(["checkpoint=.", "out=/tmp/elsewhere"])  # out= given: taken
+    parse_ppl(["checkpoint=.", "out=/tmp/elsewhere"])  # out= given: taken
     monkeypatch.chdir(os.path.dirname(ruler_checkpoint))
     assert default_out(str(ruler_checkpoint)) == os.path.join("outputs", "eval", os.path.basename(ruler_checkpoint))
 
@@ -142,7 +143,8 @@ def test_a_checkpoint_with_its_own_yarn_reaches_as_far_as_that_yarn(tmp_path):
     """Qwen3's documented YaRN switch: x4 over 256 beside a declared 320 max positions. Lengths up to 1024 are in
     reach (they were skipped past 320, with a hint that would have made it x8), and the hint for longer ones counts
     in that reach."""
-    from longstride.eval.ruler.run import RulerConfig, reachable_lengths
+    from longstride.eval.cli import RulerConfig
+    from longstride.eval.ruler.run import reachable_lengths
     from longstride.model.rope import max_positions, yarn_unit
 
     config = T.Qwen3Config(**SMALL, head_dim=8, max_position_embeddings=320,

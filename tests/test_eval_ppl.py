@@ -7,7 +7,8 @@ import math
 import pytest
 from transformers import AutoConfig
 
-from longstride.eval.ppl import main, parse
+from longstride.eval.cli import parse_ppl
+from longstride.eval.ppl import main
 from longstride.model.build import load_config_with_yarn
 from longstride.model.config import YarnConfig
 from tests.conftest import micro_checkpoint
@@ -91,9 +92,9 @@ def test_perplexities_are_the_model_s_own_cross_entropy(arch):
 
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="checkpoint=<dir> is required"):
-        parse([])
+        parse_ppl([])
     with pytest.raises(ValueError, match="has no config.json"):
-        parse([f"checkpoint={tmp_path}"])
+        parse_ppl([f"checkpoint={tmp_path}"])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -104,7 +105,7 @@ def test_bad_input(tmp_path):
 ])
 def test_bad_settings_are_named_before_the_model_loads(checkpoint, override, message):
     with pytest.raises(ValueError, match=message):
-        parse([f"checkpoint={checkpoint}", override])
+        parse_ppl([f"checkpoint={checkpoint}", override])
 
 
 def test_too_few_long_documents_fail_before_the_weights_load(checkpoint, tmp_path, monkeypatch):
@@ -131,7 +132,8 @@ class _Tok:
 
 @pytest.mark.parametrize("bos_first", [True, False])
 def test_documents_open_with_bos_where_the_tokenizer_puts_one(tmp_path, bos_first):
-    from longstride.eval.ppl import PplConfig, long_documents
+    from longstride.eval.cli import PplConfig
+    from longstride.eval.ppl import long_documents
 
     (tmp_path / "a.py").write_text("x = 1\n" * 20)
     cfg = PplConfig(docs_dir=str(tmp_path))

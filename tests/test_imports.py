@@ -100,7 +100,7 @@ def test_the_check_finds_a_cycle_hidden_in_a_function():
     assert ["longstride.data.files", "longstride.data.synthetic"] in cycles(graph)
     tree_import = imports_of(os.path.join(ROOT, "eval", "ruler", "compare.py"), "longstride.eval.ruler.compare",
                              set(modules()))
-    assert "longstride.eval.ruler.run" in tree_import and "longstride.model.build" in tree_import
+    assert "longstride.eval.ruler.run" in tree_import and "longstride.model.model_dir" in tree_import
 
 
 if __name__ == "__main__":

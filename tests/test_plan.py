@@ -11,6 +11,7 @@ import pytest
 from transformers import SmolLM3Config
 
 from longstride.recipes.memory import memplan
+from longstride.recipes.memory.plan_options import hardware
 from longstride.recipes.memory.trace import StepProgram, trace_step
 from longstride.recipes.run.step import StepSpec
 from tests.conftest import REPO
@@ -36,7 +37,7 @@ def test_plan_prints_every_stage_of_a_recipe(tmp_path):
 
 def test_unknown_hardware_lists_the_known_ones():
     with pytest.raises(ValueError, match="h100_80g.*h200_141g") as e:
-        memplan.hardware("h100")
+        hardware("h100")
     for name in ("a100_40g", "a100_80g", "b200"):
         assert name in str(e.value)
 

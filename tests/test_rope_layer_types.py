@@ -12,7 +12,7 @@ from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextCon
                           Llama4TextConfig, Olmo3Config, Olmo3ForCausalLM)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from longstride.eval.ppl import parse as parse_ppl
+from longstride.eval.cli import parse_ppl
 from longstride.model.build import build_model, load_config_with_yarn
 from longstride.model.config import ModelConfig, YarnConfig
 from longstride.model.rope import rope_placement, rope_targets

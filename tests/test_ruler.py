@@ -9,7 +9,8 @@ import torch
 
 from longstride.eval.ruler.fit import make_sample
 from longstride.eval.ruler.generate import greedy_generate
-from longstride.eval.ruler.run import main, parse
+from longstride.eval.cli import parse_ruler
+from longstride.eval.ruler.run import main
 from longstride.eval.ruler.tasks import TASKS
 
 
@@ -112,27 +113,27 @@ def test_command_line_runs_reports_and_skips(checkpoint, squad, tmp_path, capsys
 
 def test_bad_input(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="checkpoint=<dir> is required"):
-        parse([])
+        parse_ruler([])
     with pytest.raises(ValueError, match="has no config.json"):
-        parse([f"checkpoint={tmp_path}"])
+        parse_ruler([f"checkpoint={tmp_path}"])
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     with pytest.raises(ValueError, match="has no weights"):
-        parse([f"checkpoint={tmp_path}"])
+        parse_ruler([f"checkpoint={tmp_path}"])
     (tmp_path / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="has no tokenizer"):
-        parse([f"checkpoint={tmp_path}"])
+        parse_ruler([f"checkpoint={tmp_path}"])
     with pytest.raises(ValueError, match="lengths="):
-        parse([f"checkpoint={checkpoint}", "lengths=[0]"])
+        parse_ruler([f"checkpoint={checkpoint}", "lengths=[0]"])
     with pytest.raises(ValueError, match="qa.squad="):
-        parse([f"checkpoint={checkpoint}", f"qa.squad={tmp_path}/missing.json"])
+        parse_ruler([f"checkpoint={checkpoint}", f"qa.squad={tmp_path}/missing.json"])
     with pytest.raises(ValueError, match=r"Could not override 'num_sample': Key 'num_sample' not in 'RulerConfig' "
                                          r"\(see longstride eval ruler --help\)"):
-        parse([f"checkpoint={checkpoint}", "num_sample=3"])
+        parse_ruler([f"checkpoint={checkpoint}", "num_sample=3"])
     with pytest.raises(ValueError, match=r"override dtype=float8: Invalid value 'float8', expected one of "
                                          r"\[float32, bfloat16, float16\]"):
-        parse([f"checkpoint={checkpoint}", "dtype=float8"])
+        parse_ruler([f"checkpoint={checkpoint}", "dtype=float8"])
     with pytest.raises(ValueError, match="prefill=cp splits each prompt over several processes"):
-        parse([f"checkpoint={checkpoint}", "prefill=cp"])
+        parse_ruler([f"checkpoint={checkpoint}", "prefill=cp"])
     with pytest.raises(ValueError, match="nothing to run: no runnable task"):
         main([f"checkpoint={checkpoint}", "tasks=[nope]"])
     with pytest.raises(ValueError, match="haystack="):

@@ -98,7 +98,7 @@ def test_export_hf_writes_the_same_weights_as_an_hf_directory(step_dir, tmp_path
         main([f"checkpoint={path}", f"out={out}"])
     with pytest.raises(ValueError, match="not a sharded step checkpoint"):
         main([f"checkpoint={out}", f"out={tmp_path / 'again'}"])
-    from longstride.model.build import check_checkpoint_dir
+    from longstride.model.model_dir import check_checkpoint_dir
 
     check_checkpoint_dir(out, "checkpoint")  # what eval and model.checkpoint take
     with pytest.raises(ValueError, match=r"is a sharded step checkpoint .* longstride export-hf checkpoint="):

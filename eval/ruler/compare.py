@@ -18,43 +18,16 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 import torch
 
-from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
-from longstride.data.tokenizer import TOKENIZER_FILES
-from longstride.eval.ruler.run import (QAFiles, check_generation, make_groups, note, require_tokenizer, runnable_tasks,
-                                       score_group)
-from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
+from longstride.eval.cli import CompareConfig, compare_name, compare_out, compared_checkpoints, parse_compare
+from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
+from longstride.eval.ruler.run import make_groups, note, runnable_tasks, score_group
 from longstride.model.config import YarnConfig
+from longstride.model.model_dir import TOKENIZER_FILES
 from longstride.model.rope import rope_base
-from longstride.overrides import parse, writable_dir
-
-
-@dataclass
-class CompareConfig:
-    run: Optional[str] = None  # a training run's folder (outputs/<recipe>): its base model, then each stage's final/
-    checkpoints: List[str] = field(default_factory=list)  # or these HF model dirs, in order (the first is the base)
-    tasks: List[str] = field(default_factory=lambda: ["niah_single_1", "synth_kv"])
-    lengths: List[int] = field(default_factory=list)  # empty: 256 and powers of 2 up to 2x the last trained length
-    yarn: List[float] = field(default_factory=lambda: [2.0, 4.0])  # YaRN factors at eval time, on the last checkpoint
-    yarn_lengths: List[int] = field(default_factory=list)  # empty: 2x and 4x the last checkpoint's trained length
-    rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
-    plain_rows: bool = True  # false: only the YaRN rows (the checkpoints without YaRN are measured elsewhere)
-    num_samples: int = 20  # per task and length, the same for every checkpoint
-    seed: int = 42
-    chat: bool = True
-    haystack: Optional[str] = None  # prose for essay haystacks (see eval ruler); None = Python manual
-    qa: QAFiles = field(default_factory=QAFiles)  # local SQuAD / HotpotQA files for qa_1 / qa_2
-    batch_size: int = 0  # answers decoded together; 0 = as many as batch_tokens allows
-    stop_when_scored: bool = True  # end an answer once its score is decided (same score, shorter answer)
-    draft: int = 4  # prompt-lookup tokens verified per decode step (same answers, fewer forwards); 0: one a step
-    batch_tokens: int = 131072  # rows x (longest prompt + budget x (1 + draft)) decoded together (the KV cache)
-    prefill_chunk: int = 8192  # prompt tokens per prefill forward
-    dtype: Dtype = Dtype.float32
-    threads: Optional[int] = None
-    out: Optional[str] = None  # None = outputs/eval/compare-<run folder name, or last checkpoint's: s3_4k-final>
 
 
 @dataclass
@@ -65,34 +38,6 @@ class Row:
     trained: int  # the checkpoint's max positions: the length its last stage trained at
     rope_theta: Optional[float]
     lengths: list
-
-
-def run_checkpoints(run: str) -> list[tuple[str, str]]:
-    """(label, dir) of a training run: the model it started from (model.checkpoint), then each stage's
-    final checkpoint in recipe order. A missing stage is an error naming it."""
-    from omegaconf import OmegaConf
-
-    path = os.path.join(run, "config.yaml")
-    if not os.path.isfile(path):
-        raise ValueError(f"run={run!r} has no config.yaml: give the folder a training run wrote (outputs/<recipe>)")
-    cfg = OmegaConf.load(path)
-    out = []
-    if cfg.model.get("arch") == "checkpoint" and cfg.model.get("checkpoint"):
-        out.append((f"base ({os.path.basename(os.path.normpath(cfg.model.checkpoint))})", cfg.model.checkpoint))
-    for stage in cfg.recipe.stages:
-        final = os.path.join(run, stage, "final")
-        if not os.path.isfile(os.path.join(final, "config.json")):
-            raise ValueError(f"run={run!r}: stage {stage} has no final checkpoint ({final}); finish the run first "
-                             f"(the same training command resumes it)")
-        out.append((stage, final))
-    return out
-
-
-def checkpoint_label(checkpoint: str) -> str:
-    """A checkpoint's row label: its folder's name, or its stage's for a stage's final/
-    (outputs/<recipe>/s2_2k/final -> s2_2k)."""
-    parts = os.path.normpath(checkpoint).split(os.sep)
-    return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
 
 
 def tokenizer_digest(checkpoint: str) -> str:
@@ -124,24 +69,6 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
     rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)
              for f in cfg.yarn]
     return rows
-
-
-def check(cfg: CompareConfig) -> list[tuple[str, str]]:
-    if bool(cfg.run) == bool(cfg.checkpoints):
-        raise ValueError("give run=DIR (a training run's folder, e.g. outputs/tiny_extend) or checkpoints=[A,B,...], "
-                         "not both")
-    named = run_checkpoints(cfg.run) if cfg.run else [(checkpoint_label(c), c) for c in cfg.checkpoints]
-    for i, (_, ckpt) in enumerate(named):
-        field_name = f"checkpoints[{i}]" if cfg.checkpoints else "run's checkpoint"
-        check_checkpoint_dir(ckpt, field_name)
-        check_checkpoint_weights(ckpt, field_name)
-        require_tokenizer(ckpt, field_name)
-    if not cfg.plain_rows and not cfg.yarn:
-        raise ValueError("plain_rows=false leaves only the YaRN rows: give yarn=[2,...] too")
-    if any(L < 16 for L in cfg.lengths + cfg.yarn_lengths) or any(f <= 1 for f in cfg.yarn):
-        raise ValueError("lengths and yarn_lengths are token counts >= 16; yarn factors are > 1, e.g. yarn=[2,4]")
-    check_generation(cfg)
-    return named
 
 
 def format_tables(rows: list[Row], scores: dict, counts: dict, tasks: list[str]) -> str:
@@ -253,10 +180,14 @@ def save(out: str, result: dict, rows: list[Row], scores: dict, tasks: list[str]
 
 
 def main(argv: list[str]) -> dict:
+    return execute(parse_compare(argv))
+
+
+def execute(cfg: CompareConfig) -> dict:
+    """The command on parsed options (eval/cli.parse_compare)."""
     from transformers.utils import logging as hf_logging
 
-    cfg = parse(CompareConfig, argv, "longstride eval compare", __doc__)
-    named = check(cfg)
+    named = compared_checkpoints(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tasks, qa, skipped = runnable_tasks(cfg)
@@ -264,10 +195,9 @@ def main(argv: list[str]) -> dict:
         note(msg)
     if not tasks:
         raise ValueError("nothing to run: no runnable task (see the messages above)")
-    name = os.path.basename(os.path.normpath(cfg.run)) if cfg.run else \
-        "-".join(os.path.normpath(named[-1][1]).split(os.sep)[-2:])
+    name = compare_name(cfg, named)
     rows = plan_rows(cfg, named)
-    out = writable_dir(cfg.out or os.path.join("outputs", "eval", f"compare-{name}"))  # nothing written before
+    out = compare_out(cfg, named)
     hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
     hf_logging.disable_progress_bar()
     title = f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell"

@@ -15,97 +15,23 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from dataclasses import asdict
+from typing import Optional
 
 import torch
 
-from longstride.choices import Choice, WandbMode, check_wandb
-from longstride.data.tokenizer import TOKENIZER_FILES, has_tokenizer
-from longstride.eval.cli import default_out, parse_overrides, results_stem
-from longstride.eval.load import DTYPES, Dtype, eval_config, eval_tokenizer, load_eval_model
+from longstride.eval.cli import RulerConfig, default_out, parse_ruler, results_stem
+from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
 from longstride.eval.ruler.score import sample_score, summarize
-from longstride.eval.ruler.tasks import ALL_TASKS, TASKS, load_qa
+from longstride.eval.ruler.tasks import ALL_TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent
-from longstride.model.config import YarnConfig
 from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.parallel.cp import CPContext
-
-
-class Prefill(Choice):
-    local = "local"
-    cp = "cp"
-
-
-@dataclass
-class QAFiles:
-    squad: Optional[str] = None  # SQuAD dev json (qa_1)
-    hotpotqa: Optional[str] = None  # HotpotQA dev-distractor json (qa_2)
-
-
-@dataclass
-class RulerConfig:
-    checkpoint: Optional[str] = None
-    lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    tasks: List[str] = field(default_factory=lambda: list(TASKS))  # RULER's; synth_kv, synth_multikey, synth_chain: in-format
-    num_samples: int = 8  # per task and length
-    seed: int = 42
-    chat: bool = True  # use the tokenizer's chat template when it has one
-    yarn: YarnConfig = field(default_factory=YarnConfig)
-    rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
-    extrapolate: bool = False  # run lengths past the model's max positions anyway (to measure the drop)
-    haystack: Optional[str] = None  # prose for essay haystacks: a dir or file of .txt/.md/.rst; None = Python manual
-    qa: QAFiles = field(default_factory=QAFiles)
-    batch_size: int = 0  # answers decoded together (each prompt prefilled alone); 0 = as many as batch_tokens allows
-    stop_when_scored: bool = True  # end an answer once its score is decided (same score; false: run to EOS/budget)
-    draft: int = 4  # prompt-lookup tokens verified per decode step (same answers, fewer forwards); 0: one a step
-    batch_tokens: int = 131072  # with batch_size=0: rows x (longest prompt + budget x (1 + draft)) within this (the KV cache)
-    prefill_chunk: int = 8192  # prompt tokens per prefill forward (a later chunk attends to the cached ones)
-    prefill: Prefill = Prefill.local  # cp: with several processes, ring-attention prefill over all of them
-    dtype: Dtype = Dtype.float32
-    threshold: float = 85.6  # effective-length threshold (RULER: Llama-2-7B at 4K)
-    out: Optional[str] = None  # results folder; None = outputs/eval/<checkpoint path>
-    wandb: WandbMode = WandbMode.disabled
-    wandb_project: str = "longstride-eval"
-    threads: Optional[int] = None
-
-
-def require_tokenizer(checkpoint: str, name: str = "checkpoint") -> None:
-    if not has_tokenizer(checkpoint):
-        raise ValueError(f"{name}={checkpoint!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
-                         f"tokenizer into it with tokenizer.save_pretrained(dir)")
-
-
-def check_generation(cfg) -> None:
-    """The sampling and generation fields `eval ruler` and `eval compare` share, and their QA files."""
-    if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.prefill_chunk < 1 or cfg.batch_tokens < 1:
-        raise ValueError("num_samples, prefill_chunk and batch_tokens must be >= 1, batch_size >= 0 (0: by batch_tokens)")
-    if cfg.draft < 0:
-        raise ValueError(f"draft={cfg.draft}: the prompt-lookup tokens verified per decode step are >= 0 (0: none)")
-    for kind in ("squad", "hotpotqa"):
-        path = getattr(cfg.qa, kind)
-        if path and not os.path.isfile(path):
-            raise ValueError(f"qa.{kind}={path!r} does not exist; give the local {kind} dev json or leave it unset")
-
-
-def parse(argv: list[str]) -> RulerConfig:
-    cfg = parse_overrides(RulerConfig, argv, "longstride eval ruler", __doc__,
-                          "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file convert it once with "
-                          "longstride convert-gguf")
-    require_tokenizer(cfg.checkpoint)
-    if not cfg.lengths or any(L < 16 for L in cfg.lengths):
-        raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
-    check_generation(cfg)
-    check_wandb(cfg.wandb, "wandb")
-    if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        raise ValueError("prefill=cp splits each prompt over several processes: launch with "
-                         "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")
-    return cfg
 
 
 def note(msg: str) -> None:
@@ -212,7 +138,11 @@ def score_group(model, tok, samples: list, cfg: RulerConfig, cp: Optional[CPCont
 
 
 def main(argv: list[str]) -> Optional[dict]:
-    cfg = parse(argv)
+    return execute(parse_ruler(argv))
+
+
+def execute(cfg: RulerConfig) -> Optional[dict]:
+    """The command on parsed options (eval/cli.parse_ruler)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tasks, qa, skipped = runnable_tasks(cfg)

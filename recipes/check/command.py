@@ -36,7 +36,6 @@ recipes/check/report.py (the comparisons and the table); this one parses, runs t
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from datetime import timedelta
@@ -45,31 +44,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longstride.overrides import parse, run
+from longstride.overrides import run
 from longstride.recipes.check.inputs import stage_batch
-from longstride.recipes.check.job import CheckConfig, Job, prepare
+from longstride.recipes.check.job import Job, parse_args, prepare
 from longstride.recipes.check.report import Report, report
 from longstride.recipes.check.runs import TEST_FAULT, cp_local, cp_run, references  # noqa: F401  (TEST_FAULT: the hook)
-
-
-def parse_args(argv: list[str]):
-    """(CheckConfig, the composed training Config) from key=value arguments."""
-    from longstride.data.tokenizer import has_tokenizer
-    from longstride.model.build import check_checkpoint_dir
-    from longstride.recipes.config.compose import compose_training
-
-    names = {f.name for f in dataclasses.fields(CheckConfig)} - {"overrides"}
-    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
-    cc = parse(CheckConfig, mine, "longstride check", __doc__.split("\n\nTest hook")[0])  # --help: not the hook
-    cc.overrides = [a for a in argv if a not in mine]
-    overrides = list(cc.overrides)
-    if cc.checkpoint:
-        check_checkpoint_dir(cc.checkpoint, "checkpoint")
-        overrides = ["model=checkpoint", f"model.checkpoint={cc.checkpoint}", *overrides]
-        given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-        if "data.tokenizer" not in given and has_tokenizer(cc.checkpoint):
-            overrides.append(f"data.tokenizer={cc.checkpoint}")
-    return cc, compose_training(overrides, "longstride check")
 
 
 def check_local(job: Job) -> Report:
@@ -129,16 +108,26 @@ def show(rep: Report) -> Report:
 
 def check(argv: list[str]) -> Optional[Report]:
     """Parse, validate, run; the report (None on ranks other than 0 of a launched check that passed)."""
-    cc, cfg = parse_args(argv)
+    return check_parsed(parse_args(argv))
+
+
+def check_parsed(parsed: tuple) -> Optional[Report]:
+    """check() on parse_args' (CheckConfig, training Config)."""
+    cc, cfg = parsed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     job = prepare(cc, cfg, world)
     return check_launched(job) if world > 1 else check_local(job)
 
 
 def main(argv: list[str]) -> None:
-    """The command: exit 0 within tolerance, 1 beyond it; ValueError / NotImplementedError (bad input) exit 2."""
+    execute(parse_args(argv))
+
+
+def execute(parsed: tuple) -> None:
+    """The command on parse_args' output: exit 0 within tolerance, 1 beyond it; ValueError / NotImplementedError
+    (bad input) exit 2."""
     try:
-        rep = check(argv)
+        rep = check_parsed(parsed)
     except NotImplementedError as e:
         raise ValueError(str(e)) from None
     if rep is not None and not rep.ok:

@@ -1,12 +1,16 @@
-"""`longstride check`'s options (CheckConfig) and the Job they resolve to: every check of the command's input,
-made before any data is read or model built (recipes/check/command.py runs the job)."""
+"""`longstride check`'s options (CheckConfig, parsed here without torch, so that --help and a typo answer at once)
+and the Job they resolve to: every check of the command's input, made before any data is read or model built
+(recipes/check/command.py runs the job)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from longstride.model.model_dir import check_checkpoint_dir, has_tokenizer
+from longstride.overrides import module_doc, parse
 from longstride.parallel.config import CPDegrees
-from longstride.parallel.cp import cp_degrees
+from longstride.recipes.config.compose import compose_training
 
 
 @dataclass
@@ -19,6 +23,23 @@ class CheckConfig:
     eager: bool = True  # also check the one-device run against the model's own eager attention
     allow_unexercised: bool = False  # run although the batch tests no document mask / window / chunk it has
     overrides: list = field(default_factory=list)  # training overrides (recipe=, stage=, model.*, data.*, parallel.*)
+
+
+def parse_args(argv: list[str]):
+    """(CheckConfig, the composed training Config) from key=value arguments."""
+    names = {f.name for f in dataclasses.fields(CheckConfig)} - {"overrides"}
+    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
+    doc = module_doc("longstride.recipes.check.command").split("\n\nTest hook")[0]  # --help: not the hook
+    cc = parse(CheckConfig, mine, "longstride check", doc)
+    cc.overrides = [a for a in argv if a not in mine]
+    overrides = list(cc.overrides)
+    if cc.checkpoint:
+        check_checkpoint_dir(cc.checkpoint, "checkpoint")
+        overrides = ["model=checkpoint", f"model.checkpoint={cc.checkpoint}", *overrides]
+        given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+        if "data.tokenizer" not in given and has_tokenizer(cc.checkpoint):
+            overrides.append(f"data.tokenizer={cc.checkpoint}")
+    return cc, compose_training(overrides, "longstride check")
 
 
 @dataclass(frozen=True)
@@ -51,6 +72,7 @@ class Job:
 def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     """Every check of the command's input, before any data is read or model built. world: the processes a
     launcher started (1: none, the CP ranks are local gloo processes)."""
+    from longstride.parallel.cp import cp_degrees
     from longstride.parallel.kernels import FLASH_KERNELS, resolve_kernel
     from longstride.recipes.config.plan import check_model_and_data
     from longstride.recipes.config.schema import selected_stages

@@ -13,11 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from longstride.overrides import parse, run
-from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
-from longstride.recipes.checkpoint.format import verify, write_manifest
 from longstride.whole_dir import staged
 
 
@@ -28,9 +24,13 @@ class ExportConfig:
 
 
 def export_hf(checkpoint: str, out: str) -> str:
+    # imported here: `longstride export-hf --help` and a bad option answer without torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from transformers import AutoConfig, AutoTokenizer
 
     from longstride.model.build import from_saved_config
+    from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
+    from longstride.recipes.checkpoint.format import verify, write_manifest
 
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint={checkpoint!r} does not exist; give a step checkpoint, e.g. "

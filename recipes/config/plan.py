@@ -15,7 +15,7 @@ from typing import Optional
 from longstride.choices import check_wandb
 from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
-from longstride.model.build import check_checkpoint_dir, check_checkpoint_weights
+from longstride.model.model_dir import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig
 from longstride.model.rope import YARN_ORIGINAL_RULE, apply_yarn, rope_targets, yarn_original_ok
 from longstride.parallel.attention import head_shape
@@ -269,7 +269,8 @@ def _check_tokenizer(m: ModelConfig, tokenizer: Optional[str]) -> None:
     is refused for one."""
     from transformers import AutoConfig
 
-    from longstride.data.tokenizer import has_tokenizer, load_tokenizer
+    from longstride.data.tokenizer import load_tokenizer
+    from longstride.model.model_dir import has_tokenizer
 
     checkpoint = m.checkpoint if m.arch == "checkpoint" else None
     if checkpoint and not tokenizer:

@@ -19,52 +19,18 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
-
-from omegaconf import OmegaConf
+from dataclasses import replace
 
 from longstride.model.build import stage_config
 from longstride.model.memory import estimate, precision
-from longstride.overrides import parse, run, writable_dir
+from longstride.overrides import run
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
 from longstride.recipes.config.plan import validate
-from longstride.recipes.config.compose import CONFIGS, compose_training
+from longstride.recipes.memory.plan_options import Hardware, PlanConfig, parse_plan
 from longstride.recipes.memory.trace import stage_program, trace_step
 
 GIB = 2 ** 30
-
-
-@dataclass
-class Hardware:
-    name: str = "???"
-    memory_gib: float = 0.0  # the GPU's memory as nvidia-smi reports it
-    reserve_gib: float = 3.0  # CUDA context (~0.5), cuBLAS workspace, NCCL communicators and buffers
-    fragmentation: float = 0.05  # share of the rest the caching allocator's blocks leave unusable
-
-    @property
-    def usable_gib(self) -> float:
-        return (self.memory_gib - self.reserve_gib) * (1 - self.fragmentation)
-
-
-@dataclass
-class PlanConfig:
-    hardware: str = "h100_80g"  # a file of configs/hardware/ without .yaml
-    gpus_per_node: int = 8
-    nodes: int = 1
-    search: bool = True  # the longest seq_len that fits each stage, with its settings
-    docs: int = 4  # documents per traced sequence (the ring plan's blocks follow them)
-    out: str = ""  # also write the plan as JSON here
-    overrides: list = field(default_factory=list)  # training overrides (recipe=..., model.*, ...), as given
-
-
-def hardware(name: str) -> Hardware:
-    folder = os.path.join(CONFIGS, "hardware")
-    known = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
-    if name not in known:
-        raise ValueError(f"hardware={name!r} is unknown; known: {', '.join(known)} (configs/hardware/)")
-    merged = OmegaConf.merge(OmegaConf.structured(Hardware), OmegaConf.load(os.path.join(folder, f"{name}.yaml")))
-    return OmegaConf.to_object(merged)
 
 
 def model_config(cfg, stage):
@@ -187,19 +153,13 @@ def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str) -> None:
 
 
 def main(argv: list[str]) -> list[dict]:
-    names = {f.name for f in dataclasses.fields(PlanConfig)} - {"overrides"}
-    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
-    pc = parse(PlanConfig, mine, "longstride plan", __doc__)
-    pc.overrides = [a for a in argv if a not in mine]
-    hw = hardware(pc.hardware)
-    if pc.gpus_per_node < 1 or pc.nodes < 1:
-        raise ValueError(f"gpus_per_node={pc.gpus_per_node} and nodes={pc.nodes} must be >= 1")
-    if pc.out and os.path.isdir(pc.out):
-        raise ValueError(f"out={pc.out!r} is a folder; give the JSON file to write, e.g. out=plan.json")
-    if pc.out:
-        writable_dir(os.path.dirname(pc.out) or ".", shown=pc.out)
+    return execute(parse_plan(argv))
+
+
+def execute(parsed: tuple) -> list[dict]:
+    """The command on parse_plan's (PlanConfig, Hardware, training Config)."""
+    pc, hw, cfg = parsed
     world = pc.gpus_per_node * pc.nodes
-    cfg = compose_training(pc.overrides, "longstride plan")
     plans = validate(cfg, world, "cuda", assume_gpu=True, check_data=False)
     rows = [plan_stage(cfg, p, hw, world, pc) for p in plans.values()]
     print_plan(rows, hw, world, cfg.recipe.name)

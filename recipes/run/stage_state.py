@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from longstride.data.tokenizer import has_tokenizer, load_tokenizer, save_tokenizer, tokenizer_fingerprint
+from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
+from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
 from longstride.model.rope import max_positions
 from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, manifest_world, rng_state,
