@@ -2,10 +2,11 @@
 
 full       each decoder layer keeps only its input; backward recomputes the layer (transformers'
            activation checkpointing over torch's non-reentrant checkpoint).
-selective  inside each layer, the outputs of cheap ops (norms, RoPE, residual adds, activations,
-           reshapes) are kept and the matmuls and attention kernels are recomputed, through torch's
-           selective-checkpoint contexts: no recompute of cheap ops, and the wide projection and
-           attention outputs are still never kept.
+selective  inside each layer, the outputs of the matmuls (the q/k/v, output and MLP projections) are
+           kept and everything else is recomputed from them (norms, RoPE, residual adds, activations,
+           autocast's casts: cheap elementwise ops) and the attention forward, through torch's
+           selective-checkpoint contexts (op-level selective checkpointing as torchtitan's: its backward
+           recomputes almost no FLOPs beyond attention's, for about half of what no checkpointing keeps).
 offload    (CUDA runs, with full or selective) the checkpointed layer inputs are held in pinned
            host memory instead of on the device, copied out and back on a side stream that overlaps
            with compute (model/offload.py). On CPU runs it changes nothing.
@@ -24,16 +25,15 @@ from longstride.model.offload import ActivationOffload
 MODES = ("none", "full", "selective")
 
 _aten = torch.ops.aten
-KEPT = {  # the cheap ops whose outputs selective checkpointing keeps; everything else is recomputed
-    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default,
-    _aten.pow.Tensor_Scalar, _aten.mean.dim, _aten.rsqrt.default, _aten.silu.default, _aten.gelu.default,
-    _aten.cos.default, _aten.sin.default, _aten.cat.default, _aten._to_copy.default, _aten.embedding.default,
-}
+# the matmuls whose outputs selective checkpointing keeps (a linear layer is one of them under a view; experts are
+# grouped matmuls); everything else is recomputed
+KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+        *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else [])}
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
     # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses
-    # outputs, receive buffers) must never be cached, and a keep-list never caches them. Nothing that runs
+    # outputs, receive buffers) must never be cached, and a keep-list of matmuls never caches them. Nothing that runs
     # without grad is cached either: the forward of an autograd.Function (a tiled op, which keeps only its
     # input and recomputes its tiles itself; ring and Ulysses attention) saves what it needs on its own.
     keep = op in KEPT and torch.is_grad_enabled()

@@ -19,10 +19,9 @@ The estimate, per rank, in bytes:
                                  a pre-norm layer (its norms folded in) r 2 H for the norms (input, residual)
     none                         every layer's set
     full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
-    selective                    the outputs of the cheap ops its cache keeps per layer (selective_keeps: RoPE's,
-                                 the residual adds', the last of which is the next layer's input, the MLP's
-                                 activation and product, norms of other forms than the lean one, autocast's casts),
-                                 plus one layer's set
+    selective                    r H per layer (its input) and the outputs of its matmuls, b each (selective_keeps:
+                                 q/k/v, the output projection, the MLP's or experts' projections), plus one
+                                 layer's set
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
     at the peak, in one layer's attention backward: the gradients r H + b (q + qkv) (residual stream,
@@ -65,7 +64,6 @@ class LayerParts:
     experts: int = 0             # ... and how many there are (the router's logits)
     shared_expert: bool = False  # ... with a dense expert every token goes through (Qwen2-MoE, Llama 4)
     act_kept: int = 0            # I-wide tensors the activation keeps beyond its input (Python GELUs: ACT_KEPT)
-    act_ops: int = 1             # I-wide outputs of the activation's tensor ops (Python GELUs: ACT_OPS)
 
 
 ATTENTION = ("self_attn", "attention", "self_attention", "attn")
@@ -74,9 +72,6 @@ FUSED_QKV = ("query_key_value", "qkv_proj", "c_attn", "Wqkv")
 # activations written as several tensor ops keep intermediates: NewGELU measured (Phi-2: 3 I-wide tensors), FastGELU
 # and QuickGELU counted from their expressions; torch's own gelu/silu keep their input only
 ACT_KEPT = {"NewGELUActivation": 3, "FastGELUActivation": 4, "QuickGELUActivation": 1}
-# ... and the I-wide outputs of their ops other than tanh and sigmoid, which selective checkpointing keeps (NewGELU
-# measured); torch's own gelu/silu is one op
-ACT_OPS = {"NewGELUActivation": 7, "FastGELUActivation": 8, "QuickGELUActivation": 2}
 
 
 def _norm_kind(module: torch.nn.Module, lean: bool) -> str:
@@ -110,7 +105,7 @@ def layer_parts(model: torch.nn.Module, lean_norms: bool) -> LayerParts:
                       experts=next((getattr(config, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
                                     if getattr(config, n, None)), 0) if moe else 0,
                       shared_expert=moe and any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts")),
-                      act_kept=ACT_KEPT.get(act, 0), act_ops=ACT_OPS.get(act, 1))
+                      act_kept=ACT_KEPT.get(act, 0))
 
 
 def _norm_keeps(kind: str, width: int, rows: int, b: int) -> int:
@@ -149,61 +144,27 @@ def layer_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool =
     return keep if tiled else keep + _mlp_keeps(config, parts, b, H, I)
 
 
-def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool = False) -> int:
-    """Bytes per token selective checkpointing's cache keeps for one decoder layer: the outputs of the ops
-    model/checkpointing.KEPT lists, outside autograd Functions (the lean RMSNorm, the tiles, ring and Ulysses
-    attention keep nothing there). Measured op by op on nine architectures (tests/test_memory_estimate.py):
-      RoPE on q and k: q cos, rotate_half's neg and cat, its sin product, the sum (b each; under autocast the
-        products and the sum are fp32, as cos/sin are, and the halves in the dtype of q/k: fp32 after a lean q/k
-        norm, bf16 otherwise), then autocast's cast for attention; where only part of a head rotates, or q/k/v are
-        one fused projection (GPT-NeoX, Phi, Phi-3), the rest is cast to fp32 (autocast) and concatenated back;
-      the two residual adds, r H each;
-      each norm of another form than the lean one (Gemma's): 4 (3 W + 3 rows) in fp32, and under autocast, where its
-        input is a matmul's bf16 output, the casts in and out (4 W + b W);
-      under autocast, each projection's bf16 copy of the norm output it reads (b H), as layer_keeps counts them;
-      the MLP, untiled: the activation's ops and the gate product, b I each; experts: per expert a token goes to,
-        b (2 I + H) and its fp32 routing weight, and a shared expert's b (2 I + 2 H)."""
+def selective_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
+    """Bytes per token selective checkpointing's cache keeps for one decoder layer: the outputs of its matmuls
+    (model/checkpointing.KEPT) outside autograd Functions (the tiles, ring and Ulysses attention keep nothing
+    there), b each (bf16 under autocast): q, k and v (or one fused q/k/v; in tiles in a pre-norm layer), the output
+    projection's H; the MLP, untiled:
+    gate and up (or one fused gate_up, or a plain MLP's fc1) and the down projection's H; a mixture of experts: the
+    router's logits, per expert a token goes to its gate_up and down outputs, and a shared expert's set with its
+    gate. Measured op by op on nine architectures (tests/test_memory_estimate.py). The layer's input is not in
+    it (the residual adds are recomputed): estimate() adds it, as full checkpointing keeps it."""
     H, I, d, Hq, Hkv = _dims(config)
-    q, kv = Hq * d, Hkv * d
-    r = 4 if autocast else b
-    rot = _rotary_fraction(config, d)
-    split = rot < 1 or parts.fused_qkv
-    if autocast:
-        half = 4 if parts.qk_norm and parts.qk_norm_kind == "lean" else b
-        per = rot * (4 + half / 2 + half + 4 + 4) + b + ((4 * (1 - rot) + 4) if split else 0)
-    else:
-        per = rot * 4.5 * b + (b if split else 0)
-    keep = (q + kv) * per + 2 * r * H
-    readers = _norm_readers(parts, tiled)
-    for i, kind in enumerate(parts.norms):
-        if tiled and parts.pre_norm:
-            break  # folded into the tiles
-        other = kind == "other"
-        keep += 4 * (3 * H + 3) if other else 0
-        if autocast:
-            keep += max(b * H * readers[min(i, 1)], (4 * H + b * H) if other else 0)
-    if parts.qk_norm and parts.qk_norm_kind == "other":
-        rows = (Hq, Hkv) if parts.qk_norm == "head" else (1, 1)
-        keep += 4 * (3 * (q + kv) + 3 * sum(rows)) + ((4 + b) * (q + kv) if autocast else 0)
+    keep = H + (0 if tiled and parts.pre_norm else (Hq + 2 * Hkv) * d)  # pre-norm tiles hold q/k/v's projections
     if tiled:
         pass  # the MLP's tiles keep nothing in the cache
     elif parts.experts_per_token:
         expert = getattr(config, "moe_intermediate_size", None) or I
         shared = getattr(config, "shared_expert_intermediate_size", None) or I
-        keep += parts.experts_per_token * (b * (2 * expert + H) + 4) + (b * (2 * shared + 2 * H)
-                                                                        if parts.shared_expert else 0)
+        keep += parts.experts + parts.experts_per_token * (2 * expert + H) + (2 * shared + H + 1
+                                                                              if parts.shared_expert else 0)
     else:
-        keep += b * I * (parts.act_ops + (1 if parts.gated_mlp else 0))
-    return round(keep)
-
-
-def _rotary_fraction(config, head_dim: int) -> float:
-    """The share of each head RoPE rotates (partial_rotary_factor: GPT-NeoX, Phi), as transformers rounds it."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3): the first
-        rope = next(iter(rope.values()))
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
-    return int(head_dim * factor) / head_dim
+        keep += (2 * I if parts.gated_mlp else I) + H
+    return b * keep
 
 
 def _norm_readers(parts: LayerParts, tiled: bool) -> list[int]:
@@ -244,9 +205,9 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     r = 4 if autocast else act_bytes  # the residual stream's bytes per element
     layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
     peak = r * H + act_bytes * (q + qkv) + r * 2 * d  # gradients in one layer's backward, cos/sin
-    # selective: the cache holds each layer's output (its last residual add), which is the next layer's input
-    per_layer = layer if ac == "none" else r * H if ac == "full" else selective_keeps(
-        config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)
+    # full and selective keep each layer's input; selective also its matmuls' outputs
+    per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))
+                                                     if ac == "selective" else 0)
     kept = n * per_layer + (layer if ac != "none" else 0) + peak
     host = 0
     if offload and ac != "none":

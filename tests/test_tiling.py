@@ -162,7 +162,7 @@ def test_tiles_recompute_under_the_forward_autocast_and_are_not_cached_by_select
 
     def fn(t):
         seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
-                     _selective_policy(None, torch.ops.aten.mul.Tensor)))
+                     _selective_policy(None, torch.ops.aten.mm.default)))
         return lin(t) * 2
 
     x = torch.randn(1, 10, 8, requires_grad=True)
@@ -174,7 +174,7 @@ def test_tiles_recompute_under_the_forward_autocast_and_are_not_cached_by_select
     forward, backward = seen[:3], seen[3:]
     assert len(backward) == 3 and all(not g and a and p.name == "PREFER_RECOMPUTE" for g, a, p in forward), forward
     assert all(g and a for g, a, _ in backward), "backward recomputes each tile with grad, under autocast"
-    assert _selective_policy(None, torch.ops.aten.mul.Tensor).name == "PREFER_SAVE", "outside a tile: kept"
+    assert _selective_policy(None, torch.ops.aten.mm.default).name == "PREFER_SAVE", "outside a tile: kept"
     # the same output and gradients as the untiled op under the same autocast (bf16: tile sums differ in rounding)
     xr = x.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):

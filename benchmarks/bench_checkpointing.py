@@ -1,0 +1,138 @@
+"""Activation checkpointing modes compared on one training step: what each keeps and what its backward costs.
+
+One sequence of L tokens through SmolLM2-135M's layer shape (576 hidden, 1536 MLP, 9/3 heads; fewer layers, so the
+step is quick on a CPU), built as a training stage builds its step (recipes/run/step.py: longstride's attention,
+chunked loss, lean RMSNorm, no tiles), on one process:
+  none               nothing recomputed
+  full               each layer keeps its input; backward recomputes the layer
+  selective          each layer also keeps its matmuls' outputs (model/checkpointing.KEPT); backward recomputes the
+                     elementwise ops and attention's forward
+  selective_cheap    the policy selective had before: keep the cheap ops' outputs (norms, RoPE, residual adds,
+                     activations, casts) and recompute the matmuls; here for comparison only
+Time: forward + backward (no optimizer), the modes interleaved round by round, median per mode and its ratio to none.
+Memory: the bytes selective checkpointing's cache holds, counted as the policy keeps them (measured), and every
+mode's activations per token from model/memory.estimate (fp32 and under bf16 autocast; the estimate's selective
+figure is the measured cache plus the layer input, tests/test_memory_estimate.py).
+
+    python -m benchmarks.bench_checkpointing [--length 2048 --layers 8 --reps 7]
+    # writes benchmarks/results/bench_checkpointing.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from longstride.model import checkpointing
+from longstride.model.config import ModelConfig
+
+OUT = os.path.join(os.path.dirname(__file__), "results", "bench_checkpointing.json")
+MODES = ("none", "full", "selective", "selective_cheap")
+_aten = torch.ops.aten
+CHEAP_KEPT = {  # selective's keep-list before it kept the matmuls
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default,
+    _aten.pow.Tensor_Scalar, _aten.mean.dim, _aten.rsqrt.default, _aten.silu.default, _aten.gelu.default,
+    _aten.cos.default, _aten.sin.default, _aten.cat.default, _aten._to_copy.default, _aten.embedding.default,
+}
+
+
+_RECORDED: list = []  # bytes of each output selective's cache kept, while a list is put here
+_POLICY = checkpointing._selective_policy
+
+
+def _recording(ctx, op, *args, **kwargs):
+    decision = _POLICY(ctx, op, *args, **kwargs)
+    if _RECORDED and decision == checkpointing.CheckpointPolicy.PREFER_SAVE:
+        outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
+        _RECORDED[0].extend(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
+    return decision
+
+
+def build(mode: str, layers: int, length: int):
+    """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step."""
+    from longstride.data.batch import collate, packed_item
+    from longstride.model.build import build_model
+    from longstride.recipes.run.step import StepSpec, build_step
+
+    cfg = ModelConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                      num_key_value_heads=3, nope_interval=0)
+    lm = build_model(cfg, rope_theta=1e5, seq_len=length, vocab_size=49152, eos_id=0, pad_id=1, seed=0)
+    checkpointing._selective_policy = _recording  # bound when checkpointing is switched on
+    try:
+        step = build_step(lm, StepSpec("selective" if mode.startswith("selective") else mode, loss_tile=1024))
+    finally:
+        checkpointing._selective_policy = _POLICY
+    ids = torch.randint(2, 49152, (1, length), generator=torch.Generator().manual_seed(0))
+    return step, step.prep(collate([packed_item([ids[0].numpy()], length, pad_id=1)])), lm
+
+
+def run_step(step, local, mode: str, cached: list | None = None) -> float:
+    """Seconds of one forward + backward; cached: collects the bytes selective's cache holds."""
+    from longstride.recipes.run.step import loss_sum
+
+    kept = checkpointing.KEPT
+    checkpointing.KEPT = CHEAP_KEPT if mode == "selective_cheap" else kept  # read at each op
+    _RECORDED[:] = [cached] if cached is not None else []
+    try:
+        t0 = time.perf_counter()
+        loss_sum(step.module, local, "cpu").backward()
+        return time.perf_counter() - t0
+    finally:
+        checkpointing.KEPT = kept
+        _RECORDED.clear()
+
+
+def main(argv=None) -> dict:
+    from longstride.model.memory import estimate, layer_parts
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    built = {m: build(m, args.layers, args.length) for m in MODES}
+    cache = {}
+    for m in MODES:  # a first step each (warm-up), counting what selective's cache holds
+        got = []
+        run_step(*built[m][:2], m, got)
+        cache[m] = sum(got) / args.length / args.layers if m.startswith("selective") else 0.0
+    times = {m: [] for m in MODES}
+    for _ in range(args.reps):
+        for m in MODES:
+            times[m].append(run_step(*built[m][:2], m))
+            built[m][2].zero_grad(set_to_none=True)
+    lm = built["none"][2]
+    parts, H = layer_parts(lm, lean_norms=True), lm.config.hidden_size
+    rows = []
+    for m in MODES:
+        med = statistics.median(times[m])
+        row = {"mode": m, "step_s_median": round(med, 3), "vs_none": round(med / statistics.median(times["none"]), 3),
+               "cache_bytes_per_token_layer_measured": cache[m]}
+        if m != "selective_cheap":
+            for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
+                est = estimate(lm.config, 1, 1, m, 0, 1024, act_bytes=b, parts=parts, autocast=autocast)
+                row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est["layer_bytes_per_token"] / 4 / H, 2)
+        rows.append(row)
+    result = {"what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, CPU fp32",
+              "length": args.length, "layers": args.layers, "reps": args.reps, "torch": torch.__version__,
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "memory_note": "layer_bytes_per_token_*_estimate_H: what each layer keeps for backward, in fp32 values "
+                             "of the hidden width (model/memory.estimate; selective's = the measured cache + input)",
+              "rows": rows}
+    for r in rows:
+        print(r)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
