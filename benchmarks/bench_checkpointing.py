@@ -41,7 +41,7 @@ CHEAP_KEPT = {  # selective's keep-list before it kept the matmuls
 }
 
 
-_RECORDED: list = []  # bytes of each output selective's cache kept, while a list is put here
+_RECORDED: list = []  # storage -> bytes of the outputs selective's cache keeps, while a dict is put here
 _POLICY = checkpointing._selective_policy
 
 
@@ -49,7 +49,8 @@ def _recording(ctx, op, *args, **kwargs):
     decision = _POLICY(ctx, op, *args, **kwargs)
     if _RECORDED and decision == checkpointing.CheckpointPolicy.PREFER_SAVE:
         outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-        _RECORDED[0].extend(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
+        _RECORDED[0].update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # a storage once
+                             for t in outs if isinstance(t, torch.Tensor)})
     return decision
 
 
@@ -71,7 +72,7 @@ def build(mode: str, layers: int, length: int):
     return step, step.prep(collate([packed_item([ids[0].numpy()], length, pad_id=1)])), lm
 
 
-def run_step(step, local, mode: str, cached: list | None = None) -> float:
+def run_step(step, local, mode: str, cached: dict | None = None) -> float:
     """Seconds of one forward + backward; cached: collects the bytes selective's cache holds."""
     from longstride.recipes.run.step import loss_sum
 
@@ -87,6 +88,10 @@ def run_step(step, local, mode: str, cached: list | None = None) -> float:
         _RECORDED.clear()
 
 
+def lm_hidden(built: dict) -> int:
+    return built["none"][2].config.hidden_size
+
+
 def main(argv=None) -> dict:
     from longstride.model.memory import estimate, layer_parts
 
@@ -100,9 +105,9 @@ def main(argv=None) -> dict:
     built = {m: build(m, args.layers, args.length) for m in MODES}
     cache = {}
     for m in MODES:  # a first step each (warm-up), counting what selective's cache holds
-        got = []
+        got = {}
         run_step(*built[m][:2], m, got)
-        cache[m] = sum(got) / args.length / args.layers if m.startswith("selective") else 0.0
+        cache[m] = sum(got.values()) / args.length / args.layers if m.startswith("selective") else None
     times = {m: [] for m in MODES}
     for _ in range(args.reps):
         for m in MODES:
@@ -114,7 +119,9 @@ def main(argv=None) -> dict:
     for m in MODES:
         med = statistics.median(times[m])
         row = {"mode": m, "step_s_median": round(med, 3), "vs_none": round(med / statistics.median(times["none"]), 3),
-               "cache_bytes_per_token_layer_measured": cache[m]}
+               "cache_bytes_per_token_layer_measured": cache[m]}  # None: no cache in that mode
+        if cache[m] is not None:
+            row["cache_per_token_layer_measured_H"] = round(cache[m] / 4 / lm_hidden(built), 2)
         if m != "selective_cheap":
             for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
                 est = estimate(lm.config, 1, 1, m, 0, 1024, act_bytes=b, parts=parts, autocast=autocast)
@@ -123,8 +130,9 @@ def main(argv=None) -> dict:
     result = {"what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, CPU fp32",
               "length": args.length, "layers": args.layers, "reps": args.reps, "torch": torch.__version__,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "memory_note": "layer_bytes_per_token_*_estimate_H: what each layer keeps for backward, in fp32 values "
-                             "of the hidden width (model/memory.estimate; selective's = the measured cache + input)",
+              "memory_note": "cache_*_measured: what selective's cache holds a token a layer, each storage once; "
+                             "layer_bytes_per_token_*_estimate_H: what each layer keeps for backward, in fp32 values "
+                             "of the hidden width (model/memory.estimate; selective's = its cache + the layer input)",
               "rows": rows}
     for r in rows:
         print(r)

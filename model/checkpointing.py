@@ -26,8 +26,10 @@ MODES = ("none", "full", "selective")
 
 _aten = torch.ops.aten
 # the matmuls whose outputs selective checkpointing keeps (a linear layer is one of them under a view; experts are
-# grouped matmuls); everything else is recomputed
-KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+# grouped matmuls); everything else is recomputed. _unsafe_view (matmul's reshape of its mm) aliases a kept output
+# without sharing its version counter: kept too (no new memory), so that an op changing it in place is caught by the
+# cache's mutation check instead of handing backward a changed value.
+KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._unsafe_view.default,
         *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else [])}
 
 

@@ -21,7 +21,7 @@ The estimate, per rank, in bytes:
     full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
     selective                    r H per layer (its input) and the outputs of its matmuls, b each (selective_keeps:
                                  q/k/v, the output projection, the MLP's or experts' projections), plus one
-                                 layer's set
+                                 layer's set (an upper bound: the matmul outputs in it are the cached ones)
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
     at the peak, in one layer's attention backward: the gradients r H + b (q + qkv) (residual stream,

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from longstride.model.manifest import check_manifest
 
+STEP_METADATA = ".metadata"  # torch.distributed.checkpoint's index file: a sharded step checkpoint (parallel/shards.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
 
 
@@ -24,7 +25,7 @@ def check_checkpoint_dir(path: str, field_name: str) -> None:
         raise ValueError(f"{field_name}={path!r} {what}; point it at a local HF model directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{field_name}={path!r} has no config.json; it must be a directory written by save_pretrained")
-    if os.path.isfile(os.path.join(path, ".metadata")):  # parallel/shards.py's step checkpoint: no HF weights
+    if os.path.isfile(os.path.join(path, STEP_METADATA)):  # a step checkpoint: training state, no HF weights
         raise ValueError(f"{field_name}={path!r} is a sharded step checkpoint (training state, not an HF model); "
                          f"convert it first: longstride export-hf checkpoint={path} out=DIR, then use DIR")
 
@@ -48,7 +49,7 @@ def check_checkpoint_weights(path: str, field_name: str) -> None:
             files = sorted(set(json.load(f).get("weight_map", {}).values()))
     for name in files:
         try:
-            with safe_open(os.path.join(path, name), framework="pt"):
+            with safe_open(os.path.join(path, name), framework="numpy"):  # the header only; "pt" would import torch
                 pass
         except (SafetensorError, OSError) as e:  # a torn file, or a shard the index names that is missing
             raise ValueError(f"{field_name}={path!r}: {name} cannot be read ({e}); copy the checkpoint again") from None

@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-METADATA = ".metadata"
+from longstride.model.model_dir import STEP_METADATA
+
+METADATA = STEP_METADATA
 # one process has no process group to use, and is meant to have none
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _RECORDS = "torch.distributed.checkpoint.metadata"

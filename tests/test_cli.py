@@ -132,7 +132,7 @@ def test_small_commands_name_what_is_wrong(tmp_path):
 def test_eval_commands_refuse_a_checkpoint_without_readable_weights(tmp_path):
     """A torn copy (truncated safetensors), a config-only directory, or a copy that no longer matches the manifest
     longstride wrote with it (bit rot in a weight) is named by every eval command before the model is loaded, as
-    training's validation does (model/build.py check_checkpoint_weights)."""
+    training's validation does (model/model_dir.py check_checkpoint_weights)."""
     from longstride.eval.cli import parse_compare, parse_ppl, parse_ruler
     from longstride.recipes.config.schema import SHIPPED
 
@@ -207,8 +207,12 @@ def test_a_list_or_a_group_given_the_other_shape_says_how_the_command_spells_it(
 
 def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):
     """Every command but train parses its options in a module that imports neither torch nor transformers (about
-    six CPU-seconds a process here), so --help, a mistyped key and a missing checkpoint answer at once: the modules
-    loaded after each are listed, and each bad input still exits 2 naming the field."""
+    six CPU-seconds a process here), so --help, a mistyped key, a missing checkpoint and a bad field beside a good
+    checkpoint (whose weights' headers and manifest are read) answer at once: the modules loaded after all of them
+    are listed, and each bad input still exits 2 naming the field."""
+    from longstride.recipes.config.schema import SHIPPED
+
+    good = f"checkpoint={SHIPPED}/tiny_base_256"
     code = """if True:
         import contextlib, io, json, sys
         from longstride.cli import main
@@ -216,7 +220,9 @@ def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):
                 ["check", "--help"], ["plan", "--help"], ["export-hf", "--help"], ["convert-gguf", "--help"],
                 ["eval", "ruler", "checkpoint=x", "prefill=ring"], ["eval", "ppl", "checkpoint=/no/such"],
                 ["eval", "compare", "run=/no/such"], ["plan", "recipe=tiny", "recipe.stages.s2_2k.stepz=5"],
-                ["plan", "hardware=h100"], ["check", "chekpoint=x"], ["check", "checkpoint=/no/such"]]
+                ["plan", "hardware=h100"], ["check", "chekpoint=x"], ["check", "checkpoint=/no/such"],
+                ["eval", "ruler", GOOD, "lengths=[8]"], ["eval", "ppl", GOOD, "tile=0"],
+                ["export-hf", "checkpoint=/no/such", "out=/no/where"]]
         got = []
         for argv in runs:
             err = io.StringIO()
@@ -227,11 +233,11 @@ def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):
                     got.append([e.code, err.getvalue().strip()])
         print(json.dumps({"got": got, "heavy": [m for m in ("torch", "transformers") if m in sys.modules]}))
     """
-    r = _run([sys.executable, "-c", code], tmp_path)
+    r = _run([sys.executable, "-c", code.replace("GOOD", repr(good))], tmp_path)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["heavy"] == [], out
     codes = [c for c, _ in out["got"]]
-    assert codes == [0] * 7 + [2] * 7, out["got"]
+    assert codes == [0] * 7 + [2] * 10, out["got"]
     errors = [e for _, e in out["got"][7:]]
     assert "Invalid value 'ring', expected one of [local, cp]" in errors[0]
     assert "checkpoint='/no/such' does not exist" in errors[1]
@@ -240,3 +246,5 @@ def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):
     assert "hardware='h100' is unknown" in errors[4]
     assert "Could not override 'chekpoint': Key 'chekpoint' not in 'Config'" in errors[5]
     assert "checkpoint='/no/such' does not exist" in errors[6]
+    assert "lengths=[8]: give token lengths >= 16" in errors[7] and "tile=0 must be >= 1" in errors[8]
+    assert "checkpoint='/no/such' does not exist; give a step checkpoint" in errors[9]

@@ -38,12 +38,13 @@ def packed_batch(lengths: list[int] = LENGTHS["every_rank_several_docs"]) -> dic
 
 def tiny_model(ac: str = "none") -> ChunkedLossLM:
     """ac: activation checkpointing mode; with checkpointing every memory saver is on: the layers tiled
-    (tiles of 16 tokens, norms folded in) and the lean RMSNorm backward."""
+    (tiles of 16 tokens, norms folded in; not with ":untiled" after the mode) and the lean RMSNorm backward."""
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
-    if ac != "none":
-        patch_model(lm, ac, offload=False, mlp_tile=16, lean_norms=True)
+    mode, _, untiled = ac.partition(":")
+    if mode != "none":
+        patch_model(lm, mode, offload=False, mlp_tile=0 if untiled else 16, lean_norms=True)
     use_longstride_attention(lm)
     return ChunkedLossLM(lm, tile=20)
 
@@ -75,6 +76,9 @@ IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled wi
     "ring2": (2, ParallelConfig(cp_impl="ring"), "none"),
     "ring2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="ring"), "full"),
     "ring2_tiled_mlp_selective_ac": (2, ParallelConfig(cp_impl="ring"), "selective"),
+    # untiled, selective checkpointing caches q/k/v's projections, whose views CP attention reads
+    "ring2_selective_ac": (2, ParallelConfig(cp_impl="ring"), "selective:untiled"),
+    "upipe2_U2_selective_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "selective:untiled"),
     "ulysses2": (2, ParallelConfig(cp_impl="ulysses"), "none"),
     "upipe2_U2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "full"),
     "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2), "none"),

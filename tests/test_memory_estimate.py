@@ -181,12 +181,14 @@ def test_selective_estimate_follows_the_architecture(arch, tile, autocast):
     assert layer == est + (4 if autocast else b) * lm.config.hidden_size, "and the layer's input"
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox", "gemma3", "olmo2", "phi3", "phi", "mixtral",
                                   "qwen2_moe"])
-def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arch):
+def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arch, autocast):
     """The outputs selective checkpointing keeps are the matmuls'; a layer that changed one in place after the matmul
     would hand backward a wrong cached value. On each of the nine architectures (one process, untiled: tiles keep
-    nothing in the cache) the loss and every gradient equal those without checkpointing, to fp32 rounding."""
+    nothing in the cache), in fp32 and under bf16 autocast (whose casts are recomputed), the loss and every gradient
+    equal those without checkpointing, to fp32 rounding (the recompute runs the same ops on the same values)."""
     import transformers as T
 
     from longstride.parallel.cp import DocLayout
@@ -201,8 +203,9 @@ def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arc
         lm = T.AutoModelForCausalLM.from_config(config).float()
         patch_model(lm, mode, offload=False, mlp_tile=0, lean_norms=True)
         use_longstride_attention(lm)
-        loss = ChunkedLossLM(lm.train(), tile=20)(b["input_ids"], b["labels"], b["position_ids"],
-                                                  doc_layout=DocLayout(b["doc_ids"]))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = ChunkedLossLM(lm.train(), tile=20)(b["input_ids"], b["labels"], b["position_ids"],
+                                                      doc_layout=DocLayout(b["doc_ids"]))
         loss.backward()
         got.append((loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}))
     (loss0, g0), (loss1, g1) = got

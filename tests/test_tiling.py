@@ -257,3 +257,30 @@ def test_a_model_of_another_layout_trains_through_the_same_step_parts():
     model = ChunkedLossLM(lm, tile=20)
     got = loss_and_grads(model)
     assert_same(got, (total.detach(), {f"lm.{n}": p.grad for n, p in ref.named_parameters()}), "GPT-NeoX")
+
+
+def test_selective_checkpointing_refuses_a_kept_output_changed_in_place():
+    """A matmul's output, kept by selective checkpointing, changed in place afterwards (through matmul's
+    _unsafe_view, which shares no version counter with it) fails loudly in backward instead of recomputing from a
+    changed value; the same function without the in-place change keeps the plain gradients."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def layer(t, in_place):
+        y = torch.ops.aten._unsafe_view(torch.mm(t, w), [5, 2, 3])
+        y = y.add_(1.0) if in_place else y + 1.0
+        return torch.tanh(y)
+
+    context = partial(create_selective_checkpoint_contexts, _selective_policy)
+    layer(x, False).sum().backward()
+    plain = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    checkpoint(layer, x, False, use_reentrant=False, context_fn=context).sum().backward()
+    torch.testing.assert_close((x.grad, w.grad), plain, rtol=0, atol=0)
+    out = checkpoint(layer, x, True, use_reentrant=False, context_fn=context)
+    with pytest.raises(RuntimeError, match="cached during selective activation checkpoint has been mutated"):
+        out.sum().backward()

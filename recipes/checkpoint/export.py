@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from longstride.model.model_dir import STEP_METADATA as METADATA
 from longstride.overrides import parse, run
 from longstride.whole_dir import staged
 
@@ -24,20 +25,20 @@ class ExportConfig:
 
 
 def export_hf(checkpoint: str, out: str) -> str:
-    # imported here: `longstride export-hf --help` and a bad option answer without torch
-    from torch.distributed.checkpoint.api import CheckpointException
-    from transformers import AutoConfig, AutoTokenizer
-
-    from longstride.model.build import from_saved_config
-    from longstride.parallel.shards import METADATA, UnsafeCheckpoint, load_model_shards
-    from longstride.recipes.checkpoint.format import verify, write_manifest
-
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint={checkpoint!r} does not exist; give a step checkpoint, e.g. "
                          "outputs/<recipe>/<stage>/step_000020")
     if not os.path.isfile(os.path.join(checkpoint, METADATA)):
         raise ValueError(f"checkpoint={checkpoint!r} is not a sharded step checkpoint (no {METADATA}); a stage's "
                          "final is already an HF directory")
+    # imported here: `longstride export-hf --help` and a bad path answer without torch
+    from torch.distributed.checkpoint.api import CheckpointException
+    from transformers import AutoConfig, AutoTokenizer
+
+    from longstride.model.build import from_saved_config
+    from longstride.parallel.shards import UnsafeCheckpoint, load_model_shards
+    from longstride.recipes.checkpoint.format import verify, write_manifest
+
     problem = verify(checkpoint)
     if problem:
         raise ValueError(f"checkpoint={checkpoint!r} is damaged ({problem}); export an intact one")
