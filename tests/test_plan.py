@@ -54,9 +54,12 @@ def test_the_longest_length_is_found_on_the_trace():
 def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     prog = StepProgram(TINY, 4096, world=4, step=StepSpec("none", mlp_tile=0, loss_tile=256), docs=1)
     changes = dict(memplan.fixes(prog))
-    assert list(changes)[:2] == ["mlp_tile_tokens=1024", "model.activation_checkpointing=true"]
+    selective, full = "model.activation_checkpointing=true model.checkpoint_mode=selective", \
+        "model.activation_checkpointing=true"
+    assert list(changes)[:3] == ["mlp_tile_tokens=1024", selective, full]
     assert "cp=2" in changes and "cp=4" in changes
     before = trace_step(prog)["peak"]
     assert trace_step(changes["mlp_tile_tokens=1024"])["peak"] < before
+    assert trace_step(changes[full])["peak"] < trace_step(changes[selective])["peak"] < before
     assert trace_step(changes["cp=2"])["peak"] < before
 

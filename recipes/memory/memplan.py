@@ -85,13 +85,16 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
 
 
 def fixes(prog):
-    """Single changes in order of cost: tiling, checkpointing, offload, then each larger cp within the world.
-    Yields (what to set, the changed program)."""
+    """Single changes in order of cost: tiling, selective checkpointing (backward recomputes the elementwise ops
+    and attention's forward), full checkpointing (and the projections), offload, then each larger cp within the
+    world. Yields (what to set, the changed program)."""
     step = prog.step
     if not step.mlp_tile:
         tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
         yield f"mlp_tile_tokens={tile}", prog.with_step(mlp_tile=tile)
     if step.checkpointing == "none":
+        yield ("model.activation_checkpointing=true model.checkpoint_mode=selective",
+               prog.with_step(checkpointing="selective"))
         yield "model.activation_checkpointing=true", prog.with_step(checkpointing="full")
     if step.checkpointing != "none" and not step.offload:
         yield "model.offload_activations=true", prog.with_step(offload=True)
