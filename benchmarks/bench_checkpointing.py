@@ -12,10 +12,13 @@ chunked loss, lean RMSNorm, no tiles), on one process:
 Time: forward + backward (no optimizer), the modes interleaved round by round, median per mode and its ratio to none.
 Memory: the bytes selective checkpointing's cache holds, counted as the policy keeps them (measured), and every
 mode's activations per token from model/memory.estimate (fp32 and under bf16 autocast; the estimate's selective
-figure is the measured cache plus the layer input, tests/test_memory_estimate.py).
+figure is the measured cache plus the layer input, tests/test_memory_estimate.py). On a GPU (the device window's
+`checkpointing` step) the step runs under bf16 autocast over fp32 weights, as one GPU trains, all 30 layers at 16K
+by default, and each mode's peak is measured too (CUDA max_memory_allocated above what the step starts with).
 
-    python -m benchmarks.bench_checkpointing [--length 2048 --layers 8 --reps 7]
-    # writes benchmarks/results/bench_checkpointing.json
+    python -m benchmarks.bench_checkpointing [--length 2048 --layers 8 --reps 7]   # CPU, fp32
+    python -m benchmarks.bench_checkpointing --out DIR/checkpointing.json           # on a GPU: 16K, 30 layers
+    # writes benchmarks/results/bench_checkpointing.json (CPU) unless --out; --smoke: 256 tokens, 2 layers
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def _recording(ctx, op, *args, **kwargs):
     return decision
 
 
-def build(mode: str, layers: int, length: int):
+def build(mode: str, layers: int, length: int, device: str):
     """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step."""
     from longstride.data.batch import collate, packed_item
     from longstride.model.build import build_model
@@ -62,7 +65,7 @@ def build(mode: str, layers: int, length: int):
 
     cfg = ModelConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
                       num_key_value_heads=3, nope_interval=0)
-    lm = build_model(cfg, rope_theta=1e5, seq_len=length, vocab_size=49152, eos_id=0, pad_id=1, seed=0)
+    lm = build_model(cfg, rope_theta=1e5, seq_len=length, vocab_size=49152, eos_id=0, pad_id=1, seed=0).to(device)
     checkpointing._selective_policy = _recording  # bound when checkpointing is switched on
     try:
         step = build_step(lm, StepSpec("selective" if mode.startswith("selective") else mode, loss_tile=1024))
@@ -72,46 +75,61 @@ def build(mode: str, layers: int, length: int):
     return step, step.prep(collate([packed_item([ids[0].numpy()], length, pad_id=1)])), lm
 
 
-def run_step(step, local, mode: str, cached: dict | None = None) -> float:
-    """Seconds of one forward + backward; cached: collects the bytes selective's cache holds."""
+def run_step(step, local, mode: str, device: str, cached: dict | None = None) -> tuple[float, int | None]:
+    """(seconds, CUDA peak bytes above the start or None on CPU) of one forward + backward; cached: collects the
+    bytes selective's cache holds."""
     from longstride.recipes.run.step import loss_sum
 
     kept = checkpointing.KEPT
     checkpointing.KEPT = CHEAP_KEPT if mode == "selective_cheap" else kept  # read at each op
     _RECORDED[:] = [cached] if cached is not None else []
+    cuda = device == "cuda"
     try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        loss_sum(step.module, local, "cpu").backward()
-        return time.perf_counter() - t0
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = loss_sum(step.module, local, device)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - start if cuda else None
     finally:
         checkpointing.KEPT = kept
         _RECORDED.clear()
-
-
-def lm_hidden(built: dict) -> int:
-    return built["none"][2].config.hidden_size
 
 
 def main(argv=None) -> dict:
     from longstride.model.memory import estimate, layer_parts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=7)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = device == "cuda"
+    ap.add_argument("--length", type=int, default=16384 if gpu else 2048)
+    ap.add_argument("--layers", type=int, default=30 if gpu else 8)
+    ap.add_argument("--reps", type=int, default=5 if gpu else 7)
+    ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 2 rounds")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-    built = {m: build(m, args.layers, args.length) for m in MODES}
-    cache = {}
+    if args.smoke:
+        args.length, args.layers, args.reps = 256, 2, 2
+    if not gpu:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
+    built = {m: build(m, args.layers, args.length, device) for m in MODES}
+    cache, peak = {}, {m: [] for m in MODES}
     for m in MODES:  # a first step each (warm-up), counting what selective's cache holds
         got = {}
-        run_step(*built[m][:2], m, got)
+        run_step(*built[m][:2], m, device, got)
         cache[m] = sum(got.values()) / args.length / args.layers if m.startswith("selective") else None
+        built[m][2].zero_grad(set_to_none=True)
     times = {m: [] for m in MODES}
     for _ in range(args.reps):
         for m in MODES:
-            times[m].append(run_step(*built[m][:2], m))
+            seconds, top = run_step(*built[m][:2], m, device)
+            times[m].append(seconds)
+            peak[m].append(top)
             built[m][2].zero_grad(set_to_none=True)
     lm = built["none"][2]
     parts, H = layer_parts(lm, lean_norms=True), lm.config.hidden_size
@@ -121,22 +139,27 @@ def main(argv=None) -> dict:
         row = {"mode": m, "step_s_median": round(med, 3), "vs_none": round(med / statistics.median(times["none"]), 3),
                "cache_bytes_per_token_layer_measured": cache[m]}  # None: no cache in that mode
         if cache[m] is not None:
-            row["cache_per_token_layer_measured_H"] = round(cache[m] / 4 / lm_hidden(built), 2)
+            row["cache_per_token_layer_measured_H"] = round(cache[m] / 4 / H, 2)
+        if gpu:
+            row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)  # above the step's start: its activations
         if m != "selective_cheap":
             for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
                 est = estimate(lm.config, 1, 1, m, 0, 1024, act_bytes=b, parts=parts, autocast=autocast)
                 row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est["layer_bytes_per_token"] / 4 / H, 2)
         rows.append(row)
-    result = {"what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, CPU fp32",
+    result = {"what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, "
+                      + ("bf16 autocast over fp32 weights" if gpu else "CPU fp32"),
+              "device": torch.cuda.get_device_name(0) if gpu else "cpu", "cuda": torch.version.cuda,
               "length": args.length, "layers": args.layers, "reps": args.reps, "torch": torch.__version__,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "cache_note": "selective's cache is counted in the warm-up step, under the same autocast",
               "memory_note": "cache_*_measured: what selective's cache holds a token a layer, each storage once; "
                              "layer_bytes_per_token_*_estimate_H: what each layer keeps for backward, in fp32 values "
                              "of the hidden width (model/memory.estimate; selective's = its cache + the layer input)",
               "rows": rows}
     for r in rows:
         print(r)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return result

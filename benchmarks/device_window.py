@@ -95,6 +95,7 @@ def steps(work: str) -> list[Step]:
     probe = [*launch, "--config_file", "configs/accelerate/gpu1.yaml", "-m", "longstride.recipes.train",
              "recipe=gpu_probe", f"paths.output_root={run}", "logger.progress_bar=false"]
     probe_smoke = [*py("-m", "longstride.recipes.train"), *probe[7:], *PROBE_SMOKE.split()]
+    ckpt = py("-m", "benchmarks.bench_checkpointing", "--out", f"{work}/checkpointing/checkpointing.json")
     main_job = ["bash", "-c", f"{shlex.join(train)} && {shlex.join(compare)} num_samples=10"]
     main_smoke = ["bash", "-c", f"{shlex.join(smoke_train)} && {shlex.join(compare)} num_samples=1 lengths=[512]"]
     return [
@@ -105,6 +106,8 @@ def steps(work: str) -> list[Step]:
         Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),
         Step("main_job", 170, 60, main_job, main_smoke),
         Step("gpu_train_tests", 200, 40, train_tests, train_tests),
+        # none / full / selective (the matmuls' outputs) / the old keep-list: step time and measured peak, 16K
+        Step("checkpointing", 90, 40, ckpt, [*ckpt, "--smoke"]),
         # the recipe at real scale (benchmarks/gpu_recipe.py): about 9 minutes, a window of its own
         # (--only env,gpu_recipe); the smoke runs its CPU rehearsal
         # RULER: 10 samples a cell of niah_single_1 (the acceptance task, first), 5 of the others (cut first if the
@@ -360,7 +363,8 @@ def collect(folder: str, dest: str, tag: str) -> list[str]:
         tests = [t for n in ("gpu_tests.xml", "gpu_train_tests.xml") if read(n) for t in _junit(read(n))]
         write("tests", {"rows": tests})
         for name, what in (("kernels/kernel_figures.json", "kernel_figures"), ("throughput/throughput.json",
-                                                                                "throughput")):
+                                                                                "throughput"),
+                           ("checkpointing/checkpointing.json", "checkpointing")):
             if read(name):
                 write(what, json.loads(read(name)))
         write("recipe_stages", {"what": "each stage of the window's recipe runs (gpu_probe: SmolLM2-135M's shape at "

@@ -68,7 +68,8 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
         figures = json.load(tar.extractfile("kernels/kernel_figures.json"))
         compare = json.load(tar.extractfile("main_job_compare/compare.json"))
         assert_throughput_rows(json.load(tar.extractfile("throughput/throughput.json")))
-    assert {"throughput/throughput.json", "runs/gpu_probe/s2_32k/metrics.jsonl", "gpu_tests.xml"} <= packed
+    assert {"throughput/throughput.json", "runs/gpu_probe/s2_32k/metrics.jsonl", "gpu_tests.xml",
+            "checkpointing/checkpointing.json"} <= packed
     assert not any("/step_" in n for n in packed)  # step checkpoints stay behind; the tiny finals come back
     assert "runs/tiny_extend/s3_4k/final/model.safetensors" in packed
     assert figures["rows"] and not figures["failed"]
@@ -81,7 +82,11 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
     written = device_window.collect(str(out), str(tmp_path / "collected"), "t")
     assert {os.path.basename(p) for p in written} >= {"t_window.json", "t_tests.json", "t_kernel_figures.json",
                                                      "t_throughput.json", "t_recipe_stages.json",
-                                                     "t_main_job_compare.json", "t_main_job_compare.png"}
+                                                     "t_main_job_compare.json", "t_main_job_compare.png",
+                                                     "t_checkpointing.json"}
+    modes = json.loads((tmp_path / "collected" / "t_checkpointing.json").read_text())["rows"]
+    assert [r["mode"] for r in modes] == ["none", "full", "selective", "selective_cheap"]
+    assert modes[2]["cache_per_token_layer_measured_H"] < modes[3]["cache_per_token_layer_measured_H"]
     stages = json.loads((tmp_path / "collected" / "t_recipe_stages.json").read_text())
     assert stages["device"] == "cpu" and stages["versions"].startswith("torch")
     by = {(r["recipe"], r["stage"]): r for r in stages["rows"]}
