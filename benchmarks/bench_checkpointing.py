@@ -14,7 +14,8 @@ Memory: the bytes selective checkpointing's cache holds, counted as the policy k
 mode's activations per token from model/memory.estimate (fp32 and under bf16 autocast; the estimate's selective
 figure is the measured cache plus the layer input, tests/test_memory_estimate.py). On a GPU (the device window's
 `checkpointing` step) the step runs under bf16 autocast over fp32 weights, as one GPU trains, all 30 layers at 16K
-by default, and each mode's peak is measured too (CUDA max_memory_allocated above what the step starts with).
+by default, and each mode's peak is measured too (CUDA max_memory_allocated above what the step starts with, the
+gradients included there: its activations and autocast's bf16 copies of the weights).
 
     python -m benchmarks.bench_checkpointing [--length 2048 --layers 8 --reps 7]   # CPU, fp32
     python -m benchmarks.bench_checkpointing --out DIR/checkpointing.json           # on a GPU: 16K, 30 layers
@@ -61,6 +62,8 @@ def build(mode: str, layers: int, length: int, device: str):
     """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step."""
     from longstride.data.batch import collate, packed_item
     from longstride.model.build import build_model
+    from longstride.parallel.cp import CPContext
+    from longstride.parallel.kernels import resolve_kernel
     from longstride.recipes.run.step import StepSpec, build_step
 
     cfg = ModelConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
@@ -68,7 +71,10 @@ def build(mode: str, layers: int, length: int, device: str):
     lm = build_model(cfg, rope_theta=1e5, seq_len=length, vocab_size=49152, eos_id=0, pad_id=1, seed=0).to(device)
     checkpointing._selective_policy = _recording  # bound when checkpointing is switched on
     try:
-        step = build_step(lm, StepSpec("selective" if mode.startswith("selective") else mode, loss_tile=1024))
+        # the kernel a one-device stage takes: torch's flash attention on CUDA (bf16 under autocast), sdpa on CPU
+        kernel = resolve_kernel("auto", device, ring=False, half=device == "cuda", head_dim=cfg.hidden_size // 9)
+        step = build_step(lm, StepSpec("selective" if mode.startswith("selective") else mode, loss_tile=1024),
+                          CPContext(kernel=kernel))
     finally:
         checkpointing._selective_policy = _POLICY
     ids = torch.randint(2, 49152, (1, length), generator=torch.Generator().manual_seed(0))
@@ -123,14 +129,14 @@ def main(argv=None) -> dict:
         got = {}
         run_step(*built[m][:2], m, device, got)
         cache[m] = sum(got.values()) / args.length / args.layers if m.startswith("selective") else None
-        built[m][2].zero_grad(set_to_none=True)
+        built[m][2].zero_grad(set_to_none=False)  # the gradients stay allocated: a step's peak is above them
     times = {m: [] for m in MODES}
     for _ in range(args.reps):
         for m in MODES:
             seconds, top = run_step(*built[m][:2], m, device)
             times[m].append(seconds)
             peak[m].append(top)
-            built[m][2].zero_grad(set_to_none=True)
+            built[m][2].zero_grad(set_to_none=False)
     lm = built["none"][2]
     parts, H = layer_parts(lm, lean_norms=True), lm.config.hidden_size
     rows = []
@@ -141,13 +147,17 @@ def main(argv=None) -> dict:
         if cache[m] is not None:
             row["cache_per_token_layer_measured_H"] = round(cache[m] / 4 / H, 2)
         if gpu:
-            row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)  # above the step's start: its activations
+            # above the step's start (the gradients allocated before it): activations, autocast's bf16 weight copies
+            row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)
         if m != "selective_cheap":
             for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
                 est = estimate(lm.config, 1, 1, m, 0, 1024, act_bytes=b, parts=parts, autocast=autocast)
                 row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est["layer_bytes_per_token"] / 4 / H, 2)
         rows.append(row)
-    result = {"what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, "
+    from longstride.parallel.kernels import resolve_kernel
+
+    result = {"kernel": resolve_kernel("auto", device, ring=False, half=gpu),
+              "what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, "
                       + ("bf16 autocast over fp32 weights" if gpu else "CPU fp32"),
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "cuda": torch.version.cuda,
               "length": args.length, "layers": args.layers, "reps": args.reps, "torch": torch.__version__,

@@ -102,12 +102,12 @@ def steps(work: str) -> list[Step]:
         Step("env", 60, 10, env, env),
         Step("gpu_tests", 180, 40, gpu_tests, gpu_tests),
         Step("kernel_figures", 90, 30, figures, [*figures, "--smoke"]),
+        # none / full / selective (the matmuls' outputs) / the old keep-list: step time and measured peak, 16K
+        Step("checkpointing", 90, 40, ckpt, [*ckpt, "--smoke"]),
         Step("recipe_step", 150, 60, probe, probe_smoke),
         Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),
         Step("main_job", 170, 60, main_job, main_smoke),
         Step("gpu_train_tests", 200, 40, train_tests, train_tests),
-        # none / full / selective (the matmuls' outputs) / the old keep-list: step time and measured peak, 16K
-        Step("checkpointing", 90, 40, ckpt, [*ckpt, "--smoke"]),
         # the recipe at real scale (benchmarks/gpu_recipe.py): about 9 minutes, a window of its own
         # (--only env,gpu_recipe); the smoke runs its CPU rehearsal
         # RULER: 10 samples a cell of niah_single_1 (the acceptance task, first), 5 of the others (cut first if the

@@ -10,6 +10,7 @@ import sys
 import pytest
 from transformers import SmolLM3Config
 
+from longstride.recipes.config.compose import compose_training
 from longstride.recipes.memory import memplan
 from longstride.recipes.memory.plan_options import hardware
 from longstride.recipes.memory.trace import StepProgram, trace_step
@@ -53,13 +54,15 @@ def test_the_longest_length_is_found_on_the_trace():
 
 def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     prog = StepProgram(TINY, 4096, world=4, step=StepSpec("none", mlp_tile=0, loss_tile=256), docs=1)
-    changes = dict(memplan.fixes(prog))
-    selective, full = "model.activation_checkpointing=true model.checkpoint_mode=selective", \
-        "model.activation_checkpointing=true"
-    assert list(changes)[:3] == ["mlp_tile_tokens=1024", selective, full]
-    assert "cp=2" in changes and "cp=4" in changes
+    changes = dict(memplan.fixes(prog, "s2_2k"))
+    on = "model.activation_checkpointing=true model.checkpoint_mode="
+    selective, full = f"{on}selective", f"{on}full"
+    assert list(changes)[:3] == ["model.mlp_tile_tokens=1024", selective, full]
+    for what in changes:  # each one the overrides a user types
+        compose_training(["recipe=tiny", *what.split()])
+    assert "recipe.stages.s2_2k.cp=2" in changes and "recipe.stages.s2_2k.cp=4" in changes
     before = trace_step(prog)["peak"]
-    assert trace_step(changes["mlp_tile_tokens=1024"])["peak"] < before
+    assert trace_step(changes["model.mlp_tile_tokens=1024"])["peak"] < before
     assert trace_step(changes[full])["peak"] < trace_step(changes[selective])["peak"] < before
-    assert trace_step(changes["cp=2"])["peak"] < before
+    assert trace_step(changes["recipe.stages.s2_2k.cp=2"])["peak"] < before
 

@@ -84,18 +84,19 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     return 0, True, points
 
 
-def fixes(prog):
-    """Single changes in order of cost: tiling, selective checkpointing (backward recomputes the elementwise ops
-    and attention's forward), full checkpointing (and the projections), offload, then each larger cp within the
-    world. Yields (what to set, the changed program)."""
+def fixes(prog, stage: str):
+    """Single changes to `stage` in order of cost: tiling, selective checkpointing (backward recomputes the
+    elementwise ops and attention's forward), full checkpointing (and the projections), offload, then each larger
+    cp within the world. Yields (the overrides that set it, the changed program)."""
     step = prog.step
+    on = "model.activation_checkpointing=true model.checkpoint_mode="
     if not step.mlp_tile:
         tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
-        yield f"mlp_tile_tokens={tile}", prog.with_step(mlp_tile=tile)
+        yield f"model.mlp_tile_tokens={tile}", prog.with_step(mlp_tile=tile)
     if step.checkpointing == "none":
-        yield ("model.activation_checkpointing=true model.checkpoint_mode=selective",
-               prog.with_step(checkpointing="selective"))
-        yield "model.activation_checkpointing=true", prog.with_step(checkpointing="full")
+        yield f"{on}selective", prog.with_step(checkpointing="selective")
+    if step.checkpointing != "full":
+        yield f"{on}full", prog.with_step(checkpointing="full")
     if step.checkpointing != "none" and not step.offload:
         yield "model.offload_activations=true", prog.with_step(offload=True)
     cp = prog.cp * 2
@@ -104,7 +105,7 @@ def fixes(prog):
             degrees = cp_degrees(ParallelConfig(cp_impl=prog.cp_impl), cp, prog.config.num_attention_heads)
         except ValueError:
             break
-        yield f"cp={cp}", replace(prog, cp=cp, degrees=degrees)
+        yield f"recipe.stages.{stage}.cp={cp}", replace(prog, cp=cp, degrees=degrees)
         cp *= 2
 
 
@@ -125,7 +126,8 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     if pc.search:
         row["longest"], row["longest_checked"], row["search"] = longest(prog, usable, r)
     if not row["fits"]:
-        row["fix"] = next((what for what, p in fixes(prog) if trace_step(p)["peak"] <= usable), "none found")
+        row["fix"] = next((what for what, p in fixes(prog, plan.stage) if trace_step(p)["peak"] <= usable),
+                          "none found")
     row["seconds"] = time.perf_counter() - t0
     return row
 
