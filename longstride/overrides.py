@@ -83,6 +83,16 @@ def module_doc(module: str) -> str:
         return ast.get_docstring(ast.parse(f.read())) or ""
 
 
+def parse_own(schema: type, argv: list[str], command: str, doc: str = ""):
+    """For a command that also takes training overrides (check, plan): the arguments naming `schema`'s fields (and
+    --help) parsed onto it, the rest kept as given in its `overrides` list."""
+    names = {f.name for f in dataclasses.fields(schema)} - {"overrides"}
+    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
+    cfg = parse(schema, mine, command, doc)
+    cfg.overrides = [a for a in argv if a not in mine]
+    return cfg
+
+
 def parse(schema: type, argv: list[str], command: str, doc: str = ""):
     """argv (key=value ...) composed onto `schema` -> an instance of it. --help prints the options and exits."""
     if any(a in ("-h", "--help") for a in argv):

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from longstride.model.model_dir import STEP_METADATA
 
-METADATA = STEP_METADATA
 # one process has no process group to use, and is meant to have none
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _RECORDS = "torch.distributed.checkpoint.metadata"
@@ -64,7 +63,7 @@ class SafeReader(FileSystemReader):
     """DCP's file reader with the metadata unpickled through an allowlist."""
 
     def read_metadata(self, *args, **kwargs):
-        path = os.path.join(str(self.path), METADATA)
+        path = os.path.join(str(self.path), STEP_METADATA)
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
         if getattr(metadata, "storage_meta", None) is None:

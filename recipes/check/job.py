@@ -3,12 +3,11 @@ and the Job they resolve to: every check of the command's input, made before any
 (recipes/check/command.py runs the job)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from longstride.model.model_dir import check_checkpoint_dir, has_tokenizer
-from longstride.overrides import module_doc, parse
+from longstride.overrides import module_doc, parse_own
 from longstride.parallel.config import CPDegrees
 from longstride.recipes.config.compose import compose_training
 
@@ -27,11 +26,8 @@ class CheckConfig:
 
 def parse_args(argv: list[str]):
     """(CheckConfig, the composed training Config) from key=value arguments."""
-    names = {f.name for f in dataclasses.fields(CheckConfig)} - {"overrides"}
-    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
     doc = module_doc("longstride.recipes.check.command").split("\n\nTest hook")[0]  # --help: not the hook
-    cc = parse(CheckConfig, mine, "longstride check", doc)
-    cc.overrides = [a for a in argv if a not in mine]
+    cc = parse_own(CheckConfig, argv, "longstride check", doc)
     overrides = list(cc.overrides)
     if cc.checkpoint:
         check_checkpoint_dir(cc.checkpoint, "checkpoint")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from longstride.model.model_dir import STEP_METADATA as METADATA
+from longstride.model.model_dir import STEP_METADATA
 from longstride.overrides import parse, run
 from longstride.whole_dir import staged
 
@@ -28,8 +28,8 @@ def export_hf(checkpoint: str, out: str) -> str:
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint={checkpoint!r} does not exist; give a step checkpoint, e.g. "
                          "outputs/<recipe>/<stage>/step_000020")
-    if not os.path.isfile(os.path.join(checkpoint, METADATA)):
-        raise ValueError(f"checkpoint={checkpoint!r} is not a sharded step checkpoint (no {METADATA}); a stage's "
+    if not os.path.isfile(os.path.join(checkpoint, STEP_METADATA)):
+        raise ValueError(f"checkpoint={checkpoint!r} is not a sharded step checkpoint (no {STEP_METADATA}); a stage's "
                          "final is already an HF directory")
     # imported here: `longstride export-hf --help` and a bad path answer without torch
     from torch.distributed.checkpoint.api import CheckpointException

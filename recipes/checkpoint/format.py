@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from longstride.model.manifest import MANIFEST, check_files, fsync_path, write_manifest
-from longstride.parallel.shards import METADATA as SHARD_METADATA, UnsafeCheckpoint
+from longstride.model.model_dir import STEP_METADATA
+from longstride.parallel.shards import UnsafeCheckpoint
 from longstride.recipes.run.faults import test_kill
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -278,8 +279,8 @@ def load_shards_checked(path: str, model, optimizer) -> None:
     """Collective: `model` (Parallelized) and `optimizer` filled from the shards of step checkpoint `path`; a
     shard file holding anything but DCP's records and tensors is refused (CheckpointError naming it), and so
     is a checkpoint whose shards do not fit this run's model, or one in the format before shards."""
-    if not os.path.isfile(os.path.join(path, SHARD_METADATA)):
-        raise CheckpointError(f"checkpoint {path} has no {SHARD_METADATA}: it was written by a longstride from before "
+    if not os.path.isfile(os.path.join(path, STEP_METADATA)):
+        raise CheckpointError(f"checkpoint {path} has no {STEP_METADATA}: it was written by a longstride from before "
                               "sharded checkpoints (whole weights in model.safetensors, the optimizer in trainer.pt). "
                               "Resume it with the longstride that wrote it, or start the stage over from its weights "
                               f"(model=checkpoint model.checkpoint={path} data.tokenizer={path})")

@@ -2,13 +2,12 @@
 checked without torch, so that --help and a typo answer at once (recipes/memory/memplan.py plans)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from longstride.overrides import module_doc, parse, writable_dir
+from longstride.overrides import module_doc, parse_own, writable_dir
 from longstride.recipes.config.compose import CONFIGS, compose_training
 
 
@@ -47,10 +46,7 @@ def hardware(name: str) -> Hardware:
 def parse_plan(argv: list[str]) -> tuple:
     """-> (PlanConfig, its Hardware, the composed training Config): plan's own keys from argv; the rest are
     training overrides (kept in PlanConfig.overrides as given)."""
-    names = {f.name for f in dataclasses.fields(PlanConfig)} - {"overrides"}
-    mine = [a for a in argv if a.split("=", 1)[0].lstrip("+") in names or a in ("-h", "--help")]
-    pc = parse(PlanConfig, mine, "longstride plan", module_doc("longstride.recipes.memory.memplan"))
-    pc.overrides = [a for a in argv if a not in mine]
+    pc = parse_own(PlanConfig, argv, "longstride plan", module_doc("longstride.recipes.memory.memplan"))
     hw = hardware(pc.hardware)
     if pc.gpus_per_node < 1 or pc.nodes < 1:
         raise ValueError(f"gpus_per_node={pc.gpus_per_node} and nodes={pc.nodes} must be >= 1")
