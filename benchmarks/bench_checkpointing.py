@@ -5,11 +5,12 @@ step is quick on a CPU), built as a training stage builds its step (recipes/run/
 chunked loss, lean RMSNorm, no tiles), on one process:
   none               nothing recomputed
   full               each layer keeps its input; backward recomputes the layer
-  selective          each layer also keeps its matmuls' outputs (model/checkpointing.KEPT); backward recomputes the
-                     elementwise ops and attention's forward
-  selective_cheap    the policy selective had before: keep the cheap ops' outputs (norms, RoPE, residual adds,
-                     activations, casts) and recompute the matmuls; here for comparison only
-Time: forward + backward (no optimizer), the modes interleaved round by round, median per mode and its ratio to none.
+  selective          each layer also keeps its matmuls' outputs and attention's output and lse (model/selective.py);
+                     backward recomputes the elementwise ops only
+  selective_matmuls  the policy selective had before: the matmuls' outputs kept, attention's forward recomputed
+                     (as under context parallelism); here for comparison
+Time: forward + backward (no optimizer), the modes interleaved round by round, median per mode and its ratio to none,
+and the median of each round's ratio to none in that round (vs_none_paired: steadier where the machine is shared).
 Memory: the bytes selective checkpointing's cache holds, counted as the policy keeps them (measured), and every
 mode's activations per token from model/memory.estimate (fp32 and under bf16 autocast; the estimate's selective
 figure is the measured cache plus the layer input, tests/test_memory_estimate.py). On a GPU (the device window's
@@ -31,18 +32,13 @@ import statistics
 import time
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
-from longstride.model import checkpointing
+from longstride.model import checkpointing, selective
 from longstride.model.config import ModelConfig
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "bench_checkpointing.json")
-MODES = ("none", "full", "selective", "selective_cheap")
-_aten = torch.ops.aten
-CHEAP_KEPT = {  # selective's keep-list before it kept the matmuls
-    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default,
-    _aten.pow.Tensor_Scalar, _aten.mean.dim, _aten.rsqrt.default, _aten.silu.default, _aten.gelu.default,
-    _aten.cos.default, _aten.sin.default, _aten.cat.default, _aten._to_copy.default, _aten.embedding.default,
-}
+MODES = ("none", "full", "selective", "selective_matmuls")
 
 
 _RECORDED: list = []  # storage -> bytes of the outputs selective's cache keeps, while a dict is put here
@@ -51,7 +47,7 @@ _POLICY = checkpointing._selective_policy
 
 def _recording(ctx, op, *args, **kwargs):
     decision = _POLICY(ctx, op, *args, **kwargs)
-    if _RECORDED and decision == checkpointing.CheckpointPolicy.PREFER_SAVE:
+    if _RECORDED and decision == CheckpointPolicy.PREFER_SAVE:
         outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
         _RECORDED[0].update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # a storage once
                              for t in outs if isinstance(t, torch.Tensor)})
@@ -86,8 +82,8 @@ def run_step(step, local, mode: str, device: str, cached: dict | None = None) ->
     bytes selective's cache holds."""
     from longstride.recipes.run.step import loss_sum
 
-    kept = checkpointing.KEPT
-    checkpointing.KEPT = CHEAP_KEPT if mode == "selective_cheap" else kept  # read at each op
+    kept = selective.ATTENTION_OPS
+    selective.ATTENTION_OPS = set() if mode == "selective_matmuls" else kept  # read at each op
     _RECORDED[:] = [cached] if cached is not None else []
     cuda = device == "cuda"
     try:
@@ -103,7 +99,7 @@ def run_step(step, local, mode: str, device: str, cached: dict | None = None) ->
             torch.cuda.synchronize()
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - start if cuda else None
     finally:
-        checkpointing.KEPT = kept
+        selective.ATTENTION_OPS = kept
         _RECORDED.clear()
 
 
@@ -142,17 +138,21 @@ def main(argv=None) -> dict:
     rows = []
     for m in MODES:
         med = statistics.median(times[m])
+        # each round runs every mode back to back: its ratio to none in the same round is steadier on a shared machine
+        paired = statistics.median(t / n for t, n in zip(times[m], times["none"]))
         row = {"mode": m, "step_s_median": round(med, 3), "vs_none": round(med / statistics.median(times["none"]), 3),
+               "vs_none_paired": round(paired, 3), "step_s": [round(t, 3) for t in times[m]],
                "cache_bytes_per_token_layer_measured": cache[m]}  # None: no cache in that mode
         if cache[m] is not None:
             row["cache_per_token_layer_measured_H"] = round(cache[m] / 4 / H, 2)
         if gpu:
             # above the step's start (the gradients allocated before it): activations, autocast's bf16 weight copies
             row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)
-        if m != "selective_cheap":
-            for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
-                est = estimate(lm.config, 1, 1, m, 0, 1024, act_bytes=b, parts=parts, autocast=autocast)
-                row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est["layer_bytes_per_token"] / 4 / H, 2)
+        ac, attention = ("selective", False) if m == "selective_matmuls" else (m, True)
+        for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
+            est = estimate(lm.config, 1, 1, ac, 0, 1024, act_bytes=b, parts=parts, autocast=autocast,
+                           attention_kept=attention)
+            row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est["layer_bytes_per_token"] / 4 / H, 2)
         rows.append(row)
     from longstride.parallel.kernels import resolve_kernel
 

@@ -2,11 +2,12 @@
 
 full       each decoder layer keeps only its input; backward recomputes the layer (transformers'
            activation checkpointing over torch's non-reentrant checkpoint).
-selective  inside each layer, the outputs of the matmuls (the q/k/v, output and MLP projections) are
-           kept and everything else is recomputed from them (norms, RoPE, residual adds, activations,
-           autocast's casts: cheap elementwise ops) and the attention forward, through torch's
-           selective-checkpoint contexts (op-level selective checkpointing as torchtitan's: its backward
-           recomputes almost no FLOPs beyond attention's, for about half of what no checkpointing keeps).
+selective  inside each layer, the outputs of the matmuls (the q/k/v, output and MLP projections) and, where
+           attention runs on one device, its kernel's output and log-sum-exp are kept; everything else is
+           recomputed from them (norms, RoPE, residual adds, activations, autocast's casts: cheap elementwise
+           ops), through torch's selective-checkpoint contexts with the policy of model/selective.py
+           (op-level selective checkpointing as torchtitan's: its backward recomputes almost no FLOPs, for
+           about half of what no checkpointing keeps).
 offload    (CUDA runs, with full or selective) the checkpointed layer inputs are held in pinned
            host memory instead of on the device, copied out and back on a side stream that overlaps
            with compute (model/offload.py). On CPU runs it changes nothing.
@@ -17,31 +18,13 @@ from functools import partial
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from longstride.model.loss import decoder, decoder_layers
 from longstride.model.offload import ActivationOffload
+from longstride.model.selective import policy as _selective_policy
 
 MODES = ("none", "full", "selective")
-
-_aten = torch.ops.aten
-# the matmuls whose outputs selective checkpointing keeps (a linear layer is one of them under a view; experts are
-# grouped matmuls); everything else is recomputed. _unsafe_view (matmul's reshape of its mm) aliases a kept output
-# without sharing its version counter: kept too (no new memory), so that an op changing it in place is caught by the
-# cache's mutation check instead of handing backward a changed value. (A reshape that must copy also ends in one, and
-# its copy would be kept: none of the nine architectures tests/test_memory_estimate.py measures does one in a layer.)
-KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._unsafe_view.default,
-        *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else [])}
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses
-    # outputs, receive buffers) must never be cached, and a keep-list of matmuls never caches them. Nothing that runs
-    # without grad is cached either: the forward of an autograd.Function (a tiled op, which keeps only its
-    # input and recomputes its tiles itself; ring and Ulysses attention) saves what it needs on its own.
-    keep = op in KEPT and torch.is_grad_enabled()
-    return CheckpointPolicy.PREFER_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
 
 def disable_checkpointing(lm: torch.nn.Module) -> None:
     """enable_checkpointing undone (the offloader's hooks are its own: ActivationOffload.detach)."""

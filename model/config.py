@@ -58,7 +58,8 @@ class ModelConfig:
     # model/rope.py says why.
     rope_layer_types: Optional[List[str]] = None
     # Activation checkpointing of every decoder layer (model/checkpointing.py): full keeps each layer's
-    # input only; selective also keeps its matmuls' outputs and recomputes the rest. Offload holds
+    # input only; selective also keeps its matmuls' outputs and, on one device, attention's output (model/selective.py)
+    # and recomputes the rest. Offload holds
     # the checkpointed inputs in pinned host memory on CUDA runs.
     activation_checkpointing: bool = False
     checkpoint_mode: CheckpointMode = CheckpointMode.full

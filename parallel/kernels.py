@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from longstride.model.selective import keep_attention_output
 from longstride.parallel.blocks import RingPlan, doc_segments
 from longstride.parallel.flash_contract import flash_head_dim
 from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks, sink_grad
@@ -189,8 +190,9 @@ class _DocCall(NamedTuple):
 class _DocAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, call: _DocCall):
-        out, lse = doc_attention_forward(q, k, v, call.bounds, kernel=call.kernel, scale=call.scale,
-                                         window=call.window)
+        with keep_attention_output():  # selective checkpointing's recompute of the layer reuses (out, lse)
+            out, lse = doc_attention_forward(q, k, v, call.bounds, kernel=call.kernel, scale=call.scale,
+                                             window=call.window)
         out, lse = fold_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call

@@ -123,10 +123,14 @@ def test_layer_estimate_follows_the_architecture(arch, tile, autocast):
 
 def selective_cache_per_layer(lm, tile: int, autocast: bool, weights: bool) -> list[float]:
     """Bytes per token selective checkpointing's cache holds for each decoder layer after one forward: the outputs
-    its policy keeps (model/checkpointing._selective_policy, wrapped to see them; a storage counted once), over one
-    packed batch; weights=False leaves out tensors without the batch's L tokens (autocast's weight copies)."""
+    its policy keeps (model/selective.policy, wrapped to see them; a storage counted once), over one packed batch;
+    weights=False leaves out tensors without the batch's L tokens (autocast's weight copies) but attention's outputs
+    (one per document)."""
     from longstride.model import checkpointing
     from longstride.model.loss import decoder_layers
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from longstride.model.selective import ATTENTION_OPS
     from longstride.parallel.cp import DocLayout
     from tests.test_cp_model import packed_batch
 
@@ -135,9 +139,10 @@ def selective_cache_per_layer(lm, tile: int, autocast: bool, weights: bool) -> l
 
     def recording(ctx, op, *args, **kwargs):
         decision = policy(ctx, op, *args, **kwargs)
-        if decision == checkpointing.CheckpointPolicy.PREFER_SAVE and current[0] is not None:
+        if decision == CheckpointPolicy.PREFER_SAVE and current[0] is not None:
             out = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-            for t in (t for t in out if isinstance(t, torch.Tensor) and (weights or L in t.shape)):
+            ours = weights or op.name() in ATTENTION_OPS
+            for t in (t for t in out if isinstance(t, torch.Tensor) and (ours or L in t.shape)):
                 kept.setdefault(current[0], {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return decision
 
@@ -160,7 +165,8 @@ def selective_cache_per_layer(lm, tile: int, autocast: bool, weights: bool) -> l
 @pytest.mark.parametrize("arch, tile, autocast", CASES)
 def test_selective_estimate_follows_the_architecture(arch, tile, autocast):
     """What selective checkpointing's cache keeps of each layer (its matmuls' outputs: q/k/v, the output projection,
-    the MLP's or the experts' and router's projections; nothing of the tiles) is what selective_keeps counts, exactly,
+    the MLP's or the experts' and router's projections; attention's output and lse, one device here; nothing of the
+    tiles) is what selective_keeps counts, exactly,
     in fp32 and under autocast (bf16 outputs). The estimate's selective layer adds the layer's input, which the
     checkpoint holds (the residual adds are recomputed, so no cache holds it)."""
     import transformers as T
@@ -185,17 +191,27 @@ def test_selective_estimate_follows_the_architecture(arch, tile, autocast):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox", "gemma3", "olmo2", "phi3", "phi", "mixtral",
                                   "qwen2_moe"])
 def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arch, autocast):
-    """The outputs selective checkpointing keeps are the matmuls'; a layer that changed one in place after the matmul
-    would hand backward a wrong cached value. On each of the nine architectures (one process, untiled: tiles keep
-    nothing in the cache), in fp32 and under bf16 autocast (whose casts are recomputed), the loss and every gradient
-    equal those without checkpointing, to fp32 rounding (the recompute runs the same ops on the same values)."""
+    """The outputs selective checkpointing keeps are the matmuls' and attention's; a layer that changed one in place
+    afterwards would hand backward a wrong cached value. On each of the nine architectures (one process, untiled:
+    tiles keep nothing in the cache), in fp32 and under bf16 autocast (whose casts are recomputed), the loss and every
+    gradient equal those without checkpointing, to fp32 rounding (the recompute runs the same ops on the same
+    values), and backward's recompute never runs attention's forward kernel (its output is the kept one)."""
     import transformers as T
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from longstride.model.selective import ATTENTION_OPS
     from longstride.parallel.cp import DocLayout
     from tests.test_cp_model import packed_batch
 
+    class AttentionCalls(TorchDispatchMode):  # entered before backward: sees the ops the recompute really runs
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.name() in ATTENTION_OPS
+            return func(*args, **(kwargs or {}))
+
     b = packed_batch()
-    got = []
+    got, reran = [], []
     for mode in ("none", "selective"):
         torch.manual_seed(0)
         config = _arch(arch)
@@ -206,8 +222,11 @@ def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arc
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = ChunkedLossLM(lm.train(), tile=20)(b["input_ids"], b["labels"], b["position_ids"],
                                                       doc_layout=DocLayout(b["doc_ids"]))
-        loss.backward()
+        with AttentionCalls() as calls:
+            loss.backward()
+        reran.append(calls.n)
         got.append((loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}))
+    assert reran == [0, 0], f"attention's forward kernel ran {reran[1]} times in selective's backward"
     (loss0, g0), (loss1, g1) = got
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     assert g1.keys() == g0.keys() and g0
@@ -261,7 +280,8 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     tracker = NS(info=lambda *a: None, warning=lambda msg, *a: messages.append(msg % a))
     acc = NS(num_processes=1, mixed_precision="no", device=torch.device("cpu"), is_main_process=True)
     ctx = NS(accelerator=acc, tracker=tracker, cfg=NS(train=NS(trace_memory="true")))
-    plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), step=StepSpec(), fsdp=False)
+    plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), kernel="sdpa", step=StepSpec(),
+              fsdp=False)
     stage.log_memory_estimate(ctx, plan, model.lm)
     assert bool(messages) == warns, messages
     if warns:

@@ -9,7 +9,8 @@ import weakref
 import pytest
 import torch
 
-from longstride.model.checkpointing import _selective_policy, enable_checkpointing
+from longstride.model.checkpointing import enable_checkpointing
+from longstride.model.selective import policy as _selective_policy
 from longstride.model.prepare import patch_model
 from longstride.model.rmsnorm import rms_norm
 from longstride.model.tiling import tiled_apply
