@@ -113,7 +113,7 @@ def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=N
         if pattern.window is None and sinks is None:
             return _sdpa_per_document(q, k, v, bounds, scale)
         kernel = "math"  # SDPA has no window-with-documents or sink form: the exact explicit path
-    return _DocAttention.apply(q, k, v, sinks, _DocCall(tuple(map(tuple, bounds)), kernel, scale, pattern.window))
+    return CallAttention.apply(q, k, v, sinks, _DocCall(tuple(map(tuple, bounds)), kernel, scale, pattern.window))
 
 
 def _sdpa_per_document(q, k, v, bounds, scale):
@@ -186,14 +186,25 @@ class _DocCall(NamedTuple):
     scale: float
     window: Optional[int]
 
-
-class _DocAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, call: _DocCall):
+    def forward(self, q, k, v, sinks=None):
         with keep_attention_output():  # selective checkpointing's recompute of the layer reuses (out, lse)
-            out, lse = doc_attention_forward(q, k, v, call.bounds, kernel=call.kernel, scale=call.scale,
-                                             window=call.window)
-        out, lse = fold_sinks(out, lse, sinks)
+            out, lse = doc_attention_forward(q, k, v, self.bounds, kernel=self.kernel, scale=self.scale,
+                                             window=self.window)
+        return fold_sinks(out, lse, sinks)
+
+    def backward(self, dout, q, k, v, out, lse):
+        return doc_attention_backward(dout, q, k, v, out, lse, bounds=self.bounds, kernel=self.kernel,
+                                      scale=self.scale, window=self.window)
+
+
+class CallAttention(torch.autograd.Function):
+    """Attention through a call object (_DocCall here, parallel/ring.RingCall): call.forward(q, k, v, sinks) ->
+    (out, lse) with the sinks folded in, call.backward(dout, q, k, v, out, lse) -> (dq, dk, dv). Saves q, k, v, out,
+    lse and the sinks only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, call):
+        out, lse = call.forward(q, k, v, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         return out
@@ -201,9 +212,7 @@ class _DocAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        c = ctx.call
-        dq, dk, dv = doc_attention_backward(dout, q, k, v, out, lse, bounds=c.bounds, kernel=c.kernel, scale=c.scale,
-                                            window=c.window)
+        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
         return dq, dk, dv, sink_grad(dout, out, lse, sinks), None
 
 

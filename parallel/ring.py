@@ -26,8 +26,8 @@ from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.blocks import RingPlan, ring_plan
 from longstride.parallel.collectives import CopyIn, host_staged
 from longstride.parallel.config import CPDegrees
-from longstride.parallel.kernels import dense_last, seq_major, step_backward, step_forward
-from longstride.parallel.pattern import CAUSAL, Pattern, fold_sinks, sink_grad
+from longstride.parallel.kernels import CallAttention, dense_last, seq_major, step_backward, step_forward
+from longstride.parallel.pattern import CAUSAL, Pattern, fold_sinks
 from longstride.parallel.window import HaloPlan, halo_backward, halo_forward, pattern_plan
 from longstride.parallel.zigzag import shard_batch, zigzag
 
@@ -197,25 +197,10 @@ class RingCall(NamedTuple):
                              comm=self.comm, pattern=self.pattern)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, call: RingCall):
-        out, lse = call.forward(q, k, v, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.call = call
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
-        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None
-
-
 def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optional[RingComm],
                    pattern: Pattern = CAUSAL, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     call = RingCall(plan, kernel, scale, comm, pattern)
-    return _RingAttention.apply(dense_last(q), dense_last(k), dense_last(v), sinks, call)
+    return CallAttention.apply(dense_last(q), dense_last(k), dense_last(v), sinks, call)
 
 
 # The "ring" context-parallel method (parallel/cp.py): all of cp is the ring.
