@@ -102,7 +102,7 @@ def steps(work: str) -> list[Step]:
         Step("env", 60, 10, env, env),
         Step("gpu_tests", 180, 40, gpu_tests, gpu_tests),
         Step("kernel_figures", 90, 30, figures, [*figures, "--smoke"]),
-        # none / full / selective (the matmuls' outputs) / the old keep-list: step time and measured peak, 16K
+        # none / full / selective (matmuls' and attention's outputs) / selective_matmuls: step time, measured peak, 16K
         Step("checkpointing", 90, 40, ckpt, [*ckpt, "--smoke"]),
         Step("recipe_step", 150, 60, probe, probe_smoke),
         Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),

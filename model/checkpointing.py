@@ -3,11 +3,10 @@
 full       each decoder layer keeps only its input; backward recomputes the layer (transformers'
            activation checkpointing over torch's non-reentrant checkpoint).
 selective  inside each layer, the outputs of the matmuls (the q/k/v, output and MLP projections) and, where
-           attention runs on one device, its kernel's output and log-sum-exp are kept; everything else is
+           no ring splits the sequence, attention's kernel output and log-sum-exp are kept; everything else is
            recomputed from them (norms, RoPE, residual adds, activations, autocast's casts: cheap elementwise
            ops), through torch's selective-checkpoint contexts with the policy of model/selective.py
-           (op-level selective checkpointing as torchtitan's: its backward recomputes almost no FLOPs, for
-           about half of what no checkpointing keeps).
+           (op-level selective checkpointing as torchtitan's, for about half of what no checkpointing keeps).
 offload    (CUDA runs, with full or selective) the checkpointed layer inputs are held in pinned
            host memory instead of on the device, copied out and back on a side stream that overlaps
            with compute (model/offload.py). On CPU runs it changes nothing.

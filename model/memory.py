@@ -20,7 +20,7 @@ The estimate, per rank, in bytes:
     none                         every layer's set
     full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
     selective                    r H per layer (its input) and the outputs of its matmuls, b each (selective_keeps:
-                                 q/k/v, the output projection, the MLP's or experts' projections), on one device
+                                 q/k/v, the output projection, the MLP's or experts' projections), without a ring
                                  attention's output and lse (b q + 4 Hq), plus one layer's set (an upper bound:
                                  the outputs kept are in it)
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
@@ -151,8 +151,8 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, attention: b
     (bf16 under autocast): q, k and v (or one fused q/k/v; in tiles in a pre-norm layer), the output projection's H;
     the MLP, untiled: gate and up (or one fused gate_up, or a plain MLP's fc1) and the down projection's H; a mixture
     of experts: the router's logits, per expert a token goes to its gate_up and down outputs, and a shared expert's
-    set with its gate; with `attention` (one device: selective.keeps_attention), attention's output b Hq d and its
-    fp32 log-sum-exp 4 Hq. Measured op by op on nine architectures (tests/test_memory_estimate.py). The layer's
+    set with its gate; with `attention` (no ring splits the sequence: selective.keeps_attention), attention's output
+    b Hq d and its fp32 log-sum-exp 4 Hq. Measured op by op on nine architectures (tests/test_memory_estimate.py). The layer's
     input is not in it (the residual adds are recomputed): estimate() adds it, as full checkpointing keeps it."""
     H, I, d, Hq, Hkv = _dims(config)
     keep = H + (0 if tiled and parts.pre_norm else (Hq + 2 * Hkv) * d)  # pre-norm tiles hold q/k/v's projections

@@ -1,14 +1,15 @@
 """What selective activation checkpointing keeps: the policy torch's selective-checkpoint contexts ask, op by op,
 during a checkpointed layer's forward (model/checkpointing.py switches it on).
 
-Kept: the matmuls' outputs (KEPT: the q/k/v, output and MLP or experts' projections) and, where attention runs on
-one device, its kernel's output and log-sum-exp (ATTENTION_OPS). Everything else (norms, RoPE, residual adds,
-activations, autocast's casts: cheap elementwise ops) is recomputed from them in backward, so the recompute costs
-almost no FLOPs. Under context parallelism attention's forward is recomputed: ring and Ulysses run their kernels
-once per block or between exchanges whose buffers they fill in place, and keeping those outputs would hold a block's
-output per ring step.
+Kept: the matmuls' outputs (KEPT: the q/k/v, output and MLP or experts' projections) and, where no ring splits the
+sequence (one device, Ulysses, UPipe), attention's kernel output and log-sum-exp (ATTENTION_OPS). Everything else
+(norms, RoPE, residual adds, activations, autocast's casts: cheap elementwise ops) is recomputed from them in
+backward: no matmul and no attention kernel runs again (a Ulysses exchange does). Attention's forward is recomputed
+under a ring (its kernels run once per block, and keeping those outputs would hold a block's output per ring step)
+and with the math kernel (its softmax is ops of its own; CUDA's sdpa kernel runs it for windowed or sink layers).
 
-Light on purpose (torch only): parallel/kernels.py marks its one-device attention with keep_attention_output.
+Light on purpose (torch only): parallel/kernels.py and parallel/ring.py mark the attention whose kernel outputs are
+kept with keep_attention_output.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._unsafe_
         *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else [])}
 
 # attention kernels whose outputs (out, lse and a kernel's small extras) are kept: where torch's SDPA runs under
-# autograd, or inside one-device attention's autograd.Function (keep_attention_output). By name, so that the
+# autograd, or inside attention's autograd.Function where it says so (keep_attention_output). By name, so that the
 # flash-attn package's custom ops match without importing it.
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
                  "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
@@ -40,9 +41,9 @@ _attention = threading.local()  # torch asks the policy in the forward only, in 
 
 @contextmanager
 def keep_attention_output():
-    """Around one-device attention's kernel calls, inside its autograd.Function (which runs without grad): their
-    outputs are kept, so that backward's recompute of the layer skips attention's forward. Each document's kernel
-    output covers its own rows, so what is kept is one output and one log-sum-exp."""
+    """Around attention's kernel calls on one device or in a ring of one, inside its autograd.Function (which runs
+    without grad): their outputs are kept, so that backward's recompute of the layer skips attention's kernels.
+    Each document's kernel output covers its own rows, so what is kept is one output and one log-sum-exp."""
     _attention.depth = getattr(_attention, "depth", 0) + 1
     try:
         yield
@@ -50,16 +51,17 @@ def keep_attention_output():
         _attention.depth -= 1
 
 
-def keeps_attention(cp: int, kernel: str) -> bool:
-    """Whether a stage's attention output is kept: on one device (cp 1) with a kernel other than math (the explicit
-    reference computes its softmax in ops of its own)."""
-    return cp == 1 and kernel != "math"
+def keeps_attention(ring: int, kernel: str) -> bool:
+    """Whether a stage's attention output is kept: where no ring splits the sequence (`ring`, its ring degree: 1 on
+    one device and under Ulysses or UPipe, whose ranks attend over the whole sequence with the heads they hold) and
+    the kernel is not math (the explicit reference computes its softmax in ops of its own)."""
+    return ring == 1 and kernel != "math"
 
 
 def policy(ctx, op, *args, **kwargs):
     # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses outputs,
     # receive buffers) must never be kept, and a keep-list never names them. Nothing that runs without grad is kept
-    # either, one-device attention's kernels aside: the forward of an autograd.Function (a tiled op, which keeps only
+    # either, attention's kernels marked above aside: the forward of an autograd.Function (a tiled op, which keeps only
     # its input and recomputes its tiles itself; ring and Ulysses attention) saves what it needs on its own.
     if op in KEPT:
         keep = torch.is_grad_enabled()

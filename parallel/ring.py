@@ -17,11 +17,13 @@ q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D), out: like q, lse: (B, H, Lloc) fp32.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from longstride.model.selective import keep_attention_output
 from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.blocks import RingPlan, ring_plan
 from longstride.parallel.collectives import CopyIn, host_staged
@@ -189,8 +191,11 @@ class RingCall(NamedTuple):
     pattern: Pattern = CAUSAL
 
     def forward(self, q, k, v, sinks=None):
-        return ring_forward(q, k, v, self.plan, kernel=self.kernel, scale=self.scale, comm=self.comm,
-                            pattern=self.pattern, sinks=sinks)
+        # a ring of one (Ulysses, UPipe: the heads held, over the whole sequence) runs each query's attention once:
+        # selective checkpointing keeps its kernels' outputs; a longer ring's blocks are recomputed
+        with keep_attention_output() if self.plan.n == 1 else nullcontext():
+            return ring_forward(q, k, v, self.plan, kernel=self.kernel, scale=self.scale, comm=self.comm,
+                                pattern=self.pattern, sinks=sinks)
 
     def backward(self, dout, q, k, v, out, lse):
         return ring_backward(dout, q, k, v, out, lse, plan=self.plan, kernel=self.kernel, scale=self.scale,

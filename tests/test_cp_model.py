@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstride.model.build import build_model
 from longstride.model.config import ModelConfig
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
+from longstride.model.selective import ATTENTION_OPS, keeps_attention
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
@@ -49,11 +51,26 @@ def tiny_model(ac: str = "none") -> ChunkedLossLM:
     return ChunkedLossLM(lm, tile=20)
 
 
-def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none"):
+class AttentionKernelCalls(TorchDispatchMode):
+    """Counts the attention kernels (model/selective.ATTENTION_OPS) that really run while it is entered: entered
+    around backward, what selective checkpointing's recompute runs rather than takes from its cache."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.name() in ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none", calls: list = None):
+    """calls: gets the attention kernels backward ran"""
     model = tiny_model(ac)
     local, layout = shard_for_cp(packed_batch(lengths), doc_masking, cp)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
-    loss.backward()
+    with AttentionKernelCalls() as counted:
+        loss.backward()
+    if calls is not None:
+        calls.append(counted.n)
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -61,15 +78,15 @@ def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
     import torch.distributed as dist
 
     cp = cp_context(par.cp_impl, ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", "sdpa", par.balance)
-    out = {}
+    out, calls = {}, []
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):
-            loss, grads = loss_and_grads(cp, lengths, doc_masking, ac)
+            loss, grads = loss_and_grads(cp, lengths, doc_masking, ac, calls)
             for t in (loss, *grads.values()):
                 dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
             out[lname, doc_masking] = (loss, grads)
     if rank == 0:
-        torch.save(out, path)
+        torch.save({"results": out, "backward_attention_calls": sum(calls)}, path)
 
 
 IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled with it); 4 query / 2 K/V heads
@@ -101,7 +118,13 @@ def test_cp_loss_and_gradients_equal_single_process(impl, tmp_path):
     path = str(tmp_path / "cp.pt")
     n, par, ac = IMPLS[impl]
     run_gloo(_worker, n, par, ac, path)
-    got = torch.load(path)
+    saved = torch.load(path)
+    got, reran = saved["results"], saved["backward_attention_calls"]
+    if ac.startswith("selective"):  # a ring's blocks are recomputed; a ring of one (Ulysses, UPipe) keeps its output
+        keeps = keeps_attention(cp_degrees(par, n, heads=4).ring, "sdpa")
+        assert (reran == 0) == keeps, f"{impl}: backward ran attention's kernels {reran} times"
+    else:  # full checkpointing recomputes the whole layer
+        assert (reran == 0) == (ac == "none"), f"{impl}: backward ran attention's kernels {reran} times"
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):
             case = f"{impl} {lname} doc_masking={doc_masking}"

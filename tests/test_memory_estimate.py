@@ -187,51 +187,78 @@ def test_selective_estimate_follows_the_architecture(arch, tile, autocast):
     assert layer == est + (4 if autocast else b) * lm.config.hidden_size, "and the layer's input"
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox", "gemma3", "olmo2", "phi3", "phi", "mixtral",
-                                  "qwen2_moe"])
-def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arch, autocast):
+ARCHS = ["llama", "qwen3", "gpt_neox", "gemma3", "olmo2", "phi3", "phi", "mixtral", "qwen2_moe"]
+# (arch, autocast, batch): the packed batch of four documents for every architecture; one document (the kernel's
+# output is attention's, no copy) and a 12-token sliding window (Gemma 3's local layers: the band's tiles, each with
+# its own kernel call) besides
+KEEP_CASES = ([(arch, autocast, "docs") for arch in ARCHS for autocast in (False, True)]
+              + [("llama", False, "one_doc"), ("gemma3", False, "window"), ("gemma3", True, "window_one_doc")])
+
+
+@pytest.mark.parametrize("arch, autocast, batch", KEEP_CASES)
+def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arch, autocast, batch):
     """The outputs selective checkpointing keeps are the matmuls' and attention's; a layer that changed one in place
     afterwards would hand backward a wrong cached value. On each of the nine architectures (one process, untiled:
     tiles keep nothing in the cache), in fp32 and under bf16 autocast (whose casts are recomputed), the loss and every
     gradient equal those without checkpointing, to fp32 rounding (the recompute runs the same ops on the same
-    values), and backward's recompute never runs attention's forward kernel (its output is the kept one)."""
+    values), and backward's recompute never runs attention's kernels (their outputs are the kept ones), where full
+    checkpointing's does (the count's own check)."""
     import transformers as T
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from longstride.model.selective import ATTENTION_OPS
     from longstride.parallel.cp import DocLayout
-    from tests.test_cp_model import packed_batch
+    from tests.test_cp_model import AttentionKernelCalls, packed_batch
 
-    class AttentionCalls(TorchDispatchMode):  # entered before backward: sees the ops the recompute really runs
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.name() in ATTENTION_OPS
-            return func(*args, **(kwargs or {}))
-
-    b = packed_batch()
+    b = packed_batch([L] if batch.endswith("one_doc") else [30, 1, 50, 15])
     got, reran = [], []
-    for mode in ("none", "selective"):
+    for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
         config = _arch(arch)
         config._attn_implementation = "eager"
+        if batch.startswith("window"):
+            config.sliding_window = 12
         lm = T.AutoModelForCausalLM.from_config(config).float()
         patch_model(lm, mode, offload=False, mlp_tile=0, lean_norms=True)
         use_longstride_attention(lm)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = ChunkedLossLM(lm.train(), tile=20)(b["input_ids"], b["labels"], b["position_ids"],
                                                       doc_layout=DocLayout(b["doc_ids"]))
-        with AttentionCalls() as calls:
+        with AttentionKernelCalls() as calls:
             loss.backward()
         reran.append(calls.n)
         got.append((loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}))
-    assert reran == [0, 0], f"attention's forward kernel ran {reran[1]} times in selective's backward"
-    (loss0, g0), (loss1, g1) = got
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
-    assert g1.keys() == g0.keys() and g0
-    for n in g0:
-        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert reran[:2] == [0, 0] and reran[2] > 0, f"attention's kernels ran in backward: {reran} (none, selective, full)"
+    loss0, g0 = got[0]
+    for loss1, g1 in got[1:]:
+        torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+        assert g1.keys() == g0.keys() and g0
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_the_attention_kernels_kept_are_this_torchs_ops_and_kept_only_where_marked():
+    """Each aten name in ATTENTION_OPS is an op of this torch build (the GPU kernels' names, which no CPU run
+    dispatches, checked here against typos); the policy keeps their outputs under grad (torch SDPA) or inside
+    keep_attention_output (longstride's attention Functions, which run without grad), and nowhere else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from longstride.model.selective import ATTENTION_OPS, keep_attention_output, policy
+
+    ops = []
+    for name in sorted(n for n in ATTENTION_OPS if n.startswith("aten::")):
+        packet = getattr(torch.ops.aten, name.split("::")[1], None)
+        assert packet is not None, f"{name} is not an op of torch {torch.__version__}"
+        ops.append(packet.default)
+    assert {op.name() for op in ops} == {n for n in ATTENTION_OPS if n.startswith("aten::")}
+    save, recompute = CheckpointPolicy.PREFER_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    for op in ops:
+        assert policy(None, op) == save, "under grad"
+        with torch.no_grad():
+            assert policy(None, op) == recompute, "inside an autograd Function that did not mark it (a ring's)"
+            with keep_attention_output():
+                assert policy(None, op) == save
+            assert policy(None, op) == recompute
+    with torch.no_grad(), keep_attention_output():
+        assert policy(None, torch.ops.aten.mm.default) == recompute, "only the kernels, not a no-grad matmul"
 
 
 def test_switches_order_and_offload():
@@ -280,8 +307,8 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     tracker = NS(info=lambda *a: None, warning=lambda msg, *a: messages.append(msg % a))
     acc = NS(num_processes=1, mixed_precision="no", device=torch.device("cpu"), is_main_process=True)
     ctx = NS(accelerator=acc, tracker=tracker, cfg=NS(train=NS(trace_memory="true")))
-    plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), kernel="sdpa", step=StepSpec(),
-              fsdp=False)
+    plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), degrees=NS(ring=1), kernel="sdpa",
+              step=StepSpec(), fsdp=False)
     stage.log_memory_estimate(ctx, plan, model.lm)
     assert bool(messages) == warns, messages
     if warns:

@@ -118,8 +118,8 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     n, step = r["num_params"], prog.step
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
                    mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1,
-                   offload=step.offload, parts=r["layer_parts"], attention_kept=keeps_attention(prog.cp, prog.kernel),
-                   **precision(prog.bf16, prog.fsdp))
+                   offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp),
+                   attention_kept=keeps_attention(prog.degrees.ring, prog.kernel))
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": step.checkpointing, "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",

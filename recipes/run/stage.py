@@ -145,8 +145,8 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
                    ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
                    shard=acc.num_processes if plan.fsdp else 1, offload=spec.offload,
-                   parts=layer_parts(lm, spec.lean_norms), attention_kept=keeps_attention(plan.dims.cp, plan.kernel),
-                   **precision(acc.mixed_precision == "bf16", plan.fsdp))
+                   parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp),
+                   attention_kept=keeps_attention(plan.degrees.ring, plan.kernel))
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
