@@ -154,3 +154,34 @@ def test_this_gpus_rng_state_round_trips():
     first = torch.rand(4, device=CUDA)
     set_rng_state(state)
     assert torch.equal(torch.rand(4, device=CUDA), first)
+
+
+@pytest.mark.parametrize("kernel, bf16", [("torch_flash", True), ("sdpa", False)])
+def test_selective_checkpointing_keeps_the_gpu_kernels_attention_output(kernel, bf16):
+    """On the CUDA kernels (torch's flash kernel in bf16, and per-document SDPA in fp32, which runs under autograd),
+    selective checkpointing keeps attention's output: backward runs none of attention's forward kernels again
+    (full checkpointing's does: the count's own check), and the gradients equal no checkpointing's (bf16: the flash
+    backward's summation order varies, to bf16 rounding)."""
+    from tests.test_cp_model import AttentionKernelCalls
+
+    b = packed(2048, docs=4)
+    layout = DocLayout(b["doc_ids"], cp=CPContext(kernel=kernel))
+    results = {}
+    for mode in ("none", "selective", "full"):
+        m = tiny(hidden=128, layers=2, heads=4, kv=2, seq=2048).to(CUDA)
+        if mode != "none":
+            enable_checkpointing(m.lm, mode)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = m(b["input_ids"], b["labels"], b["position_ids"], doc_layout=layout)
+        with AttentionKernelCalls() as calls:
+            loss.backward()
+        results[mode] = (loss.item(), {n: p.grad.float().clone() for n, p in m.named_parameters()}, calls.n)
+    assert [results[m][2] > 0 for m in ("none", "selective", "full")] == [False, False, True], \
+        {m: r[2] for m, r in results.items()}
+    l0, g0, _ = results["none"]
+    tol = 2e-2 if bf16 else 1e-5
+    for mode in ("selective", "full"):
+        assert results[mode][0] == pytest.approx(l0, rel=tol / 10)
+        for n, g in g0.items():
+            err = ((results[mode][1][n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+            assert err <= tol, f"{mode} {n}: {err:.2e}"
