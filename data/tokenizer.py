@@ -103,17 +103,22 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
-    """SHA-256 of what maps text to ids: a fast tokenizer's model (vocabulary and merges), normalizer,
-    pre-tokenizer and added tokens; a slow one's vocabulary (added tokens included). Every step checkpoint stores
-    it, and a resume under another tokenizer is refused (recipes/run/stage_state.py)."""
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase, legacy: bool = False) -> str:
+    """"v2:" and the SHA-256 of what maps text to a document's ids: a fast tokenizer's model (vocabulary and merges),
+    normalizer, pre-tokenizer and added tokens, or a slow one's vocabulary (added tokens included); and the ids
+    packing writes around them: EOS after each document, BOS before it (bos_prefix), the padding id. Every step
+    checkpoint stores it, and a resume under another tokenizer is refused (recipes/run/stage_state.py).
+    legacy: the fingerprint without the "v2:" ids, which checkpoints written before them hold."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         spec = json.loads(backend.to_str())
         what = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
     else:
         what = sorted(tok.get_vocab().items())
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
+    if not legacy:
+        what = {"text": what, "eos": tok.eos_token_id, "bos_prefix": bos_prefix(tok), "pad": tok.pad_token_id}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
+    return digest if legacy else f"v2:{digest}"
 
 
 def check_tokenizer(tok: PreTrainedTokenizerBase, field: str) -> None:

@@ -161,8 +161,8 @@ def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_a
 def test_a_checkpoint_without_a_data_fingerprint_or_under_another_tokenizer_is_refused(tmp_path):
     """A checkpoint from before the fingerprint cannot show its data position is this data's, and a streamed one
     from another dp layout cannot be re-split: refused unless train.resume_data=false. One trained with another
-    tokenizer (a BPE retrained on changed texts) is refused, a checkpoint from before the fingerprint by the
-    tokenizer saved in it; the same tokenizer saved and loaded back has the same fingerprint."""
+    tokenizer (a BPE retrained on changed texts, or another EOS) is refused, a checkpoint from before the fingerprint
+    by the tokenizer saved in it; the same tokenizer saved and loaded back has the same fingerprint."""
     from longstride.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
     from longstride.recipes.run.stage_state import check_same_tokenizer, data_problem
 
@@ -177,10 +177,21 @@ def test_a_checkpoint_without_a_data_fingerprint_or_under_another_tokenizer_is_r
     assert tokenizer_fingerprint(load_tokenizer(str(tmp_path / "ck"))) == tokenizer_fingerprint(one)
     with pytest.raises(ValueError, match=r"ck was trained with another tokenizer .*data.tokenizer=<the copy> "
                                          r"train.resume_from=\S*ck train.resume_data=false"):
-        check_same_tokenizer(tokenizer_fingerprint(one), tokenizer_fingerprint(other), str(tmp_path / "ck"))
+        check_same_tokenizer(tokenizer_fingerprint(one), other, str(tmp_path / "ck"))
     with pytest.raises(ValueError, match="another tokenizer"):  # no fingerprint: the tokenizer saved in it
-        check_same_tokenizer(None, tokenizer_fingerprint(other), str(tmp_path / "ck"))
-    check_same_tokenizer(None, tokenizer_fingerprint(one), str(tmp_path / "ck"))
+        check_same_tokenizer(None, other, str(tmp_path / "ck"))
+    check_same_tokenizer(None, one, str(tmp_path / "ck"))
+    check_same_tokenizer(tokenizer_fingerprint(one), one, str(tmp_path / "ck"))
+    # the same texts to ids, but another EOS between documents (an edited tokenizer_config.json): refused, where the
+    # fingerprint of before (a checkpoint's written then, without EOS, BOS and padding) is taken as it was
+    eos_changed = load_tokenizer(str(tmp_path / "ck"))
+    eos_changed.eos_token = eos_changed.pad_token
+    assert tokenizer_fingerprint(eos_changed, legacy=True) == tokenizer_fingerprint(one, legacy=True)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        check_same_tokenizer(tokenizer_fingerprint(one), eos_changed, str(tmp_path / "ck"))
+    check_same_tokenizer(tokenizer_fingerprint(one, legacy=True), one, str(tmp_path / "ck"))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        check_same_tokenizer(tokenizer_fingerprint(one, legacy=True), other, str(tmp_path / "ck"))
 
 
 def test_checkpoint_dir_that_does_not_exist(micro):

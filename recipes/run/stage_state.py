@@ -60,7 +60,7 @@ def restore_stage(ctx, run, path: str) -> None:
                                         resplit=not streaming or not cfg.train.resume_data)
     layout = (manifest_world(path), trainer.get("dp", dims.dp)) if streaming else None
     with stage_input(run.plan.name):  # a position the stage cannot use: exit 2, naming the stage
-        check_same_tokenizer(trainer.get("tokenizer"), ctx.tokenizer_id, path)
+        check_same_tokenizer(trainer.get("tokenizer"), ctx.tokenizer, path)
         problem = data_problem(trainer.get("data"), run.data_id, layout, (acc.num_processes, dims.dp))
         if problem and cfg.train.resume_data:
             raise ValueError(f"{path} {problem}, so its data position would name other sequences; resume with the "
@@ -126,12 +126,14 @@ def restart_stage(ctx, stage: str) -> str:
     return f"train.resume_from={os.path.join(ctx.recipe_dir, names[i - 1], 'final')}" if i else "train.resume=false"
 
 
-def check_same_tokenizer(saved, current: str, path: str) -> None:
-    """Refuses a resume under another tokenizer than the checkpoint's (data.tokenizer=null retrains one when the
-    texts of its first source change): the model's embeddings would read other ids. A checkpoint from before the
-    fingerprint is compared by the tokenizer saved in it."""
+def check_same_tokenizer(saved, tok, path: str) -> None:
+    """Refuses a resume under another tokenizer than the checkpoint's, `tok` this run's (data.tokenizer=null retrains
+    one when the texts of its first source change; an edited tokenizer_config.json can change EOS or BOS): the model's
+    embeddings would read other ids. A checkpoint from before the fingerprint is compared by the tokenizer saved in
+    it; one from before the fingerprint covered EOS, BOS and padding by the fingerprint of its time."""
     if saved is None and has_tokenizer(path):
         saved = tokenizer_fingerprint(load_tokenizer(path))
+    current = tokenizer_fingerprint(tok, legacy=saved is not None and not saved.startswith("v2:"))
     if saved is not None and saved != current:
         raise ValueError(f"{path} was trained with another tokenizer than this run's (with data.tokenizer=null a BPE "
                          "is trained on the first source's first texts, so those changed); restore the files it was "
