@@ -120,10 +120,13 @@ def accelerate_launch(processes: int = 2) -> list[str]:
 
 
 def run_cli(overrides: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m longstride.recipes.train *overrides` as its own process, forked from a server that has imported
+    the training modules (tests/forked_cli.py)."""
+    from tests.forked_cli import run_module
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "longstride.recipes.train", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module("longstride.recipes.train", overrides, env, str(REPO), timeout)
 
 
 def micro_checkpoint(directory: Path, vocab_size: int, seq_len: int, extra_texts: tuple = ()):
