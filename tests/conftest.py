@@ -19,6 +19,10 @@ torch.set_num_threads(1)
 # says otherwise: two xdist workers on 2 cores already fill the machine, and a second thread per process only spins
 # (a 3-stage micro run: 19.7 CPU-s with torch's default 2 threads, 14.5 with one, and no slower)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# offline in this process too: the fork server that starts run_cli's training runs (tests/forked_cli.py) imports
+# huggingface_hub and datasets with this environment, and they read these switches only then
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection, so that the shares are sized on what runs

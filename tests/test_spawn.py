@@ -162,3 +162,29 @@ def test_a_fork_server_killed_by_an_import_falls_back_to_spawn_once_and_says_so(
     assert "raises in the fork server only" in r.stderr  # the fault happened
     assert r.stderr.count("the gloo ranks' fork server died (EOFError") == 1, r.stderr[-3000:]
     assert [(tmp_path / f"{call}.{rank}").read_text() for call in ("first", "second") for rank in (0, 1)] == ["2.0"] * 4
+
+
+def test_a_forked_command_past_its_timeout_is_killed_and_its_exit_codes_are_a_processs(tmp_path):
+    """tests/forked_cli.run_module (run_cli's runner): a command past its timeout raises TimeoutExpired with what it
+    printed, and is gone; a command's sys.exit code, and a signal's death as -N, come back as subprocess gives them."""
+    import subprocess
+
+    from tests.forked_cli import run_module
+
+    pid_file = tmp_path / "pid"
+    stmt = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('started', flush=True); " \
+           "time.sleep(120)"
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        run_module("timeit", ["-n", "1", "-r", "1", stmt], dict(os.environ), str(tmp_path), timeout=3)
+    assert "started" in e.value.output
+    pid = int(pid_file.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    ok = run_module("json.tool", ["--help"], dict(os.environ), str(tmp_path), timeout=60)
+    assert ok.returncode == 0 and "usage" in ok.stdout
+    bad = run_module("json.tool", [str(tmp_path / "missing.json")], dict(os.environ), str(tmp_path), timeout=60)
+    assert bad.returncode == 2 and "missing.json" in bad.stderr
+    killed = run_module("timeit", ["-n", "1", "-r", "1", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                        dict(os.environ), str(tmp_path), timeout=60)
+    assert killed.returncode == -signal.SIGKILL
