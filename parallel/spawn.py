@@ -45,7 +45,9 @@ def _record_failure(workdir: str, rank: int) -> None:
         os.link(f"{workdir}/failed.{rank}", f"{workdir}/first")
 
 
-def _exit_with(parent) -> None:
+def exit_with_parent(parent) -> None:
+    """In a thread of a process forked by the fork server: ends the process when `parent` (the caller that asked for
+    it, multiprocessing.parent_process()) exits or is killed."""
     parent.join()  # returns when the caller's end of the pipe closes: it exited or was killed
     os._exit(1)
 
@@ -56,7 +58,7 @@ def _entry(rank: int, n: int, workdir: str, fn, args, env: dict) -> None:
     os.environ.update(env)
     # torch sets a parent-death SIGINT, but a rank forked by the server has the server as its parent, and a
     # SIGINT can be ignored or handled: the rank watches its caller itself, whatever started it
-    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process(),), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(multiprocessing.parent_process(),), daemon=True).start()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=n)
     try:
@@ -101,16 +103,23 @@ def _failure(workdir: str, processes) -> RankFailed | None:
 PRELOAD = ["torch", "torch.distributed", "transformers"]
 
 
+def forkserver_usable() -> bool:
+    """Whether processes may start from the fork server: LONGSTRIDE_SPAWN is forkserver (the default; spawn: a fresh
+    interpreter each), on Linux, without CUDA, and this process's server has not died."""
+    chosen = os.environ.get("LONGSTRIDE_SPAWN", "forkserver")
+    if chosen not in ("forkserver", "spawn"):
+        raise ValueError(f"LONGSTRIDE_SPAWN={chosen!r}: use 'forkserver' (the default) or 'spawn'")
+    return chosen == "forkserver" and sys.platform.startswith("linux") and not torch.cuda.is_available() \
+        and not _server_died
+
+
 def _start_method(fn) -> str:
     """'forkserver' on Linux without CUDA, else 'spawn'; LONGSTRIDE_SPAWN=spawn forces a fresh interpreter per
     rank. The server's first start imports PRELOAD and fn's module (the models and modules a test or check
     builds: most of a rank's start); later calls reuse it, and import their own function's module in each rank.
     Never on a GPU machine: a module imported in the server might touch CUDA, and no forked rank could then use
     it."""
-    chosen = os.environ.get("LONGSTRIDE_SPAWN", "forkserver")
-    if chosen not in ("forkserver", "spawn"):
-        raise ValueError(f"LONGSTRIDE_SPAWN={chosen!r}: use 'forkserver' (the default) or 'spawn'")
-    if chosen == "spawn" or not sys.platform.startswith("linux") or torch.cuda.is_available():
+    if not forkserver_usable():
         return "spawn"
     # fn's module imported without error here, so it imports in the server; a script's __main__ does not
     own = [fn.__module__] if fn.__module__ in sys.modules and fn.__module__ != "__main__" else []
@@ -123,7 +132,7 @@ _server_died = False  # this process's fork server died: its later calls spawn
 
 def _start(fn, n: int, workdir: str, args):
     global _server_died
-    method = "spawn" if _server_died else _start_method(fn)
+    method = _start_method(fn)  # spawn once the server died
     try:
         return mp.start_processes(_entry, args=(n, workdir, fn, args, dict(os.environ)), nprocs=n, join=False,
                                   start_method=method)

@@ -25,16 +25,13 @@ import tempfile
 import threading
 import traceback
 
+from longstride.parallel.spawn import exit_with_parent, forkserver_usable
+
 # what a training run imports, in the fork server once (read only when it starts; run_gloo's own list is a subset).
 # Not longstride.recipes.train itself: the command runs it as __main__, as `python -m` does, from no earlier copy.
 PRELOAD = ["torch", "torch.distributed", "transformers", "accelerate", "datasets", "hydra", "numpy",
            "longstride.recipes.run.stage", "longstride.recipes.run.tracking", "longstride.recipes.config.plan",
            "longstride.recipes.checkpoint.format", "longstride.data.corpus"]
-
-
-def _watch(parent) -> None:
-    parent.join()  # returns when the caller's end of the pipe closes: it exited or was killed
-    os._exit(1)
 
 
 def _reseed() -> None:
@@ -56,7 +53,7 @@ def _child(module: str, args: list, env: dict, cwd: str, out: str, err: str) -> 
     os.environ.update(env)
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # python -m puts the working directory first
-    threading.Thread(target=_watch, args=(multiprocessing.parent_process(),), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(multiprocessing.parent_process(),), daemon=True).start()
     _reseed()
     sys.modules.pop(module, None)
     sys.argv = [module, *args]
@@ -86,21 +83,12 @@ def _child(module: str, args: list, env: dict, cwd: str, out: str, err: str) -> 
     os._exit(code)
 
 
-def _forkable() -> bool:
-    import torch
-
-    from longstride.parallel import spawn
-
-    return (os.environ.get("LONGSTRIDE_SPAWN", "forkserver") == "forkserver" and sys.platform.startswith("linux")
-            and not torch.cuda.is_available() and not spawn._server_died)
-
-
 def run_module(module: str, args: list, env: dict, cwd: str, timeout: int, fresh: bool = False
                ) -> subprocess.CompletedProcess:
     """`python -m module *args` with `env` in `cwd`, as subprocess.run(..., capture_output=True, text=True,
     timeout=timeout) returns it."""
     argv = [sys.executable, "-m", module, *args]
-    if fresh or not _forkable():
+    if fresh or not forkserver_usable():
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     from multiprocessing import forkserver
 

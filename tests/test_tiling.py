@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from longstride.model.checkpointing import enable_checkpointing
-from longstride.model.selective import policy as _selective_policy
 from longstride.model.prepare import patch_model
 from longstride.model.rmsnorm import rms_norm
+from longstride.model.selective import policy as _selective_policy
 from longstride.model.tiling import tiled_apply
 from tests.test_cp_model import L, packed_batch, tiny_model
 
