@@ -8,7 +8,7 @@ chunked loss, lean RMSNorm, no tiles), on one process:
   selective          each layer also keeps its matmuls' outputs and attention's output and lse (model/selective.py);
                      backward recomputes the elementwise ops only
   selective_matmuls  the policy selective had before: the matmuls' outputs kept, attention's forward recomputed
-                     (as under context parallelism); here for comparison
+                     (under context parallelism too: its kernels and a ring's K/V exchange); here for comparison
 Time: forward + backward (no optimizer), the modes interleaved round by round, median per mode and its ratio to none,
 and the median of each round's ratio to none in that round (vs_none_paired: steadier where the machine is shared).
 Memory: the bytes selective checkpointing's cache holds, counted as the policy keeps them (measured), and every
@@ -148,11 +148,13 @@ def main(argv=None) -> dict:
         if gpu:
             # above the step's start (the gradients allocated before it): activations, autocast's bf16 weight copies
             row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)
-        ac, attention = ("selective", False) if m == "selective_matmuls" else (m, True)
+        heads = lm.config.num_attention_heads
         for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
-            est = estimate(lm.config, 1, 1, ac, 0, 1024, act_bytes=b, parts=parts, autocast=autocast,
-                           attention_kept=attention)
-            row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est["layer_bytes_per_token"] / 4 / H, 2)
+            est = estimate(lm.config, 1, 1, "selective" if m.startswith("selective") else m, 0, 1024, act_bytes=b,
+                           parts=parts, autocast=autocast)["layer_bytes_per_token"]
+            if m == "selective_matmuls":  # without attention's output and log-sum-exp
+                est -= b * H + 4 * heads  # (heads x head size = H in this model)
+            row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est / 4 / H, 2)
         rows.append(row)
     from longstride.parallel.kernels import resolve_kernel
 

@@ -145,18 +145,19 @@ def layer_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool =
     return keep if tiled else keep + _mlp_keeps(config, parts, b, H, I)
 
 
-def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, attention: bool = True) -> int:
+def selective_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
     """Bytes per token selective checkpointing's cache keeps for one decoder layer (model/selective.py): the outputs
-    of its matmuls outside autograd Functions (the tiles, ring and Ulysses attention keep nothing there), b each
+    of its matmuls outside autograd Functions (the tiles keep nothing there), b each
     (bf16 under autocast): q, k and v (or one fused q/k/v; in tiles in a pre-norm layer), the output projection's H;
     the MLP, untiled: gate and up (or one fused gate_up, or a plain MLP's fc1) and the down projection's H; a mixture
     of experts: the router's logits, per expert a token goes to its gate_up and down outputs, and a shared expert's
-    set with its gate; with `attention` (no ring splits the sequence: selective.keeps_attention), attention's output
-    b Hq d and its fp32 log-sum-exp 4 Hq. Measured op by op on nine architectures (tests/test_memory_estimate.py). The layer's
-    input is not in it (the residual adds are recomputed): estimate() adds it, as full checkpointing keeps it."""
+    set with its gate; attention's output b Hq d and its fp32 log-sum-exp 4 Hq (on one device and under every CP
+    method: attention is one op, parallel/attention_call.py). Measured op by op on nine architectures
+    (tests/test_memory_estimate.py). The layer's input is not in it (the residual adds are recomputed): estimate()
+    adds it, as full checkpointing keeps it."""
     H, I, d, Hq, Hkv = _dims(config)
     keep = H + (0 if tiled and parts.pre_norm else (Hq + 2 * Hkv) * d)  # pre-norm tiles hold q/k/v's projections
-    keep += Hq * d if attention else 0
+    keep += Hq * d  # attention's output
     if tiled:
         pass  # the MLP's tiles keep nothing in the cache
     elif parts.experts_per_token:
@@ -166,7 +167,7 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, attention: b
                                                                               if parts.shared_expert else 0)
     else:
         keep += (2 * I if parts.gated_mlp else I) + H
-    return b * keep + (4 * Hq if attention else 0)
+    return b * keep + 4 * Hq
 
 
 def _norm_readers(parts: LayerParts, tiled: bool) -> list[int]:
@@ -198,19 +199,17 @@ def precision(bf16: bool, fsdp: bool) -> dict:
 
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
              act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts(),
-             autocast: bool = False, attention_kept: bool = True) -> dict:
+             autocast: bool = False) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank; parts: the model's
     layer_parts (the Llama form by default); act_bytes: 2 under bf16, with autocast: True where bf16 autocast runs
-    over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision);
-    attention_kept: selective checkpointing keeps attention's output (model/selective.keeps_attention)."""
+    over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision)."""
     H, I, d, Hq, Hkv = _dims(config)
     n, q, qkv = config.num_hidden_layers, Hq * d, (Hq + 2 * Hkv) * d
     r = 4 if autocast else act_bytes  # the residual stream's bytes per element
     layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
     peak = r * H + act_bytes * (q + qkv) + r * 2 * d  # gradients in one layer's backward, cos/sin
     # full and selective keep each layer's input; selective also its matmuls' outputs
-    per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile),
-                                                                    attention=attention_kept)
+    per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))
                                                      if ac == "selective" else 0)
     kept = n * per_layer + (layer if ac != "none" else 0) + peak
     host = 0

@@ -1,20 +1,17 @@
 """What selective activation checkpointing keeps: the policy torch's selective-checkpoint contexts ask, op by op,
 during a checkpointed layer's forward (model/checkpointing.py switches it on).
 
-Kept: the matmuls' outputs (KEPT: the q/k/v, output and MLP or experts' projections) and, where no ring splits the
-sequence (one device, Ulysses, UPipe), attention's kernel output and log-sum-exp (ATTENTION_OPS). Everything else
-(norms, RoPE, residual adds, activations, autocast's casts: cheap elementwise ops) is recomputed from them in
-backward: no matmul and no attention kernel runs again (a Ulysses exchange does). Attention's forward is recomputed
-under a ring (its kernels run once per block, and keeping those outputs would hold a block's output per ring step)
-and with the math kernel (its softmax is ops of its own; CUDA's sdpa kernel runs it for windowed or sink layers).
+Kept: the matmuls' outputs (KEPT: the q/k/v, output and MLP or experts' projections) and attention's output and
+log-sum-exp (ATTENTION_OPS: longstride's attention, one op however it runs: on one device, in a ring, under Ulysses
+or UPipe (parallel/attention_call.py); torch's SDPA kernels where SDPA runs under autograd). Everything else (norms,
+RoPE, residual adds, activations, autocast's casts: cheap elementwise ops) is recomputed from them in backward: no
+matmul and no attention kernel runs again and no ring sends K/V again (a Ulysses exchange does run again: it is the
+input of attention, not its output). Where CUDA's SDPA falls back to its math kernel (fp64, or a shape no fused
+kernel takes) the kept matmuls include its L x L scores, as no checkpointing keeps them.
 
-Light on purpose (torch only): parallel/kernels.py and parallel/ring.py mark the attention whose kernel outputs are
-kept with keep_attention_output.
+Light on purpose (torch only): parallel/ imports it and it imports nothing of longstride.
 """
 from __future__ import annotations
-
-import threading
-from contextlib import contextmanager
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -28,43 +25,19 @@ _aten = torch.ops.aten
 KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._unsafe_view.default,
         *([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") else [])}
 
-# attention kernels whose outputs (out, lse and a kernel's small extras) are kept: where torch's SDPA runs under
-# autograd, or inside attention's autograd.Function where it says so (keep_attention_output). By name, so that the
-# flash-attn package's custom ops match without importing it.
-ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
+# attention: longstride's op (registered by parallel/attention_call.py; it runs inside an autograd.Function, without
+# grad) and torch's SDPA kernels (kept where they run under grad: nowhere else calls them in a layer).
+ATTENTION_OP = "longstride::attention_forward"
+ATTENTION_OPS = {ATTENTION_OP, "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-                 "aten::_scaled_dot_product_cudnn_attention", "aten::_efficient_attention_forward",
-                 "flash_attn::_flash_attn_varlen_forward", "flash_attn::_flash_attn_forward"}
-
-_attention = threading.local()  # torch asks the policy in the forward only, in the thread that runs the model
-
-
-@contextmanager
-def keep_attention_output():
-    """Around attention's kernel calls on one device or in a ring of one, inside its autograd.Function (which runs
-    without grad): their outputs are kept, so that backward's recompute of the layer skips attention's kernels.
-    Each document's kernel output covers its own rows, so what is kept is one output and one log-sum-exp."""
-    _attention.depth = getattr(_attention, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _attention.depth -= 1
-
-
-def keeps_attention(ring: int, kernel: str) -> bool:
-    """Whether a stage's attention output is kept: where no ring splits the sequence (`ring`, its ring degree: 1 on
-    one device and under Ulysses or UPipe, whose ranks attend over the whole sequence with the heads they hold) and
-    the kernel is not math (the explicit reference computes its softmax in ops of its own)."""
-    return ring == 1 and kernel != "math"
+                 "aten::_scaled_dot_product_cudnn_attention"}
 
 
 def policy(ctx, op, *args, **kwargs):
-    # A keep-list rather than a recompute-list: buffers that attention fills in place (ring and Ulysses outputs,
-    # receive buffers) must never be kept, and a keep-list never names them. Nothing that runs without grad is kept
-    # either, attention's kernels marked above aside: the forward of an autograd.Function (a tiled op, which keeps only
-    # its input and recomputes its tiles itself; ring and Ulysses attention) saves what it needs on its own.
-    if op in KEPT:
-        keep = torch.is_grad_enabled()
-    else:
-        keep = op.name() in ATTENTION_OPS and (torch.is_grad_enabled() or getattr(_attention, "depth", 0) > 0)
+    # A keep-list rather than a recompute-list: buffers that attention fills in place (Ulysses outputs, receive
+    # buffers) must never be kept, and a keep-list never names them. Nothing that runs without grad is kept, our
+    # attention op aside: the forward of an autograd.Function (a tiled op, which keeps only its input and recomputes
+    # its tiles itself) saves what it needs on its own.
+    name = op.name()
+    keep = (op in KEPT or name in ATTENTION_OPS) and (torch.is_grad_enabled() or name == ATTENTION_OP)
     return CheckpointPolicy.PREFER_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE

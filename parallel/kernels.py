@@ -20,10 +20,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from longstride.model.selective import keep_attention_output
+from longstride.parallel.attention_call import CallAttention
 from longstride.parallel.blocks import RingPlan, doc_segments
 from longstride.parallel.flash_contract import flash_head_dim
-from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks, sink_grad
+from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks
 from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, dense_last, emulate,
                                         flash_attn_available, torch_flash_available)
 
@@ -187,33 +187,13 @@ class _DocCall(NamedTuple):
     window: Optional[int]
 
     def forward(self, q, k, v, sinks=None):
-        with keep_attention_output():  # selective checkpointing's recompute of the layer reuses (out, lse)
-            out, lse = doc_attention_forward(q, k, v, self.bounds, kernel=self.kernel, scale=self.scale,
-                                             window=self.window)
+        out, lse = doc_attention_forward(q, k, v, self.bounds, kernel=self.kernel, scale=self.scale,
+                                         window=self.window)
         return fold_sinks(out, lse, sinks)
 
     def backward(self, dout, q, k, v, out, lse):
         return doc_attention_backward(dout, q, k, v, out, lse, bounds=self.bounds, kernel=self.kernel,
                                       scale=self.scale, window=self.window)
-
-
-class CallAttention(torch.autograd.Function):
-    """Attention through a call object (_DocCall here, parallel/ring.RingCall): call.forward(q, k, v, sinks) ->
-    (out, lse) with the sinks folded in, call.backward(dout, q, k, v, out, lse) -> (dq, dk, dv). Saves q, k, v, out,
-    lse and the sinks only."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, call):
-        out, lse = call.forward(q, k, v, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.call = call
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
-        return dq, dk, dv, sink_grad(dout, out, lse, sinks), None
 
 
 # ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----

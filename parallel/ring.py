@@ -17,18 +17,17 @@ q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D), out: like q, lse: (B, H, Lloc) fp32.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from longstride.model.selective import keep_attention_output
 from longstride.parallel.balance import balanced_assignment
 from longstride.parallel.blocks import RingPlan, ring_plan
 from longstride.parallel.collectives import CopyIn, host_staged
 from longstride.parallel.config import CPDegrees
-from longstride.parallel.kernels import CallAttention, dense_last, seq_major, step_backward, step_forward
+from longstride.parallel.attention_call import CallAttention
+from longstride.parallel.kernels import dense_last, seq_major, step_backward, step_forward
 from longstride.parallel.pattern import CAUSAL, Pattern, fold_sinks
 from longstride.parallel.window import HaloPlan, halo_backward, halo_forward, pattern_plan
 from longstride.parallel.zigzag import shard_batch, zigzag
@@ -191,11 +190,8 @@ class RingCall(NamedTuple):
     pattern: Pattern = CAUSAL
 
     def forward(self, q, k, v, sinks=None):
-        # a ring of one (Ulysses, UPipe: the heads held, over the whole sequence) runs each query's attention once:
-        # selective checkpointing keeps its kernels' outputs; a longer ring's blocks are recomputed
-        with keep_attention_output() if self.plan.n == 1 else nullcontext():
-            return ring_forward(q, k, v, self.plan, kernel=self.kernel, scale=self.scale, comm=self.comm,
-                                pattern=self.pattern, sinks=sinks)
+        return ring_forward(q, k, v, self.plan, kernel=self.kernel, scale=self.scale, comm=self.comm,
+                            pattern=self.pattern, sinks=sinks)
 
     def backward(self, dout, q, k, v, out, lse):
         return ring_backward(dout, q, k, v, out, lse, plan=self.plan, kernel=self.kernel, scale=self.scale,

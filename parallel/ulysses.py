@@ -8,7 +8,8 @@ second all-to-all brings the output back to sequence shards.
 
 UPipe runs the query heads in stages of U (head schedule: parallel/heads.py): each stage's all-to-alls and
 attention reuse the previous stage's buffers, and K/V are exchanged once and kept. Only the local
-inputs, the local output and each stage's log-sum-exp are saved for backward; backward exchanges
+inputs, the local output and each stage's log-sum-exp are saved for backward (each stage's attention is
+parallel/attention_call's op, which selective checkpointing keeps); backward exchanges
 (q, out, dout) per stage again and runs the attention backward stage by stage, so its buffers are
 per stage too. Plain Ulysses is the one-stage case, except that it keeps the head-layout q and K/V (the
 same bytes as the local q, k, v) and its backward exchanges only (out, dout): one all-to-all fewer per
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from longstride.parallel import ring as ring_method
+from longstride.parallel.attention_call import attention_forward
 from longstride.parallel.blocks import RingPlan
 from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.config import CPDegrees, check_ulysses
@@ -127,7 +129,7 @@ class _UlyssesAttention(torch.autograd.Function):
         if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
             qf = heads.to_heads(q)
             held = heads.my_heads(torch.arange(q.shape[1], device=q.device))
-            o, lse = call.ring.forward(qf, kv[0], kv[1], _sinks_of(sinks, held))
+            o, lse = attention_forward(qf, kv[0], kv[1], _sinks_of(sinks, held), call.ring)
             out = heads.to_seq(o).contiguous()
             # the head-layout q and K/V hold the same bytes as the local q, k, v (L/N tokens x H heads = L tokens x
             # H/N heads): kept instead of them, the backward does not exchange them again
@@ -136,7 +138,8 @@ class _UlyssesAttention(torch.autograd.Function):
         out, lses, bufs = torch.empty_like(q), [], {}
         for st in sched.stages:
             qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
-            o, lse = call.ring.forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)))
+            o, lse = attention_forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)),
+                                       call.ring)
             out.index_copy_(1, st.send, heads.to_seq(o, bufs, "o"))
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, sinks, *lses)

@@ -3,6 +3,8 @@ the batch sharded over gloo ranks equal the one-process ones, for ring (zig-zag)
 Ulysses x ring."""
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,7 +13,8 @@ from longstride.model.build import build_model
 from longstride.model.config import ModelConfig
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
-from longstride.model.selective import ATTENTION_OPS, keeps_attention
+from longstride.model.selective import ATTENTION_OPS
+from longstride.model.selective import policy as selective_policy
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
@@ -38,22 +41,55 @@ def packed_batch(lengths: list[int] = LENGTHS["every_rank_several_docs"]) -> dic
             "doc_ids": doc}
 
 
-def tiny_model(ac: str = "none") -> ChunkedLossLM:
+class SelectiveCache:
+    """A selective-checkpointing policy that records what model/selective.policy keeps, bytes per storage, under the
+    key `layer` holds when the op runs (None: not recorded); wanted(op, tensor) filters. Passed to patch_model through
+    `recording`, since checkpointing binds its policy when switched on."""
+
+    def __init__(self, wanted=lambda op, t: True):
+        self.layer, self.kept, self.wanted = 0, {}, wanted
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        decision = selective_policy(ctx, op, *args, **kwargs)
+        if decision == CheckpointPolicy.PREFER_SAVE and self.layer is not None:
+            out = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
+            for t in (t for t in out if isinstance(t, torch.Tensor) and self.wanted(op, t)):
+                self.kept.setdefault(self.layer, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return decision
+
+    @contextmanager
+    def recording(self):
+        from longstride.model import checkpointing
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(checkpointing, "_selective_policy", self)
+            yield
+
+    def total(self) -> int:
+        return sum(sum(kept.values()) for kept in self.kept.values())
+
+
+def tiny_model(ac: str = "none", cache: SelectiveCache = None) -> ChunkedLossLM:
     """ac: activation checkpointing mode; with checkpointing every memory saver is on: the layers tiled
-    (tiles of 16 tokens, norms folded in; not with ":untiled" after the mode) and the lean RMSNorm backward."""
+    (tiles of 16 tokens, norms folded in; not with ":untiled" after the mode) and the lean RMSNorm backward.
+    cache: records what selective checkpointing keeps."""
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
     mode, _, untiled = ac.partition(":")
     if mode != "none":
-        patch_model(lm, mode, offload=False, mlp_tile=0 if untiled else 16, lean_norms=True)
+        with cache.recording() if cache else nullcontext():
+            patch_model(lm, mode, offload=False, mlp_tile=0 if untiled else 16, lean_norms=True)
     use_longstride_attention(lm)
     return ChunkedLossLM(lm, tile=20)
 
 
 class AttentionKernelCalls(TorchDispatchMode):
-    """Counts the attention kernels (model/selective.ATTENTION_OPS) that really run while it is entered: entered
-    around backward, what selective checkpointing's recompute runs rather than takes from its cache."""
+    """Counts the attention calls (model/selective.ATTENTION_OPS: longstride's attention op, torch's SDPA kernels) that
+    really run while it is entered: entered around backward, what selective checkpointing's recompute runs rather
+    than takes from its cache."""
 
     n = 0
 
@@ -62,11 +98,16 @@ class AttentionKernelCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none", calls: list = None):
-    """calls: gets the attention kernels backward ran"""
-    model = tiny_model(ac)
+def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none", calls: list = None,
+                   kept: list = None):
+    """calls: gets the attention calls backward ran; kept: gets what selective checkpointing's cache holds, bytes per
+    layer and local token"""
+    cache = SelectiveCache() if kept is not None else None
+    model = tiny_model(ac, cache)
     local, layout = shard_for_cp(packed_batch(lengths), doc_masking, cp)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
+    if kept is not None:
+        kept.append(cache.total() / model.lm.config.num_hidden_layers / local["input_ids"].numel())
     with AttentionKernelCalls() as counted:
         loss.backward()
     if calls is not None:
@@ -78,15 +119,16 @@ def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
     import torch.distributed as dist
 
     cp = cp_context(par.cp_impl, ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", "sdpa", par.balance)
-    out, calls = {}, []
+    out, calls, kept = {}, [], []
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):
-            loss, grads = loss_and_grads(cp, lengths, doc_masking, ac, calls)
+            loss, grads = loss_and_grads(cp, lengths, doc_masking, ac, calls,
+                                         kept if ac.startswith("selective") else None)
             for t in (loss, *grads.values()):
                 dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
             out[lname, doc_masking] = (loss, grads)
     if rank == 0:
-        torch.save({"results": out, "backward_attention_calls": sum(calls)}, path)
+        torch.save({"results": out, "backward_attention_calls": sum(calls), "selective_kept": kept}, path)
 
 
 IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled with it); 4 query / 2 K/V heads
@@ -120,11 +162,15 @@ def test_cp_loss_and_gradients_equal_single_process(impl, tmp_path):
     run_gloo(_worker, n, par, ac, path)
     saved = torch.load(path)
     got, reran = saved["results"], saved["backward_attention_calls"]
-    if ac.startswith("selective"):  # a ring's blocks are recomputed; a ring of one (Ulysses, UPipe) keeps its output
-        keeps = keeps_attention(cp_degrees(par, n, heads=4).ring, "sdpa")
-        assert (reran == 0) == keeps, f"{impl}: backward ran attention's kernels {reran} times"
-    else:  # full checkpointing recomputes the whole layer
-        assert (reran == 0) == (ac == "none"), f"{impl}: backward ran attention's kernels {reran} times"
+    # selective checkpointing keeps attention's output (a ring's too: no block or K/V message again); full
+    # checkpointing recomputes the whole layer
+    assert (reran == 0) == (ac != "full"), f"{impl}: backward ran attention {reran} times"
+    if ac == "selective:untiled":  # and what it keeps is what the estimate counts, one device's set per local token
+        from longstride.model.memory import layer_parts, selective_keeps
+
+        lm = tiny_model(ac).lm
+        est = selective_keeps(lm.config, layer_parts(lm, lean_norms=True), 4, tiled=False)
+        assert saved["selective_kept"] == [est] * 4, (impl, est, saved["selective_kept"])
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):
             case = f"{impl} {lname} doc_masking={doc_masking}"

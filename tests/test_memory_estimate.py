@@ -124,42 +124,26 @@ def test_layer_estimate_follows_the_architecture(arch, tile, autocast):
 def selective_cache_per_layer(lm, tile: int, autocast: bool, weights: bool) -> list[float]:
     """Bytes per token selective checkpointing's cache holds for each decoder layer after one forward: the outputs
     its policy keeps (model/selective.policy, wrapped to see them; a storage counted once), over one packed batch;
-    weights=False leaves out tensors without the batch's L tokens (autocast's weight copies) but attention's outputs
-    (one per document)."""
-    from longstride.model import checkpointing
+    weights=False leaves out tensors without the batch's L tokens (autocast's weight copies)."""
     from longstride.model.loss import decoder_layers
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from longstride.model.selective import ATTENTION_OPS
     from longstride.parallel.cp import DocLayout
-    from tests.test_cp_model import packed_batch
+    from tests.test_cp_model import SelectiveCache, packed_batch
 
-    current, kept = [None], {}
-    policy = checkpointing._selective_policy
-
-    def recording(ctx, op, *args, **kwargs):
-        decision = policy(ctx, op, *args, **kwargs)
-        if decision == CheckpointPolicy.PREFER_SAVE and current[0] is not None:
-            out = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-            ours = weights or op.name() in ATTENTION_OPS
-            for t in (t for t in out if isinstance(t, torch.Tensor) and (ours or L in t.shape)):
-                kept.setdefault(current[0], {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return decision
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(checkpointing, "_selective_policy", recording)  # read when the checkpointing is switched on
+    cache = SelectiveCache(lambda op, t: weights or L in t.shape)
+    with cache.recording():
         patch_model(lm, "selective", offload=False, mlp_tile=tile, lean_norms=True)
     use_longstride_attention(lm)
     layers = decoder_layers(lm)
+    cache.layer = None
     for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
-        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
+        layer.register_forward_pre_hook(lambda m, a, i=i: setattr(cache, "layer", i))
+        layer.register_forward_hook(lambda m, a, o: setattr(cache, "layer", None))
     b = packed_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ChunkedLossLM(lm.train(), tile=20)(b["input_ids"], b["labels"], b["position_ids"],
                                            doc_layout=DocLayout(b["doc_ids"]))
-    assert len(kept) == len(layers), "every layer ran under selective checkpointing"
-    return [sum(kept[i].values()) / L for i in range(len(layers))]
+    assert len(cache.kept) == len(layers), "every layer ran under selective checkpointing"
+    return [sum(cache.kept[i].values()) / L for i in range(len(layers))]
 
 
 @pytest.mark.parametrize("arch, tile, autocast", CASES)
@@ -235,30 +219,31 @@ def test_selective_checkpointing_keeps_each_architectures_loss_and_gradients(arc
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_the_attention_kernels_kept_are_this_torchs_ops_and_kept_only_where_marked():
+def test_the_attention_ops_kept_are_this_torchs_ops_and_ours_is_kept_without_grad():
     """Each aten name in ATTENTION_OPS is an op of this torch build (the GPU kernels' names, which no CPU run
-    dispatches, checked here against typos); the policy keeps their outputs under grad (torch SDPA) or inside
-    keep_attention_output (longstride's attention Functions, which run without grad), and nowhere else."""
+    dispatches, checked here against typos) and longstride's own op is registered; the policy keeps torch's SDPA
+    kernels under grad only and longstride's attention op (which runs inside an autograd.Function, without grad)
+    always; a matmul without grad is not kept."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from longstride.model.selective import ATTENTION_OPS, keep_attention_output, policy
+    from longstride.model.selective import ATTENTION_OP, ATTENTION_OPS, policy
+    from longstride.parallel import attention_call  # registers ATTENTION_OP
 
     ops = []
-    for name in sorted(n for n in ATTENTION_OPS if n.startswith("aten::")):
-        packet = getattr(torch.ops.aten, name.split("::")[1], None)
+    for name in sorted(ATTENTION_OPS):
+        space, _, op = name.partition("::")
+        packet = getattr(getattr(torch.ops, space), op, None)
         assert packet is not None, f"{name} is not an op of torch {torch.__version__}"
         ops.append(packet.default)
-    assert {op.name() for op in ops} == {n for n in ATTENTION_OPS if n.startswith("aten::")}
+    assert {op.name() for op in ops} == ATTENTION_OPS
+    assert attention_call._attention_forward._opoverload.name() == ATTENTION_OP
     save, recompute = CheckpointPolicy.PREFER_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     for op in ops:
         assert policy(None, op) == save, "under grad"
         with torch.no_grad():
-            assert policy(None, op) == recompute, "inside an autograd Function that did not mark it (a ring's)"
-            with keep_attention_output():
-                assert policy(None, op) == save
-            assert policy(None, op) == recompute
-    with torch.no_grad(), keep_attention_output():
-        assert policy(None, torch.ops.aten.mm.default) == recompute, "only the kernels, not a no-grad matmul"
+            assert policy(None, op) == (save if op.name() == ATTENTION_OP else recompute), op.name()
+    with torch.no_grad():
+        assert policy(None, torch.ops.aten.mm.default) == recompute, "a matmul inside an autograd.Function"
 
 
 def test_switches_order_and_offload():

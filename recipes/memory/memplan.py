@@ -23,7 +23,6 @@ from dataclasses import replace
 
 from longstride.model.build import stage_config
 from longstride.model.memory import estimate, precision
-from longstride.model.selective import keeps_attention
 from longstride.overrides import run
 from longstride.parallel.config import ParallelConfig
 from longstride.parallel.cp import cp_degrees
@@ -118,8 +117,7 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     n, step = r["num_params"], prog.step
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
                    mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1,
-                   offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp),
-                   attention_kept=keeps_attention(prog.degrees.ring, prog.kernel))
+                   offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp))
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": step.checkpointing, "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",

@@ -41,6 +41,7 @@ from longstride.data.batch import collate, packed_item
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import layer_parts
 from longstride.parallel.attention import register
+from longstride.parallel.attention_call import is_attention_op, run_inside
 from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import cp_context
 from longstride.parallel.flash_contract import FlashOpCheck
@@ -143,6 +144,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):  # let DTensor run its local ops, which are counted
             return NotImplemented
+        if is_attention_op(func):  # its buffers and outputs are counted as its ops make them
+            return run_inside(self, args, kwargs)
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

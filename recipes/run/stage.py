@@ -34,7 +34,6 @@ from longstride.model.build import build_model
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import device_memory_gib, estimate, kv_heads, layer_parts, precision
 from longstride.model.rope import rope_placement
-from longstride.model.selective import keeps_attention
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
@@ -145,8 +144,7 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
                    ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
                    shard=acc.num_processes if plan.fsdp else 1, offload=spec.offload,
-                   parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp),
-                   attention_kept=keeps_attention(plan.degrees.ring, plan.kernel))
+                   parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp))
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
