@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -54,8 +55,9 @@ def _recording(ctx, op, *args, **kwargs):
     return decision
 
 
-def build(mode: str, layers: int, length: int, device: str):
-    """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step."""
+def build(mode: str, layers: int, length: int, device: str, cp=None):
+    """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step; cp: this rank's
+    CPContext (ring attention), None on one process."""
     from longstride.data.batch import collate, packed_item
     from longstride.model.build import build_model
     from longstride.parallel.cp import CPContext
@@ -70,7 +72,7 @@ def build(mode: str, layers: int, length: int, device: str):
         # the kernel a one-device stage takes: torch's flash attention on CUDA (bf16 under autocast), sdpa on CPU
         kernel = resolve_kernel("auto", device, ring=False, half=device == "cuda", head_dim=cfg.hidden_size // 9)
         step = build_step(lm, StepSpec("selective" if mode.startswith("selective") else mode, loss_tile=1024),
-                          CPContext(kernel=kernel))
+                          cp or CPContext(kernel=kernel))
     finally:
         checkpointing._selective_policy = _POLICY
     ids = torch.randint(2, 49152, (1, length), generator=torch.Generator().manual_seed(0))
@@ -103,8 +105,52 @@ def run_step(step, local, mode: str, device: str, cached: dict | None = None) ->
         _RECORDED.clear()
 
 
+def measure(args, device: str, cp=None) -> tuple:
+    """Each mode's step times and CUDA peaks over args.reps interleaved rounds, what selective's cache holds a local
+    token a layer, and the model's config and layer_parts. cp: this rank's CPContext; each step starts together on
+    every rank."""
+    import torch.distributed as dist
+
+    from longstride.model.memory import layer_parts
+
+    sync = dist.barrier if cp is not None else (lambda: None)
+    built = {m: build(m, args.layers, args.length, device, cp) for m in MODES}
+    cache, peak = {}, {m: [] for m in MODES}
+    for m in MODES:  # a first step each (warm-up), counting what selective's cache holds
+        got = {}
+        sync()
+        run_step(*built[m][:2], m, device, got)
+        tokens = built[m][1][0]["input_ids"].numel()
+        cache[m] = sum(got.values()) / tokens / args.layers if m.startswith("selective") else None
+        built[m][2].zero_grad(set_to_none=False)  # the gradients stay allocated: a step's peak is above them
+    times = {m: [] for m in MODES}
+    for _ in range(args.reps):
+        for m in MODES:
+            sync()
+            seconds, top = run_step(*built[m][:2], m, device)
+            times[m].append(seconds)
+            peak[m].append(top)
+            built[m][2].zero_grad(set_to_none=False)
+    lm = built["none"][2]
+    return times, peak, cache, lm.config, layer_parts(lm, lean_norms=True)
+
+
+def _cp_rank(rank: int, world: int, args, path: str) -> None:
+    """One gloo rank of --cp: ring attention over `world` CPU processes, one thread each; rank 0 saves what it
+    measured (each rank's step ends with the ring's last exchange, so their times agree)."""
+    from longstride.parallel.config import ParallelConfig, ParallelDims
+    from longstride.parallel.cp import cp_context, cp_degrees
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cp = cp_context("ring", ParallelDims(world, 1, world), cp_degrees(ParallelConfig(cp_impl="ring"), world, heads=9),
+                    "cpu", "sdpa")
+    got = measure(args, "cpu", cp)
+    if rank == 0:
+        torch.save(got, path)
+
+
 def main(argv=None) -> dict:
-    from longstride.model.memory import estimate, layer_parts
+    from longstride.model.memory import estimate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,29 +158,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--length", type=int, default=16384 if gpu else 2048)
     ap.add_argument("--layers", type=int, default=30 if gpu else 8)
     ap.add_argument("--reps", type=int, default=5 if gpu else 7)
+    ap.add_argument("--cp", type=int, default=1, help="ring attention over this many gloo processes (CPU)")
     ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 2 rounds")
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--out", default=None, help=f"default {OUT} (with --cp N: bench_checkpointing_cpN.json)")
     args = ap.parse_args(argv)
+    args.out = args.out or (OUT.replace(".json", f"_cp{args.cp}.json") if args.cp > 1 else OUT)
     if args.smoke:
         args.length, args.layers, args.reps = 256, 2, 2
-    if not gpu:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
-    built = {m: build(m, args.layers, args.length, device) for m in MODES}
-    cache, peak = {}, {m: [] for m in MODES}
-    for m in MODES:  # a first step each (warm-up), counting what selective's cache holds
-        got = {}
-        run_step(*built[m][:2], m, device, got)
-        cache[m] = sum(got.values()) / args.length / args.layers if m.startswith("selective") else None
-        built[m][2].zero_grad(set_to_none=False)  # the gradients stay allocated: a step's peak is above them
-    times = {m: [] for m in MODES}
-    for _ in range(args.reps):
-        for m in MODES:
-            seconds, top = run_step(*built[m][:2], m, device)
-            times[m].append(seconds)
-            peak[m].append(top)
-            built[m][2].zero_grad(set_to_none=False)
-    lm = built["none"][2]
-    parts, H = layer_parts(lm, lean_norms=True), lm.config.hidden_size
+    if args.cp > 1:
+        from longstride.parallel.spawn import run_gloo
+
+        with tempfile.TemporaryDirectory() as d:
+            run_gloo(_cp_rank, args.cp, args, os.path.join(d, "rank0.pt"))
+            times, peak, cache, config, parts = torch.load(os.path.join(d, "rank0.pt"), weights_only=False)
+    else:
+        if not gpu:
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
+        times, peak, cache, config, parts = measure(args, device)
+    H = config.hidden_size
     rows = []
     for m in MODES:
         med = statistics.median(times[m])
@@ -148,9 +189,9 @@ def main(argv=None) -> dict:
         if gpu:
             # above the step's start (the gradients allocated before it): activations, autocast's bf16 weight copies
             row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)
-        heads = lm.config.num_attention_heads
+        heads = config.num_attention_heads
         for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
-            est = estimate(lm.config, 1, 1, "selective" if m.startswith("selective") else m, 0, 1024, act_bytes=b,
+            est = estimate(config, 1, 1, "selective" if m.startswith("selective") else m, 0, 1024, act_bytes=b,
                            parts=parts, autocast=autocast)["layer_bytes_per_token"]
             if m == "selective_matmuls":  # without attention's output and log-sum-exp
                 est -= b * H + 4 * heads  # (heads x head size = H in this model)
@@ -160,7 +201,9 @@ def main(argv=None) -> dict:
 
     result = {"kernel": resolve_kernel("auto", device, ring=False, half=gpu),
               "what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, "
-                      + ("bf16 autocast over fp32 weights" if gpu else "CPU fp32"),
+                      + ("bf16 autocast over fp32 weights" if gpu else "CPU fp32")
+                      + (f", ring attention over {args.cp} gloo processes (one thread each; rank 0's times; cache per "
+                         "local token)" if args.cp > 1 else ""), "cp": args.cp,
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "cuda": torch.version.cuda,
               "length": args.length, "layers": args.layers, "reps": args.reps, "torch": torch.__version__,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",

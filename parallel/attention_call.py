@@ -40,7 +40,7 @@ def _(q, k, v, sinks, call):  # under FakeTensorMode the call runs on fake tenso
 
 
 def is_attention_op(func) -> bool:
-    return func is _attention_forward._opoverload
+    return func is torch.ops.longstride.attention_forward.default
 
 
 def run_inside(mode: TorchDispatchMode, args, kwargs):

@@ -141,6 +141,8 @@ IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled wi
     "ulysses2": (2, ParallelConfig(cp_impl="ulysses"), "none"),
     "upipe2_U2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "full"),
     "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2), "none"),
+    # Ulysses' Function around a ring of two: the ring's output kept, its exchange not run again in backward
+    "hybrid_ring2xulysses2_selective_ac": (4, ParallelConfig(cp_impl="hybrid", ulysses=2), "selective:untiled"),
     # document-aware chunk assignment (parallel/balance.py): 8 chunks per rank for every_rank_several_docs
     "ring2_balance_docs_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="ring", balance="docs"), "full"),
     "hybrid_ring2xulysses2_balance_docs": (4, ParallelConfig(cp_impl="hybrid", ulysses=2, balance="docs"), "none"),
