@@ -16,10 +16,13 @@ mode's activations per token from model/memory.estimate (fp32 and under bf16 aut
 figure is the measured cache plus the layer input, tests/test_memory_estimate.py). On a GPU (the device window's
 `checkpointing` step) the step runs under bf16 autocast over fp32 weights, as one GPU trains, all 30 layers at 16K
 by default, and each mode's peak is measured too (CUDA max_memory_allocated above what the step starts with, the
-gradients included there: its activations and autocast's bf16 copies of the weights).
+gradients included there: its activations and autocast's bf16 copies of the weights). With --cp N the step runs under
+ring attention over N gloo processes on CPU (one thread each), where selective_matmuls also recomputes the ring's
+K/V exchange; rank 0's times and cache (per local token).
 
     python -m benchmarks.bench_checkpointing [--length 2048 --layers 8 --reps 7]   # CPU, fp32
     python -m benchmarks.bench_checkpointing --out DIR/checkpointing.json           # on a GPU: 16K, 30 layers
+    python -m benchmarks.bench_checkpointing --cp 2 [--length 8192 --layers 4]    # ring attention, 2 gloo ranks
     # writes benchmarks/results/bench_checkpointing.json (CPU) unless --out; --smoke: 256 tokens, 2 layers
 """
 from __future__ import annotations
@@ -153,18 +156,19 @@ def main(argv=None) -> dict:
     from longstride.model.memory import estimate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = device == "cuda"
-    ap.add_argument("--length", type=int, default=16384 if gpu else 2048)
-    ap.add_argument("--layers", type=int, default=30 if gpu else 8)
-    ap.add_argument("--reps", type=int, default=5 if gpu else 7)
-    ap.add_argument("--cp", type=int, default=1, help="ring attention over this many gloo processes (CPU)")
+    ap.add_argument("--length", type=int, help="default 16384 on a GPU, 2048 on CPU")
+    ap.add_argument("--layers", type=int, help="default 30 on a GPU, 8 on CPU")
+    ap.add_argument("--reps", type=int, help="default 5 on a GPU, 7 on CPU")
+    ap.add_argument("--cp", type=int, default=1, help="ring attention over this many gloo processes (on CPU)")
     ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 2 rounds")
     ap.add_argument("--out", default=None, help=f"default {OUT} (with --cp N: bench_checkpointing_cpN.json)")
     args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and args.cp == 1
+    device = "cuda" if gpu else "cpu"
+    for name, on_gpu, on_cpu, smoke in (("length", 16384, 2048, 256), ("layers", 30, 8, 2), ("reps", 5, 7, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else on_gpu if gpu else on_cpu)
     args.out = args.out or (OUT.replace(".json", f"_cp{args.cp}.json") if args.cp > 1 else OUT)
-    if args.smoke:
-        args.length, args.layers, args.reps = 256, 2, 2
     if args.cp > 1:
         from longstride.parallel.spawn import run_gloo
 
@@ -211,6 +215,9 @@ def main(argv=None) -> dict:
               "memory_note": "cache_*_measured: what selective's cache holds a token a layer, each storage once; "
                              "layer_bytes_per_token_*_estimate_H: what each layer keeps for backward, in fp32 values "
                              "of the hidden width (model/memory.estimate; selective's = its cache + the layer input)",
+              # what keeping attention's output saves: each round's selective time over its selective_matmuls time
+              "selective_vs_selective_matmuls_paired": round(statistics.median(
+                  a / b for a, b in zip(times["selective"], times["selective_matmuls"])), 3),
               "rows": rows}
     for r in rows:
         print(r)

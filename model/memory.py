@@ -152,7 +152,8 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
     the MLP, untiled: gate and up (or one fused gate_up, or a plain MLP's fc1) and the down projection's H; a mixture
     of experts: the router's logits, per expert a token goes to its gate_up and down outputs, and a shared expert's
     set with its gate; attention's output b Hq d and its fp32 log-sum-exp 4 Hq (on one device and under every CP
-    method: attention is one op, parallel/attention_call.py). Measured op by op on nine architectures
+    method: attention is one op, parallel/attention_call.py; where CUDA's sdpa kernel falls back to SDPA's math, its
+    L x L scores are kept besides, which this does not count). Measured op by op on nine architectures
     (tests/test_memory_estimate.py). The layer's input is not in it (the residual adds are recomputed): estimate()
     adds it, as full checkpointing keeps it."""
     H, I, d, Hq, Hkv = _dims(config)

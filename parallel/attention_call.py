@@ -12,6 +12,7 @@ and under a ring instead of sending K/V round it again too (no rank of the ring 
 none waits for another). The call object reaches the op through a registry entry that lives for the op's call only
 (an op takes tensors and numbers). A dispatch mode sees the op, not what runs inside it: one that must see the
 kernels and buffers inside (the memory trace, the flash kernels' contract check) runs it with `run_inside`.
+Not for torch.compile or export, which would take the call's key for a constant (nothing compiles the model).
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def packed_batch(lengths: list[int] = LENGTHS["every_rank_several_docs"]) -> dic
 class SelectiveCache:
     """A selective-checkpointing policy that records what model/selective.policy keeps, bytes per storage, under the
     key `layer` holds when the op runs (None: not recorded); wanted(op, tensor) filters. Passed to patch_model through
-    `recording`, since checkpointing binds its policy when switched on."""
+    `recording`, since checkpointing binds its policy when switched on. Reads ctx.op_output (torch >= 2.13)."""
 
     def __init__(self, wanted=lambda op, t: True):
         self.layer, self.kept, self.wanted = 0, {}, wanted

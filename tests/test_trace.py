@@ -159,3 +159,22 @@ def test_the_trace_in_a_child_returns_its_result_and_is_stopped_at_its_timeout()
     with pytest.raises(TimeoutError, match="longer than 0.5 s"):
         trace_in_child(prog, timeout_s=0.5)  # a spawned process importing torch alone takes longer
     assert time.perf_counter() - t0 < 0.5 * whole, ("the timed-out child was waited for", whole)
+
+
+def test_the_attention_op_runs_on_fake_tensors_and_the_flash_check_sees_inside_it():
+    """longstride's attention op (parallel/attention_call.py) under FakeTensorMode alone runs its call on fake
+    tensors (the op's fake implementation), and a flash contract check entered alone (no memory count above it,
+    which would open the op first) still sees the flash kernel call inside the op."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from longstride.parallel.flash_contract import FlashOpCheck
+    from longstride.parallel.kernels import doc_attention, doc_bounds
+
+    bounds = doc_bounds(torch.tensor([[0] * 40 + [1] * 24]))
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the cumulative lengths are real, as in the trace
+        q, k = torch.empty(1, 4, 64, 32, dtype=torch.bfloat16), torch.empty(1, 2, 64, 32, dtype=torch.bfloat16)
+        out = doc_attention(q, k, k, None, 0.2, kernel="torch_flash", bounds=bounds)
+        assert isinstance(out, FakeTensor) and out.shape == q.shape
+        with FlashOpCheck() as check:
+            doc_attention(q, k, k, None, 0.2, kernel="torch_flash", bounds=bounds)
+    assert check.calls == 1, "the one varlen call for both documents"

@@ -86,7 +86,7 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
 
 def fixes(prog, stage: str):
     """Single changes to `stage` in order of cost: tiling, selective checkpointing (backward recomputes the
-    elementwise ops, and attention's forward under a ring), full checkpointing (the whole layer), offload, then each
+    elementwise ops, and Ulysses' all-to-alls), full checkpointing (the whole layer), offload, then each
     larger cp within the world. Yields (the overrides that set it, the changed program)."""
     step = prog.step
     on = "model.activation_checkpointing=true model.checkpoint_mode="
