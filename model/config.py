@@ -21,6 +21,18 @@ class CheckpointMode(Choice):
     selective = "selective"
 
 
+def check_layers(layers: int, total: int, offload: bool, field: str = "model.checkpoint_layers") -> None:
+    """`layers` checkpointed decoder layers of `total`: 1 to total, and with offload every one (the offload hooks
+    span the decoder stack: they would move all that a layer outside checkpointing saves)."""
+    if not 1 <= layers <= total:
+        raise ValueError(f"{field}={layers}: the model has {total} decoder layers; checkpoint 1 to {total} of them "
+                         "(null: every layer), or switch activation checkpointing off")
+    if offload and layers < total:
+        raise ValueError(f"{field}={layers} of {total} layers with model.offload_activations=true: offload holds "
+                         f"what checkpointed layers keep, so it needs all of them checkpointed; set {field}=null "
+                         "or model.offload_activations=false")
+
+
 @dataclass
 class YarnConfig:
     """YaRN extrapolation (arXiv:2309.00071), applied through transformers' own `rope_parameters`."""
@@ -58,11 +70,15 @@ class ModelConfig:
     # model/rope.py says why.
     rope_layer_types: Optional[List[str]] = None
     # Activation checkpointing of every decoder layer (model/checkpointing.py): full keeps each layer's
-    # input only; selective also keeps its matmuls' outputs and, on one device, attention's output (model/selective.py)
-    # and recomputes the rest. Offload holds
+    # input only; selective also keeps its matmuls' outputs and attention's output (model/selective.py) and
+    # recomputes the rest. Offload holds
     # the checkpointed inputs in pinned host memory on CUDA runs.
     activation_checkpointing: bool = False
     checkpoint_mode: CheckpointMode = CheckpointMode.full
+    # Checkpoint the first N decoder layers only (with checkpoint_mode); the others keep all they save, for speed
+    # where memory allows (Megatron's block recompute). None = every layer; per stage:
+    # recipe.stages.X.checkpoint_layers.
+    checkpoint_layers: Optional[int] = None
     offload_activations: bool = False
     # Sequence tile for the chunked cross-entropy: never more than tile x vocab logits at once.
     loss_tile_tokens: int = 1024

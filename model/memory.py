@@ -37,6 +37,7 @@ keep, and benchmarks/bench_memory.py measures the real figures (benchmarks/READM
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -200,10 +201,12 @@ def precision(bf16: bool, fsdp: bool) -> dict:
 
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
              act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts(),
-             autocast: bool = False) -> dict:
+             autocast: bool = False, ac_layers: Optional[int] = None) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank; parts: the model's
     layer_parts (the Llama form by default); act_bytes: 2 under bf16, with autocast: True where bf16 autocast runs
-    over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision)."""
+    over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision);
+    ac_layers: how many layers `ac` checkpoints (model.checkpoint_layers; None: all), the others keeping their whole
+    set as without checkpointing."""
     H, I, d, Hq, Hkv = _dims(config)
     n, q, qkv = config.num_hidden_layers, Hq * d, (Hq + 2 * Hkv) * d
     r = 4 if autocast else act_bytes  # the residual stream's bytes per element
@@ -212,10 +215,11 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     # full and selective keep each layer's input; selective also its matmuls' outputs
     per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))
                                                      if ac == "selective" else 0)
-    kept = n * per_layer + (layer if ac != "none" else 0) + peak
+    k = n if ac == "none" or ac_layers is None else ac_layers  # the layers keeping per_layer; the rest keep `layer`
+    kept = k * per_layer + (n - k) * layer + (layer if ac != "none" else 0) + peak
     host = 0
     if offload and ac != "none":
-        host = n * r * H  # the layer inputs, in pinned host memory
+        host = k * r * H  # the layer inputs, in pinned host memory
         kept += 2 * r * H - host
     gib = 2 ** 30
     out = {
@@ -229,7 +233,7 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
         "loss": min(tokens, loss_tile) * config.vocab_size * 4 * 3 / gib,
         "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
         "activation_bytes_per_token": kept,
-        "layer_bytes_per_token": per_layer,  # what each layer keeps from its forward for backward
+        "layer_bytes_per_token": per_layer,  # what each (checkpointed) layer keeps from its forward for backward
         "host_activations": host * tokens / gib,
     }
     out["total"] = sum(v for k, v in out.items() if k not in ("activation_bytes_per_token", "layer_bytes_per_token",

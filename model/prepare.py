@@ -54,10 +54,11 @@ class Patched:
 
 
 def patch_model(lm: torch.nn.Module, checkpointing: str, offload: bool, mlp_tile: int, lean_norms: bool,
-                simulate_offload: bool = False) -> Patched:
+                simulate_offload: bool = False, checkpoint_layers: Optional[int] = None) -> Patched:
     """checkpointing: none | full | selective; offload: checkpointed inputs to pinned host memory (CUDA);
     simulate_offload: the same bookkeeping on CPU tensors (tests, a traced step); mlp_tile: tokens per tile,
-    0 = off; lean_norms: model.lean_rms_norm. A model is patched once: undo() before patching it again."""
+    0 = off; lean_norms: model.lean_rms_norm; checkpoint_layers: checkpoint the first N decoder layers only (None:
+    all). A model is patched once: undo() before patching it again."""
     if vars(lm).get(_PATCHED):
         raise ValueError(f"{type(lm).__name__} is already patched; call .undo() on its Patched first")
     lean = lean_forwards(lm) if lean_norms else {}
@@ -70,7 +71,7 @@ def patch_model(lm: torch.nn.Module, checkpointing: str, offload: bool, mlp_tile
         module.forward = forward
     try:
         done.offloader = enable_checkpointing(lm, checkpointing, offload=offload and not simulate_offload,
-                                              simulate_offload=offload and simulate_offload)
+                                              simulate_offload=offload and simulate_offload, layers=checkpoint_layers)
     except Exception:
         done.checkpointing = "none"
         done.undo()  # a refused mode or offload leaves the model as it was built, never half patched

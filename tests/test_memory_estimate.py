@@ -324,3 +324,61 @@ def test_layer_parts_reads_layers_of_other_names():
     assert (llama4.experts_per_token, llama4.experts, llama4.shared_expert) == (1, 2, True), llama4
     nanochat = layer_parts(T.AutoModelForCausalLM.from_config(T.NanoChatConfig(**kw)), lean_norms=True)
     assert nanochat.qk_norm == "head" and not nanochat.experts_per_token, nanochat
+
+
+@pytest.mark.parametrize("mode, k", [("full", 2), ("selective", 1), ("full", 4)])
+def test_checkpointing_the_first_layers_keeps_the_others_whole(mode, k):
+    """model.checkpoint_layers=k: the first k decoder layers keep what `mode` keeps (their input, to the saved-tensor
+    hooks; selective's cache besides), the others all they keep without checkpointing, measured layer by layer on a
+    4-layer Llama; the estimate's activations grow by what was measured over full checkpointing of every layer, and
+    the loss and gradients are those without checkpointing."""
+    import transformers as T
+
+    from longstride.model.memory import selective_keeps
+    from longstride.parallel.cp import DocLayout
+    from tests.test_cp_model import packed_batch
+
+    got, b = {}, packed_batch()
+    for run, layers in (("none", None), ("every", None), ("first", k)):
+        torch.manual_seed(0)
+        config = _arch("llama")
+        config.num_hidden_layers, config._attn_implementation = 4, "eager"
+        lm = T.AutoModelForCausalLM.from_config(config).float()
+        patch_model(lm, "none" if run == "none" else mode, offload=False, mlp_tile=0, lean_norms=True,
+                    checkpoint_layers=layers)
+        use_longstride_attention(lm)
+        model = ChunkedLossLM(lm.train(), tile=20)
+        saved = saved_per_layer(model, shared=False)
+        loss = model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
+        loss.backward()
+        est = estimate(config, 1, L, "none" if run == "none" else mode, 0, 1024, parts=layer_parts(lm, True),
+                       ac_layers=layers)["activation_bytes_per_token"]
+        got[run] = (saved, est, loss.detach(), {n: p.grad for n, p in lm.named_parameters()})
+    none, every, first = got["none"][0], got["every"][0], got["first"][0]
+    assert first == every[:k] + none[k:] and every[0] < none[0], (first, every, none)
+    # selective's cache, which no saved-tensor hook sees, is held by the k layers rather than by all 4
+    cache = selective_keeps(config, layer_parts(lm, True), 4, tiled=False) * L if mode == "selective" else 0
+    assert got["first"][1] - got["every"][1] == (sum(first) - sum(every) - (4 - k) * cache) / L
+    torch.testing.assert_close(got["first"][2], got["none"][2], rtol=1e-6, atol=1e-6)
+    for n, g in got["none"][3].items():
+        torch.testing.assert_close(got["first"][3][n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_checkpoint_layers_is_checked_before_anything_is_built():
+    """Out of the model's range, without checkpointing, or beside offload on CUDA: refused naming the field."""
+    from longstride.recipes.config.plan import validate
+    from tests.conftest import compose_cfg
+
+    base = ["recipe=tiny", "model.activation_checkpointing=true"]
+    plans = validate(compose_cfg([*base, "recipe.stages.s2_2k.checkpoint_layers=2"]), 2, check_data=False)
+    assert plans["s2_2k"].step.checkpoint_layers == 2 and plans["s3_4k"].step.checkpoint_layers is None
+    assert validate(compose_cfg([*base, "model.checkpoint_layers=4"]), 2,
+                    check_data=False)["s2_2k"].step.checkpoint_layers is None, "every layer: the plain form"
+    for extra, device, match in (
+            (["model.checkpoint_layers=5"], "cpu", r"model.checkpoint_layers=5: the model has 4 decoder layers"),
+            (["recipe.stages.s3_4k.checkpoint_layers=0"], "cpu", r"recipe.stages.s3_4k.checkpoint_layers=0"),
+            (["model.checkpoint_layers=2", "model.activation_checkpointing=false"], "cpu",
+             "read with activation checkpointing"),
+            (["model.checkpoint_layers=2", "model.offload_activations=true"], "cuda", "needs all of them")):
+        with pytest.raises(ValueError, match=match):
+            validate(compose_cfg([*base, *extra]), 2, device, assume_gpu=True, check_data=False)

@@ -57,12 +57,19 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     changes = dict(memplan.fixes(prog, "s2_2k"))
     on = "model.activation_checkpointing=true model.checkpoint_mode="
     selective, full = f"{on}selective", f"{on}full"
-    assert list(changes)[:3] == ["model.mlp_tile_tokens=1024", selective, full]
+    half = f"{full} recipe.stages.s2_2k.checkpoint_layers=1"  # the first of TINY's 2 layers
+    assert list(changes)[:4] == ["model.mlp_tile_tokens=1024", selective, half, full]
     for what in changes:  # each one the overrides a user types
         compose_training(["recipe=tiny", *what.split()])
     assert "recipe.stages.s2_2k.cp=2" in changes and "recipe.stages.s2_2k.cp=4" in changes
     before = trace_step(prog)["peak"]
     assert trace_step(changes["model.mlp_tile_tokens=1024"])["peak"] < before
     assert trace_step(changes[full])["peak"] < trace_step(changes[selective])["peak"] < before
+    assert trace_step(changes[full])["peak"] < trace_step(changes[half])["peak"] < before
+    assert changes[half].step.checkpoint_layers == 1
+    again = dict(memplan.fixes(changes[half], "s2_2k"))  # from there: the rest of the layers, then offload
+    assert f"{full} recipe.stages.s2_2k.checkpoint_layers=null" in again and not any("offload" in w for w in again)
+    for what in again:
+        compose_training(["recipe=tiny", *what.split()])
     assert trace_step(changes["recipe.stages.s2_2k.cp=2"])["peak"] < before
 

@@ -16,7 +16,7 @@ from longstride.choices import check_wandb
 from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
 from longstride.model.model_dir import check_checkpoint_dir, check_checkpoint_weights
-from longstride.model.config import ModelConfig
+from longstride.model.config import ModelConfig, check_layers
 from longstride.model.rope import YARN_ORIGINAL_RULE, apply_yarn, rope_targets, yarn_original_ok
 from longstride.parallel.attention import head_shape
 from longstride.parallel.config import CPDegrees, ParallelDims
@@ -345,10 +345,11 @@ def resolve_precision(precision: str, assume_gpu: bool = False, on_gpu: bool = T
 
 
 def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str, heads: int,
-               prev_len: int = 0, assume_gpu: bool = False, head_dim: int = 0) -> StagePlan:
+               prev_len: int = 0, assume_gpu: bool = False, head_dim: int = 0, layers: int = 0) -> StagePlan:
     """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu); assume_gpu: for
     CUDA GPUs with bf16 and torch's flash attention that this machine need not have (longstride plan);
-    head_dim: the model's head size, which decides whether the flash kernels take it (0: not checked)."""
+    head_dim: the model's head size, which decides whether the flash kernels take it (0: not checked); layers:
+    its decoder layers, the range of checkpoint_layers (0: not checked)."""
     s, m, par, f = cfg.recipe.stages[name], cfg.model, cfg.parallel, f"recipe.stages.{name}"
     dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
     degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
@@ -358,6 +359,7 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
         raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
                          f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
     ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+    ac_layers = _checkpoint_layers(cfg, name, ac, layers, device_type)
     half = device_type == "cuda" and resolve_precision(str(cfg.train.precision), assume_gpu) == "bf16"
     kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half, assume_available=assume_gpu,
                             head_dim=head_dim)
@@ -370,8 +372,34 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
         step=StepSpec(checkpointing=m.checkpoint_mode if ac else "none",
                       offload=bool(ac and m.offload_activations and device_type == "cuda"),
                       mlp_tile=m.mlp_tile_tokens if s.mlp_tile_tokens is None else s.mlp_tile_tokens,
-                      lean_norms=m.lean_rms_norm, loss_tile=m.loss_tile_tokens, doc_masking=cfg.data.doc_masking),
+                      lean_norms=m.lean_rms_norm, loss_tile=m.loss_tile_tokens, doc_masking=cfg.data.doc_masking,
+                      checkpoint_layers=ac_layers),
         balance=str(par.balance if s.balance is None else s.balance), accum=s.batch_tokens // per_step)
+
+
+def _checkpoint_layers(cfg: Config, name: str, ac: bool, layers: int, device_type: str) -> Optional[int]:
+    """The stage's checkpoint_layers (its own, else the model's), checked: it needs checkpointing on, 1 to the
+    model's layers, and every layer where offload is on; None where it is every layer."""
+    s, m = cfg.recipe.stages[name], cfg.model
+    n, field = ((s.checkpoint_layers, f"recipe.stages.{name}.checkpoint_layers") if s.checkpoint_layers is not None
+                else (m.checkpoint_layers, "model.checkpoint_layers"))
+    if n is None:
+        return None
+    if not ac:
+        raise ValueError(f"{field}={n} is read with activation checkpointing, and stage {name} runs without it; set "
+                         f"model.activation_checkpointing=true (or recipe.stages.{name}.activation_checkpointing"
+                         f"=true), or drop {field}")
+    check_layers(n, layers or n, m.offload_activations and device_type == "cuda", field)
+    return None if n == layers else n
+
+
+def _model_layers(cfg: Config) -> int:
+    """The model's decoder layers (0 where its config does not say)."""
+    if cfg.model.arch == "checkpoint":
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(cfg.model.checkpoint), "num_hidden_layers", 0) or 0
+    return cfg.model.num_hidden_layers
 
 
 def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool = False,
@@ -381,13 +409,14 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     (longstride plan)."""
     _check_run(cfg)
     heads, head_dim = _model_heads(cfg)
+    layers = _model_layers(cfg)
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
         plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=heads,
-                                 prev_len=prev_len, assume_gpu=assume_gpu, head_dim=head_dim)
+                                 prev_len=prev_len, assume_gpu=assume_gpu, head_dim=head_dim, layers=layers)
         prev_len = plans[name].stage.seq_len
     selected_stages(cfg)
     if check_data:

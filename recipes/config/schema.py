@@ -48,6 +48,7 @@ class StageConfig:
     long_docs: Optional[LongDocConfig] = None  # None = data.long_docs
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only the final one
     activation_checkpointing: Optional[bool] = None  # None = model.activation_checkpointing
+    checkpoint_layers: Optional[int] = None  # None = model.checkpoint_layers
     mlp_tile_tokens: Optional[int] = None  # None = model.mlp_tile_tokens
     balance: Optional[Balance] = None  # None = parallel.balance
 

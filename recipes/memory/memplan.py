@@ -86,18 +86,25 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
 
 def fixes(prog, stage: str):
     """Single changes to `stage` in order of cost: tiling, selective checkpointing (backward recomputes the
-    elementwise ops, and Ulysses' all-to-alls), full checkpointing (the whole layer), offload, then each
+    elementwise ops, and Ulysses' all-to-alls), full checkpointing of the first half, then three quarters, of the
+    layers (each recomputes its whole layer; the others keep everything), of every layer, offload, then each
     larger cp within the world. Yields (the overrides that set it, the changed program)."""
     step = prog.step
     on = "model.activation_checkpointing=true model.checkpoint_mode="
+    layers, field = prog.config.num_hidden_layers, f"recipe.stages.{stage}.checkpoint_layers"
     if not step.mlp_tile:
         tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
         yield f"model.mlp_tile_tokens={tile}", prog.with_step(mlp_tile=tile)
     if step.checkpointing == "none":
         yield f"{on}selective", prog.with_step(checkpointing="selective")
-    if step.checkpointing != "full":
-        yield f"{on}full", prog.with_step(checkpointing="full")
-    if step.checkpointing != "none" and not step.offload:
+    full_now = (step.checkpoint_layers or layers) if step.checkpointing == "full" else 0  # layers checkpointed fully
+    for k in sorted({-(-layers // 2), -(-3 * layers // 4)}):
+        if full_now < k < layers and not step.offload:
+            yield f"{on}full {field}={k}", prog.with_step(checkpointing="full", checkpoint_layers=k)
+    if step.checkpointing != "full" or step.checkpoint_layers is not None:
+        clear = f" {field}=null" if step.checkpoint_layers is not None else ""
+        yield f"{on}full{clear}", prog.with_step(checkpointing="full", checkpoint_layers=None)
+    if step.checkpointing != "none" and step.checkpoint_layers is None and not step.offload:
         yield "model.offload_activations=true", prog.with_step(offload=True)
     cp = prog.cp * 2
     while cp <= prog.world and prog.world % cp == 0:
@@ -117,9 +124,11 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     n, step = r["num_params"], prog.step
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
                    mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1,
-                   offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp))
+                   offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp),
+                   ac_layers=step.checkpoint_layers)
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
-           "checkpointing": step.checkpointing, "mlp_tile": step.mlp_tile, "offload": step.offload,
+           "checkpointing": step.checkpointing, "checkpoint_layers": step.checkpoint_layers,
+           "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",
                                                                 "activations", "peak", "host")},
            "analytic": est["total"] * GIB, "usable": usable, "fits": r["peak"] <= usable}

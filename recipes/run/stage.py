@@ -144,7 +144,8 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     est = estimate(lm.config, sum(p.numel() for p in lm.parameters()), s.micro_batch_size * s.seq_len // plan.dims.cp,
                    ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
                    shard=acc.num_processes if plan.fsdp else 1, offload=spec.offload,
-                   parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp))
+                   parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp),
+                   ac_layers=spec.checkpoint_layers)
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
@@ -265,11 +266,12 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
                          init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     spec = plan.step
     ac = spec.checkpointing != "none"
+    layers = f" on the first {spec.checkpoint_layers} layers" if ac and spec.checkpoint_layers is not None else ""
     offload = "" if not (ac and cfg.model.offload_activations) else \
         (", offloaded to host" if spec.offload else ", offload ignored on CPU")
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
                      f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
-                     f"{offload}; MLP tile {spec.mlp_tile or 'off'}")
+                     f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}")
     cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 \
         else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}

@@ -32,7 +32,8 @@ STEP_KEYS = ("input_ids", "labels", "position_ids")  # what the loss forward rea
 class StepSpec:
     """How a stage's step is built (recipes/config/plan.StagePlan resolves these per stage): activation checkpointing
     mode, offload of checkpointed inputs, MLP tile tokens (0: off), the lean RMSNorm backward, the loss's tile
-    tokens, document masking; simulate_offload: count offloaded bytes without a device (the tracer)."""
+    tokens, document masking; simulate_offload: count offloaded bytes without a device (the tracer);
+    checkpoint_layers: the decoder layers checkpointed, the first N (None: every one)."""
 
     checkpointing: str = "none"
     offload: bool = False
@@ -41,6 +42,7 @@ class StepSpec:
     loss_tile: int = 1024
     doc_masking: bool = True
     simulate_offload: bool = False
+    checkpoint_layers: Optional[int] = None  # checkpoint the first N decoder layers only; None: every layer
 
 
 @dataclass
@@ -64,7 +66,7 @@ def build_step(lm: torch.nn.Module, spec: StepSpec, cp: Optional[CPContext] = No
     loss; cp: this rank's CPContext (one device when None), completed with the model's layer patterns (what the
     document balancer weighs)."""
     offloader = patch_model(lm, spec.checkpointing, spec.offload, spec.mlp_tile, spec.lean_norms,
-                            simulate_offload=spec.simulate_offload).offloader
+                            simulate_offload=spec.simulate_offload, checkpoint_layers=spec.checkpoint_layers).offloader
     use_longstride_attention(lm)
     cp = dataclasses.replace(cp or CPContext(), patterns=model_patterns(lm))
     return Step(lm, ChunkedLossLM(lm, spec.loss_tile), cp, spec, offloader)
