@@ -266,7 +266,8 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
                          init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
     spec = plan.step
     ac = spec.checkpointing != "none"
-    layers = f" on the first {spec.checkpoint_layers} layers" if ac and spec.checkpoint_layers is not None else ""
+    layers = "" if not ac or spec.checkpoint_layers is None else \
+        f" (the first {spec.checkpoint_layers} of {len(decoder_layers(run.lm))} layers)"
     offload = "" if not (ac and cfg.model.offload_activations) else \
         (", offloaded to host" if spec.offload else ", offload ignored on CPU")
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
