@@ -26,10 +26,10 @@ def check_layers(layers: int, total: int, offload: bool, field: str = "model.che
     span the decoder stack: they would move all that a layer outside checkpointing saves)."""
     if not 1 <= layers <= total:
         raise ValueError(f"{field}={layers}: the model has {total} decoder layers; checkpoint 1 to {total} of them "
-                         "(null: every layer), or switch activation checkpointing off")
+                         f"({total}: every layer), or switch activation checkpointing off")
     if offload and layers < total:
         raise ValueError(f"{field}={layers} of {total} layers with model.offload_activations=true: offload holds "
-                         f"what checkpointed layers keep, so it needs all of them checkpointed; set {field}=null "
+                         f"what checkpointed layers keep, so it needs all of them checkpointed; set {field}={total} "
                          "or model.offload_activations=false")
 
 

@@ -20,9 +20,11 @@ The estimate, per rank, in bytes:
     none                         every layer's set
     full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
     selective                    r H per layer (its input) and the outputs of its matmuls, b each (selective_keeps:
-                                 q/k/v, the output projection, the MLP's or experts' projections), without a ring
-                                 attention's output and lse (b q + 4 Hq), plus one layer's set (an upper bound:
-                                 the outputs kept are in it)
+                                 q/k/v, the output projection, the MLP's or experts' projections), attention's
+                                 output and lse (b q + 4 Hq), plus one layer's set (an upper bound: the outputs
+                                 kept are in it)
+    the first k layers only      k checkpointed layers as above and n - k whole sets (whose backward frees them
+    (checkpoint_layers)          before the first recompute: no extra set while k < n)
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
                                  holds two of them (the one in use and the one being prefetched)
     at the peak, in one layer's attention backward: the gradients r H + b (q + qkv) (residual stream,
@@ -216,7 +218,8 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))
                                                      if ac == "selective" else 0)
     k = n if ac == "none" or ac_layers is None else ac_layers  # the layers keeping per_layer; the rest keep `layer`
-    kept = k * per_layer + (n - k) * layer + (layer if ac != "none" else 0) + peak
+    # backward runs the whole (last) layers' first, freeing them, then recomputes one checkpointed layer at a time
+    kept = k * per_layer + max(n - k, 1 if ac != "none" else 0) * layer + peak
     host = 0
     if offload and ac != "none":
         host = k * r * H  # the layer inputs, in pinned host memory

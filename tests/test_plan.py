@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
 from transformers import SmolLM3Config
 
@@ -67,9 +69,15 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     assert trace_step(changes[full])["peak"] < trace_step(changes[selective])["peak"] < before
     assert trace_step(changes[full])["peak"] < trace_step(changes[half])["peak"] < before
     assert changes[half].step.checkpoint_layers == 1
-    again = dict(memplan.fixes(changes[half], "s2_2k"))  # from there: the rest of the layers, then offload
-    assert f"{full} recipe.stages.s2_2k.checkpoint_layers=null" in again and not any("offload" in w for w in again)
+    # from there: every layer, by its count (null would fall back to model.checkpoint_layers); offload only after
+    again = dict(memplan.fixes(changes[half], "s2_2k"))
+    assert f"{full} recipe.stages.s2_2k.checkpoint_layers=2" in again and not any("offload" in w for w in again)
     for what in again:
         compose_training(["recipe=tiny", *what.split()])
+    wide = {**TINY.to_dict(), "num_hidden_layers": 4, "no_rope_layers": [1] * 4, "layer_types": None}
+    four = replace(prog, config=SmolLM3Config(**wide))
+    layered = [(w, p.step.checkpoint_layers) for w, p in memplan.fixes(four, "s2_2k") if "checkpoint_layers" in w]
+    assert layered == [(f"{full} recipe.stages.s2_2k.checkpoint_layers=2", 2),
+                       (f"{full} recipe.stages.s2_2k.checkpoint_layers=3", 3)], "half, then three quarters"
     assert trace_step(changes["recipe.stages.s2_2k.cp=2"])["peak"] < before
 

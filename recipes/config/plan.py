@@ -378,12 +378,13 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
 
 
 def _checkpoint_layers(cfg: Config, name: str, ac: bool, layers: int, device_type: str) -> Optional[int]:
-    """The stage's checkpoint_layers (its own, else the model's), checked: it needs checkpointing on, 1 to the
-    model's layers, and every layer where offload is on; None where it is every layer."""
+    """The stage's checkpoint_layers (its own, else the model's, which applies to the stages that checkpoint), checked:
+    a stage's own needs checkpointing on; 1 to the model's layers, and every layer where offload is on; None where it
+    is every layer."""
     s, m = cfg.recipe.stages[name], cfg.model
     n, field = ((s.checkpoint_layers, f"recipe.stages.{name}.checkpoint_layers") if s.checkpoint_layers is not None
                 else (m.checkpoint_layers, "model.checkpoint_layers"))
-    if n is None:
+    if n is None or (not ac and s.checkpoint_layers is None):
         return None
     if not ac:
         raise ValueError(f"{field}={n} is read with activation checkpointing, and stage {name} runs without it; set "
@@ -398,7 +399,8 @@ def _model_layers(cfg: Config) -> int:
     if cfg.model.arch == "checkpoint":
         from transformers import AutoConfig
 
-        return getattr(AutoConfig.from_pretrained(cfg.model.checkpoint), "num_hidden_layers", 0) or 0
+        text = AutoConfig.from_pretrained(cfg.model.checkpoint).get_text_config()  # a multimodal config's decoder
+        return getattr(text, "num_hidden_layers", 0) or 0
     return cfg.model.num_hidden_layers
 
 
@@ -418,6 +420,10 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
         plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=heads,
                                  prev_len=prev_len, assume_gpu=assume_gpu, head_dim=head_dim, layers=layers)
         prev_len = plans[name].stage.seq_len
+    if cfg.model.checkpoint_layers is not None and all(p.step.checkpointing == "none" for p in plans.values()):
+        raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
+                         "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
+                         "activation_checkpointing), or drop model.checkpoint_layers")
     selected_stages(cfg)
     if check_data:
         _check_data(cfg)

@@ -102,8 +102,8 @@ def fixes(prog, stage: str):
         if full_now < k < layers and not step.offload:
             yield f"{on}full {field}={k}", prog.with_step(checkpointing="full", checkpoint_layers=k)
     if step.checkpointing != "full" or step.checkpoint_layers is not None:
-        clear = f" {field}=null" if step.checkpoint_layers is not None else ""
-        yield f"{on}full{clear}", prog.with_step(checkpointing="full", checkpoint_layers=None)
+        every = f" {field}={layers}" if step.checkpoint_layers is not None else ""  # null would take model.'s
+        yield f"{on}full{every}", prog.with_step(checkpointing="full", checkpoint_layers=None)
     if step.checkpointing != "none" and step.checkpoint_layers is None and not step.offload:
         yield "model.offload_activations=true", prog.with_step(offload=True)
     cp = prog.cp * 2
