@@ -160,9 +160,8 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
         need = max(need, log_traced_memory(ctx, plan, lm, est["total"]) or 0.0)
     if need > 0.9 * avail:
         tracker.warning("stage %s will likely not fit: about %.1f GiB per rank against %.1f GiB; raise its cp, set "
-                        "model.activation_checkpointing=true (every layer: no checkpoint_layers) and mlp_tile_tokens, or lower "
-                        "micro_batch_size",
-                        plan.name, need, avail)
+                        "model.activation_checkpointing=true (every layer: no checkpoint_layers) and mlp_tile_tokens, "
+                        "or lower micro_batch_size", plan.name, need, avail)
 
 
 def _trace_on(choice: str, device_type: str) -> bool:
