@@ -9,6 +9,8 @@ chunked loss, lean RMSNorm, no tiles), on one process:
                      backward recomputes the elementwise ops only
   selective_matmuls  the policy selective had before: the matmuls' outputs kept, attention's forward recomputed
                      (under context parallelism too: its kernels and a ring's K/V exchange); here for comparison
+  full_half          (--modes) full checkpointing of the first half of the layers only (model.checkpoint_layers),
+                     the others keeping everything
 Time: forward + backward (no optimizer), the modes interleaved round by round, median per mode and its ratio to none,
 and the median of each round's ratio to none in that round (vs_none_paired: steadier where the machine is shared).
 Memory: the bytes selective checkpointing's cache holds, counted as the policy keeps them (measured), and every
@@ -43,6 +45,7 @@ from longstride.model.config import ModelConfig
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "bench_checkpointing.json")
 MODES = ("none", "full", "selective", "selective_matmuls")
+EXTRA = ("full_half",)  # --modes: full checkpointing of the first half of the layers (model.checkpoint_layers)
 
 
 _RECORDED: list = []  # storage -> bytes of the outputs selective's cache keeps, while a dict is put here
@@ -56,6 +59,11 @@ def _recording(ctx, op, *args, **kwargs):
         _RECORDED[0].update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # a storage once
                              for t in outs if isinstance(t, torch.Tensor)})
     return decision
+
+
+def _ac(mode: str) -> str:
+    """The checkpoint_mode a benchmark mode runs."""
+    return "selective" if mode.startswith("selective") else "full" if mode.startswith("full") else mode
 
 
 def build(mode: str, layers: int, length: int, device: str, cp=None):
@@ -74,7 +82,8 @@ def build(mode: str, layers: int, length: int, device: str, cp=None):
     try:
         # the kernel a one-device stage takes: torch's flash attention on CUDA (bf16 under autocast), sdpa on CPU
         kernel = resolve_kernel("auto", device, ring=False, half=device == "cuda", head_dim=cfg.hidden_size // 9)
-        step = build_step(lm, StepSpec("selective" if mode.startswith("selective") else mode, loss_tile=1024),
+        ac, half = _ac(mode), layers // 2 if mode == "full_half" else None
+        step = build_step(lm, StepSpec(ac, loss_tile=1024, checkpoint_layers=half),
                           cp or CPContext(kernel=kernel))
     finally:
         checkpointing._selective_policy = _POLICY
@@ -117,18 +126,18 @@ def measure(args, device: str, cp=None) -> tuple:
     from longstride.model.memory import layer_parts
 
     sync = dist.barrier if cp is not None else (lambda: None)
-    built = {m: build(m, args.layers, args.length, device, cp) for m in MODES}
-    cache, peak = {}, {m: [] for m in MODES}
-    for m in MODES:  # a first step each (warm-up), counting what selective's cache holds
+    built = {m: build(m, args.layers, args.length, device, cp) for m in args.modes}
+    cache, peak = {}, {m: [] for m in args.modes}
+    for m in args.modes:  # a first step each (warm-up), counting what selective's cache holds
         got = {}
         sync()
         run_step(*built[m][:2], m, device, got)
         tokens = built[m][1][0]["input_ids"].numel()
         cache[m] = sum(got.values()) / tokens / args.layers if m.startswith("selective") else None
         built[m][2].zero_grad(set_to_none=False)  # the gradients stay allocated: a step's peak is above them
-    times = {m: [] for m in MODES}
+    times = {m: [] for m in args.modes}
     for _ in range(args.reps):
-        for m in MODES:
+        for m in args.modes:
             sync()
             seconds, top = run_step(*built[m][:2], m, device)
             times[m].append(seconds)
@@ -160,9 +169,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, help="default 30 on a GPU, 8 on CPU")
     ap.add_argument("--reps", type=int, help="default 5 on a GPU, 7 on CPU")
     ap.add_argument("--cp", type=int, default=1, help="ring attention over this many gloo processes (on CPU)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES + EXTRA}")
     ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 2 rounds")
     ap.add_argument("--out", default=None, help=f"default {OUT} (with --cp N: bench_checkpointing_cpN.json)")
     args = ap.parse_args(argv)
+    args.modes = tuple(args.modes.split(","))
+    if not {"none", "selective", "selective_matmuls"} <= set(args.modes) or not set(args.modes) <= {*MODES, *EXTRA}:
+        ap.error(f"--modes: none, selective and selective_matmuls (the ratios' references) and any of {MODES + EXTRA}")
     gpu = torch.cuda.is_available() and args.cp == 1
     device = "cuda" if gpu else "cpu"
     for name, on_gpu, on_cpu, smoke in (("length", 16384, 2048, 256), ("layers", 30, 8, 2), ("reps", 5, 7, 2)):
@@ -181,7 +194,7 @@ def main(argv=None) -> dict:
         times, peak, cache, config, parts = measure(args, device)
     H = config.hidden_size
     rows = []
-    for m in MODES:
+    for m in args.modes:
         med = statistics.median(times[m])
         # each round runs every mode back to back: its ratio to none in the same round is steadier on a shared machine
         paired = statistics.median(t / n for t, n in zip(times[m], times["none"]))
@@ -195,8 +208,13 @@ def main(argv=None) -> dict:
             row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)
         heads = config.num_attention_heads
         for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
-            est = estimate(config, 1, 1, "selective" if m.startswith("selective") else m, 0, 1024, act_bytes=b,
-                           parts=parts, autocast=autocast)["layer_bytes_per_token"]
+            def layer(ac: str) -> int:
+                return estimate(config, 1, 1, ac, 0, 1024, act_bytes=b, parts=parts,  # noqa: B023 (called here)
+                                autocast=autocast)["layer_bytes_per_token"]  # noqa: B023
+
+            est, k = layer(_ac(m)), args.layers // 2
+            if m == "full_half":  # the average over its layers: half checkpointed, half whole
+                est = (k * est + (args.layers - k) * layer("none")) / args.layers
             if m == "selective_matmuls":  # without attention's output and log-sum-exp
                 est -= b * H + 4 * heads  # (heads x head size = H in this model)
             row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est / 4 / H, 2)

@@ -95,7 +95,8 @@ def steps(work: str) -> list[Step]:
     probe = [*launch, "--config_file", "configs/accelerate/gpu1.yaml", "-m", "longstride.recipes.train",
              "recipe=gpu_probe", f"paths.output_root={run}", "logger.progress_bar=false"]
     probe_smoke = [*py("-m", "longstride.recipes.train"), *probe[7:], *PROBE_SMOKE.split()]
-    ckpt = py("-m", "benchmarks.bench_checkpointing", "--out", f"{work}/checkpointing/checkpointing.json")
+    ckpt = py("-m", "benchmarks.bench_checkpointing", "--out", f"{work}/checkpointing/checkpointing.json",
+              "--modes", "none,full,full_half,selective,selective_matmuls")
     main_job = ["bash", "-c", f"{shlex.join(train)} && {shlex.join(compare)} num_samples=10"]
     main_smoke = ["bash", "-c", f"{shlex.join(smoke_train)} && {shlex.join(compare)} num_samples=1 lengths=[512]"]
     return [

@@ -85,8 +85,10 @@ def test_device_window_smoke_runs_every_step_and_packs_their_results(tmp_path):
                                                      "t_main_job_compare.json", "t_main_job_compare.png",
                                                      "t_checkpointing.json"}
     modes = json.loads((tmp_path / "collected" / "t_checkpointing.json").read_text())["rows"]
-    assert [r["mode"] for r in modes] == ["none", "full", "selective", "selective_matmuls"]
-    kept = [r["cache_bytes_per_token_layer_measured"] for r in modes[2:]]
+    assert [r["mode"] for r in modes] == ["none", "full", "full_half", "selective", "selective_matmuls"]
+    half = modes[2]["layer_bytes_per_token_fp32_estimate_H"]  # 1 of 2 smoke layers: the mean of none's and full's
+    assert half == pytest.approx((modes[0]["layer_bytes_per_token_fp32_estimate_H"] + 1.0) / 2, abs=0.01)
+    kept = [r["cache_bytes_per_token_layer_measured"] for r in modes[3:]]
     assert kept[0] - kept[1] == 9 * 64 * 4 + 9 * 4, "selective keeps attention's output and lse (fp32, 9 heads of 64)"
     stages = json.loads((tmp_path / "collected" / "t_recipe_stages.json").read_text())
     assert stages["device"] == "cpu" and stages["versions"].startswith("torch")
