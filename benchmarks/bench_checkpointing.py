@@ -66,6 +66,11 @@ def _ac(mode: str) -> str:
     return "selective" if mode.startswith("selective") else "full" if mode.startswith("full") else mode
 
 
+def _checkpoint_layers(mode: str, layers: int):
+    """The layers a benchmark mode checkpoints: the first half for full_half, else every one (None)."""
+    return layers // 2 if mode == "full_half" else None
+
+
 def build(mode: str, layers: int, length: int, device: str, cp=None):
     """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step; cp: this rank's
     CPContext (ring attention), None on one process."""
@@ -82,8 +87,7 @@ def build(mode: str, layers: int, length: int, device: str, cp=None):
     try:
         # the kernel a one-device stage takes: torch's flash attention on CUDA (bf16 under autocast), sdpa on CPU
         kernel = resolve_kernel("auto", device, ring=False, half=device == "cuda", head_dim=cfg.hidden_size // 9)
-        ac, half = _ac(mode), layers // 2 if mode == "full_half" else None
-        step = build_step(lm, StepSpec(ac, loss_tile=1024, checkpoint_layers=half),
+        step = build_step(lm, StepSpec(_ac(mode), loss_tile=1024, checkpoint_layers=_checkpoint_layers(mode, layers)),
                           cp or CPContext(kernel=kernel))
     finally:
         checkpointing._selective_policy = _POLICY
@@ -208,13 +212,9 @@ def main(argv=None) -> dict:
             row["peak_gib_measured"] = round(max(peak[m]) / 2 ** 30, 3)
         heads = config.num_attention_heads
         for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
-            def layer(ac: str) -> int:
-                return estimate(config, 1, 1, ac, 0, 1024, act_bytes=b, parts=parts,  # noqa: B023 (called here)
-                                autocast=autocast)["layer_bytes_per_token"]  # noqa: B023
-
-            est, k = layer(_ac(m)), args.layers // 2
-            if m == "full_half":  # the average over its layers: half checkpointed, half whole
-                est = (k * est + (args.layers - k) * layer("none")) / args.layers
+            # per layer: full_half's mean over its checkpointed and whole layers
+            est = estimate(config, 1, 1, _ac(m), 0, 1024, act_bytes=b, parts=parts, autocast=autocast,
+                           ac_layers=_checkpoint_layers(m, args.layers))["layers_bytes_per_token"] / args.layers
             if m == "selective_matmuls":  # without attention's output and log-sum-exp
                 est -= b * H + 4 * heads  # (heads x head size = H in this model)
             row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est / 4 / H, 2)

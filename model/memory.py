@@ -218,8 +218,9 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))
                                                      if ac == "selective" else 0)
     k = n if ac == "none" or ac_layers is None else ac_layers  # the layers keeping per_layer; the rest keep `layer`
+    layers = k * per_layer + (n - k) * layer  # what every layer keeps at the forward's end
     # backward runs the whole (last) layers' first, freeing them, then recomputes one checkpointed layer at a time
-    kept = k * per_layer + max(n - k, 1 if ac != "none" else 0) * layer + peak
+    kept = layers + (layer if ac != "none" and k == n else 0) + peak
     host = 0
     if offload and ac != "none":
         host = k * r * H  # the layer inputs, in pinned host memory
@@ -237,10 +238,11 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
         "mlp_tiles": (mlp_tile * I * act_bytes * 4 / gib) if mlp_tile else 0.0,
         "activation_bytes_per_token": kept,
         "layer_bytes_per_token": per_layer,  # what each (checkpointed) layer keeps from its forward for backward
+        "layers_bytes_per_token": layers,  # all the layers together (checkpointed and whole)
         "host_activations": host * tokens / gib,
     }
     out["total"] = sum(v for k, v in out.items() if k not in ("activation_bytes_per_token", "layer_bytes_per_token",
-                                                              "host_activations"))
+                                                              "layers_bytes_per_token", "host_activations"))
     return out
 
 

@@ -203,8 +203,9 @@ def _check_new_model_fields(m: ModelConfig) -> None:
                          f"{'them' if len(found) > 1 else 'it'}, or change that checkpoint's config.json")
 
 
-def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int, int]:
-    """The model's (query heads, head size) (a checkpoint's from its config), after the model group's checks."""
+def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int, int, int]:
+    """The model's (query heads, head size, decoder layers; 0 layers where a checkpoint's config does not say; a
+    checkpoint's from its config, read once), after the model group's checks."""
     m = cfg.model
     if m.arch == "checkpoint":
         from transformers import AutoConfig
@@ -216,11 +217,13 @@ def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int,
         if split_longest is None:  # the longest stage a recipe splits over CP ranks
             split_longest = max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1), default=0)
         _check_attention_supported(m.checkpoint, split_longest)
-        return head_shape(AutoConfig.from_pretrained(m.checkpoint))
+        config = AutoConfig.from_pretrained(m.checkpoint)
+        text = config.get_text_config()  # a multimodal config's decoder
+        return (*head_shape(config), getattr(text, "num_hidden_layers", 0) or 0)
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
                          f"model.num_key_value_heads={m.num_key_value_heads}")
-    return m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads
+    return m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads, m.num_hidden_layers
 
 
 def _check_rope_layer_types(m: ModelConfig) -> None:
@@ -298,7 +301,7 @@ def check_model_and_data(cfg: Config, split_longest: Optional[int] = None) -> in
     model.rope_layer_types, the data sources), without a stage's training plan; returns the model's query head
     count. For a command that runs one stage's step outside training (longstride check)."""
     _check_numbers(cfg)
-    heads, _ = _model_heads(cfg, split_longest)
+    heads, _, _ = _model_heads(cfg, split_longest)
     _check_rope_layer_types(cfg.model)
     _check_data(cfg)
     return heads
@@ -394,24 +397,13 @@ def _checkpoint_layers(cfg: Config, name: str, ac: bool, layers: int, device_typ
     return None if n == layers else n
 
 
-def _model_layers(cfg: Config) -> int:
-    """The model's decoder layers (0 where its config does not say)."""
-    if cfg.model.arch == "checkpoint":
-        from transformers import AutoConfig
-
-        text = AutoConfig.from_pretrained(cfg.model.checkpoint).get_text_config()  # a multimodal config's decoder
-        return getattr(text, "num_hidden_layers", 0) or 0
-    return cfg.model.num_hidden_layers
-
-
 def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool = False,
              check_data: bool = True) -> dict[str, StagePlan]:
     """Every user-facing check, with the field and the fix; returns each stage's plan. Nothing is built
     before it passes. assume_gpu / check_data=False: plan for GPUs this machine lacks, without the data
     (longstride plan)."""
     _check_run(cfg)
-    heads, head_dim = _model_heads(cfg)
-    layers = _model_layers(cfg)
+    heads, head_dim, layers = _model_heads(cfg)
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
