@@ -23,29 +23,28 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from longstride.model.tiling import autocast_on
 from longstride.parallel.cp import DocLayout, method
-from longstride.parallel.kernels import doc_attention
+from longstride.parallel.kernels import SOFTCAP_KERNELS, doc_attention
 from longstride.parallel.pattern import ABSENT, LAYER_TYPES, Pattern, layer_pattern
 
 NAME = "longstride"
 
 
 # Attention arguments transformers models pass that change what attention computes and that longstride's kernels
-# do not implement: refused when set, never dropped (logit soft-capping: Gemma 2; a T5-style position bias)
-UNSUPPORTED_KWARGS = {"softcap": "logit soft-capping", "position_bias": "an additive position bias",
+# do not implement: refused when set, never dropped (a T5-style position bias, sparse attention)
+UNSUPPORTED_KWARGS = {"position_bias": "an additive position bias",
                       "sinks": "attention sinks under the name sinks (longstride reads GPT-OSS's s_aux)",
                       "block_indices": "block-sparse attention", "indices": "indexed sparse attention"}
-UNSUPPORTED_CONFIG = {"attn_logit_softcapping": "logit soft-capping"}
 
 
 def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> list[str]:
     """What in `model` longstride's attention would not compute: layer types other than full, sliding-window and
-    chunked attention (parallel/pattern.py), soft-capped attention, chunked layers without a chunk size,
+    chunked attention (parallel/pattern.py), chunked layers without a chunk size,
     attention modules without a causal mask (config.is_causal=False too), a model that computes attention in its
     own code rather than through transformers' attention interface (dispatches), a value head size other than the
     query's, a mask computed from the values (Doge), attention dropout in a model being trained; and with
     `split_longest` (the longest sequence a stage splits over context-parallel ranks, 0: none), what reads a
     token's position from the tokens one rank holds (position_dependent). Empty for Llama, Qwen3, SmolLM3,
-    Mistral, Qwen2, Gemma 3, OLMo 3, GPT-OSS, Llama 4's text model and the like."""
+    Mistral, Qwen2, Gemma 2 and 3, OLMo 3, GPT-OSS, Llama 4's text model and the like."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])
@@ -59,9 +58,6 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
         found.append(f"{type(model).__name__} computes attention in its own code, not through transformers' attention "
                      "interface, so longstride's attention would never run (each document would see the others, and "
                      "a context-parallel rank only its own tokens)")
-    for field, what in UNSUPPORTED_CONFIG.items():
-        if getattr(cfg, field, None):
-            found.append(f"config.{field}={getattr(cfg, field)} ({what})")
     if getattr(cfg, "is_causal", True) is False:
         found.append("config.is_causal=False (bidirectional attention)")
     v_dim = getattr(cfg, "v_head_dim", None)
@@ -127,13 +123,14 @@ def head_shape(config) -> tuple[int, int]:
 
 def check_supported(model: torch.nn.Module, split_longest: int = 0) -> None:
     """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
-    field); causal, windowed, chunked and sink attention pass."""
+    field); causal, windowed, chunked, soft-capped and sink attention pass."""
     found = unsupported_attention(model, split_longest)
     if found:
         shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
         raise NotImplementedError(
             f"{type(model).__name__}: longstride's attention computes causal attention within documents (with "
-            f"sliding windows, chunks and sinks), and this model's attention needs more: {shown}. Refused rather "
+            f"sliding windows, chunks, soft-capped scores and sinks), and this model's attention needs more: {shown}. "
+            f"Refused rather "
             f"than silently dropped. Train it without longstride's attention (attn_implementation='sdpa' or "
             f"'eager', no context parallelism)")
 
@@ -163,8 +160,12 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     layout = doc_layout or DocLayout(None)
     # the keys' whole length: this rank's share times the CP degree (a window at least that long cuts nothing)
     longest = key.shape[2] * (layout.cp.degrees.cp if layout.cp.method else 1)
-    pattern = layer_pattern(module, kwargs.get("sliding_window", ABSENT)).within(longest)
+    pattern = layer_pattern(module, kwargs.get("sliding_window", ABSENT), kwargs.get("softcap")).within(longest)
     check_mask(where, attention_mask, doc_layout, pattern, longest)
+    if pattern.softcap and layout.cp.kernel not in SOFTCAP_KERNELS:
+        raise NotImplementedError(f"{where} soft-caps its attention scores (softcap={pattern.softcap}) and "
+                                  f"parallel.kernel={layout.cp.kernel} does not; use parallel.kernel=auto (it picks "
+                                  "math, or flash_attn on CUDA when installed) or math")
     sinks = kwargs.get("s_aux")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "

@@ -29,17 +29,20 @@ from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, de
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
 FLASH_KERNELS = tuple(_AVAILABLE)  # bf16/fp16 only
+SOFTCAP_KERNELS = ("math", "flash_attn")  # the kernels that soft-cap attention scores (Gemma 2)
 _INSTALL = {"torch_flash": "install a CUDA build of torch (pip install torch --index-url "
                            "https://download.pytorch.org/whl/cu128, or the build for your CUDA)",
             "flash_attn": "pip install 'longstride[gpu]' (flash-attn, built for your torch and CUDA)"}
 
 
 def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool = True,
-                   assume_available: bool = False, head_dim: int = 0) -> str:
+                   assume_available: bool = False, head_dim: int = 0, softcap: bool = False) -> str:
     """The kernel a stage runs. ring: the stage uses ring attention (whose "sdpa" blocks are the CPU flash
     op); half: attention runs in bf16/fp16 (the flash kernels take nothing else); head_dim: the model's head
-    size when known (0: not checked). auto: torch_flash on CUDA in bf16/fp16 for heads the flash kernels take;
-    otherwise, on CUDA, sdpa on one device and math in a ring; sdpa on CPU.
+    size when known (0: not checked); softcap: the model soft-caps its attention scores (Gemma 2), which only
+    math and flash_attn compute. auto: torch_flash on CUDA in bf16/fp16 for heads the flash kernels take;
+    otherwise, on CUDA, sdpa on one device and math in a ring; sdpa on CPU. With softcap, auto is flash_attn
+    where it would run, else math.
     assume_available: as on a GPU machine with the kernels installed (planning for one from here)."""
     available = {k: (lambda: True) if assume_available else f for k, f in _AVAILABLE.items()}
     flash_heads = not head_dim or flash_head_dim(head_dim)
@@ -53,6 +56,13 @@ def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool
         if not flash_heads:
             raise ValueError(f"parallel.kernel={kernel}: the model's head size {head_dim} is not one the flash "
                              "kernels take (multiples of 8 up to 256); use parallel.kernel=auto or math")
+    if softcap and kernel not in ("auto", *SOFTCAP_KERNELS):
+        raise ValueError(f"parallel.kernel={kernel} has no logit soft-capping, which the model's attention applies "
+                         "(config.attn_logit_softcapping); use parallel.kernel=auto (math, or flash_attn on CUDA "
+                         "when installed) or math")
+    if kernel == "auto" and softcap:
+        flash = device_type == "cuda" and half and flash_heads and available["flash_attn"]()
+        return "flash_attn" if flash else "math"
     if kernel == "auto":
         if device_type == "cuda" and half and flash_heads and available["torch_flash"]():
             return "torch_flash"
@@ -109,11 +119,12 @@ def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=N
         bounds = doc_bounds(doc_ids) if doc_ids is not None else [[(0, q.shape[2])]] * q.shape[0]
     pattern = pattern.within(q.shape[2])
     bounds = chunk_bounds(bounds, pattern.chunk)
-    if kernel == "sdpa" and q.device.type != "cpu":  # the block kernels' sdpa is the CPU flash op
+    if kernel == "sdpa" and q.device.type != "cpu" and not pattern.softcap:  # the block kernels' sdpa: the CPU op
         if pattern.window is None and sinks is None:
             return _sdpa_per_document(q, k, v, bounds, scale)
         kernel = "math"  # SDPA has no window-with-documents or sink form: the exact explicit path
-    return CallAttention.apply(q, k, v, sinks, _DocCall(tuple(map(tuple, bounds)), kernel, scale, pattern.window))
+    return CallAttention.apply(q, k, v, sinks, _DocCall(tuple(map(tuple, bounds)), kernel, scale, pattern.window,
+                                                        pattern.softcap))
 
 
 def _sdpa_per_document(q, k, v, bounds, scale):
@@ -129,41 +140,44 @@ def _sdpa_per_document(q, k, v, bounds, scale):
     return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)
 
 
-def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float, window=None):
+def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float, window=None, softcap=None):
     """(out, lse): each document of each row through the block kernel, written in place, so that no
     concatenation copy, no K/V expansion and no transpose copy exists. out: (B, H, L, D) over a
-    (B, L, H, D) buffer; lse: (B, H, L) fp32. window: a sliding window, or None."""
+    (B, L, H, D) buffer; lse: (B, H, L) fp32. window: a sliding window, or None; softcap: the scores'
+    soft-cap, or None."""
     B, H, L, D = q.shape
     if kernel in VARLEN:  # every document of every row in one call
-        out, lse = _doc_call(bounds, L, window).forward(VARLEN[kernel], q, k, v, scale)
+        out, lse = _doc_call(bounds, L, window).forward(VARLEN[kernel], q, k, v, scale, softcap)
         return out.view(B, L, H, D).transpose(1, 2), lse.view(H, B, L).transpose(0, 1)
     fwd = _DENSE[kernel][0]
     if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
-        return fwd(q, k, v, scale, True, window)
+        return fwd(q, k, v, scale, True, window, softcap)
     out = seq_major(q)
     lse = torch.empty(B, H, L, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)  # fp64 stays fp64
     for b, row in enumerate(bounds):
         for s, e in row:
-            o, l = fwd(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale, True, window)
+            o, l = fwd(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale, True, window, softcap)
             out[b:b + 1, :, s:e] = o
             lse[b:b + 1, :, s:e] = l
     return out, lse
 
 
-def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: float, window=None):
+def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: float, window=None, softcap=None):
     """(dq, dk, dv), each in its input's layout, one document at a time (one call for a varlen kernel)."""
     if kernel in VARLEN:
         B, _, L, D = q.shape
-        grads = _doc_call(bounds, L, window).backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale)
+        grads = _doc_call(bounds, L, window).backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale,
+                                                      softcap=softcap)
         return tuple(g.view(B, L, g.shape[1], D).transpose(1, 2) for g in grads)
     bwd = _DENSE[kernel][1]
     if q.shape[0] == 1 and len(bounds[0]) == 1:
-        return bwd(dout, q, k, v, out, lse, scale=scale, causal=True, window=window)
+        return bwd(dout, q, k, v, out, lse, scale=scale, causal=True, window=window, softcap=softcap)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))  # empty_like keeps the (B, L, H, D) strides
     for b, row in enumerate(bounds):
         for s, e in row:
             r = (slice(b, b + 1), slice(None), slice(s, e))
-            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale=scale, causal=True, window=window)
+            gq, gk, gv = bwd(dout[r], q[r], k[r], v[r], out[r], lse[r], scale=scale, causal=True, window=window,
+                             softcap=softcap)
             dq[r], dk[r], dv[r] = gq, gk, gv
     return dq, dk, dv
 
@@ -185,15 +199,16 @@ class _DocCall(NamedTuple):
     kernel: str
     scale: float
     window: Optional[int]
+    softcap: Optional[float] = None
 
     def forward(self, q, k, v, sinks=None):
         out, lse = doc_attention_forward(q, k, v, self.bounds, kernel=self.kernel, scale=self.scale,
-                                         window=self.window)
+                                         window=self.window, softcap=self.softcap)
         return fold_sinks(out, lse, sinks)
 
     def backward(self, dout, q, k, v, out, lse):
         return doc_attention_backward(dout, q, k, v, out, lse, bounds=self.bounds, kernel=self.kernel,
-                                      scale=self.scale, window=self.window)
+                                      scale=self.scale, window=self.window, softcap=self.softcap)
 
 
 # ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----
@@ -205,44 +220,61 @@ class _DocCall(NamedTuple):
 # the block is square and each segment attends causally within itself (varlen-causal). The backward
 # takes the *merged* output and log-sum-exp of all blocks, which makes each block's gradient exact.
 
-def _cpu_flash_fwd(q, k, v, scale, causal, mask=None):
+def _no_softcap(softcap, name: str) -> None:
+    if softcap:
+        raise ValueError(f"parallel.kernel={name} has no logit soft-capping; use parallel.kernel=math (or flash_attn "
+                         "on CUDA)")
+
+
+def _cpu_flash_fwd(q, k, v, scale, causal, mask=None, softcap=None):
+    _no_softcap(softcap, "sdpa")
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                       scale=scale)
 
 
-def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None):
+def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
+    _no_softcap(softcap, "sdpa")
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), dropout_p=0.0, is_causal=causal, attn_mask=mask,
         scale=scale)
 
 
-def _math_scores(q, k, scale, causal, mask=None):
+def _math_scores(q, k, scale, causal, mask=None, softcap=None):
+    """(scores, their derivative through the soft-cap or None): scale * q k^T, soft-capped to
+    softcap * tanh(x / softcap) when softcap is set (Gemma 2), then masked."""
     ct = torch.promote_types(q.dtype, torch.float32)
     k = expand_kv(k, q.shape[1] // k.shape[1])
     s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
+    slope = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, slope = t * softcap, 1 - t * t  # the slope from tanh itself, finite where the mask puts -inf
     if causal:
         causal_mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~causal_mask, float("-inf"))
-    return s if mask is None else s + mask
+    return (s if mask is None else s + mask), slope
 
 
-def _math_fwd(q, k, v, scale, causal, mask=None):
-    s = _math_scores(q, k, scale, causal, mask)
+def _math_fwd(q, k, v, scale, causal, mask=None, softcap=None):
+    s, _ = _math_scores(q, k, scale, causal, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), expand_kv(v, q.shape[1] // v.shape[1]).to(s.dtype))
     return out.to(q.dtype), lse
 
 
-def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None):
-    # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2)
+def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
+    # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2),
+    # times the soft-cap's slope when there is one
     groups = q.shape[1] // k.shape[1]
-    s = _math_scores(q, k, scale, causal, mask)
+    s, slope = _math_scores(q, k, scale, causal, mask, softcap)
     ct = s.dtype
     p = torch.exp(s - lse.to(ct).unsqueeze(-1))
     do = dout.to(ct)
     ve, ke = expand_kv(v, groups).to(ct), expand_kv(k, groups).to(ct)
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - (do * out.to(ct)).sum(-1, keepdim=True))
+    if slope is not None:
+        ds = ds * slope
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
     if groups > 1:
@@ -274,26 +306,26 @@ def _plain(q, k, window) -> bool:
 
 
 def _banded_fwd(fwd):
-    def run(q, k, v, scale, causal, window=None):
+    def run(q, k, v, scale, causal, window=None, softcap=None):
         if not causal or _plain(q, k, window):
-            return fwd(q, k, v, scale, causal)
+            return fwd(q, k, v, scale, causal, softcap=softcap)
         out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
         for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
-            out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask)
+            out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask, softcap)
         return out, lse
     return run
 
 
 def _banded_bwd(bwd):
-    def run(dout, q, k, v, out, lse, scale, causal, window=None):
+    def run(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None):
         if not causal or _plain(q, k, window):
-            return bwd(dout, q, k, v, out, lse, scale=scale, causal=causal)
+            return bwd(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
                   for x in (k, v))
         for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
             gq, gk, gv = bwd(dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
-                             scale=scale, causal=False, mask=mask)
+                             scale=scale, causal=False, mask=mask, softcap=softcap)
             dq[:, :, rq] = gq
             dk[:, :, rk] += gk
             dv[:, :, rk] += gv
@@ -301,7 +333,8 @@ def _banded_bwd(bwd):
     return run
 
 
-# fwd(q, k, v, scale, causal, window=None) -> (out, lse); bwd(dout, q, k, v, out, lse, scale, causal, window=None)
+# fwd(q, k, v, scale, causal, window=None, softcap=None) -> (out, lse);
+# bwd(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None)
 _DENSE = {"sdpa": (_banded_fwd(_cpu_flash_fwd), _banded_bwd(_cpu_flash_bwd)),
           "math": (_banded_fwd(_math_fwd), _banded_bwd(_math_bwd))}
 
@@ -314,22 +347,22 @@ def varlen_kernel(kernel: str) -> Varlen:
 _DENSE_VARLEN = {name: emulate(*pair) for name, pair in _DENSE.items()}
 
 
-def block_forward(kernel: str, q, k, v, scale: float, segments=None):
+def block_forward(kernel: str, q, k, v, scale: float, segments=None, softcap=None):
     fwd = _DENSE[kernel][0]
     if segments is None:
-        return fwd(q, k, v, scale, False)
-    parts = [fwd(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale, True) for s, e in segments]
+        return fwd(q, k, v, scale, False, softcap=softcap)
+    parts = [fwd(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale, True, softcap=softcap) for s, e in segments]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
 
 
-def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=None):
+def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=None, softcap=None):
     bwd = _DENSE[kernel][1]
     if segments is None:
-        return bwd(dout, q, k, v, out, lse, scale=scale, causal=False)
+        return bwd(dout, q, k, v, out, lse, scale=scale, causal=False, softcap=softcap)
     parts = [bwd(dout[:, :, s:e], q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], out[:, :, s:e], lse[:, :, s:e],
-                 scale=scale, causal=True) for s, e in segments]
+                 scale=scale, causal=True, softcap=softcap) for s, e in segments]
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(g, dim=2) for g in zip(*parts))
@@ -341,32 +374,32 @@ def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=
 # the K/V held at that step. A dense kernel runs block by block; a varlen kernel runs the whole step in one
 # call per mask kind (the varlen-causal blocks, the dense rectangles), every row included.
 
-def step_forward(kernel: str, q, k, v, plan: RingPlan, t: int, scale: float):
+def step_forward(kernel: str, q, k, v, plan: RingPlan, t: int, scale: float, softcap=None):
     """Yields (rows, block, out, lse) for each block of the plan's step t; out: (rows, H, lq, D), lse fp32."""
     if kernel not in VARLEN:
         for rows, blocks in plan.steps[t]:
             for b in blocks:
                 o, l = block_forward(kernel, q[rows, :, b.q0:b.q1], k[rows, :, b.k0:b.k1], v[rows, :, b.k0:b.k1],
-                                     scale, b.segments)
+                                     scale, b.segments, softcap)
                 yield rows, b, o, l
         return
     for call, items in _step_calls(plan, t, q.shape[2], k.shape[2]):
-        out, lse = call.forward(VARLEN[kernel], q, k, v, scale)
+        out, lse = call.forward(VARLEN[kernel], q, k, v, scale, softcap)
         for row, b, sq, _ in items:
             yield slice(row, row + 1), b, as_block(out, sq), lse[:, sq].unsqueeze(0)
 
 
-def step_backward(kernel: str, dout, q, k, v, out, lse, plan: RingPlan, t: int, scale: float):
+def step_backward(kernel: str, dout, q, k, v, out, lse, plan: RingPlan, t: int, scale: float, softcap=None):
     """Yields (rows, block, dq, dk, dv) for each block of the plan's step t, given the merged out and lse."""
     if kernel not in VARLEN:
         for rows, blocks in plan.steps[t]:
             for b in blocks:
                 r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
                 yield (rows, b, *block_backward(kernel, dout[r], q[r], k[c], v[c], out=out[r], lse=lse[r],
-                                                scale=scale, segments=b.segments))
+                                                scale=scale, segments=b.segments, softcap=softcap))
         return
     for call, items in _step_calls(plan, t, q.shape[2], k.shape[2]):
-        dq, dk, dv = call.backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale)
+        dq, dk, dv = call.backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale, softcap=softcap)
         for row, b, sq, sk in items:
             yield slice(row, row + 1), b, as_block(dq, sq), as_block(dk, sk), as_block(dv, sk)
 

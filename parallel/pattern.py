@@ -1,6 +1,6 @@
 """What one attention layer computes beyond causal attention within documents: a sliding window, chunked
-attention, attention sinks. Read from the layer itself (the arguments transformers passes and the model's
-config), applied by every kernel and CP method (parallel/kernels.py, parallel/ring.py, parallel/window.py).
+attention, soft-capped scores, attention sinks. Read from the layer itself (the arguments transformers passes and
+the model's config), applied by every kernel and CP method (parallel/kernels.py, parallel/ring.py, parallel/window.py).
 
     window  key k is visible to query q (same document, k <= q) only when q - k < window: transformers'
             sliding_window (Mistral, Qwen2, Gemma 3 local layers, OLMo 3, GPT-OSS)
@@ -8,6 +8,9 @@ config), applied by every kernel and CP method (parallel/kernels.py, parallel/ri
             own chunk: Llama 4's chunked layers (attention_chunk_size). Counted from each document's start,
             as if the document were alone in its sequence (its RoPE positions restart there too); with one
             document per row that is transformers' own chunking
+    softcap each score s (scale * q.k) becomes softcap * tanh(s / softcap) before the softmax: Gemma 2's
+            attn_logit_softcapping. It changes the scores, not which keys a query sees; the math kernel and
+            flash-attn apply it (parallel/kernels.py resolve_kernel picks one of them)
     sinks   per query head, a logit that joins every softmax with a zero value (GPT-OSS `s_aux`): the output
             is scaled by sigmoid(lse - sink), folded in through the log-sum-exp after every block is merged
 
@@ -33,22 +36,25 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 class Pattern:
     window: Optional[int] = None
     chunk: Optional[int] = None
+    softcap: Optional[float] = None
 
     def __post_init__(self):
         for name in ("window", "chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"attention {name}={value} must be a positive number of tokens (or None)")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"attention softcap={self.softcap} must be a positive number (or None)")
 
     @property
     def causal(self) -> bool:
-        """Plain causal attention within documents."""
+        """Every query sees its whole document up to itself (no window, no chunk; a soft-cap may apply)."""
         return self.window is None and self.chunk is None
 
     def within(self, length: int) -> "Pattern":
         """The same pattern on sequences of `length` tokens: a window or chunk that long cuts nothing."""
         cut = lambda x: x if x is not None and x < length else None  # noqa: E731
-        return Pattern(cut(self.window), cut(self.chunk))
+        return Pattern(cut(self.window), cut(self.chunk), self.softcap)
 
 
 CAUSAL = Pattern()
@@ -77,20 +83,26 @@ def config_patterns(config) -> tuple:
     counts: dict = {}
     for t in layer_types(cfg):
         p = Pattern(window if t == "sliding_attention" else None,
-                    getattr(cfg, "attention_chunk_size", None) if t == "chunked_attention" else None)
+                    getattr(cfg, "attention_chunk_size", None) if t == "chunked_attention" else None,
+                    config_softcap(cfg))
         counts[p] = counts.get(p, 0) + 1
     return tuple(counts.items())
+
+
+def config_softcap(cfg) -> Optional[float]:
+    """The attention scores' soft-cap of a text config (Gemma 2's attn_logit_softcapping), or None."""
+    return float(getattr(cfg, "attn_logit_softcapping", None) or 0) or None
 
 
 ABSENT = object()  # a keyword the attention call did not pass (an explicit None is a full-attention layer)
 
 
-def layer_pattern(module, sliding_window=ABSENT) -> Pattern:
+def layer_pattern(module, sliding_window=ABSENT, softcap=None) -> Pattern:
     """The pattern of one attention module of a transformers model: the window it passes at call time (when it
-    passes none, its own `sliding_window`: Qwen2-MoE), and its layer type's chunking (Llama 4:
-    config.layer_types[i] == "chunked_attention" with config.attention_chunk_size). An explicit
-    sliding_window=None is a full layer, whatever the module keeps (EXAONE 4 keeps the window on every layer and
-    passes None on its full ones)."""
+    passes none, its own `sliding_window`: Qwen2-MoE), its layer type's chunking (Llama 4:
+    config.layer_types[i] == "chunked_attention" with config.attention_chunk_size) and the soft-cap it passes
+    (Gemma 2). An explicit sliding_window=None is a full layer, whatever the module keeps (EXAONE 4 keeps the
+    window on every layer and passes None on its full ones)."""
     window = getattr(module, "sliding_window", None) if sliding_window is ABSENT else sliding_window
     chunk = None
     cfg, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
@@ -100,7 +112,8 @@ def layer_pattern(module, sliding_window=ABSENT) -> Pattern:
         if not chunk:
             raise ValueError(f"{type(module).__name__} layer {idx} is a chunked_attention layer but "
                              "config.attention_chunk_size is not set; set it or change config.layer_types")
-    return Pattern(int(window) if window else None, int(chunk) if chunk else None)
+    return Pattern(int(window) if window else None, int(chunk) if chunk else None,
+                   float(softcap) if softcap else None)
 
 
 def chunk_bounds(bounds, chunk: Optional[int]):

@@ -123,7 +123,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     _check(q, k, v, plan, comm)
     plan = pattern_plan(plan, pattern)
     if isinstance(plan, HaloPlan):
-        out, lse = halo_forward(q, k, v, plan, kernel=kernel, scale=scale, comm=comm)
+        out, lse = halo_forward(q, k, v, plan, kernel=kernel, scale=scale, comm=comm, softcap=pattern.softcap)
         out, lse = fold_sinks(out, lse, sinks)
         return out.to(q.dtype), lse
     n = plan.n
@@ -133,7 +133,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Optio
     for t in range(n):
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
-        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan, t=t, scale=scale):
+        for rows, b, o, l in step_forward(kernel, q, kv[0], kv[1], plan, t=t, scale=scale, softcap=pattern.softcap):
             merge(out[rows, :, b.q0:b.q1], lse[rows, :, b.q0:b.q1], o, l.to(out.dtype))
         if t + 1 < n:
             _wait(reqs)
@@ -147,7 +147,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
     """out, lse: what ring_forward returned (sinks included); the sinks' own gradient is pattern.sink_grad's."""
     plan = pattern_plan(plan, pattern)
     if isinstance(plan, HaloPlan):
-        return halo_backward(dout, q, k, v, out, lse, plan=plan, kernel=kernel, scale=scale, comm=comm)
+        return halo_backward(dout, q, k, v, out, lse, plan=plan, kernel=kernel, scale=scale, comm=comm,
+                             softcap=pattern.softcap)
     n = plan.n
     dq = None
     kv = (k, v)
@@ -156,7 +157,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: str, scale: f
         if t + 1 < n:
             nxt, reqs = comm.exchange(kv, KV_TAG)
         dk = dv = None  # this step's dK/dV of the block held, fp32
-        steps = step_backward(kernel, dout, q, kv[0], kv[1], out=out, lse=lse, plan=plan, t=t, scale=scale)
+        steps = step_backward(kernel, dout, q, kv[0], kv[1], out=out, lse=lse, plan=plan, t=t, scale=scale,
+                              softcap=pattern.softcap)
         for rows, b, gq, gk, gv in steps:
             r, c = (rows, slice(None), slice(b.q0, b.q1)), (rows, slice(None), slice(b.k0, b.k1))
             dq = _add(dq, r, gq, q)

@@ -4,13 +4,14 @@ A varlen kernel takes packed q: (Tq, H, D), k/v: (Tk, Hkv, D), int32 cumulative 
 the tensors' device and the longest piece of each; piece i's queries q[cu_q[i]:cu_q[i+1]] attend to its keys
 k[cu_k[i]:cu_k[i+1]], causally (square pieces) or densely. GQA is resolved inside the kernel (K/V keep their
 own heads). Contract (`Varlen`):
-    forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window) -> out (Tq, H, D), lse (H, Tq) fp32
-    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window) -> dq, dk, dv (packed
-        like q, k, v)
+    forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap) -> out (Tq, H, D), lse (H, Tq) fp32
+    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap) -> dq, dk, dv
+        (packed like q, k, v)
 window: None, or a sliding window (causal pieces only): query i of a piece sees key j only when 0 <= d < window,
 d = i + (keys - queries) - j; causal pieces with more keys than queries are aligned at their last token (the
 queries are the keys' suffix, as flash attention aligns them), which the windowed pieces of a halo use
-(parallel/window.py).
+(parallel/window.py). softcap: None, or the scores' soft-cap softcap * tanh(s / softcap) (Gemma 2), which
+flash-attn applies and torch's flash attention does not (refused there).
 The backward is handed the *merged* output and LSE of all blocks (ring attention), which makes each piece's
 gradient exact. Backends (VARLEN):
     torch_flash  torch's own flash attention, aten._flash_attention_forward/_backward (FA2 built into CUDA
@@ -78,19 +79,20 @@ class VarlenCall:
         cu_q, cu_k = self._cu[device]
         return {"cu_q": cu_q, "cu_k": cu_k, "max_q": self.max_q, "max_k": self.max_k}
 
-    def forward(self, kernel: Varlen, q, k, v, scale: float):
+    def forward(self, kernel: Varlen, q, k, v, scale: float, softcap: Optional[float] = None):
         """q: (B, H, L, D), k/v: (B, Hkv, L, D) -> packed out (Tq, H, D), lse (H, Tq) fp32."""
         fq, fk, fv = gather(q, self.q_ranges), gather(k, self.k_ranges), gather(v, self.k_ranges)
-        return kernel.forward(fq, fk, fv, **self._lengths(q.device), scale=scale, causal=self.causal, window=self.window)
+        return kernel.forward(fq, fk, fv, **self._lengths(q.device), scale=scale, causal=self.causal,
+                              window=self.window, softcap=softcap)
 
-    def backward(self, kernel: Varlen, dout, q, k, v, out, lse, scale: float):
+    def backward(self, kernel: Varlen, dout, q, k, v, out, lse, scale: float, softcap: Optional[float] = None):
         """dout/out: (B, H, L, D) like q, lse: (B, H, L) fp32 (merged) -> packed dq, dk, dv."""
         g = lambda x: gather(x, self.q_ranges)  # noqa: E731
         flat_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (H, B*L); a view when lse came from here
         packed_lse = _take(flat_lse, self.q_ranges, dim=1).to(torch.promote_types(q.dtype, torch.float32))
         return kernel.backward(dense_last(g(dout)), g(q), gather(k, self.k_ranges), gather(v, self.k_ranges), g(out),
                                packed_lse.contiguous(), **self._lengths(q.device), scale=scale, causal=self.causal,
-                               window=self.window)
+                               window=self.window, softcap=softcap)
 
 
 def dense_last(x: torch.Tensor) -> torch.Tensor:
@@ -136,14 +138,23 @@ def _windows(window: Optional[int]) -> dict:
     return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
 
 
-def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+def _no_softcap(softcap) -> None:
+    if softcap:
+        raise ValueError("parallel.kernel=torch_flash has no logit soft-capping (torch's flash attention takes none); "
+                         "use parallel.kernel=flash_attn or math")
+
+
+def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     _check_half(q, "torch_flash")
+    _no_softcap(softcap)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                             scale=scale, **_windows(window))
     return out, _packed_lse(lse, q)
 
 
-def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None,
+                          softcap=None):
+    _no_softcap(softcap)
     # dropout is 0: the philox state is not read; the shapes are those torch's own varlen_attn passes
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
@@ -171,34 +182,37 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
-def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     from flash_attn import flash_attn_varlen_func
 
     _check_half(q, "flash_attn")
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                         max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
-                                         window_size=(-1, -1) if window is None else (window - 1, 0),
-                                         return_attn_probs=True)
+    out, lse, _ = _flash_call(flash_attn_varlen_func, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                              max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
+                              window=window, softcap=softcap or 0.0, return_attn_probs=True)
     return out, _packed_lse(lse, q)
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None,
+                         softcap=None):
     from flash_attn import flash_attn_interface as fa
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_call(fa._flash_attn_varlen_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
                 softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
+                max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=softcap or 0.0,
                 alibi_slopes=None, deterministic=False, rng_state=None, window=window)
     return dq, dk, dv
 
 
 def _flash_call(fn, window=None, **kw):
-    # flash-attn's varlen backward changed its arguments across 2.x releases; pass only what this release
-    # takes (window_size as a pair in <= 2.6, as two ints later)
+    # flash-attn's varlen functions changed their arguments across 2.x releases; pass only what this release
+    # takes (window_size as a pair in <= 2.6, as two ints later); a soft-cap it does not take is refused
     import inspect
 
     params = inspect.signature(fn).parameters
+    if kw.get("softcap") and "softcap" not in params:
+        raise ValueError("this flash-attn release has no logit soft-capping (2.6 added it); upgrade flash-attn, or "
+                         "use parallel.kernel=math")
     left, right = (-1, -1) if window is None else (window - 1, 0)
     if "window_size" in params:
         kw["window_size"] = (left, right)
@@ -214,10 +228,10 @@ VARLEN = {"torch_flash": Varlen(_torch_flash_forward, _torch_flash_backward),
 # ---- the same contract over the CPU block kernels (tests) ----
 
 def emulate(fwd: Callable, bwd: Callable) -> Varlen:
-    """A Varlen over dense block kernels fwd(q, k, v, scale, causal, window) -> (out, lse) and
-    bwd(dout, q, k, v, out, lse, scale, causal, window) on (1, H, l, D) tensors, one piece at a time. It checks what
-    the CUDA kernels require of their inputs (dense last dimension, int32 cumulative lengths on the tensors'
-    device that end at the packed lengths, GQA heads), so a layout mistake fails on CPU too."""
+    """A Varlen over dense block kernels fwd(q, k, v, scale, causal, window, softcap) -> (out, lse) and
+    bwd(dout, q, k, v, out, lse, scale, causal, window, softcap) on (1, H, l, D) tensors, one piece at a time. It
+    checks what the CUDA kernels require of their inputs (dense last dimension, int32 cumulative lengths on the
+    tensors' device that end at the packed lengths, GQA heads), so a layout mistake fails on CPU too."""
     def pieces(q, k, lengths: dict, *same_dtype):
         _check_contract(q, k, lengths, *same_dtype)
         cq, ck = lengths["cu_q"].tolist(), lengths["cu_k"].tolist()
@@ -226,25 +240,25 @@ def emulate(fwd: Callable, bwd: Callable) -> Varlen:
     def one(x, s):  # (T, H, D) -> (1, H, l, D)
         return x[s].transpose(0, 1).unsqueeze(0)
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         out = torch.empty_like(q)
         # fp32 as the CUDA kernels give it; fp64 inputs (the CPU reference tests) keep an fp64 log-sum-exp
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lengths = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
         for sq, sk in pieces(q, k, lengths, v):
-            o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal, window)
+            o, l = fwd(one(q, sq), one(k, sk), one(v, sk), scale, causal, window, softcap)
             out[sq] = o[0].transpose(0, 1)
             lse[:, sq] = l[0]
         return out, lse
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.promote_types(q.dtype, torch.float32), \
             (lse.shape, lse.dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lengths = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
         for sq, sk in pieces(q, k, lengths, v, out, dout):
             g = bwd(one(dout, sq), one(q, sq), one(k, sk), one(v, sk), out=one(out, sq), lse=lse[:, sq].unsqueeze(0),
-                    scale=scale, causal=causal, window=window)
+                    scale=scale, causal=causal, window=window, softcap=softcap)
             dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
         return dq, dk, dv
 

@@ -14,8 +14,8 @@ Chunked attention needs no exchange of its own: it is the ring over documents cu
 once per batch, and ring_forward / ring_backward (parallel/ring.py) run it, so Ulysses, UPipe and hybrid (which
 attend through them) apply windows and chunks on the sequence they gather.
 
-    halo_forward(q, k, v, plan, kernel, scale, comm) -> (out, lse)
-    halo_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm) -> (dq, dk, dv)
+    halo_forward(q, k, v, plan, kernel, scale, comm, softcap) -> (out, lse)
+    halo_backward(dout, q, k, v, out, lse, plan, kernel, scale, comm, softcap) -> (dq, dk, dv)
 q: (B, H, Lloc, D), k/v: (B, Hkv, Lloc, D), out like q, lse: (B, H, Lloc) fp32.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def pattern_plan(plan: RingPlan, pattern: Pattern):
     pattern = pattern.within(length)
     if pattern.causal:
         return plan
-    key = ("pattern", pattern)
+    key = ("pattern", pattern.window, pattern.chunk)  # a soft-cap changes no geometry
     if key not in plan.derived:
         docs = chunk_docs(plan.docs, pattern.chunk, (plan.batch, length))
         if pattern.window is None:
@@ -175,18 +175,19 @@ def _as_bhld(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.view(batch, -1, *x.shape[1:]).transpose(1, 2)
 
 
-def halo_forward(q, k, v, plan: HaloPlan, kernel: str, scale: float, comm):
+def halo_forward(q, k, v, plan: HaloPlan, kernel: str, scale: float, comm, softcap=None):
     B, H, L, D = q.shape
     ek, ev = _extended_kv(k, v, plan, comm)
-    out, lse = plan.call.forward(varlen_kernel(kernel), q, ek, ev, scale)
+    out, lse = plan.call.forward(varlen_kernel(kernel), q, ek, ev, scale, softcap)
     return _as_bhld(out, B), lse.view(H, B, L).transpose(0, 1)
 
 
-def halo_backward(dout, q, k, v, out, lse, plan: HaloPlan, kernel: str, scale: float, comm):
+def halo_backward(dout, q, k, v, out, lse, plan: HaloPlan, kernel: str, scale: float, comm, softcap=None):
     """K/V's halos are exchanged again (as the ring sends K/V round again), and their dK/dV sent back."""
     B, hkv = q.shape[0], k.shape[1]
     ek, ev = _extended_kv(k, v, plan, comm)
-    dq, dk, dv = plan.call.backward(varlen_kernel(kernel), dout, q, ek, ev, out=out, lse=lse, scale=scale)
+    dq, dk, dv = plan.call.backward(varlen_kernel(kernel), dout, q, ek, ev, out=out, lse=lse, scale=scale,
+                                    softcap=softcap)
     del ek, ev
     acc_dtype = torch.promote_types(k.dtype, torch.float32)
     dext = torch.cat([dk, dv], dim=1).to(acc_dtype)

@@ -1,6 +1,8 @@
-"""Sliding windows, chunked attention and attention sinks, exact against each model's own eager attention.
+"""Sliding windows, chunked attention, soft-capped scores and attention sinks, exact against each model's own eager
+attention.
 
 Tiny random models of transformers' own classes: Mistral and Qwen2 (windows), Gemma 3 (local + global layers),
+Gemma 2 (local + global layers, soft-capped scores: the math kernel and flash-attn's contract, which alone take it),
 GPT-OSS (sinks + windows), Llama 4 (chunked + NoPE layers), OLMo 3 and EXAONE 4 (windows + full), Llama as the
 plain causal control, GPT-NeoX as another layout (its decoder under gpt_neox, partial rotary). Logits, loss and every parameter's gradient with longstride's attention equal the model's eager
 attention within 1e-5 relative in fp32: on one device with each kernel (the CPU flash op, the math path, the
@@ -18,7 +20,7 @@ from longstride.parallel import varlen
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
-from longstride.parallel.kernels import _DENSE
+from longstride.parallel.kernels import _DENSE, SOFTCAP_KERNELS
 from longstride.parallel.spawn import run_gloo
 
 L, V = 96, 64
@@ -33,6 +35,12 @@ MODELS = {  # name -> (config for a window/chunk size, class)
     "gemma3": (lambda w: T.Gemma3TextConfig(**SMALL, sliding_window=w, layer_types=["sliding_attention",
                                                                                    "full_attention"] * 2),
                T.Gemma3ForCausalLM),
+    # scores of a few units against a soft-cap of 2 (make_model scales q/k up): the cap bends them (Gemma 2's own
+    # 50 would not touch a tiny random model's)
+    "gemma2": (lambda w: T.Gemma2Config(**SMALL, sliding_window=w, attn_logit_softcapping=2.0,
+                                        query_pre_attn_scalar=1, layer_types=["sliding_attention",
+                                                                              "full_attention"] * 2),
+               T.Gemma2ForCausalLM),
     "gpt_oss": (lambda w: T.GptOssConfig(**SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=w),
                 T.GptOssForCausalLM),
     # attn_temperature_tuning scales NoPE layers' queries by the absolute position: off, so that a document alone
@@ -59,11 +67,18 @@ def make_model(name: str, window: int) -> torch.nn.Module:
     torch.manual_seed(11)
     cfg = make(window)
     cfg._attn_implementation = "eager"
-    model = cls(cfg).float()
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(getattr(mod, "sinks", None), torch.nn.Parameter):
-                mod.sinks.normal_(0, 2)  # zero at init: make them matter
+    return make_matter(cls(cfg).float())
+
+
+@torch.no_grad()
+def make_matter(model: torch.nn.Module) -> torch.nn.Module:
+    """Sinks drawn away from their zero init, and q/k scaled so that scores reach the soft-cap's bend."""
+    for mod in model.modules():
+        if isinstance(getattr(mod, "sinks", None), torch.nn.Parameter):
+            mod.sinks.normal_(0, 2)
+        if getattr(mod, "attn_logit_softcapping", None):
+            mod.q_proj.weight.mul_(10)
+            mod.k_proj.weight.mul_(10)
     return model
 
 
@@ -127,11 +142,19 @@ def check(case: str, ref, logits, loss, grads) -> None:
         f"{case}: gradient of {worst} differs by {rel(grads[worst], ref_grads[worst]):.2e}"
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "math", "torch_flash"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+SOFT_CAPPED = ("gemma2",)
+KERNELS = {name: SOFTCAP_KERNELS if name in SOFT_CAPPED else ("sdpa", "math", "torch_flash") for name in MODELS}
+
+
+def cp_kernel(name: str) -> str:
+    return "math" if name in SOFT_CAPPED else "sdpa"
+
+
+@pytest.mark.parametrize("name,kernel", [(name, kernel) for name in sorted(MODELS) for kernel in KERNELS[name]])
 def test_one_device_equals_eager(name, kernel, monkeypatch):
-    if kernel == "torch_flash":  # the varlen contract CUDA runs, over the CPU flash op
-        monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*_DENSE["sdpa"]))
+    # the varlen contract CUDA runs, over the CPU flash op (over the math kernel where scores are soft-capped)
+    monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*_DENSE["sdpa"]))
+    monkeypatch.setitem(varlen.VARLEN, "flash_attn", varlen.emulate(*_DENSE["math"]))
     for window in WINDOWS:
         for doc_masking in (True, False):
             ref = eager_reference(name, window, doc_masking)
@@ -140,23 +163,39 @@ def test_one_device_equals_eager(name, kernel, monkeypatch):
 
 
 def test_the_patterns_change_the_result():
-    """The control: without its window the same model computes something else (so the checks above can fail)."""
+    """The control: without its window, or its soft-cap, the same model computes something else (so the checks
+    above can fail)."""
     model = make_model("mistral", 7)
     ids = packed_batch()["input_ids"]
     windowed = model(ids).logits
     model.config.sliding_window = None
     assert rel(model(ids).logits, windowed) > 1e-2
+    model = make_model("gemma2", 40)
+    capped = model(ids).logits
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert rel(model(ids).logits, capped) > 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "torch_flash"])
+def test_a_kernel_without_soft_capping_is_refused(kernel, monkeypatch):
+    """sdpa and torch's flash attention have no soft-cap: a soft-capped layer run on them fails naming the kernel
+    and the fix, before computing anything (the plan picks math or flash_attn for such a model)."""
+    monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*_DENSE["sdpa"]))
+    with pytest.raises(NotImplementedError, match=f"parallel.kernel={kernel} does not; use parallel.kernel=auto"):
+        longstride_run("gemma2", 7, True, CPContext(kernel=kernel))
 
 
 def _cp_worker(rank: int, n: int, par: ParallelConfig, path: str) -> None:
     import torch.distributed as dist
 
-    cp = cp_context(par.cp_impl, ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", "sdpa", par.balance)
+    cps = {kernel: cp_context(par.cp_impl, ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", kernel,
+                              par.balance) for kernel in ("sdpa", "math")}
     out = {}
     for name in sorted(MODELS):
         for window in WINDOWS:
             for doc_masking in (True, False):
-                index, logits, loss, grads = longstride_run(name, window, doc_masking, cp)
+                index, logits, loss, grads = longstride_run(name, window, doc_masking, cps[cp_kernel(name)])
                 for t in (loss, *grads.values()):
                     dist.all_reduce(t)  # the global loss and gradients are sums over CP ranks
                 full = torch.zeros(L, V)

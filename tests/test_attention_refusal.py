@@ -1,10 +1,11 @@
 """Attention that longstride does not implement is refused, naming it, never dropped: tiny random models of
-transformers' own classes with logit soft-capping (Gemma 2), bidirectional attention (Gemma 3 with
+transformers' own classes with bidirectional attention (Gemma 3 with
 use_bidirectional_attention; BERT's encoder loaded as a causal LM; config.is_causal=False), a layer type that is not
 attention longstride computes (linear attention), chunked layers without a chunk size, Doge's dynamic mask (a per-head
 mask from the values), and a model that computes attention in its own code (Bloom), whose switch to longstride's
-attention transformers only warns about. Sliding windows, chunks and sinks are computed
-(tests/test_attention_patterns.py)."""
+attention transformers only warns about. Sliding windows, chunks, soft-capped scores (Gemma 2) and sinks are
+computed (tests/test_attention_patterns.py); soft-capped scores on a kernel without a soft-cap are refused, and a
+recipe trains a Gemma 2 checkpoint on the kernel auto picks."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,6 @@ from longstride.parallel.cp import CPContext
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
 REFUSED = {  # model -> (config, class, what the refusal names)
-    "gemma2": (lambda: T.Gemma2Config(**SMALL, sliding_window=16), T.Gemma2ForCausalLM, "attn_logit_softcapping"),
     "gemma3_bidirectional": (lambda: T.Gemma3TextConfig(**SMALL, use_bidirectional_attention=True),
                              T.Gemma3ForCausalLM, "is_causal=False"),
     "qwen2_linear_attention": (lambda: T.Qwen2Config(**SMALL, layer_types=["full_attention", "linear_attention"]),
@@ -42,9 +42,10 @@ REFUSED = {  # model -> (config, class, what the refusal names)
                                                               attention_chunk_size=None),
                                    T.Llama4ForCausalLM, "attention_chunk_size is not set"),
 }
-COMPUTED = {  # windows, sinks, chunks: accepted
+COMPUTED = {  # windows, soft-caps, sinks, chunks: accepted
     "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=16)),
     "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**SMALL, sliding_window=16)),
+    "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**SMALL, sliding_window=16)),
     "gpt_oss": lambda: T.GptOssForCausalLM(T.GptOssConfig(**SMALL, num_local_experts=2, num_experts_per_tok=1,
                                                           sliding_window=16)),
     "llama4": lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
@@ -83,10 +84,11 @@ def test_windows_sinks_and_chunks_are_accepted(name):
 
 
 def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
-    """Defence in depth: an attention call that carries soft-capping, bidirectional attention or sinks of the wrong
-    shape fails at once; a window or chunk of at least the sequence is plain causal."""
+    """Defence in depth: an attention call that carries soft-capping on a kernel without it (the batch's default,
+    sdpa), bidirectional attention or sinks of the wrong shape fails at once; a window or chunk of at least the
+    sequence is plain causal."""
     q = k = v = torch.randn(1, 2, 8, 4)
-    with pytest.raises(NotImplementedError, match="softcap"):
+    with pytest.raises(NotImplementedError, match=r"\(softcap=30.0\) and parallel.kernel=sdpa does not"):
         longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="bidirectional"):
         longstride_attention(torch.nn.Module(), q, k, v, None, is_causal=False)
@@ -205,17 +207,35 @@ def test_a_layer_whose_call_and_mask_disagree_on_its_window_is_refused(name):
         assert (model(input_ids=ids).logits - ref).abs().max() < 1e-5
 
 
-def test_a_recipe_on_a_soft_capped_checkpoint_fails_before_any_data(tmp_path):
-    """`longstride train` with model=checkpoint on Gemma 2 (soft-capped attention): exit 2 at validation, naming the
-    field, before the data is read or a model is trained."""
+def test_a_recipe_trains_a_soft_capped_checkpoint_and_refuses_a_kernel_without_the_cap(tmp_path, capfd):
+    """`longstride train` with model=checkpoint on Gemma 2 (soft-capped scores, local + global layers): with
+    parallel.kernel=sdpa, exit 2 at validation naming the kernel and the config field, before the data is read;
+    with the default kernel (auto: math here) two stages train, the stage log naming the kernel."""
+    from longstride.data.files import list_files, stdlib_root
+    from longstride.data.tokenizer import train_bpe
+    from longstride.recipes.train import run
+    from tests.conftest import compose_cfg
+
     ckpt = tmp_path / "gemma2"
-    T.Gemma2ForCausalLM(T.Gemma2Config(**SMALL, sliding_window=16)).save_pretrained(ckpt)
-    proc = subprocess.run([sys.executable, "-m", "longstride.recipes.train", "recipe=extend_pretrained",
-                           f"model.checkpoint={ckpt}", f"data.tokenizer={ckpt}", f"paths.output_root={tmp_path}/out"],
+    tok = train_bpe([open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:20]], 300)
+    config = T.Gemma2Config(**{**SMALL, "vocab_size": len(tok)}, sliding_window=64, max_position_embeddings=128,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    T.Gemma2ForCausalLM(config).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    args = ["recipe=extend_pretrained", f"model.checkpoint={ckpt}", f"data.tokenizer={ckpt}",
+            f"paths.output_root={tmp_path}/out", "logger.wandb_mode=disabled", "logger.progress_bar=false"]
+    proc = subprocess.run([sys.executable, "-m", "longstride.recipes.train", *args, "parallel.kernel=sdpa"],
                           capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"model.checkpoint={ckpt}" in proc.stderr and "attn_logit_softcapping" in proc.stderr
-    assert not (tmp_path / "out").exists()
+    assert "parallel.kernel=sdpa has no logit soft-capping" in proc.stderr, proc.stderr[-2000:]
+    assert "config.attn_logit_softcapping" in proc.stderr and not (tmp_path / "out").exists()
+    small = [f"recipe.stages.{name}.{key}={value}" for name, length in (("x2", 256), ("x4", 512))
+             for key, value in (("seq_len", length), ("steps", 3), ("batch_tokens", 2 * length), ("save_every", 0),
+                                ("mlp_tile_tokens", 128))]
+    finals = run(compose_cfg(args + small + ["data.sources.stdlib.max_docs=10", "data.eval_sequences=1"]))
+    assert len(finals) == 2 and T.AutoConfig.from_pretrained(finals[-1]).attn_logit_softcapping == 50.0
+    log = "".join(capfd.readouterr())
+    assert log.count("attention kernel math") == 2, log[-3000:]
 
 
 def test_mla_value_heads_and_training_dropout_are_refused():

@@ -1,15 +1,15 @@
 """`longstride check` (recipes/check/command.py) on tiny random models of transformers' own classes saved as checkpoints
 with a tiny BPE tokenizer, on a corpus of short documents the test writes (several documents per packed row, so
 windows and chunks cross document and CP-chunk boundaries): Mistral (one sliding window for every layer), Gemma 3
-(local + global layers), GPT-OSS (sinks + windows) and Llama 4 (chunked + NoPE layers), the configs of
-tests/test_attention_patterns.py MODELS, pass under ring cp=2, with the one-device run also matching the model's
-own eager attention.
+(local + global layers), Gemma 2 (local + global layers, soft-capped scores), GPT-OSS (sinks + windows) and Llama 4
+(chunked + NoPE layers), the configs of tests/test_attention_patterns.py MODELS, pass under ring cp=2, with the
+one-device run also matching the model's own eager attention.
 
 The injected mistake: LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window (recipes/check/command.py's test hook, injected by
 recipes/check/runs.py) makes every CP method compute each layer without its sliding window while the one-device
 and eager runs keep it, as a CP method that ignored the layer's pattern would. The check must exit 1 and name
 layer 0, a sliding_attention layer, as the first layer whose output differs. Bad input (a missing checkpoint, a
-seq_len the CP layout cannot cut, attention longstride does not compute) exits 2 before any compute, naming the field.
+seq_len the CP layout cannot cut, a kernel without the model's soft-cap) exits 2 before any compute, naming the field.
 """
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ import re
 import numpy as np
 import pytest
 import torch
-import transformers as T
 
 from longstride import cli
 from longstride.recipes.check import command as check, runs as check_runs
-from tests.test_attention_patterns import MODELS
+from tests.test_attention_patterns import MODELS, make_matter
 
 WINDOW = 16  # sliding window / chunk: smaller than a CP chunk (128 tokens / 4 = 32) and than most documents
 SEQ_LEN = 128
@@ -50,16 +49,13 @@ def corpus(tmp_path_factory):
 
 
 def save_checkpoint(root, tok, name: str) -> str:
-    """MODELS[name] at WINDOW, sized to the tokenizer, saved with it (sinks drawn away from their zero init)."""
+    """MODELS[name] at WINDOW, sized to the tokenizer, saved with it (sinks and soft-caps made to matter)."""
     make, cls = MODELS[name]
     config = make(WINDOW)
     config.vocab_size, config.eos_token_id, config.pad_token_id = len(tok), tok.eos_token_id, tok.pad_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(11)
-        model = cls(config)
-        for mod in model.modules():
-            if isinstance(getattr(mod, "sinks", None), torch.nn.Parameter):
-                torch.nn.init.normal_(mod.sinks, 0, 2)
+        model = make_matter(cls(config))
     path = root / name
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -78,16 +74,18 @@ def test_check_passes_on_a_model_of_another_layout(corpus, capsys):
     assert rep.ok, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma2", "gpt_oss", "llama4"])
 def test_check_passes_on_models_with_windows_chunks_and_sinks(name, corpus, capsys):
     root, tok = corpus
     rep = check.check(argv(root, save_checkpoint(root, tok, name), "parallel.cp_impl=ring", "cp=2"))
     out = capsys.readouterr().out
     assert rep.ok, out
     assert [c.title for c in rep.comparisons] == ["1 device vs eager", "ring cp=2 vs 1 device"]
-    kind = {"mistral": "sliding_attention", "gemma3": "sliding_attention", "gpt_oss": "sliding_attention",
-            "llama4": "chunked_attention"}[name]
+    kind = {"mistral": "sliding_attention", "gemma3": "sliding_attention", "gemma2": "sliding_attention",
+            "gpt_oss": "sliding_attention", "llama4": "chunked_attention"}[name]
     assert ("output", kind) in rep.comparisons[1].cells and ("grad", "other") in rep.comparisons[1].cells
+    if name == "gemma2":  # soft-capped scores: the kernel auto picks is the math one, on one device and in the ring
+        assert "scores soft-capped at 2" in out and "1 device: kernel math" in out and "kernel math, balance" in out
     assert f"{'chunk' if name == 'llama4' else 'window'} {WINDOW}" in out and "check passed" in out
     docs, longest = map(int, re.search(r"(\d+) documents \(longest (\d+) tokens\)", out).groups())
     assert docs >= 4 and longest > WINDOW, "several documents per row, longer than the window: all are exercised"
@@ -114,14 +112,11 @@ def test_bad_input_fails_before_compute_naming_the_field(corpus, tmp_path, capsy
 
     monkeypatch.setattr(check, "stage_batch", computed)  # where the command reads the data
     monkeypatch.setattr(check_runs, "load_model", computed)  # where every run builds its model
-    gemma2 = tmp_path / "gemma2"
-    T.Gemma2ForCausalLM(T.Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       sliding_window=16)).save_pretrained(gemma2)
+    gemma2 = save_checkpoint(root, tok, "gemma2")
     good = save_checkpoint(root, tok, "mistral")
     cases = [(argv(root, str(tmp_path / "missing")), "checkpoint="),
              (argv(root, good, "cp=2", "seq_len=126"), "seq_len=126"),
-             (argv(root, str(gemma2)), "attn_logit_softcapping"),
+             (argv(root, gemma2, "parallel.kernel=sdpa"), "parallel.kernel=sdpa has no logit soft-capping"),
              (argv(root, good, "cp=3", "parallel.cp_impl=ulysses"), "must divide the model's 4 query heads"),
              (argv(root, good, "model.loss_tile_tokens=0"), "model.loss_tile_tokens=0 must be >= 1"),  # training's
              (argv(root, good, "parallel.kernel=torch_flash"), "compares in fp32")]  # bf16-only kernels

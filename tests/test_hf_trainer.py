@@ -241,8 +241,8 @@ def test_setup_cp_reads_the_precision_from_the_training_arguments(monkeypatch):
 
     seen = []
     real = trainer.resolve_kernel
-    trainer.resolve_kernel = lambda kernel, device, ring, half, head_dim: seen.append(half) or real(
-        kernel, device, ring=ring, half=half, head_dim=head_dim)
+    trainer.resolve_kernel = lambda kernel, device, ring, half, head_dim, softcap: seen.append(half) or real(
+        kernel, device, ring=ring, half=half, head_dim=head_dim, softcap=softcap)
     try:
         trainer.setup_cp(1, 4, device_type="cpu",
                          args=T.TrainingArguments("unused", report_to=[], use_cpu=True, bf16=True))

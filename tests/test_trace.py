@@ -84,7 +84,7 @@ def test_memory_trace_is_linear_in_length_with_flash_attention():
 def _mutated_forward(mistake: str):
     orig = varlen.VARLEN["torch_flash"]
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
         if mistake == "scale positional":  # lands in return_debug_mask; the kernel would use the default scale
             out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                                     scale)
@@ -113,10 +113,10 @@ def test_a_wrong_lse_layout_fails(monkeypatch):
     """The merged log-sum-exp handed to the backward as (tokens, heads) instead of (heads, tokens)."""
     orig = varlen.VarlenCall.backward
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, softcap=None):
         wrong = varlen.Varlen(kernel.forward,
                               lambda *a, **kw: kernel.backward(*a[:5], a[5].t().contiguous(), *a[6:], **kw))
-        return orig(self, wrong, dout, q, k, v, out, lse, scale)
+        return orig(self, wrong, dout, q, k, v, out, lse, scale, softcap)
 
     monkeypatch.setattr(varlen.VarlenCall, "backward", backward)
     with pytest.raises(ContractError, match="log-sum-exp"):

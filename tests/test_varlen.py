@@ -242,3 +242,81 @@ def test_trainer_cp_reads_half_precision_from_training_arguments(cuda_kernels, m
     assert setup_cp(1, 8, device_type="cuda").kernel == "torch_flash"
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     assert setup_cp(1, 8, device_type="cuda").kernel == "sdpa"
+
+
+# ---- soft-capped scores (Gemma 2): math and flash-attn only ----
+
+def test_a_soft_capped_model_gets_a_kernel_that_caps(cuda_kernels, monkeypatch):
+    """auto picks flash_attn where it would run, else math; sdpa and torch_flash are refused naming the fix."""
+    assert resolve_kernel("auto", "cpu", ring=True, half=False, softcap=True) == "math"
+    assert resolve_kernel("auto", "cuda", ring=False, half=True, softcap=True) == "math"  # flash-attn not installed
+    monkeypatch.setitem(kernels._AVAILABLE, "flash_attn", lambda: True)
+    assert resolve_kernel("auto", "cuda", ring=True, half=True, softcap=True) == "flash_attn"
+    assert resolve_kernel("auto", "cuda", ring=True, half=False, softcap=True) == "math"
+    assert resolve_kernel("auto", "cuda", ring=True, half=True, head_dim=60, softcap=True) == "math"
+    assert resolve_kernel("math", "cuda", ring=True, half=True, softcap=True) == "math"
+    for kernel in ("sdpa", "torch_flash"):
+        with pytest.raises(ValueError, match=f"parallel.kernel={kernel} has no logit soft-capping"):
+            resolve_kernel(kernel, "cuda", ring=False, half=True, softcap=True)
+
+
+def _fake_flash_attn(monkeypatch, with_softcap: bool = True):
+    """flash-attn's varlen forward and backward under their own argument names, computed by the math kernel."""
+    import sys
+    import types
+
+    math = emulate(*_DENSE["math"])
+    window = lambda left: None if left < 0 else left + 1  # noqa: E731
+
+    def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+            causal=False, window_size=(-1, -1), softcap=0.0, return_attn_probs=False):
+        out, lse = math.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                window(window_size[0]), softcap or None)
+        return out, lse, None
+
+    def old_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                causal=False, window_size=(-1, -1), return_attn_probs=False):
+        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                   window_size, 0.0, return_attn_probs)
+
+    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+            deterministic, rng_state=None):
+        grads = math.backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, window(window_size_left), softcap or None)
+        for buf, g in zip((dq, dk, dv), grads):
+            buf.copy_(g)
+
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_varlen_func = fwd if with_softcap else old_fwd
+    package.flash_attn_interface = types.SimpleNamespace(_flash_attn_varlen_backward=bwd)
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+
+
+def test_flash_attn_is_handed_the_soft_cap(monkeypatch):
+    """Document-masked attention with a soft-cap through flash-attn's argument names (a stand-in computed by the
+    math kernel) equals the math kernel's, forward and backward, with and without a window; without the cap it
+    would differ. A flash-attn release without softcap is refused rather than run uncapped."""
+    from longstride.parallel.pattern import Pattern
+
+    _fake_flash_attn(monkeypatch)
+    q, k, v, dout = inputs(4, 2, torch.bfloat16)
+    q, k = q * 3, k * 3  # scores of several units: the cap of 2 bends them
+    doc = layouts()["docs_random"]
+
+    def run(kernel, pattern):
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = doc_attention(*x, doc, D ** -0.5, kernel, pattern=pattern)
+        out.backward(dout)
+        return [out.detach().float()] + [t.grad.float() for t in x]
+
+    for window in (None, 9):
+        capped = Pattern(window, softcap=2.0)
+        want = run("math", capped)
+        for got, ref in zip(run("flash_attn", capped), want):
+            assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
+        uncapped = run("math", Pattern(window))
+        assert (uncapped[0] - want[0]).abs().max() > 0.1 * want[0].abs().max(), "the cap matters here"
+    _fake_flash_attn(monkeypatch, with_softcap=False)
+    with pytest.raises(ValueError, match="this flash-attn release has no logit soft-capping"):
+        run("flash_attn", Pattern(softcap=2.0))

@@ -127,7 +127,8 @@ def param_groups(lm) -> dict[str, str]:
 
 
 def describe_layers(lm, seq_len: int) -> str:
-    """'sliding_attention: window 16 (layers 0, 2); full_attention (layers 1, 3)': what each layer type computes."""
+    """'sliding_attention: window 16 (layers 0, 2); full_attention (layers 1, 3)': what each layer type computes
+    (with its soft-cap, Gemma 2's attn_logit_softcapping, and its sinks)."""
     from longstride.parallel.pattern import layer_pattern
 
     cfg = lm.config.get_text_config(decoder=True)
@@ -136,9 +137,12 @@ def describe_layers(lm, seq_len: int) -> str:
     for i, (t, layer) in enumerate(zip(layer_types(lm, len(layers)), layers)):
         attn, what = getattr(layer, "self_attn", None), []
         if attn is not None:
-            p = layer_pattern(attn, getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None)
+            p = layer_pattern(attn, getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None,
+                              getattr(attn, "attn_logit_softcapping", None))
             what += [f"{k} {v}" + (f" (>= seq_len {seq_len}: cuts nothing here)" if v >= seq_len else "")
                      for k, v in (("window", p.window), ("chunk", p.chunk)) if v]
+            if p.softcap:
+                what.append(f"scores soft-capped at {p.softcap:g}")
             if has_sinks(attn):
                 what.append("sinks")
         seen.setdefault((t, ", ".join(what)), []).append(i)

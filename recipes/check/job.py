@@ -81,11 +81,11 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
     name = cfg.stage or names[-1]
     s = cfg.recipe.stages[name]
     seq_len, where = (cc.seq_len, "seq_len") if cc.seq_len else (s.seq_len, f"recipe.stages.{name}.seq_len")
-    heads = check_model_and_data(cfg, split_longest=seq_len)  # the check splits seq_len tokens over its cp ranks
+    shape = check_model_and_data(cfg, split_longest=seq_len)  # the check splits seq_len tokens over its cp ranks
     cp = cc.cp or (s.cp if s.cp > 1 else 2)
     if cp < 2:
         raise ValueError(f"cp={cp}: the check compares a run over cp >= 2 ranks with one device; give cp=2 or more")
-    degrees = cp_degrees(cfg.parallel, cp, heads, where="cp")
+    degrees = cp_degrees(cfg.parallel, cp, shape.heads, where="cp")
     unit = degrees.seq_len_unit
     if seq_len < unit or seq_len % unit:
         near = sorted({max(unit, seq_len // unit * unit), (seq_len // unit + 1) * unit})
@@ -107,8 +107,8 @@ def prepare(cc: CheckConfig, cfg, world: int) -> Job:
                          "bf16/fp16; check with parallel.kernel=auto or math (tests/gpu/test_kernels_gpu.py holds "
                          f"{kernel} to the fp32 kernels on a GPU)")
     return Job(cfg, name, seq_len, rows=rows, cp=cp, degrees=degrees,
-               kernel=resolve_kernel(kernel, device_type, ring=False, half=False),
-               cp_kernel=resolve_kernel(kernel, device_type, ring=True, half=False),
+               kernel=resolve_kernel(kernel, device_type, ring=False, half=False, softcap=shape.softcap),
+               cp_kernel=resolve_kernel(kernel, device_type, ring=True, half=False, softcap=shape.softcap),
                balance=str(s.balance if s.balance is not None else cfg.parallel.balance),
                tolerance=cc.tolerance, eager=cc.eager, device_type=device_type,
                allow_unexercised=cc.allow_unexercised)

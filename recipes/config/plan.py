@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from longstride.choices import check_wandb
 from longstride.data.sources import check_manual_held_out, check_source
@@ -23,6 +23,7 @@ from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
+from longstride.parallel.pattern import config_softcap
 from longstride.recipes.config.schema import Config, StageConfig, selected_stages
 from longstride.recipes.run.step import StepSpec
 
@@ -203,9 +204,16 @@ def _check_new_model_fields(m: ModelConfig) -> None:
                          f"{'them' if len(found) > 1 else 'it'}, or change that checkpoint's config.json")
 
 
-def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int, int, int]:
-    """The model's (query heads, head size, decoder layers; 0 layers where a checkpoint's config does not say; a
-    checkpoint's from its config, read once), after the model group's checks."""
+class ModelShape(NamedTuple):
+    heads: int  # query heads
+    head_dim: int
+    layers: int  # decoder layers; 0 where a checkpoint's config does not say
+    softcap: bool  # its attention soft-caps scores (Gemma 2), which only some kernels compute
+
+
+def model_shape(cfg: Config, split_longest: Optional[int] = None) -> ModelShape:
+    """What the stages' plans read of the model (a checkpoint's from its config, read once), after the model
+    group's checks."""
     m = cfg.model
     if m.arch == "checkpoint":
         from transformers import AutoConfig
@@ -219,11 +227,13 @@ def _model_heads(cfg: Config, split_longest: Optional[int] = None) -> tuple[int,
         _check_attention_supported(m.checkpoint, split_longest)
         config = AutoConfig.from_pretrained(m.checkpoint)
         text = config.get_text_config()  # a multimodal config's decoder
-        return (*head_shape(config), getattr(text, "num_hidden_layers", 0) or 0)
+        layers = getattr(text, "num_hidden_layers", 0) or 0
+        return ModelShape(*head_shape(config), layers, bool(config_softcap(text)))
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
                          f"model.num_key_value_heads={m.num_key_value_heads}")
-    return m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads, m.num_hidden_layers
+    return ModelShape(m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads,
+                      m.num_hidden_layers, False)
 
 
 def _check_rope_layer_types(m: ModelConfig) -> None:
@@ -299,12 +309,12 @@ def check_model_and_data(cfg: Config, split_longest: Optional[int] = None) -> in
     """The model group's and the data's checks as `validate` runs them (every number in range, a checkpoint that
     exists and whose attention longstride computes when `split_longest` tokens are split over CP ranks,
     model.rope_layer_types, the data sources), without a stage's training plan; returns the model's query head
-    count. For a command that runs one stage's step outside training (longstride check)."""
+    shape. For a command that runs one stage's step outside training (longstride check)."""
     _check_numbers(cfg)
-    heads, _, _ = _model_heads(cfg, split_longest)
+    shape = model_shape(cfg, split_longest)
     _check_rope_layer_types(cfg.model)
     _check_data(cfg)
-    return heads
+    return shape
 
 
 def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:
@@ -348,11 +358,13 @@ def resolve_precision(precision: str, assume_gpu: bool = False, on_gpu: bool = T
 
 
 def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str, heads: int,
-               prev_len: int = 0, assume_gpu: bool = False, head_dim: int = 0, layers: int = 0) -> StagePlan:
+               prev_len: int = 0, assume_gpu: bool = False, head_dim: int = 0, layers: int = 0,
+               softcap: bool = False) -> StagePlan:
     """One stage checked and resolved for `world` processes on `device_type` (cuda | cpu); assume_gpu: for
     CUDA GPUs with bf16 and torch's flash attention that this machine need not have (longstride plan);
     head_dim: the model's head size, which decides whether the flash kernels take it (0: not checked); layers:
-    its decoder layers, the range of checkpoint_layers (0: not checked)."""
+    its decoder layers, the range of checkpoint_layers (0: not checked); softcap: the model soft-caps its
+    attention scores, which picks the kernel."""
     s, m, par, f = cfg.recipe.stages[name], cfg.model, cfg.parallel, f"recipe.stages.{name}"
     dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
     degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
@@ -365,7 +377,7 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
     ac_layers = _checkpoint_layers(cfg, name, ac, layers, device_type)
     half = device_type == "cuda" and resolve_precision(str(cfg.train.precision), assume_gpu) == "bf16"
     kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half, assume_available=assume_gpu,
-                            head_dim=head_dim)
+                            head_dim=head_dim, softcap=softcap)
     if str(par.flash_impl) != "FA2" and kernel != "torch_flash":
         raise ValueError(f"parallel.flash_impl={par.flash_impl} applies to parallel.kernel=torch_flash, and this "
                          f"stage runs {kernel}; use parallel.flash_impl=FA2")
@@ -403,14 +415,15 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     before it passes. assume_gpu / check_data=False: plan for GPUs this machine lacks, without the data
     (longstride plan)."""
     _check_run(cfg)
-    heads, head_dim, layers = _model_heads(cfg)
+    shape = model_shape(cfg)
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
-        plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=heads,
-                                 prev_len=prev_len, assume_gpu=assume_gpu, head_dim=head_dim, layers=layers)
+        plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=shape.heads,
+                                 prev_len=prev_len, assume_gpu=assume_gpu, head_dim=shape.head_dim,
+                                 layers=shape.layers, softcap=shape.softcap)
         prev_len = plans[name].stage.seq_len
     if cfg.model.checkpoint_layers is not None and all(p.step.checkpointing == "none" for p in plans.values()):
         raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "

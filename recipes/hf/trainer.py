@@ -69,15 +69,15 @@ from longstride.parallel.kernels import resolve_kernel
 
 def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
              device_type: Optional[str] = None, kernel: str = "auto", half: Optional[bool] = None,
-             head_dim: int = 0, args=None) -> CPContext:
+             head_dim: int = 0, softcap: bool = False, args=None) -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
     TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
     model's query heads (checked against the Ulysses degree); head_dim: its head size (parallel/attention.py
-    head_shape(model.config) gives both; 0: unchecked), which the flash kernels limit; kernel: parallel.kernel's
-    choices; half:
-    attention runs in bf16/fp16, which the flash kernels need; None reads it from `args` (the TrainingArguments:
-    bf16=True / fp16=True), else from `accelerate launch --mixed_precision`. On CUDA with neither, it is refused:
-    the kernel would be chosen for fp32 (not the flash kernel) without a word."""
+    head_shape(model.config) gives both; 0: unchecked), which the flash kernels limit; softcap: the model soft-caps
+    its attention scores (Gemma 2: parallel/pattern.py config_softcap), which only math and flash_attn compute;
+    kernel: parallel.kernel's choices; half: attention runs in bf16/fp16, which the flash kernels need; None reads
+    it from `args` (the TrainingArguments: bf16=True / fp16=True), else from `accelerate launch --mixed_precision`.
+    On CUDA with neither, it is refused: the kernel would be chosen for fp32 (not the flash kernel) without a word."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch --mixed_precision, which the
     if half is None and (args is not None or launcher is not None):  # Trainer's Accelerator takes too
@@ -91,7 +91,7 @@ def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_he
     dims = ParallelDims.from_world(world, cp, where="setup_cp")
     degrees = cp_degrees(ParallelConfig(cp_impl=impl, ulysses=ulysses, upipe_heads=upipe_heads), cp, heads)
     return cp_context(impl, dims, degrees, device_type, resolve_kernel(kernel, device_type, ring=cp > 1, half=half,
-                                                                     head_dim=head_dim))
+                                                                     head_dim=head_dim, softcap=softcap))
 
 
 def packed_dataset(docs: list, seq_len: int, pad_id: int, method: str = "best_fit") -> PackedSequences:

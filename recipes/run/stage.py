@@ -272,7 +272,7 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
         (", offloaded to host" if spec.offload else ", offload ignored on CPU")
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
                      f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
-                     f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}")
+                     f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}; attention kernel {plan.kernel}")
     cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 \
         else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
