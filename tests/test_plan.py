@@ -27,15 +27,21 @@ TINY = SmolLM3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num
 def test_plan_prints_every_stage_of_a_recipe(tmp_path):
     out = tmp_path / "plan.json"
     r = subprocess.run([sys.executable, "-m", "longstride.cli", "plan", "recipe=tiny_extend", "hardware=a100_40g",
-                        "gpus_per_node=2", "search=false", f"out={out}"], capture_output=True, text=True, cwd=REPO,
+                        "gpus_per_node=2", "search=false", f"out={out}", "model.activation_checkpointing=true",
+                        "recipe.stages.s3_4k.checkpoint_layers=2"], capture_output=True, text=True, cwd=REPO,
                        timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ESTIMATES" in r.stdout and "A100 40GB" in r.stdout
     plan = json.loads(out.read_text())
     assert [s["stage"] for s in plan["stages"]] == ["s2_2k", "s3_4k"]
+    lines = r.stdout.splitlines()
+    assert {"checkpointing", "kernel"} <= set(next(x for x in lines if x.startswith("stage ")).split())
     for s in plan["stages"]:
         assert s["fits"] and s["cp"] == 2 and s["fsdp"], s
         assert s["peak"] >= s["parameters"] + s["gradients"] + s["optimizer"] + s["activations"] * 0.5
+        row = next(x for x in lines if x.startswith(s["stage"] + " "))
+        ac = s["checkpointing"] + (" 2/4" if s["stage"] == "s3_4k" else "")  # the first 2 of the 4 layers
+        assert s["checkpointing"] != "none" and f"  {ac}  {s['kernel']}  " in row, row
 
 
 def test_unknown_hardware_lists_the_known_ones():

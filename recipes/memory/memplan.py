@@ -128,6 +128,7 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
                    ac_layers=step.checkpoint_layers)
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": step.checkpointing, "checkpoint_layers": step.checkpoint_layers,
+           "layers": prog.config.num_hidden_layers, "kernel": plan.kernel,
            "mlp_tile": step.mlp_tile, "offload": step.offload,
            "fsdp": prog.fsdp, "params": n, **{k: r[k] for k in ("parameters", "gradients", "optimizer",
                                                                 "activations", "peak", "host")},
@@ -149,15 +150,22 @@ def _longest(r: dict) -> str:
     return f"{r['longest']}" + ("" if r["longest_checked"] else " (line)")
 
 
+def _checkpointing(r: dict) -> str:
+    """'none', 'selective', 'full', or 'full 2/4' where only the first layers are checkpointed."""
+    k = r["checkpoint_layers"]
+    return r["checkpointing"] + (f" {k}/{r['layers']}" if r["checkpointing"] != "none" and k is not None else "")
+
+
 def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str) -> None:
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     print(f"longstride plan: recipe {recipe} on {world} x {hw.name} ({hw.memory_gib:g} GiB; usable "
           f"{hw.usable_gib:.1f} GiB after a {hw.reserve_gib:g} GiB reserve and {hw.fragmentation:.0%} "
           "fragmentation). ESTIMATES by tracing one step per rank, not measured on a GPU; GiB per rank "
           "(host: offloaded to host memory)")
-    head = ["stage", "seq_len", "cp", "params", "grads", "optim", "activ", "peak", "analytic", "diff", "host",
-            "fits", "longest seq_len", "to fit"]
-    table = [[r["stage"], str(r["seq_len"]), f"{r['cp']} {r['cp_impl']}".strip(), g(r["parameters"]),
+    head = ["stage", "seq_len", "cp", "checkpointing", "kernel", "params", "grads", "optim", "activ", "peak",
+            "analytic", "diff", "host", "fits", "longest seq_len", "to fit"]
+    table = [[r["stage"], str(r["seq_len"]), f"{r['cp']} {r['cp_impl']}".strip(), _checkpointing(r), r["kernel"],
+              g(r["parameters"]),
               g(r["gradients"]), g(r["optimizer"]), g(r["activations"]), g(r["peak"]), g(r["analytic"]),
               f"{(r['analytic'] - r['peak']) / r['peak']:+.0%}", g(r["host"]), "yes" if r["fits"] else "NO",
               _longest(r), r.get("fix", "")] for r in rows]

@@ -1,7 +1,8 @@
 """Sliding windows, chunks and sinks on torch's flash kernel (its window_size_left, the halo's pieces whose
 queries are the suffix of their keys): bf16 outputs and gradients (sinks' included) against the fp64 math
 path, held to the CPU flash op's own bf16 error on the same inputs (mean error at most 1.5x, as the other GPU
-kernel tests); on one device, and on the halo under ring CP with 2 gloo ranks sharing the GPU."""
+kernel tests); on one device, and on the halo under ring CP with 2 gloo ranks sharing the GPU. Soft-capped scores
+(Gemma 2) on the CUDA math kernel, which auto runs for them where flash-attn is not installed."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +79,16 @@ def test_windows_and_chunks_under_ring_on_the_flash_kernel(tmp_path):
             got = errors(results[pname, lname], ref)
             for name, e_cp, e_one in zip(("out", "dq", "dk", "dv"), got, one):
                 assert e_cp <= 1.5 * e_one + 1e-4, f"ring 2 {pname} {lname} {name}: {e_cp:.2e} vs one rank {e_one:.2e}"
+
+
+@pytest.mark.parametrize("pname", ["causal", "window 7"])
+def test_soft_capped_scores_on_cuda(pname):
+    """Gemma 2's soft-capped scores on CUDA (without flash-attn, auto runs the math kernel there): bf16 outputs and
+    gradients against the fp64 CPU math path, held to the same kernel's bf16 error on the CPU."""
+    pattern = Pattern(window=7 if pname == "window 7" else None, softcap=2.0)
+    for lname, doc in layouts().items():
+        ref = run("math", "cpu", torch.float64, doc, pattern, False)
+        cpu = errors(run("math", "cpu", torch.bfloat16, doc, pattern, False), ref)
+        gpu = errors(run("math", CUDA, torch.bfloat16, doc, pattern, False), ref)
+        for name, e_gpu, e_cpu in zip(("out", "dq", "dk", "dv"), gpu, cpu):
+            assert e_gpu <= 1.5 * e_cpu + 1e-4, f"softcap {pname} {lname} {name}: GPU {e_gpu:.2e} vs CPU {e_cpu:.2e}"
