@@ -4,6 +4,7 @@ Ulysses x ring."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from typing import Optional
 
 import pytest
 import torch
@@ -71,17 +72,18 @@ class SelectiveCache:
         return sum(sum(kept.values()) for kept in self.kept.values())
 
 
-def tiny_model(ac: str = "none", cache: SelectiveCache = None) -> ChunkedLossLM:
+def tiny_model(ac: str = "none", cache: SelectiveCache = None, layers: Optional[int] = None) -> ChunkedLossLM:
     """ac: activation checkpointing mode; with checkpointing every memory saver is on: the layers tiled
     (tiles of 16 tokens, norms folded in; not with ":untiled" after the mode) and the lean RMSNorm backward.
-    cache: records what selective checkpointing keeps."""
+    cache: records what selective checkpointing keeps; layers: checkpoint the first `layers` of the 2 only."""
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=L, vocab_size=50, eos_id=0, pad_id=1, seed=5)
     mode, _, untiled = ac.partition(":")
     if mode != "none":
         with cache.recording() if cache else nullcontext():
-            patch_model(lm, mode, offload=False, mlp_tile=0 if untiled else 16, lean_norms=True)
+            patch_model(lm, mode, offload=False, mlp_tile=0 if untiled else 16, lean_norms=True,
+                        checkpoint_layers=layers)
     use_longstride_attention(lm)
     return ChunkedLossLM(lm, tile=20)
 

@@ -1,8 +1,11 @@
 """FSDP2 as a stage runs it (parallel/parallelize.parallelize), on 2 gloo processes: gradient accumulation keeps
-every rank's gradients sharded and ends with DDP's gradient; under bf16 mixed precision with ring CP, the plans
+every rank's gradients sharded and ends with DDP's gradient, with full activation checkpointing of the first layer
+only too (model.checkpoint_layers=1: that layer alone runs again in backward); under bf16 mixed precision with ring CP, the plans
 a batch derives once (parallel/blocks.Derived) survive FSDP2's per-layer input casts instead of being built
 again in every layer."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -24,9 +27,10 @@ def _batches(rank: int) -> list[dict]:
     return out
 
 
-def _accumulate(rank, world, fsdp: bool) -> dict:
-    """Two micro-batches of one optimizer step; the whole gradient of every parameter after it, and after the
-    first micro-batch whether each parameter already held a gradient and its local size."""
+def _accumulate(rank, world, fsdp: bool, ac: str = "none", layers: Optional[int] = None) -> dict:
+    """Two micro-batches of one optimizer step; the whole gradient of every parameter after it, after the
+    first micro-batch whether each parameter already held a gradient and its local size, and how many times each
+    decoder layer's attention module ran again in the backwards (activation checkpointing `ac` of the first `layers`)."""
     from torch.distributed.tensor import DTensor
 
     from longstride.parallel.config import WorldMesh
@@ -35,25 +39,31 @@ def _accumulate(rank, world, fsdp: bool) -> dict:
     from tests.test_cp_model import tiny_model
 
     acc = rank_accelerator(rank, world)
-    inner = tiny_model()
+    inner = tiny_model(ac, layers=layers)
     names = [n for n, _ in inner.named_parameters()]
+    calls = [0] * len(inner.lm.model.layers)
+    for j, layer in enumerate(inner.lm.model.layers):  # transformers checkpoints forward, inside the layer's hooks
+        layer.self_attn.register_forward_pre_hook(lambda *_, j=j: calls.__setitem__(j, calls[j] + 1))
     model = parallelize(inner, inner.lm.model.layers, fsdp, acc, WorldMesh("cpu", world))
-    first = None
+    first, reruns = None, [0] * len(calls)
     for i, b in enumerate(_batches(rank)):
         with model.grad_sync(last=i == 1):
             loss = model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
+            before = list(calls)
             model.backward(loss / 100)
+            reruns = [r + c - b for r, c, b in zip(reruns, calls, before)]
         if i == 0:
             first = {n: (p.grad is not None, p.grad.to_local().numel() if isinstance(p.grad, DTensor) else
                          (p.grad.numel() if p.grad is not None else 0), tuple(p.shape))
                      for n, p in zip(names, model.parameters())}
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
              for n, p in zip(names, model.parameters())}
-    return {"first": first, "grads": grads}
+    return {"first": first, "grads": grads, "reruns": reruns}
 
 
 def _accumulation_worker(rank, world, path):
-    out = {"ddp": _accumulate(rank, world, False), "fsdp": _accumulate(rank, world, True)}
+    out = {"ddp": _accumulate(rank, world, False), "fsdp": _accumulate(rank, world, True),
+           "fsdp_first_layer": _accumulate(rank, world, True, "full", layers=1)}
     if rank == 0:
         torch.save(out, path)
 
@@ -65,9 +75,13 @@ def test_fsdp2_accumulation_keeps_gradients_sharded_and_ends_with_ddps_gradient(
     for name, (held, local, shape) in out["fsdp"]["first"].items():
         # reduce-scattered after the first micro-batch: rank 0's shard (the first half of dim 0), never the whole
         assert held and local == -(-shape[0] // 2) * torch.Size(shape[1:]).numel(), (name, held, local, shape)
-    for name, want in out["ddp"]["grads"].items():
-        got = out["fsdp"]["grads"][name]
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1e-12), name
+    for run in ("fsdp", "fsdp_first_layer"):
+        for name, want in out["ddp"]["grads"].items():
+            got = out[run]["grads"][name]
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1e-12), (run, name)
+    # checkpoint_layers=1 under FSDP2 (its class swap keeps each layer's own flag): the first layer runs again in
+    # each of the two backwards, the second never; without checkpointing neither does
+    assert out["fsdp_first_layer"]["reruns"] == [2, 0] and out["fsdp"]["reruns"] == [0, 0], out
 
 
 def _cast_worker(rank, world, path):
