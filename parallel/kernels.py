@@ -10,7 +10,8 @@ Kernels (`parallel.kernel`):
   flash_attn   the flash-attn package through the same varlen calls (CUDA, when installed)
   sdpa         on CPU, the CPU flash op once per document inside one autograd Function that saves only
                q, k, v, out and lse (K/V with their own heads); on other devices torch SDPA per document
-  math         explicit softmax per document, the reference
+  math         explicit softmax per document, the reference; in tiles of BAND_TILE query rows, so that it holds
+               the scores of one tile at a time; with flash_attn the kernels that soft-cap scores (Gemma 2)
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from longstride.parallel.blocks import RingPlan, doc_segments
 from longstride.parallel.flash_contract import flash_head_dim
 from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks
 from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, dense_last, emulate,
-                                        flash_attn_available, torch_flash_available)
+                                        flash_attn_available, flash_attn_softcap_problem, torch_flash_available)
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
 FLASH_KERNELS = tuple(_AVAILABLE)  # bf16/fp16 only
@@ -40,9 +41,9 @@ def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool
     """The kernel a stage runs. ring: the stage uses ring attention (whose "sdpa" blocks are the CPU flash
     op); half: attention runs in bf16/fp16 (the flash kernels take nothing else); head_dim: the model's head
     size when known (0: not checked); softcap: the model soft-caps its attention scores (Gemma 2), which only
-    math and flash_attn compute. auto: torch_flash on CUDA in bf16/fp16 for heads the flash kernels take;
-    otherwise, on CUDA, sdpa on one device and math in a ring; sdpa on CPU. With softcap, auto is flash_attn
-    where it would run, else math.
+    math and flash_attn (>= 2.6.2, not ROCm) compute. auto: torch_flash on CUDA in bf16/fp16 for heads the flash
+    kernels take; otherwise, on CUDA, sdpa on one device and math in a ring; sdpa on CPU. With softcap, auto is
+    flash_attn where it would run, else math.
     assume_available: as on a GPU machine with the kernels installed (planning for one from here)."""
     available = {k: (lambda: True) if assume_available else f for k, f in _AVAILABLE.items()}
     flash_heads = not head_dim or flash_head_dim(head_dim)
@@ -60,9 +61,13 @@ def resolve_kernel(kernel: str, device_type: str, ring: bool = False, half: bool
         raise ValueError(f"parallel.kernel={kernel} has no logit soft-capping, which the model's attention applies "
                          "(config.attn_logit_softcapping); use parallel.kernel=auto (math, or flash_attn on CUDA "
                          "when installed) or math")
+    capping = (lambda: True) if assume_available else (lambda: flash_attn_softcap_problem() is None)
     if kernel == "auto" and softcap:
-        flash = device_type == "cuda" and half and flash_heads and available["flash_attn"]()
+        flash = device_type == "cuda" and half and flash_heads and available["flash_attn"]() and capping()
         return "flash_attn" if flash else "math"
+    if kernel == "flash_attn" and softcap and not capping():
+        raise ValueError(f"parallel.kernel=flash_attn with soft-capped scores: {flash_attn_softcap_problem()}; use "
+                         "parallel.kernel=auto or math")
     if kernel == "auto":
         if device_type == "cuda" and half and flash_heads and available["torch_flash"]():
             return "torch_flash"
@@ -286,14 +291,20 @@ def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
 # A sliding window on a dense kernel: query tiles of BAND_TILE rows, each against the keys its window reaches,
 # under an additive mask of that tile's size (never the whole band). Queries are aligned at the keys' end
 # (they are the keys' suffix), each sees key j when 0 <= d < window, d its distance back; every query sees
-# itself, so no row of a tile is empty.
+# itself, so no row of a tile is empty. The math kernel, which holds its scores, runs every block of more than
+# BAND_TILE queries so (a causal block as a window of all its keys, a dense one against all keys without a mask):
+# its memory grows with the block's length, not its square.
 BAND_TILE = 256
 
 
-def _band_tiles(lq: int, lk: int, window: int, dtype, device):
+def _band_tiles(lq: int, lk: int, window: Optional[int], dtype, device):
+    """(query rows, key range, additive mask or None) per tile; window None: dense, every query sees every key."""
     off = lk - lq
     for i0 in range(0, lq, BAND_TILE):
         i1 = min(lq, i0 + BAND_TILE)
+        if window is None:
+            yield slice(i0, i1), slice(0, lk), None
+            continue
         k0, k1 = max(0, off + i0 - window + 1), off + i1
         d = torch.arange(off + i0, off + i1, device=device)[:, None] - torch.arange(k0, k1, device=device)[None]
         mask = torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
@@ -305,25 +316,35 @@ def _plain(q, k, window) -> bool:
     return q.shape[2] == k.shape[2] and (window is None or window >= k.shape[2])
 
 
-def _banded_fwd(fwd):
+def _whole(q, k, causal: bool, window, tile_all: bool) -> bool:
+    # one kernel call for the block: nothing to band, and either a kernel that tiles itself or a block of one tile
+    return (not causal or _plain(q, k, window)) and not (tile_all and q.shape[2] > BAND_TILE)
+
+
+def _tile_window(k, causal: bool, window):
+    return (window or k.shape[2]) if causal else None
+
+
+def _banded_fwd(fwd, tile_all: bool = False):
+    """tile_all: query tiles for every block longer than one (the math kernel), not only windowed ones."""
     def run(q, k, v, scale, causal, window=None, softcap=None):
-        if not causal or _plain(q, k, window):
+        if _whole(q, k, causal, window, tile_all):
             return fwd(q, k, v, scale, causal, softcap=softcap)
         out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
-        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
+        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
             out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask, softcap)
         return out, lse
     return run
 
 
-def _banded_bwd(bwd):
+def _banded_bwd(bwd, tile_all: bool = False):
     def run(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None):
-        if not causal or _plain(q, k, window):
+        if _whole(q, k, causal, window, tile_all):
             return bwd(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
                   for x in (k, v))
-        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], window or k.shape[2], q.dtype, q.device):
+        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
             gq, gk, gv = bwd(dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
                              scale=scale, causal=False, mask=mask, softcap=softcap)
             dq[:, :, rq] = gq
@@ -336,7 +357,7 @@ def _banded_bwd(bwd):
 # fwd(q, k, v, scale, causal, window=None, softcap=None) -> (out, lse);
 # bwd(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None)
 _DENSE = {"sdpa": (_banded_fwd(_cpu_flash_fwd), _banded_bwd(_cpu_flash_bwd)),
-          "math": (_banded_fwd(_math_fwd), _banded_bwd(_math_bwd))}
+          "math": (_banded_fwd(_math_fwd, tile_all=True), _banded_bwd(_math_bwd, tile_all=True))}
 
 
 def varlen_kernel(kernel: str) -> Varlen:

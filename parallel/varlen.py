@@ -11,7 +11,7 @@ window: None, or a sliding window (causal pieces only): query i of a piece sees 
 d = i + (keys - queries) - j; causal pieces with more keys than queries are aligned at their last token (the
 queries are the keys' suffix, as flash attention aligns them), which the windowed pieces of a halo use
 (parallel/window.py). softcap: None, or the scores' soft-cap softcap * tanh(s / softcap) (Gemma 2), which
-flash-attn applies and torch's flash attention does not (refused there).
+flash-attn (>= 2.6.2, not its ROCm build) applies and torch's flash attention does not (refused there).
 The backward is handed the *merged* output and LSE of all blocks (ring attention), which makes each piece's
 gradient exact. Backends (VARLEN):
     torch_flash  torch's own flash attention, aten._flash_attention_forward/_backward (FA2 built into CUDA
@@ -182,10 +182,37 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
+SOFTCAP_FLASH_ATTN = "2.6.2"  # the first flash-attn whose backward soft-caps (2.6.0/2.6.1: the forward only)
+
+
+def flash_attn_softcap_problem() -> Optional[str]:
+    """Why the installed flash-attn cannot train with soft-capped scores, or None: not installed, a ROCm build (its
+    CK kernels take softcap and ignore it), or a release before SOFTCAP_FLASH_ATTN."""
+    from packaging.version import Version
+
+    try:
+        import flash_attn
+    except ImportError:
+        return "flash-attn is not installed (pip install 'longstride[gpu]')"
+    if torch.version.hip:
+        return "flash-attn's ROCm build ignores softcap"
+    version = getattr(flash_attn, "__version__", "0")
+    if Version(version) < Version(SOFTCAP_FLASH_ATTN):
+        return f"flash-attn {version} has no soft-capped backward (upgrade to >= {SOFTCAP_FLASH_ATTN})"
+    return None
+
+
+def _check_softcap(softcap) -> None:
+    problem = softcap and flash_attn_softcap_problem()
+    if problem:
+        raise ValueError(f"parallel.kernel=flash_attn with soft-capped scores: {problem}; use parallel.kernel=math")
+
+
 def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     from flash_attn import flash_attn_varlen_func
 
     _check_half(q, "flash_attn")
+    _check_softcap(softcap)
     out, lse, _ = _flash_call(flash_attn_varlen_func, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                               max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
                               window=window, softcap=softcap or 0.0, return_attn_probs=True)
@@ -196,6 +223,7 @@ def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scal
                          softcap=None):
     from flash_attn import flash_attn_interface as fa
 
+    _check_softcap(softcap)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_call(fa._flash_attn_varlen_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
                 softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
@@ -210,9 +238,9 @@ def _flash_call(fn, window=None, **kw):
     import inspect
 
     params = inspect.signature(fn).parameters
-    if kw.get("softcap") and "softcap" not in params:
-        raise ValueError("this flash-attn release has no logit soft-capping (2.6 added it); upgrade flash-attn, or "
-                         "use parallel.kernel=math")
+    if kw.get("softcap") and "softcap" not in params:  # behind the version check: a build that lies about it
+        raise ValueError(f"this flash-attn build's {fn.__name__} takes no softcap; install flash-attn >= "
+                         f"{SOFTCAP_FLASH_ATTN}, or use parallel.kernel=math")
     left, right = (-1, -1) if window is None else (window - 1, 0)
     if "window_size" in params:
         kw["window_size"] = (left, right)

@@ -94,3 +94,49 @@ def test_autocast_model_runs_and_matches_sdpa():
         got.sum().backward()
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def _capped_reference(q, k, v, doc_ids, scale, window, softcap):
+    """fp64 attention with an explicit L x L mask (same document, causal, within the window) and soft-capped
+    scores: softcap * tanh(s / softcap), as Gemma 2's eager attention computes them."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    i = torch.arange(q.shape[2])
+    d = i[:, None] - i[None]
+    mask = (d >= 0) & (d < (window or q.shape[2])) & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s = softcap * torch.tanh(s / softcap) if softcap else s
+    return torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1) @ v.double()
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (None, 2.0), (300, 2.0)])
+def test_the_math_kernel_holds_one_tile_of_scores_at_a_time(window, softcap, monkeypatch):
+    """A 900-token document (more than three query tiles of kernels.BAND_TILE) and a 200-token one: the math
+    kernel's output and gradients match the fp64 reference within 1e-5, and the most bytes alive at once in
+    its forward and backward are under half what the same call holds with one tile for the whole document."""
+    from longstride.parallel import kernels
+    from longstride.parallel.pattern import Pattern
+    from longstride.recipes.memory.trace import LiveBytes
+
+    H, Hkv, L, D = 4, 2, 1100, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, L, D, generator=g) for h in (H, Hkv, Hkv, H))
+    q = q * 2  # scores of a few units: the cap bends them
+    doc_ids = torch.repeat_interleave(torch.tensor([0, 1]), torch.tensor([900, 200]))[None]
+
+    def run():
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with LiveBytes() as live:
+            out = doc_attention(*x, doc_ids, D ** -0.5, "math", pattern=Pattern(window, softcap=softcap))
+            out.backward(dout)
+        return [out, *(t.grad for t in x)], live.peak
+
+    got, peak = run()
+    xr = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = _capped_reference(*xr, doc_ids, D ** -0.5, window, softcap)
+    ref.backward(dout.double())
+    for g, want in zip(got, [ref, *(t.grad for t in xr)]):
+        assert (g.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    monkeypatch.setattr(kernels, "BAND_TILE", 1024)  # one tile holds the whole document
+    _, whole = run()
+    assert peak < 0.5 * whole, (peak, whole)

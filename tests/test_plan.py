@@ -87,3 +87,29 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_change():
                        (f"{full} recipe.stages.s2_2k.checkpoint_layers=3", 3)], "half, then three quarters"
     assert trace_step(changes["recipe.stages.s2_2k.cp=2"])["peak"] < before
 
+
+
+def test_a_soft_capped_checkpoint_is_planned_on_a_kernel_that_caps(tmp_path, capsys):
+    """A Gemma 2 checkpoint (soft-capped scores): on GPUs the plan picks flash_attn (assumed installed, >= 2.6.2),
+    whose stages are traced on the math kernel (flash-attn has no fake implementation, torch's flash kernel no
+    cap): every stage is planned, the table names the kernel; an explicit sdpa is refused naming the field."""
+    import transformers as T
+
+    from longstride.data.files import list_files, stdlib_root
+    from longstride.data.tokenizer import train_bpe
+
+    tok = train_bpe([open(p, encoding="utf-8").read() for p in list_files(stdlib_root(), "**/*.py")[:5]], 300)
+    config = T.Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=512,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    T.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    tok.save_pretrained(tmp_path / "gemma2")
+    args = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'gemma2'}",
+            f"data.tokenizer={tmp_path / 'gemma2'}", "hardware=h100_80g", "gpus_per_node=1", "search=false"]
+    rows = memplan.main(args)
+    assert [(r["stage"], r["kernel"], r["fits"]) for r in rows] == [("x2", "flash_attn", True),
+                                                                    ("x4", "flash_attn", True)]
+    assert all(r["peak"] > r["parameters"] + r["optimizer"] for r in rows)
+    assert capsys.readouterr().out.count(" flash_attn ") == 2
+    with pytest.raises(ValueError, match=r"parallel.kernel=sdpa has no logit soft-capping.*attn_logit_softcapping"):
+        memplan.main([*args, "parallel.kernel=sdpa"])

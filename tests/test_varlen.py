@@ -247,10 +247,19 @@ def test_trainer_cp_reads_half_precision_from_training_arguments(cuda_kernels, m
 # ---- soft-capped scores (Gemma 2): math and flash-attn only ----
 
 def test_a_soft_capped_model_gets_a_kernel_that_caps(cuda_kernels, monkeypatch):
-    """auto picks flash_attn where it would run, else math; sdpa and torch_flash are refused naming the fix."""
+    """auto picks flash_attn where it would run and soft-caps in training, else math; sdpa and torch_flash are
+    refused naming the fix, and so is flash_attn where it cannot soft-cap."""
     assert resolve_kernel("auto", "cpu", ring=True, half=False, softcap=True) == "math"
     assert resolve_kernel("auto", "cuda", ring=False, half=True, softcap=True) == "math"  # flash-attn not installed
     monkeypatch.setitem(kernels._AVAILABLE, "flash_attn", lambda: True)
+    old = "flash-attn 2.6.1 has no soft-capped backward (upgrade to >= 2.6.2)"
+    monkeypatch.setattr(kernels, "flash_attn_softcap_problem", lambda: old)
+    assert resolve_kernel("auto", "cuda", ring=True, half=True, softcap=True) == "math"
+    with pytest.raises(ValueError, match=r"parallel.kernel=flash_attn with soft-capped scores: flash-attn 2.6.1 "):
+        resolve_kernel("flash_attn", "cuda", ring=True, half=True, softcap=True)
+    assert resolve_kernel("flash_attn", "cuda", ring=True, half=True) == "flash_attn"  # no cap: any release
+    assert resolve_kernel("auto", "cuda", half=True, softcap=True, assume_available=True) == "flash_attn"  # planning
+    monkeypatch.setattr(kernels, "flash_attn_softcap_problem", lambda: None)
     assert resolve_kernel("auto", "cuda", ring=True, half=True, softcap=True) == "flash_attn"
     assert resolve_kernel("auto", "cuda", ring=True, half=False, softcap=True) == "math"
     assert resolve_kernel("auto", "cuda", ring=True, half=True, head_dim=60, softcap=True) == "math"
@@ -260,7 +269,7 @@ def test_a_soft_capped_model_gets_a_kernel_that_caps(cuda_kernels, monkeypatch):
             resolve_kernel(kernel, "cuda", ring=False, half=True, softcap=True)
 
 
-def _fake_flash_attn(monkeypatch, with_softcap: bool = True):
+def _fake_flash_attn(monkeypatch, with_softcap: bool = True, version: str = "2.8.3"):
     """flash-attn's varlen forward and backward under their own argument names, computed by the math kernel."""
     import sys
     import types
@@ -288,6 +297,7 @@ def _fake_flash_attn(monkeypatch, with_softcap: bool = True):
             buf.copy_(g)
 
     package = types.ModuleType("flash_attn")
+    package.__version__ = version
     package.flash_attn_varlen_func = fwd if with_softcap else old_fwd
     package.flash_attn_interface = types.SimpleNamespace(_flash_attn_varlen_backward=bwd)
     monkeypatch.setitem(sys.modules, "flash_attn", package)
@@ -296,7 +306,8 @@ def _fake_flash_attn(monkeypatch, with_softcap: bool = True):
 def test_flash_attn_is_handed_the_soft_cap(monkeypatch):
     """Document-masked attention with a soft-cap through flash-attn's argument names (a stand-in computed by the
     math kernel) equals the math kernel's, forward and backward, with and without a window; without the cap it
-    would differ. A flash-attn release without softcap is refused rather than run uncapped."""
+    would differ. A flash-attn release before 2.6.2 (its backward ignores the cap), a ROCm build (it ignores the
+    cap) and a build whose function takes no softcap are refused rather than run uncapped."""
     from longstride.parallel.pattern import Pattern
 
     _fake_flash_attn(monkeypatch)
@@ -317,6 +328,15 @@ def test_flash_attn_is_handed_the_soft_cap(monkeypatch):
             assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
         uncapped = run("math", Pattern(window))
         assert (uncapped[0] - want[0]).abs().max() > 0.1 * want[0].abs().max(), "the cap matters here"
+    _fake_flash_attn(monkeypatch, version="2.6.1")
+    with pytest.raises(ValueError, match=r"flash-attn 2.6.1 has no soft-capped backward \(upgrade to >= 2.6.2\)"):
+        run("flash_attn", Pattern(softcap=2.0))
+    run("flash_attn", Pattern())  # without a cap, that release runs
+    _fake_flash_attn(monkeypatch)
+    monkeypatch.setattr(torch.version, "hip", "6.3")
+    with pytest.raises(ValueError, match="flash-attn's ROCm build ignores softcap"):
+        run("flash_attn", Pattern(softcap=2.0))
+    monkeypatch.setattr(torch.version, "hip", None)
     _fake_flash_attn(monkeypatch, with_softcap=False)
-    with pytest.raises(ValueError, match="this flash-attn release has no logit soft-capping"):
+    with pytest.raises(ValueError, match="this flash-attn build.s old_fwd takes no softcap"):
         run("flash_attn", Pattern(softcap=2.0))

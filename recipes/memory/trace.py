@@ -46,6 +46,7 @@ from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
 from longstride.parallel.cp import cp_context
 from longstride.parallel.flash_contract import FlashOpCheck
 from longstride.parallel.fsdp import apply_fsdp
+from longstride.parallel.pattern import config_softcap
 from longstride.recipes.config.schema import OptimConfig
 from longstride.recipes.run.step import Step, StepSpec, build_optimizer, build_step, group_summary, loss_sum
 
@@ -55,8 +56,8 @@ GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multipl
 @dataclass(frozen=True)
 class StepProgram:
     """What one rank runs in one training step. config: the transformers model config (RoPE base, YaRN set);
-    kernel: torch_flash (the GPU program) or sdpa (the CPU one); step: how the step is built (checkpointing, offload,
-    tiles; recipes/run/step.StepSpec); plain: transformers' own step instead (its SDPA attention, loss from full
+    kernel: torch_flash (the GPU program), sdpa (the CPU one) or math; step: how the step is built (checkpointing,
+    offload, tiles; recipes/run/step.StepSpec); plain: transformers' own step instead (its SDPA attention, loss from full
     logits through labels=, no longstride patch), the usual baseline; docs: documents per sequence; gpu: count as
     a GPU allocator does (512-byte blocks)."""
 
@@ -91,10 +92,15 @@ class StepProgram:
 
 def stage_program(cfg, plan, world: int, docs: int, config, gpu: bool = True, bf16: bool = True) -> StepProgram:
     """The StepProgram of a planned stage (cfg: recipes.config.schema.Config, plan: its StagePlan) for a model
-    config (a training stage's loaded model's, or `longstride plan`'s read from the recipe)."""
+    config (a training stage's loaded model's, or `longstride plan`'s read from the recipe). flash-attn has no fake
+    implementation: its stages are traced on torch's flash kernel (the same algorithm and workspace), or with
+    soft-capped scores, which that kernel lacks, on the math kernel (its tiles' scores a little above flash-attn's)."""
     s = plan.stage
+    kernel = plan.kernel
+    if kernel == "flash_attn":
+        kernel = "math" if config_softcap(config.get_text_config()) else "torch_flash"
     return StepProgram(config, s.seq_len, micro_batch=s.micro_batch_size, world=world, cp=plan.dims.cp,
-                       cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=plan.kernel, step=plan.step,
+                       cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=kernel, step=plan.step,
                        fsdp=plan.fsdp, bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
 
 
