@@ -1,4 +1,4 @@
-"""The math kernel (parallel/kernels.py) in query tiles of BAND_TILE rows against the same kernel with one tile for
+"""The math kernel (parallel/dense.py) in query tiles of BAND_TILE rows against the same kernel with one tile for
 the whole document (what it ran before): one document's attention forward + backward, plain and soft-capped
 (Gemma 2's cap of 50), its median time and the most bytes alive at once (recipes/memory/trace.LiveBytes: every
 tensor the call allocates, inputs excluded).
@@ -22,24 +22,25 @@ H, HKV, D = 8, 2, 64
 
 
 def measure(length: int, softcap, tile: int, reps: int) -> dict:
-    from longstride.parallel import kernels
+    from longstride.parallel import dense
+    from longstride.parallel.kernels import doc_attention
     from longstride.parallel.pattern import Pattern
     from longstride.recipes.memory.trace import LiveBytes
 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, length, D, generator=g) for h in (H, HKV, HKV, H))
-    old, kernels.BAND_TILE = kernels.BAND_TILE, tile
+    old, dense.BAND_TILE = dense.BAND_TILE, tile
     try:
         times, peak = [], 0
         for _ in range(reps):
             x = [t.clone().requires_grad_(True) for t in (q, k, v)]
             with LiveBytes() as live:
                 start = time.perf_counter()
-                kernels.doc_attention(*x, None, D ** -0.5, "math", pattern=Pattern(softcap=softcap)).backward(dout)
+                doc_attention(*x, None, D ** -0.5, "math", pattern=Pattern(softcap=softcap)).backward(dout)
                 times.append(time.perf_counter() - start)
             peak = max(peak, live.peak)
     finally:
-        kernels.BAND_TILE = old
+        dense.BAND_TILE = old
     return {"length": length, "softcap": softcap or "-", "tile": tile, "seconds": statistics.median(times),
             "peak_mib": peak / 2 ** 20}
 
@@ -50,7 +51,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     lengths, reps = ([512, 1024], 2) if args.quick else ([1024, 2048, 4096], args.reps)
-    from longstride.parallel.kernels import BAND_TILE
+    from longstride.parallel.dense import BAND_TILE
 
     rows = []
     for length in lengths:

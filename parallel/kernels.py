@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 from longstride.parallel.attention_call import CallAttention
 from longstride.parallel.blocks import RingPlan, doc_segments
+from longstride.parallel.dense import DENSE, expand_kv, seq_major
 from longstride.parallel.flash_contract import flash_head_dim
 from longstride.parallel.pattern import CAUSAL, Pattern, chunk_bounds, fold_sinks
-from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, dense_last, emulate,
+from longstride.parallel.varlen import (VARLEN, Varlen, VarlenCall, as_block, emulate,
                                         flash_attn_available, flash_attn_softcap_problem, torch_flash_available)
 
 _AVAILABLE = {"torch_flash": torch_flash_available, "flash_attn": flash_attn_available}
@@ -99,18 +100,6 @@ def doc_bounds(doc_ids: torch.Tensor) -> list[tuple]:
     return [doc_segments(row, 0, row.shape[0]) for row in doc_ids.cpu().numpy()]
 
 
-def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # (B, Hkv, L, D) -> (B, Hkv * groups, L, D), query head h reading K/V head h // groups
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def seq_major(like: torch.Tensor, dtype=None, alloc=torch.empty) -> torch.Tensor:
-    """A new tensor shaped like `like` (B, H, L, D) over a (B, L, H, D) buffer: the layout of transformers'
-    q/k/v and of what its o-projection reads, so transposing back costs no copy."""
-    B, H, L, D = like.shape
-    return alloc(B, L, H, D, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
-
-
 def doc_attention(q, k, v, doc_ids, scale: float, kernel: str = "sdpa", bounds=None, pattern: Pattern = CAUSAL,
                   sinks=None) -> torch.Tensor:
     """Causal attention within documents. doc_ids: (B, L), or None for plain causal attention; bounds: their
@@ -154,7 +143,7 @@ def doc_attention_forward(q, k, v, bounds, kernel: str, scale: float, window=Non
     if kernel in VARLEN:  # every document of every row in one call
         out, lse = _doc_call(bounds, L, window).forward(VARLEN[kernel], q, k, v, scale, softcap)
         return out.view(B, L, H, D).transpose(1, 2), lse.view(H, B, L).transpose(0, 1)
-    fwd = _DENSE[kernel][0]
+    fwd = DENSE[kernel][0]
     if B == 1 and len(bounds[0]) == 1:  # one document: the kernel's own output, no copy
         return fwd(q, k, v, scale, True, window, softcap)
     out = seq_major(q)
@@ -174,7 +163,7 @@ def doc_attention_backward(dout, q, k, v, out, lse, bounds, kernel: str, scale: 
         grads = _doc_call(bounds, L, window).backward(VARLEN[kernel], dout, q, k, v, out=out, lse=lse, scale=scale,
                                                       softcap=softcap)
         return tuple(g.view(B, L, g.shape[1], D).transpose(1, 2) for g in grads)
-    bwd = _DENSE[kernel][1]
+    bwd = DENSE[kernel][1]
     if q.shape[0] == 1 and len(bounds[0]) == 1:
         return bwd(dout, q, k, v, out, lse, scale=scale, causal=True, window=window, softcap=softcap)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))  # empty_like keeps the (B, L, H, D) strides
@@ -216,7 +205,7 @@ class _DocCall(NamedTuple):
                                       scale=self.scale, window=self.window, softcap=self.softcap)
 
 
-# ---- Block kernels: one (query block, key block) piece of ring attention, with its log-sum-exp ----
+# ---- Block kernels (parallel/dense.py): one (query block, key block) piece of ring attention ----
 #
 # block_forward(kernel, q, k, v, scale, segments) -> (out, lse)
 # block_backward(kernel, dout, q, k, v, out, lse, scale, segments) -> (dq, dk, dv)
@@ -225,151 +214,16 @@ class _DocCall(NamedTuple):
 # the block is square and each segment attends causally within itself (varlen-causal). The backward
 # takes the *merged* output and log-sum-exp of all blocks, which makes each block's gradient exact.
 
-def _no_softcap(softcap, name: str) -> None:
-    if softcap:
-        raise ValueError(f"parallel.kernel={name} has no logit soft-capping; use parallel.kernel=math (or flash_attn "
-                         "on CUDA)")
-
-
-def _cpu_flash_fwd(q, k, v, scale, causal, mask=None, softcap=None):
-    _no_softcap(softcap, "sdpa")
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                      scale=scale)
-
-
-def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
-    _no_softcap(softcap, "sdpa")
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), dropout_p=0.0, is_causal=causal, attn_mask=mask,
-        scale=scale)
-
-
-def _math_scores(q, k, scale, causal, mask=None, softcap=None):
-    """(scores, their derivative through the soft-cap or None): scale * q k^T, soft-capped to
-    softcap * tanh(x / softcap) when softcap is set (Gemma 2), then masked."""
-    ct = torch.promote_types(q.dtype, torch.float32)
-    k = expand_kv(k, q.shape[1] // k.shape[1])
-    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
-    slope = None
-    if softcap:
-        t = torch.tanh(s / softcap)
-        s, slope = t * softcap, 1 - t * t  # the slope from tanh itself, finite where the mask puts -inf
-    if causal:
-        causal_mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal_mask, float("-inf"))
-    return (s if mask is None else s + mask), slope
-
-
-def _math_fwd(q, k, v, scale, causal, mask=None, softcap=None):
-    s, _ = _math_scores(q, k, scale, causal, mask, softcap)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), expand_kv(v, q.shape[1] // v.shape[1]).to(s.dtype))
-    return out.to(q.dtype), lse
-
-
-def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
-    # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2),
-    # times the soft-cap's slope when there is one
-    groups = q.shape[1] // k.shape[1]
-    s, slope = _math_scores(q, k, scale, causal, mask, softcap)
-    ct = s.dtype
-    p = torch.exp(s - lse.to(ct).unsqueeze(-1))
-    do = dout.to(ct)
-    ve, ke = expand_kv(v, groups).to(ct), expand_kv(k, groups).to(ct)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - (do * out.to(ct)).sum(-1, keepdim=True))
-    if slope is not None:
-        ds = ds * slope
-    dq = torch.matmul(ds, ke) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
-    if groups > 1:
-        B, H, L, D = dk.shape
-        dk, dv = (x.view(B, H // groups, groups, L, D).sum(2) for x in (dk, dv))
-    return dq, dk, dv
-
-
-# A sliding window on a dense kernel: query tiles of BAND_TILE rows, each against the keys its window reaches,
-# under an additive mask of that tile's size (never the whole band). Queries are aligned at the keys' end
-# (they are the keys' suffix), each sees key j when 0 <= d < window, d its distance back; every query sees
-# itself, so no row of a tile is empty. The math kernel, which holds its scores, runs every block of more than
-# BAND_TILE queries so (a causal block as a window of all its keys, a dense one against all keys without a mask):
-# its memory grows with the block's length, not its square.
-BAND_TILE = 256
-
-
-def _band_tiles(lq: int, lk: int, window: Optional[int], dtype, device):
-    """(query rows, key range, additive mask or None) per tile; window None: dense, every query sees every key."""
-    off = lk - lq
-    for i0 in range(0, lq, BAND_TILE):
-        i1 = min(lq, i0 + BAND_TILE)
-        if window is None:
-            yield slice(i0, i1), slice(0, lk), None
-            continue
-        k0, k1 = max(0, off + i0 - window + 1), off + i1
-        d = torch.arange(off + i0, off + i1, device=device)[:, None] - torch.arange(k0, k1, device=device)[None]
-        mask = torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
-        yield slice(i0, i1), slice(k0, k1), mask
-
-
-def _plain(q, k, window) -> bool:
-    # square and the window (if any) reaches every key: the kernel's own causal mask is the whole pattern
-    return q.shape[2] == k.shape[2] and (window is None or window >= k.shape[2])
-
-
-def _whole(q, k, causal: bool, window, tile_all: bool) -> bool:
-    # one kernel call for the block: nothing to band, and either a kernel that tiles itself or a block of one tile
-    return (not causal or _plain(q, k, window)) and not (tile_all and q.shape[2] > BAND_TILE)
-
-
-def _tile_window(k, causal: bool, window):
-    return (window or k.shape[2]) if causal else None
-
-
-def _banded_fwd(fwd, tile_all: bool = False):
-    """tile_all: query tiles for every block longer than one (the math kernel), not only windowed ones."""
-    def run(q, k, v, scale, causal, window=None, softcap=None):
-        if _whole(q, k, causal, window, tile_all):
-            return fwd(q, k, v, scale, causal, softcap=softcap)
-        out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
-        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
-            out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask, softcap)
-        return out, lse
-    return run
-
-
-def _banded_bwd(bwd, tile_all: bool = False):
-    def run(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None):
-        if _whole(q, k, causal, window, tile_all):
-            return bwd(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
-        dq = torch.empty_like(q)
-        dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-                  for x in (k, v))
-        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
-            gq, gk, gv = bwd(dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
-                             scale=scale, causal=False, mask=mask, softcap=softcap)
-            dq[:, :, rq] = gq
-            dk[:, :, rk] += gk
-            dv[:, :, rk] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-    return run
-
-
-# fwd(q, k, v, scale, causal, window=None, softcap=None) -> (out, lse);
-# bwd(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None)
-_DENSE = {"sdpa": (_banded_fwd(_cpu_flash_fwd), _banded_bwd(_cpu_flash_bwd)),
-          "math": (_banded_fwd(_math_fwd, tile_all=True), _banded_bwd(_math_bwd, tile_all=True))}
-
-
 def varlen_kernel(kernel: str) -> Varlen:
     """The varlen form of any kernel: the CUDA kernels themselves, the dense ones one piece at a time."""
     return VARLEN[kernel] if kernel in VARLEN else _DENSE_VARLEN[kernel]
 
 
-_DENSE_VARLEN = {name: emulate(*pair) for name, pair in _DENSE.items()}
+_DENSE_VARLEN = {name: emulate(*pair) for name, pair in DENSE.items()}
 
 
 def block_forward(kernel: str, q, k, v, scale: float, segments=None, softcap=None):
-    fwd = _DENSE[kernel][0]
+    fwd = DENSE[kernel][0]
     if segments is None:
         return fwd(q, k, v, scale, False, softcap=softcap)
     parts = [fwd(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale, True, softcap=softcap) for s, e in segments]
@@ -379,7 +233,7 @@ def block_forward(kernel: str, q, k, v, scale: float, segments=None, softcap=Non
 
 
 def block_backward(kernel: str, dout, q, k, v, out, lse, scale: float, segments=None, softcap=None):
-    bwd = _DENSE[kernel][1]
+    bwd = DENSE[kernel][1]
     if segments is None:
         return bwd(dout, q, k, v, out, lse, scale=scale, causal=False, softcap=softcap)
     parts = [bwd(dout[:, :, s:e], q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], out[:, :, s:e], lse[:, :, s:e],

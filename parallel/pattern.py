@@ -15,7 +15,7 @@ the model's config), applied by every kernel and CP method (parallel/kernels.py,
             is scaled by sigmoid(lse - sink), folded in through the log-sum-exp after every block is merged
 
 Chunks are a refinement of the documents (each (document, chunk) pair its own run), so every kernel and the
-ring's block geometry compute them unchanged. Windows need banded blocks (parallel/kernels.py) and, under a
+ring's block geometry compute them unchanged. Windows need banded blocks (parallel/dense.py) and, under a
 ring, a halo exchange instead of the ring (parallel/window.py).
 """
 from __future__ import annotations

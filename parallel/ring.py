@@ -27,8 +27,10 @@ from longstride.parallel.blocks import RingPlan, ring_plan
 from longstride.parallel.collectives import CopyIn, host_staged
 from longstride.parallel.config import CPDegrees
 from longstride.parallel.attention_call import CallAttention
-from longstride.parallel.kernels import dense_last, seq_major, step_backward, step_forward
+from longstride.parallel.dense import seq_major
+from longstride.parallel.kernels import step_backward, step_forward
 from longstride.parallel.pattern import CAUSAL, Pattern, fold_sinks
+from longstride.parallel.varlen import dense_last
 from longstride.parallel.window import HaloPlan, halo_backward, halo_forward, pattern_plan
 from longstride.parallel.zigzag import shard_batch, zigzag
 

@@ -111,10 +111,10 @@ def _capped_reference(q, k, v, doc_ids, scale, window, softcap):
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (None, 2.0), (300, 2.0)])
 def test_the_math_kernel_holds_one_tile_of_scores_at_a_time(window, softcap, monkeypatch):
-    """A 900-token document (more than three query tiles of kernels.BAND_TILE) and a 200-token one: the math
+    """A 900-token document (more than three query tiles of dense.BAND_TILE) and a 200-token one: the math
     kernel's output and gradients match the fp64 reference within 1e-5, and the most bytes alive at once in
     its forward and backward are under half what the same call holds with one tile for the whole document."""
-    from longstride.parallel import kernels
+    from longstride.parallel import dense
     from longstride.parallel.pattern import Pattern
     from longstride.recipes.memory.trace import LiveBytes
 
@@ -137,6 +137,6 @@ def test_the_math_kernel_holds_one_tile_of_scores_at_a_time(window, softcap, mon
     ref.backward(dout.double())
     for g, want in zip(got, [ref, *(t.grad for t in xr)]):
         assert (g.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    monkeypatch.setattr(kernels, "BAND_TILE", 1024)  # one tile holds the whole document
+    monkeypatch.setattr(dense, "BAND_TILE", 1024)  # one tile holds the whole document
     _, whole = run()
     assert peak < 0.5 * whole, (peak, whole)

@@ -20,7 +20,8 @@ from longstride.parallel import varlen
 from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
-from longstride.parallel.kernels import _DENSE, SOFTCAP_KERNELS
+from longstride.parallel.dense import DENSE
+from longstride.parallel.kernels import SOFTCAP_KERNELS
 from longstride.parallel.spawn import run_gloo
 
 L, V = 96, 64
@@ -153,8 +154,8 @@ def cp_kernel(name: str) -> str:
 @pytest.mark.parametrize("name,kernel", [(name, kernel) for name in sorted(MODELS) for kernel in KERNELS[name]])
 def test_one_device_equals_eager(name, kernel, monkeypatch):
     # the varlen contract CUDA runs, over the CPU flash op (over the math kernel where scores are soft-capped)
-    monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*_DENSE["sdpa"]))
-    monkeypatch.setitem(varlen.VARLEN, "flash_attn", varlen.emulate(*_DENSE["math"]))
+    monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*DENSE["sdpa"]))
+    monkeypatch.setitem(varlen.VARLEN, "flash_attn", varlen.emulate(*DENSE["math"]))
     for window in WINDOWS:
         for doc_masking in (True, False):
             ref = eager_reference(name, window, doc_masking)
@@ -181,7 +182,7 @@ def test_the_patterns_change_the_result():
 def test_a_kernel_without_soft_capping_is_refused(kernel, monkeypatch):
     """sdpa and torch's flash attention have no soft-cap: a soft-capped layer run on them fails naming the kernel
     and the fix, before computing anything (the plan picks math or flash_attn for such a model)."""
-    monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*_DENSE["sdpa"]))
+    monkeypatch.setitem(varlen.VARLEN, "torch_flash", varlen.emulate(*DENSE["sdpa"]))
     with pytest.raises(NotImplementedError, match=f"parallel.kernel={kernel} does not; use parallel.kernel=auto"):
         longstride_run("gemma2", 7, True, CPContext(kernel=kernel))
 

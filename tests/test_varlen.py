@@ -10,7 +10,8 @@ import torch
 
 from longstride.parallel import kernels, varlen
 from longstride.parallel.blocks import ring_plan
-from longstride.parallel.kernels import _DENSE, doc_attention, doc_attention_forward, resolve_kernel, step_forward
+from longstride.parallel.dense import DENSE
+from longstride.parallel.kernels import doc_attention, doc_attention_forward, resolve_kernel, step_forward
 from longstride.parallel.spawn import run_gloo
 from longstride.parallel.varlen import VarlenCall, emulate, gather
 from longstride.parallel.zigzag import shard
@@ -19,7 +20,7 @@ from tests.conftest import compose_cfg
 from tests.test_attention import dense_reference
 from tests.test_ring import B, D, L, check_ring_results, inputs, layouts
 
-EMULATED = emulate(*_DENSE["sdpa"])
+EMULATED = emulate(*DENSE["sdpa"])
 
 
 def _emulate_torch_flash() -> None:
@@ -274,7 +275,7 @@ def _fake_flash_attn(monkeypatch, with_softcap: bool = True, version: str = "2.8
     import sys
     import types
 
-    math = emulate(*_DENSE["math"])
+    math = emulate(*DENSE["math"])
     window = lambda left: None if left < 0 else left + 1  # noqa: E731
 
     def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
