@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from longstride.parallel.varlen import dense_last
+from longstride.parallel.varlen import dense_last, refuse_softcap
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -34,20 +34,14 @@ def seq_major(like: torch.Tensor, dtype=None, alloc=torch.empty) -> torch.Tensor
     return alloc(B, L, H, D, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
 
 
-def _no_softcap(softcap, name: str) -> None:
-    if softcap:
-        raise ValueError(f"parallel.kernel={name} has no logit soft-capping; use parallel.kernel=math (or flash_attn "
-                         "on CUDA)")
-
-
 def _cpu_flash_fwd(q, k, v, scale, causal, mask=None, softcap=None):
-    _no_softcap(softcap, "sdpa")
+    refuse_softcap(softcap, "sdpa")
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                       scale=scale)
 
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
-    _no_softcap(softcap, "sdpa")
+    refuse_softcap(softcap, "sdpa")
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dense_last(dout), q, k, v, dense_last(out), lse.contiguous(), dropout_p=0.0, is_causal=causal, attn_mask=mask,
         scale=scale)

@@ -138,15 +138,16 @@ def _windows(window: Optional[int]) -> dict:
     return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
 
 
-def _no_softcap(softcap) -> None:
+def refuse_softcap(softcap, kernel: str) -> None:
+    """A kernel without a soft-cap handed one (resolve_kernel and the attention call refuse it first)."""
     if softcap:
-        raise ValueError("parallel.kernel=torch_flash has no logit soft-capping (torch's flash attention takes none); "
-                         "use parallel.kernel=flash_attn or math")
+        raise ValueError(f"parallel.kernel={kernel} has no logit soft-capping; use parallel.kernel=math (or flash_attn "
+                         "on CUDA)")
 
 
 def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=None, softcap=None):
     _check_half(q, "torch_flash")
-    _no_softcap(softcap)
+    refuse_softcap(softcap, "torch_flash")
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                             scale=scale, **_windows(window))
     return out, _packed_lse(lse, q)
@@ -154,7 +155,7 @@ def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, windo
 
 def _torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=None,
                           softcap=None):
-    _no_softcap(softcap)
+    refuse_softcap(softcap, "torch_flash")
     # dropout is 0: the philox state is not read; the shapes are those torch's own varlen_attn passes
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
