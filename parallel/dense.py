@@ -5,9 +5,9 @@ queries and (B, Hkv, Lk, D) keys/values with their own heads (GQA is resolved in
     fwd(q, k, v, scale, causal, window=None, softcap=None) -> (out, lse fp32)
     bwd(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None) -> (dq, dk, dv)
 
-causal: the block is square and causal (queries aligned at the keys' end when there are more keys, with a
-window); else dense, every query sees every key. The backward takes the *merged* output and log-sum-exp of all
-the blocks a query sees, which makes each block's gradient exact.
+causal: causal within the block (queries aligned at the keys' end when there are more keys: the queries are the
+keys' suffix), within the window when there is one; else dense, every query sees every key. The backward takes
+the *merged* output and log-sum-exp of all the blocks a query sees, which makes each block's gradient exact.
   sdpa  the CPU flash op (aten._scaled_dot_product_flash_attention_for_cpu), which takes no soft-cap
   math  explicit softmax, the reference, with Gemma 2's soft-cap; it holds its scores, so it runs in tiles of
         BAND_TILE query rows
@@ -15,6 +15,7 @@ parallel/kernels.py runs them per document, per ring block, and through the varl
 """
 from __future__ import annotations
 
+from functools import wraps
 from typing import Optional
 
 import torch
@@ -47,6 +48,18 @@ def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=No
         scale=scale)
 
 
+def _outside_autocast(kernel):
+    """The math kernel runs inside the attention op, where autocast still reaches: it would run the fp32 score
+    matmuls in bf16 (a log-sum-exp off by 3e-2 instead of 5e-7). Switched off around the kernel."""
+    @wraps(kernel)
+    def run(first, *args, **kwargs):
+        if not torch.is_autocast_enabled(first.device.type):
+            return kernel(first, *args, **kwargs)
+        with torch.autocast(first.device.type, enabled=False):
+            return kernel(first, *args, **kwargs)
+    return run
+
+
 def _math_scores(q, k, scale, causal, mask=None, softcap=None):
     """(scores, their derivative through the soft-cap or None): scale * q k^T, soft-capped to
     softcap * tanh(x / softcap) when softcap is set (Gemma 2), then masked."""
@@ -63,6 +76,7 @@ def _math_scores(q, k, scale, causal, mask=None, softcap=None):
     return (s if mask is None else s + mask), slope
 
 
+@_outside_autocast
 def _math_fwd(q, k, v, scale, causal, mask=None, softcap=None):
     s, _ = _math_scores(q, k, scale, causal, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
@@ -70,6 +84,7 @@ def _math_fwd(q, k, v, scale, causal, mask=None, softcap=None):
     return out.to(q.dtype), lse
 
 
+@_outside_autocast
 def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
     # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2),
     # times the soft-cap's slope when there is one
@@ -111,6 +126,7 @@ def _band_tiles(lq: int, lk: int, window: Optional[int], dtype, device):
         k0, k1 = max(0, off + i0 - window + 1), off + i1
         d = torch.arange(off + i0, off + i1, device=device)[:, None] - torch.arange(k0, k1, device=device)[None]
         mask = torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
+        del d  # int64, larger than the mask itself: not kept while the tile runs
         yield slice(i0, i1), slice(k0, k1), mask
 
 
@@ -144,7 +160,8 @@ def _banded_bwd(bwd, tile_all: bool = False):
     def run(dout, q, k, v, out, lse, scale, causal, window=None, softcap=None):
         if _whole(q, k, causal, window, tile_all):
             return bwd(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
-        dq = torch.empty_like(q)
+        # fp32 (fp64 stays fp64) as one kernel call gives them; the callers cast or accumulate
+        dq = torch.empty_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
         dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
                   for x in (k, v))
         for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
@@ -153,7 +170,7 @@ def _banded_bwd(bwd, tile_all: bool = False):
             dq[:, :, rq] = gq
             dk[:, :, rk] += gk
             dv[:, :, rk] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
     return run
 
 

@@ -28,6 +28,8 @@ call per mask kind (causal pieces, dense pieces), from views of (B, H, L, D) ten
 from __future__ import annotations
 
 import importlib.util
+import re
+from functools import lru_cache
 from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
@@ -189,16 +191,19 @@ SOFTCAP_FLASH_ATTN = "2.6.2"  # the first flash-attn whose backward soft-caps (2
 def flash_attn_softcap_problem() -> Optional[str]:
     """Why the installed flash-attn cannot train with soft-capped scores, or None: not installed, a ROCm build (its
     CK kernels take softcap and ignore it), or a release before SOFTCAP_FLASH_ATTN."""
-    from packaging.version import Version
-
     try:
         import flash_attn
     except ImportError:
         return "flash-attn is not installed (pip install 'longstride[gpu]')"
-    if torch.version.hip:
+    return _softcap_problem(getattr(flash_attn, "__version__", "0"), bool(torch.version.hip))
+
+
+@lru_cache(maxsize=4)
+def _softcap_problem(version: str, hip: bool) -> Optional[str]:
+    if hip:
         return "flash-attn's ROCm build ignores softcap"
-    version = getattr(flash_attn, "__version__", "0")
-    if Version(version) < Version(SOFTCAP_FLASH_ATTN):
+    release = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:3])  # noqa: E731  "2.6.3.post1" -> (2, 6, 3)
+    if release(version) < release(SOFTCAP_FLASH_ATTN):
         return f"flash-attn {version} has no soft-capped backward (upgrade to >= {SOFTCAP_FLASH_ATTN})"
     return None
 

@@ -91,8 +91,9 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_change():
 
 def test_a_soft_capped_checkpoint_is_planned_on_a_kernel_that_caps(tmp_path, capsys):
     """A Gemma 2 checkpoint (soft-capped scores): on GPUs the plan picks flash_attn (assumed installed, >= 2.6.2),
-    whose stages are traced on the math kernel (flash-attn has no fake implementation, torch's flash kernel no
-    cap): every stage is planned, the table names the kernel; an explicit sdpa is refused naming the field."""
+    whose stages are traced on torch's flash kernel with the cap left out of the traced copy (flash-attn has no
+    fake implementation; the cap moves no bytes): every stage is planned, the table names the kernel; an explicit
+    sdpa is refused naming the field."""
     import transformers as T
 
     from longstride.data.files import list_files, stdlib_root

@@ -43,7 +43,8 @@ from longstride.eval.hf_adapter import (SDPA_MASK, DynamicCache, attention_imple
                                         keep_rows, new_cache, plain_layers, plain_scores, put_row, row_prefix)
 from longstride.eval.ruler.score import sample_score
 from longstride.parallel.attention import no_mask
-from longstride.parallel.kernels import block_forward, expand_kv
+from longstride.parallel.dense import expand_kv
+from longstride.parallel.kernels import block_forward
 from longstride.parallel.ring import merge
 
 PREFILL_ATTENTION = "longstride_prefill"

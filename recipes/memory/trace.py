@@ -24,6 +24,7 @@ a GPU, plus the parameters and buffers that exist before the step. It excludes t
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -93,12 +94,15 @@ class StepProgram:
 def stage_program(cfg, plan, world: int, docs: int, config, gpu: bool = True, bf16: bool = True) -> StepProgram:
     """The StepProgram of a planned stage (cfg: recipes.config.schema.Config, plan: its StagePlan) for a model
     config (a training stage's loaded model's, or `longstride plan`'s read from the recipe). flash-attn has no fake
-    implementation: its stages are traced on torch's flash kernel (the same algorithm and workspace), or with
-    soft-capped scores, which that kernel lacks, on the math kernel (its tiles' scores a little above flash-attn's)."""
+    implementation: its stages are traced on torch's flash kernel, the same algorithm and workspace; a model's
+    soft-capped scores, which that kernel lacks and which move no bytes, are left out of the traced copy."""
     s = plan.stage
     kernel = plan.kernel
     if kernel == "flash_attn":
-        kernel = "math" if config_softcap(config.get_text_config()) else "torch_flash"
+        kernel = "torch_flash"
+        if config_softcap(config.get_text_config()):
+            config = copy.deepcopy(config)
+            config.get_text_config().attn_logit_softcapping = None
     return StepProgram(config, s.seq_len, micro_batch=s.micro_batch_size, world=world, cp=plan.dims.cp,
                        cp_impl=cfg.parallel.cp_impl, degrees=plan.degrees, kernel=kernel, step=plan.step,
                        fsdp=plan.fsdp, bf16=bf16, gpu=gpu, docs=docs, balance=plan.balance, optim=cfg.optim)
