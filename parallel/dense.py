@@ -19,6 +19,7 @@ from functools import wraps
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from longstride.parallel.varlen import dense_last, refuse_softcap
 
@@ -115,15 +116,27 @@ def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
 BAND_TILE = 256
 
 
-def _band_tiles(lq: int, lk: int, window: Optional[int], dtype, device):
-    """(query rows, key range, additive mask or None) per tile; window None: dense, every query sees every key."""
-    off = lk - lq
+def _tile_ranges(lq: int, lk: int, window: Optional[int]) -> list[tuple]:
+    """(i0, i1, k0, k1) per tile: its queries and the keys they see; window None: dense, all keys."""
+    off, out = lk - lq, []
     for i0 in range(0, lq, BAND_TILE):
         i1 = min(lq, i0 + BAND_TILE)
+        out.append((i0, i1, 0, lk) if window is None else (i0, i1, max(0, off + i0 - window + 1), off + i1))
+    return out
+
+
+def _band_tiles(q, k, window: Optional[int]):
+    """(query rows, key range, additive mask or None) per tile; window None: dense, every query sees every key.
+    On fake tensors (a traced step, recipes/memory/trace.py) only the largest tile runs: each holds what the others
+    hold, and tracing every tile of a long sequence took seconds a layer."""
+    lq, lk, dtype, device = q.shape[2], k.shape[2], q.dtype, q.device
+    off, ranges = lk - lq, _tile_ranges(lq, lk, window)
+    if is_fake(q):
+        ranges = [max(ranges, key=lambda r: (r[1] - r[0]) * (r[3] - r[2]))]
+    for i0, i1, k0, k1 in ranges:
         if window is None:
             yield slice(i0, i1), slice(0, lk), None
             continue
-        k0, k1 = max(0, off + i0 - window + 1), off + i1
         d = torch.arange(off + i0, off + i1, device=device)[:, None] - torch.arange(k0, k1, device=device)[None]
         mask = torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
         del d  # int64, larger than the mask itself: not kept while the tile runs
@@ -150,7 +163,7 @@ def _banded_fwd(fwd, tile_all: bool = False):
         if _whole(q, k, causal, window, tile_all):
             return fwd(q, k, v, scale, causal, softcap=softcap)
         out, lse = seq_major(q), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
-        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
+        for rq, rk, mask in _band_tiles(q, k, _tile_window(k, causal, window)):
             out[:, :, rq], lse[:, :, rq] = fwd(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, False, mask, softcap)
         return out, lse
     return run
@@ -164,12 +177,13 @@ def _banded_bwd(bwd, tile_all: bool = False):
         dq = torch.empty_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
         dk, dv = (torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
                   for x in (k, v))
-        for rq, rk, mask in _band_tiles(q.shape[2], k.shape[2], _tile_window(k, causal, window), q.dtype, q.device):
+        for rq, rk, mask in _band_tiles(q, k, _tile_window(k, causal, window)):
             gq, gk, gv = bwd(dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq], lse[:, :, rq],
                              scale=scale, causal=False, mask=mask, softcap=softcap)
             dq[:, :, rq] = gq
             dk[:, :, rk] += gk
             dv[:, :, rk] += gv
+            del gq, gk, gv  # not held while the next tile runs
         return dq, dk, dv
     return run
 

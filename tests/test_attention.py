@@ -2,6 +2,8 @@
 inside a real transformers model."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -159,3 +161,36 @@ def test_the_math_kernel_keeps_fp32_scores_under_autocast():
     want = torch.logsumexp(s.masked_fill(~torch.ones(300, 300, dtype=torch.bool).tril(), float("-inf")), -1)
     assert lse.dtype == torch.float32 and (lse.double() - want).abs().max() < 1e-5
     assert [x.dtype for x in grads] == [torch.float32] * 3
+
+
+def test_a_traced_math_kernel_runs_its_largest_tile_and_counts_the_real_peak():
+    """On fake tensors (longstride plan, the stage-start trace) the math kernel runs only its largest tile, forward
+    and backward (its forward's soft-cap tanh: once, against once a tile), and the same peak as the real call measured over all its
+    tiles (LiveBytes), for a causal and a windowed document."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longstride.parallel.pattern import Pattern
+    from longstride.recipes.memory.trace import LiveBytes
+
+    class Tiles(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.tanh.default
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, h, 900, 16, generator=g) for h in (4, 2, 2, 4)]
+    for window in (None, 300):
+        got = {}
+        for fake in (False, True):
+            mode = FakeTensorMode() if fake else contextlib.nullcontext()
+            with mode:
+                q, k, v, dout = (mode.from_tensor(t) if fake else t.clone() for t in inputs)
+                x = [t.requires_grad_(True) for t in (q, k, v)]
+                with LiveBytes() as live, Tiles() as tiles:
+                    doc_attention(*x, None, 0.25, "math", pattern=Pattern(window, softcap=2.0)).backward(dout)
+            got[fake] = (tiles.n, live.peak)
+        assert got[False][0] == 4 and got[True][0] == 1, got  # 900 queries: 4 tiles of 256
+        assert got[True][1] == got[False][1], (window, got)
