@@ -130,8 +130,8 @@ def check_supported(model: torch.nn.Module, split_longest: int = 0) -> None:
         raise NotImplementedError(
             f"{type(model).__name__}: longstride's attention computes causal attention within documents (with "
             f"sliding windows, chunks, soft-capped scores and sinks), and this model's attention needs more: {shown}. "
-            f"Refused rather than silently dropped. Train it without longstride's attention (attn_implementation='sdpa' or "
-            f"'eager', no context parallelism)")
+            f"Refused rather than silently dropped. Train it without longstride's attention "
+            f"(attn_implementation='sdpa' or 'eager', no context parallelism)")
 
 
 def longstride_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

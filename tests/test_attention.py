@@ -165,8 +165,8 @@ def test_the_math_kernel_keeps_fp32_scores_under_autocast():
 
 def test_a_traced_math_kernel_runs_its_largest_tile_and_counts_the_real_peak():
     """On fake tensors (longstride plan, the stage-start trace) the math kernel runs only its largest tile, forward
-    and backward (its forward's soft-cap tanh: once, against once a tile), and the same peak as the real call measured over all its
-    tiles (LiveBytes), for a causal and a windowed document."""
+    and backward (its forward's soft-cap tanh: once, against once a tile), and reaches the same peak as the real
+    call over all its tiles (LiveBytes), for a causal and a windowed document."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -2,10 +2,10 @@
 attention.
 
 Tiny random models of transformers' own classes: Mistral and Qwen2 (windows), Gemma 3 (local + global layers),
-Gemma 2 (local + global layers, soft-capped scores: the math kernel and flash-attn's contract, which alone take it),
-GPT-OSS (sinks + windows), Llama 4 (chunked + NoPE layers), OLMo 3 and EXAONE 4 (windows + full), Llama as the
-plain causal control, GPT-NeoX as another layout (its decoder under gpt_neox, partial rotary). Logits, loss and every parameter's gradient with longstride's attention equal the model's eager
-attention within 1e-5 relative in fp32: on one device with each kernel (the CPU flash op, the math path, the
+Gemma 2 (local + global layers, soft-capped scores: the math kernel and flash-attn's contract, which alone take
+it), GPT-OSS (sinks + windows), Llama 4 (chunked + NoPE layers), OLMo 3 and EXAONE 4 (windows + full), Llama as
+the plain causal control, GPT-NeoX as another layout (its decoder under gpt_neox, partial rotary). Logits, loss
+and every parameter's gradient with longstride's attention equal the model's eager attention within 1e-5 relative in fp32: on one device with each kernel (the CPU flash op, the math path, the
 varlen contract that torch's flash kernel runs on CUDA, emulated here), with and without document masks (the
 reference runs each document alone), and under ring (N = 2, 3), Ulysses, UPipe and hybrid on gloo processes,
 with windows smaller and larger than a CP chunk and crossing document boundaries.

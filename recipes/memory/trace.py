@@ -58,8 +58,8 @@ GPU_ROUND = 512  # the CUDA caching allocator rounds every block up to a multipl
 class StepProgram:
     """What one rank runs in one training step. config: the transformers model config (RoPE base, YaRN set);
     kernel: torch_flash (the GPU program), sdpa (the CPU one) or math; step: how the step is built (checkpointing,
-    offload, tiles; recipes/run/step.StepSpec); plain: transformers' own step instead (its SDPA attention, loss from full
-    logits through labels=, no longstride patch), the usual baseline; docs: documents per sequence; gpu: count as
+    offload, tiles; recipes/run/step.StepSpec); plain: transformers' own step instead (its SDPA attention, loss from
+    full logits through labels=, no longstride patch), the usual baseline; docs: documents per sequence; gpu: count as
     a GPU allocator does (512-byte blocks)."""
 
     config: object
