@@ -200,6 +200,7 @@ def test_prompt_lookup_drafts_give_the_one_token_answers_in_fewer_forwards(atten
     drafts' holes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import longstride.eval.ruler.attention as ruler_attention
     import longstride.eval.ruler.generate as generate
     from tests.conftest import REPO
 
@@ -208,7 +209,7 @@ def test_prompt_lookup_drafts_give_the_one_token_answers_in_fewer_forwards(atten
     model = AutoModelForCausalLM.from_pretrained(shipped).eval()
     if attention != "cpu_kernels":
         monkeypatch.setattr(generate, "cpu_kernels", lambda device: False)
-        monkeypatch.setattr(generate, "_prefill_cpu", generate._prefill_lower_right)
+        monkeypatch.setattr(ruler_attention, "_prefill_cpu", ruler_attention._prefill_lower_right)
         model.set_attn_implementation(attention)
     samples = [make_sample(ALL_TASKS["niah_single_1"], L, i, tok) for i, L in enumerate((512, 512, 600, 700, 700))]
     prompts, refs = [s.prompt_ids for s in samples], [s.answers for s in samples]

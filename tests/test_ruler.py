@@ -48,13 +48,13 @@ def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits(path, mon
     from transformers import DynamicCache
 
     from longstride.eval.hf_adapter import buffer_cache, cache_kw, put_row, row_prefix
-    from longstride.eval.ruler import generate
+    from longstride.eval.ruler import attention
     from longstride.eval.ruler.generate import _prefill, shared_prefix
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig, YarnConfig
 
     if path == "lower-right sdpa":
-        monkeypatch.setattr(generate, "_prefill_cpu", generate._prefill_lower_right)
+        monkeypatch.setattr(attention, "_prefill_cpu", attention._prefill_lower_right)
 
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2, initializer_range=0.3, yarn=YarnConfig(factor=2.0))
