@@ -6,10 +6,10 @@ starting from the KV cache of its longest common token prefix with the prompt be
 with any earlier one: the total prefilled is the token trie's size), so only the rest of it is run. RULER's
 prompts share much: every niah_single_1 prompt of a length is the same noise haystack up to its needle.
 Each prompt is run alone (no padding), `prefill_chunk` tokens per forward; its tokens attend to the cached
-ones and causally to each other with no mask tensor (eval/ruler/attention.py `prefill_attention`: on CPU the dense block over the cache
-and the causal block, each one CPU flash call, merged by their log-sum-exp as ring attention merges its blocks;
-on a GPU one SDPA call with torch's lower-right causal bias: the flash kernel in bf16/fp16, the memory-efficient
-one in fp32), and the last layer computes only the last token's row, the one whose logits are kept. The cache and
+ones and causally to each other with no mask tensor (eval/ruler/attention.py `prefill_attention`: on CPU the
+dense block over the cache and the causal block, each one CPU flash call, merged by their log-sum-exp as ring
+attention merges its blocks; on a GPU one SDPA call with torch's lower-right causal bias: the flash kernel in
+bf16/fp16, the memory-efficient one in fp32), and the last layer computes only the last token's row, the one whose logits are kept. The cache and
 logits are the full forward's to fp32 rounding (tests/test_ruler.py).
 
 The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
