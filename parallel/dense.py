@@ -61,44 +61,48 @@ def _outside_autocast(kernel):
     return run
 
 
-def _math_scores(q, k, scale, causal, mask=None, softcap=None):
+def _math_scores(q, k, scale, causal, mask=None, softcap=None, slope=False):
     """(scores, their derivative through the soft-cap or None): scale * q k^T, soft-capped to
-    softcap * tanh(x / softcap) when softcap is set (Gemma 2), then masked."""
+    softcap * tanh(x / softcap) when softcap is set (Gemma 2), then masked; in place on one tensor, the tile's
+    largest, with a second for the derivative only when `slope` asks for it (the backward)."""
     ct = torch.promote_types(q.dtype, torch.float32)
     k = expand_kv(k, q.shape[1] // k.shape[1])
-    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale
-    slope = None
+    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)).mul_(scale)
+    d = None
     if softcap:
-        t = torch.tanh(s / softcap)
-        s, slope = t * softcap, 1 - t * t  # the slope from tanh itself, finite where the mask puts -inf
+        s.div_(softcap).tanh_()
+        d = s.square().neg_().add_(1) if slope else None  # 1 - tanh^2, finite where the mask puts -inf
+        s.mul_(softcap)
     if causal:
-        causal_mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal_mask, float("-inf"))
-    return (s if mask is None else s + mask), slope
+        s.masked_fill_(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return (s if mask is None else s.add_(mask)), d
 
 
 @_outside_autocast
 def _math_fwd(q, k, v, scale, causal, mask=None, softcap=None):
     s, _ = _math_scores(q, k, scale, causal, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), expand_kv(v, q.shape[1] // v.shape[1]).to(s.dtype))
+    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    out = torch.matmul(p, expand_kv(v, q.shape[1] // v.shape[1]).to(s.dtype))
     return out.to(q.dtype), lse
 
 
 @_outside_autocast
 def _math_bwd(dout, q, k, v, out, lse, scale, causal, mask=None, softcap=None):
     # P = exp(S - lse) with the merged lse; dS = P * (dO V^T - rowsum(dO * O)) (FlashAttention-2, Alg. 2),
-    # times the soft-cap's slope when there is one
+    # times the soft-cap's slope when there is one; P, dS and the slope are the only score-sized tensors
     groups = q.shape[1] // k.shape[1]
-    s, slope = _math_scores(q, k, scale, causal, mask, softcap)
+    s, slope = _math_scores(q, k, scale, causal, mask, softcap, slope=True)
     ct = s.dtype
-    p = torch.exp(s - lse.to(ct).unsqueeze(-1))
+    p = s.sub_(lse.to(ct).unsqueeze(-1)).exp_()
     do = dout.to(ct)
     ve, ke = expand_kv(v, groups).to(ct), expand_kv(k, groups).to(ct)
     dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - (do * out.to(ct)).sum(-1, keepdim=True))
+    ds = torch.matmul(do, ve.transpose(-1, -2)).sub_((do * out.to(ct)).sum(-1, keepdim=True)).mul_(p)
+    del p, s
     if slope is not None:
-        ds = ds * slope
+        ds.mul_(slope)
+        del slope
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
     if groups > 1:

@@ -1,8 +1,15 @@
 """The attention RULER's generation runs in place of the model's own (eval/ruler/generate.py): `prefill_attention`,
 a prompt's new tokens against its cached ones with no mask tensor, and `decode_attention`, a CPU decode step with
-GQA folded into SDPA's query length. Both compute full causal attention only (no window, soft-cap or sinks);
-generate.py runs them where the model's layers and scores allow (hf_adapter.plain_layers, plain_scores), the
-model's own attention elsewhere.
+GQA folded into SDPA's query length.
+
+The prefill computes every layer longstride's training attention computes (parallel/pattern.py) except chunked ones:
+plain causal layers as one lower-right causal block (two CPU flash calls on CPU, one SDPA call elsewhere); sliding
+windows, soft-capped scores (Gemma 2) and sinks (GPT-OSS) through the block kernels in query tiles against the keys
+each tile sees (parallel/dense.py), or the flash kernels in bf16/fp16 on CUDA: memory grows with the prompt, not
+with prefill_chunk x prompt as the model's eager attention's scores (or SDPA's mask) do. `prefill_computes` says
+where it runs; generate.py runs the model's own attention elsewhere. The decode computes full causal attention
+only (no window, soft-cap or sinks) and runs where the cache and scores allow (hf_adapter.full_attention_layers,
+plain_scores).
 """
 from __future__ import annotations
 
@@ -13,36 +20,93 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation
-from longstride.parallel.attention import no_mask
-from longstride.parallel.dense import expand_kv
-from longstride.parallel.kernels import block_forward
+from longstride.parallel.attention import MaskNote, no_mask, unsupported_attention
+from longstride.parallel.dense import DENSE, expand_kv
+from longstride.parallel.kernels import block_forward, resolve_kernel
+from longstride.parallel.pattern import ABSENT, Pattern, fold_sinks, layer_pattern, layer_types
 from longstride.parallel.ring import merge
+from longstride.parallel.varlen import VARLEN, VarlenCall, as_block
 
 PREFILL_ATTENTION = "longstride_prefill"
 DECODE_ATTENTION = "longstride_decode"
-
-
-def _full_attention_only(name: str, dropout: float, kwargs: dict) -> None:
-    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{name} is full causal attention: no dropout, window, softcap or sinks")
 
 
 def prefill_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """One unpadded prompt's new tokens attending to its cached ones and causally to each other, with no mask:
     query: (1, H, s, D), key/value: (1, Hkv, c + s, D), the first c cached -> ((1, s, H, D), None). The last
     layer computes the last token's row only (the others are zero): a prefill keeps the logits of its last
-    token alone, and decoding reads the layer's keys and values, which are in the cache already. On CPU two
-    CPU flash calls (`_prefill_cpu`); on other devices one SDPA call with a lower-right causal mask
-    (`_prefill_lower_right`)."""
-    _full_attention_only("prefill_attention", dropout, kwargs)
+    token alone, and decoding reads the layer's keys and values, which are in the cache already. A plain causal
+    layer runs `_prefill_cpu` on CPU, `_prefill_lower_right` elsewhere; a window, soft-cap or sinks
+    `_prefill_pattern`."""
+    if dropout:
+        raise NotImplementedError("prefill_attention computes no attention dropout")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    pattern, sinks = prefill_pattern(module, attention_mask, query, key, kwargs)
     last = module.layer_idx == module.config.num_hidden_layers - 1
-    run = _prefill_cpu if query.device.type == "cpu" else _prefill_lower_right
+    q = query[:, :, -1:] if last else query
+    if pattern != Pattern() or sinks is not None:
+        out = _prefill_pattern(q, key, value, scale, pattern, sinks)
+    else:
+        out = (_prefill_cpu if query.device.type == "cpu" else _prefill_lower_right)(q, key, value, scale, not last)
     if not last:
-        return run(query, key, value, scale).transpose(1, 2).contiguous(), None
-    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[-1])
-    out[:, -1:] = run(query[:, :, -1:], key, value, scale, causal=False).transpose(1, 2)
-    return out, None
+        return out.transpose(1, 2).contiguous(), None
+    full = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[-1])
+    full[:, -1:] = out.transpose(1, 2)
+    return full, None
+
+
+def prefill_pattern(module, mask, query, key, kwargs: dict) -> tuple[Pattern, Optional[torch.Tensor]]:
+    """(the layer's Pattern over the call's keys, its sinks or None) as the model's own attention computes them: the
+    window its mask holds (eager and SDPA read the mask, built from config.sliding_window and config.layer_types,
+    not the call's sliding_window), the call's soft-cap and sinks (s_aux). A chunked layer, or a mask holding
+    padding or more than a causal window, is refused (prefill_computes keeps such models on their own attention)."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if layer_pattern(module, kwargs.get("sliding_window", ABSENT)).chunk:
+        raise NotImplementedError(f"{where} is a chunked attention layer, which prefill_attention does not compute")
+    note = mask or MaskNote()
+    if not isinstance(note, MaskNote) or note.padding or note.beyond_causal:
+        raise NotImplementedError(f"{where}: prefill_attention computes one unpadded prompt with a causal mask "
+                                  f"(sliding or not), and this call's mask holds more: {note}")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per "
+                         f"query head ({query.shape[1]},)")
+    softcap = kwargs.get("softcap")
+    return Pattern(note.local, None, float(softcap) if softcap else None).within(key.shape[2]), sinks
+
+
+def prefill_kernel(query: torch.Tensor, softcap: Optional[float]) -> str:
+    """The kernel `_prefill_pattern` runs: the one a training stage's parallel.kernel=auto picks for this device,
+    dtype and head size (on CPU the CPU flash op, or math for soft-capped scores; on CUDA torch_flash in
+    bf16/fp16, flash_attn for soft-capped scores where installed), math where that pick is SDPA off CPU (the
+    block kernels' sdpa is the CPU op)."""
+    device = query.device.type
+    kernel = resolve_kernel("auto", device, half=query.dtype in (torch.float16, torch.bfloat16),
+                            head_dim=query.shape[-1], softcap=bool(softcap))
+    return "math" if kernel == "sdpa" and device != "cpu" else kernel
+
+
+def _prefill_pattern(query, key, value, scale, pattern: Pattern, sinks):
+    """(1, H, s, D) queries, the suffix of (1, Hkv, c + s, D) keys, through a window (pattern.window, or all the
+    keys), with the pattern's soft-cap and the sinks: a dense kernel in query tiles on (B, H, L, D) views, no copy
+    of the cache; a varlen kernel (CUDA flash) as one varlen piece."""
+    kernel = prefill_kernel(query, pattern.softcap)
+    window = pattern.window or key.shape[2]
+    if kernel in DENSE:
+        out, lse = DENSE[kernel][0](query, key, value, scale, True, window, pattern.softcap)
+    else:
+        call = VarlenCall.of_ranges([(0, query.shape[2])], [(0, key.shape[2])], window)
+        out, lse = call.forward(VARLEN[kernel], query, key, value, scale, pattern.softcap)
+        out, lse = as_block(out, slice(None)), lse.unsqueeze(0)
+    return fold_sinks(out, lse, sinks)[0]
+
+
+def prefill_computes(model) -> bool:
+    """Whether `prefill_attention` computes every layer of `model`: what longstride's training attention computes
+    (parallel/attention.unsupported_attention: full and sliding-window layers, soft-capped scores, sinks) without
+    chunked layers (Llama 4's), whose chunks count from each prompt's start, which a cached prefill does not see."""
+    text = model.config.get_text_config(decoder=True)
+    return "chunked_attention" not in layer_types(text) and not unsupported_attention(model)
 
 
 def _prefill_cpu(query, key, value, scale, causal=True):
@@ -74,7 +138,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     causality among the new tokens) or none (one new token, nothing masked) -> ((B, q, H, D), None). The g query
     heads that share a K/V head go into the query-length dimension, (B, Hkv, g*q, D), so SDPA reads each K/V
     head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask)."""
-    _full_attention_only("decode_attention", dropout, kwargs)
+    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("decode_attention is full causal attention: no dropout, window, softcap or sinks")
     B, H, q, D = query.shape
     assert attention_mask is not None or q == 1, "several new tokens after a cache need a mask"
     g = H // key.shape[1]

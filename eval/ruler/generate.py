@@ -9,8 +9,9 @@ Each prompt is run alone (no padding), `prefill_chunk` tokens per forward; its t
 ones and causally to each other with no mask tensor (eval/ruler/attention.py `prefill_attention`: on CPU the
 dense block over the cache and the causal block, each one CPU flash call, merged by their log-sum-exp as ring
 attention merges its blocks; on a GPU one SDPA call with torch's lower-right causal bias: the flash kernel in
-bf16/fp16, the memory-efficient one in fp32), and the last layer computes only the last token's row, the one whose logits are kept. The cache and
-logits are the full forward's to fp32 rounding (tests/test_ruler.py).
+bf16/fp16, the memory-efficient one in fp32; windowed, soft-capped and sink layers through the block kernels in
+query tiles), and the last layer computes only the last token's row, the one whose logits are kept. The cache
+and logits are the full forward's to fp32 rounding (tests/test_ruler.py, tests/test_prefill_patterns.py).
 
 The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
 to the longest prompt, and the rows are decoded one token per forward for all of them together
@@ -39,7 +40,8 @@ import torch
 from longstride.eval.hf_adapter import (DynamicCache, buffer_cache, buffer_columns, buffered, cache_kw,
                                         check_prefill_chunk, full_attention_layers, keep_rows, new_cache, plain_layers,
                                         plain_scores, put_row, row_prefix)
-from longstride.eval.ruler.attention import DECODE_ATTENTION, PREFILL_ATTENTION, cpu_kernels, use_attention
+from longstride.eval.ruler.attention import (DECODE_ATTENTION, PREFILL_ATTENTION, cpu_kernels, prefill_computes,
+                                             use_attention)
 from longstride.eval.ruler.score import sample_score
 
 DRAFT_NGRAM = 3  # the longest suffix looked up for a draft (then shorter ones, down to the last token)
@@ -84,15 +86,15 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
              cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, torch.Tensor]:
     """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones): its KV cache
     and the logits of its last token. With `cache` holding the prompt's first tokens already (a shared prefix,
-    or a context-parallel prefill), only the rest is run. With full attention in every layer, the forward runs
-    `prefill_attention` (no mask); with sliding-window or other special layers, the model's own attention with
-    its mask."""
+    or a context-parallel prefill), only the rest is run. Where `prefill_computes` (full and sliding-window layers,
+    soft-capped scores, sinks) the forward runs `prefill_attention` (no mask tensor); elsewhere (chunked layers)
+    the model's own attention with its mask."""
     cache = cache if cache is not None else new_cache(model)
     start = cache.get_seq_length()
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: a prompt of {len(ids)} tokens with {start} already cached")
     x = torch.tensor([ids], device=device)
-    with use_attention(model, PREFILL_ATTENTION if plain_layers(cache) and plain_scores(model) else None):
+    with use_attention(model, PREFILL_ATTENTION if prefill_computes(model) else None):
         for s in range(start, len(ids), chunk):
             logits = model(input_ids=x[:, s:s + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     return cache, logits[0, -1]

@@ -1,10 +1,14 @@
 """RULER's prefill on a GPU: a prompt prefilled in chunks from the cache of a prefix it shares with another prompt,
 through `prefill_attention`'s GPU path (one SDPA call a layer with torch's lower-right causal bias, no mask tensor),
 gives in bf16 the last-token logits and KV cache of one fp32 forward of the whole prompt to within 1.5x the error of
-transformers' own bf16 SDPA forward (with its mask); and its attention calls over the cache ran the flash kernel."""
+transformers' own bf16 SDPA forward (with its mask); and its attention calls over the cache ran the flash kernel.
+Windowed, soft-capped and sink layers (Gemma 3, Gemma 2, GPT-OSS) through its patterned path against the models' own
+eager attention."""
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers as T
 from transformers import DynamicCache
 
 from longstride.eval.hf_adapter import buffer_cache, cache_kw, put_row, row_prefix
@@ -64,3 +68,49 @@ def test_lower_right_prefill_from_a_shared_prefix_matches_the_full_forward_in_bf
     assert err <= 1.5 * sdpa_err, (err, sdpa_err)
     for mine, theirs in zip(_errors(cache, ref_cache), _errors(sdpa_cache, ref_cache), strict=True):
         assert mine <= 1.5 * theirs + 1e-3, (mine, theirs)  # the first layer's keys are exact in both
+
+
+SHAPE = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+PATTERNED = {  # name -> (model on the CPU in fp32, the kernel the patterned prefill runs in bf16 on CUDA)
+    "gemma3 window 512": (lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        **SHAPE, sliding_window=512, layer_types=["sliding_attention", "full_attention"] * 2)), "torch_flash"),
+    "gemma2 soft-cap 2, window 512": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
+        **SHAPE, sliding_window=512, attn_logit_softcapping=2.0, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"] * 2)), "math"),
+    "gpt_oss sinks, window 128": (lambda: T.GptOssForCausalLM(T.GptOssConfig(
+        **SHAPE, sliding_window=128, num_local_experts=2, num_experts_per_tok=1)), "torch_flash"),
+}
+
+
+@pytest.mark.parametrize("name", list(PATTERNED))
+@torch.no_grad()
+def test_patterned_prefill_in_bf16_matches_the_model_s_own_attention(name):
+    """Windows (torch's flash kernel with its window), soft-capped scores (the CUDA math kernel in query tiles) and
+    sinks through `prefill_attention` on CUDA in bf16: a 3,000-token prompt in 1,024-token forwards gives the
+    last-token logits of one fp32 eager forward on the CPU to within 1.5x the error of the model's own bf16 eager
+    attention on CUDA over the same forwards; the kernel prefill_kernel picks ran."""
+    from tests.test_attention_patterns import make_matter
+
+    from longstride.eval.ruler import generate
+
+    make, kernel = PATTERNED[name]
+    torch.manual_seed(0)
+    model = make_matter(make().float()).eval()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(2, 1000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = model(torch.tensor([ids])).logits[0, -1].double()
+    model = model.to(device=CUDA, dtype=torch.bfloat16)
+    kw = cache_kw(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _, logits = _prefill(model, ids, CHUNK, CUDA, kw)
+    flash = any(e.name == "aten::_flash_attention_forward" for e in prof.events())
+    assert flash == (kernel == "torch_flash"), (name, flash)
+    old, generate.prefill_computes = generate.prefill_computes, lambda m: False
+    try:
+        _, own = _prefill(model, ids, CHUNK, CUDA, kw)
+    finally:
+        generate.prefill_computes = old
+    err, own_err = ((x.double().cpu() - ref).abs().mean().item() for x in (logits, own))
+    print(f"{name}: logits mean error {err:.3g}, the model's own bf16 eager {own_err:.3g}")
+    assert err <= 1.5 * own_err + 1e-3, (err, own_err)

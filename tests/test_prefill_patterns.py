@@ -1,0 +1,156 @@
+"""RULER's prefill (eval/ruler/attention.py prefill_attention) on models whose attention is not plain causal:
+sliding windows (Mistral, Qwen2, Gemma 3, OLMo 3, EXAONE 4), soft-capped scores (Gemma 2) and sinks (GPT-OSS)
+computed by longstride's block kernels, exact against the model's own eager attention; Llama 4's chunked layers
+left to the model's own attention; scores held one query tile at a time, not prefill_chunk x prompt."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers as T
+from transformers import DynamicCache
+
+from longstride.eval.hf_adapter import cache_kw
+from longstride.eval.ruler import attention
+from longstride.eval.ruler import generate as G
+from longstride.recipes.memory.trace import LiveBytes
+from tests.test_attention_patterns import MODELS, WINDOWS, make_matter, make_model
+
+CPU = torch.device("cpu")
+PATTERNED = ["mistral", "qwen2", "gemma3", "gemma2", "gpt_oss", "olmo3", "exaone4"]
+
+
+def prompt(n: int, vocab: int = 64, seed: int = 1) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def own_forward(model, ids: list[int]):
+    """(cache, last-token logits) of one forward of the whole prompt through the model's own (eager) attention."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True, **{cache_kw(model): DynamicCache(config=model.config)})
+    return out.past_key_values, out.logits[0, -1]
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], chunk: int):
+    """generate.py's prefill of one prompt from an empty cache: (cache, last-token logits)."""
+    return G._prefill(model, ids, chunk, CPU, cache_kw(model))
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def counting(monkeypatch) -> list:
+    """Patches prefill_attention's patterned path to count its calls."""
+    calls, inner = [], attention._prefill_pattern
+    monkeypatch.setattr(attention, "_prefill_pattern", lambda *a: calls.append(a[4]) or inner(*a))
+    return calls
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("name", PATTERNED)
+def test_a_chunked_prefill_gives_the_model_s_own_cache_and_logits(name, window, monkeypatch):
+    """A 90-token prompt prefilled 32 tokens a forward (windows of 7 and 40 tokens cross the forwards) gives the
+    KV cache (each sliding layer's kept tokens) and last-token logits of one forward through the model's eager
+    attention; the windowed, soft-capped and sink layers ran longstride's patterned prefill."""
+    model = make_model(name, window).eval()
+    calls = counting(monkeypatch)
+    ids = prompt(90)
+    assert attention.prefill_computes(model)
+    cache, logits = prefill(model, ids, 32)
+    ref_cache, ref_logits = own_forward(model, ids)
+    assert relative(logits, ref_logits) < 1e-5
+    for mine, theirs in zip(cache.layers, ref_cache.layers, strict=True):
+        assert type(mine) is type(theirs) and mine.keys.shape == theirs.keys.shape
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values,
+                                                                                     atol=1e-5)
+    assert calls and {p.window for p in calls} <= {window, None}
+    if name in ("gemma2", "gpt_oss"):  # every layer: the soft-cap or sinks, also on the full layers
+        assert len(calls) == 3 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name, drop", [("gemma3", "window"), ("gemma2", "softcap"), ("gpt_oss", "sinks")])
+def test_the_prefill_test_fails_without_each_part_of_the_pattern(name, drop, monkeypatch):
+    """Control: with the window, soft-cap or sinks left out of the prefill, the logits are off by more than 1e-2
+    relative, a thousand times the tolerance above."""
+    model = make_model(name, 7).eval()
+    ids = prompt(90)
+    inner = attention.prefill_pattern
+
+    def without(*args):
+        pattern, sinks = inner(*args)
+        return (pattern, None) if drop == "sinks" else (dataclasses.replace(pattern, **{drop: None}), sinks)
+
+    monkeypatch.setattr(attention, "prefill_pattern", without)
+    _, logits = prefill(model, ids, 32)
+    assert relative(logits, own_forward(model, ids)[1]) > 1e-2
+
+
+@pytest.mark.parametrize("name", ["smollm3_inconsistent", "phimoe", "olmoe"])
+def test_a_layer_whose_call_and_mask_disagree_on_its_window_follows_the_mask(name, monkeypatch):
+    """Models whose attention calls and masks disagree on a layer's window (training refuses them:
+    tests/test_attention_refusal.py): the model's own eager and SDPA attention read the mask, and so does the
+    prefill, which gives what the model's own attention gives over the same 16-token forwards."""
+    from tests.test_attention_refusal import WINDOW_CASES
+
+    torch.manual_seed(0)
+    model = WINDOW_CASES[name][0]().eval()
+    model.set_attn_implementation("eager")
+    ids = prompt(60)
+    _, logits = prefill(model, ids, 16)
+    monkeypatch.setattr(G, "prefill_computes", lambda m: False)
+    _, ref = prefill(model, ids, 16)
+    assert relative(logits, ref) < 1e-5
+
+
+def test_chunked_layers_run_the_model_s_own_attention():
+    """Llama 4's chunks count from the prompt's start, which a cached forward does not see: generation leaves
+    such a model on its own attention, and prefill_attention called on a chunked layer refuses it."""
+    model = make_model("llama4", 16).eval()
+    assert not attention.prefill_computes(model)
+    layer = next(m for m in model.modules() if type(m).__name__ == "Llama4TextAttention" and
+                 model.config.layer_types[m.layer_idx] == "chunked_attention")
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(NotImplementedError, match="chunked attention layer"):
+        attention.prefill_attention(layer, q, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), None)
+    ids = prompt(60)
+    _, logits = prefill(model, ids, 16)
+    assert relative(logits, own_forward(model, ids)[1]) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "gpt_oss"])
+def test_greedy_answers_equal_the_model_s_own_generate(name):
+    """Prompts of 40-90 tokens through greedy_generate (patterned prefill, the model's own decode, rows one at a
+    time) answer what transformers' generate answers with the model's eager attention."""
+    from longstride.data.tokenizer import train_bpe
+
+    tok = train_bpe(["some words to train a tokenizer on, and a few more words"] * 4, 300)
+    make, cls = MODELS[name]
+    config = make(7)
+    config.vocab_size, config.eos_token_id, config.pad_token_id = len(tok), tok.eos_token_id, tok.pad_token_id
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = make_matter(cls(config).float()).eval()
+    prompts = [prompt(n, len(tok), seed=n) for n in (40, 70, 90)]
+    got = G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32)
+    for p, answer in zip(prompts, got, strict=True):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[],
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert answer == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_a_patterned_prefill_holds_a_tile_of_scores_not_the_chunk_s(monkeypatch):
+    """Gemma 2 (soft-capped scores on sliding and full layers), a 1,024-token prompt in one forward: the most
+    bytes alive at once (LiveBytes, the weights excluded) under the patterned prefill are under a quarter of the
+    model's own eager attention's, which holds every head's 1,024 x 1,024 scores several times over."""
+    model = make_model("gemma2", 64).eval()
+    ids = prompt(1024)
+    peaks = {}
+    for ours in (True, False):
+        monkeypatch.setattr(G, "prefill_computes", lambda m, ours=ours: ours)
+        with LiveBytes() as live:
+            prefill(model, ids, 1024)
+        peaks[ours] = live.peak
+    assert peaks[True] < peaks[False] / 4, peaks
