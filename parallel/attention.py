@@ -165,7 +165,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
         raise NotImplementedError(f"{where} soft-caps its attention scores (softcap={pattern.softcap}) and "
                                   f"parallel.kernel={layout.cp.kernel} does not; use parallel.kernel=auto (it picks "
                                   "math, or flash_attn on CUDA when installed) or math; with the HF Trainer, "
-                                  "setup_cp(..., softcap=True)")
+                                  "setup_cp(..., config=model.config)")
     sinks = kwargs.get("s_aux")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "

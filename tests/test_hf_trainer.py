@@ -256,6 +256,24 @@ def test_setup_cp_reads_the_precision_from_the_training_arguments(monkeypatch):
     assert seen == [True, False, True]
 
 
+def test_setup_cp_reads_heads_head_size_and_soft_cap_from_the_config():
+    """setup_cp(config=model.config): Gemma 2's soft-capped scores pick the math kernel on CPU (the CPU flash op has
+    no cap, and a Trainer user who forgot softcap=True failed at the first forward); a plain model keeps sdpa;
+    heads that contradict the config, or neither, are refused."""
+    import transformers as T
+
+    from longstride.recipes.hf.trainer import setup_cp
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, vocab_size=64)
+    assert setup_cp(1, config=T.Gemma2Config(**small), device_type="cpu").kernel == "math"
+    assert setup_cp(1, config=T.LlamaConfig(**small), device_type="cpu").kernel == "sdpa"
+    with pytest.raises(ValueError, match="setup_cp: heads=8 but config has 4 query heads"):
+        setup_cp(1, 8, config=T.LlamaConfig(**small), device_type="cpu")
+    with pytest.raises(ValueError, match="pass config=model.config"):
+        setup_cp(1, device_type="cpu")
+
+
 def _matches_own_loop(runs: dict, ref: dict) -> None:
     """Every run's per-step losses and trained parameters equal the longstride loop's, to fp32 noise."""
     for name, run in runs.items():

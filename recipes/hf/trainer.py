@@ -8,8 +8,7 @@ number of processes, each document attending to itself only, no L x L mask, no p
     from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
 
     args = TrainingArguments(...)                     # initialises torch.distributed under a launcher
-    heads, head_dim = head_shape(model.config)      # longstride.parallel.attention
-    cp = setup_cp(cp=2, heads=heads, head_dim=head_dim, args=args)   # CP groups over the launched processes
+    cp = setup_cp(cp=2, config=model.config, args=args)   # CP groups over the launched processes
     use_longstride_attention(model)                   # longstride.parallel.attention
     class Trainer(LongstrideTrainerMixin, transformers.Trainer): ...   # or (LongstrideTrainerMixin, SFTTrainer)
     trainer = Trainer(model=model, args=args, train_dataset=packed_dataset(docs, 4096, pad_id),
@@ -61,23 +60,33 @@ from longstride.data.batch import PackedSequences, collate, context_only, packed
 from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
 from longstride.model.loss import IGNORE_INDEX
-from longstride.parallel.attention import position_dependent
+from longstride.parallel.attention import head_shape, position_dependent
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
+from longstride.parallel.pattern import config_softcap
 
 
-def setup_cp(cp: int, heads: int, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
+def setup_cp(cp: int, heads: int = 0, impl: str = "ring", ulysses: int = 0, upipe_heads: int = 0,
              device_type: Optional[str] = None, kernel: str = "auto", half: Optional[bool] = None,
-             head_dim: int = 0, softcap: bool = False, args=None) -> CPContext:
+             head_dim: int = 0, softcap: bool = False, args=None, config=None) -> CPContext:
     """This process's CP group over the launched processes (torch.distributed must be initialised, as
-    TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. heads: the
-    model's query heads (checked against the Ulysses degree); head_dim: its head size (parallel/attention.py
-    head_shape(model.config) gives both; 0: unchecked), which the flash kernels limit; softcap: the model soft-caps
-    its attention scores (Gemma 2: parallel/pattern.py config_softcap), which only math and flash_attn compute;
-    kernel: parallel.kernel's choices; half: attention runs in bf16/fp16, which the flash kernels need; None reads
-    it from `args` (the TrainingArguments: bf16=True / fp16=True), else from `accelerate launch --mixed_precision`.
-    On CUDA with neither, it is refused: the kernel would be chosen for fp32 (not the flash kernel) without a word."""
+    TrainingArguments does under a launcher): world = dp x cp, CP groups of contiguous ranks. config: the model's
+    config (model.config), from which the model's query heads (checked against the Ulysses degree), head size
+    (which the flash kernels limit) and soft-capped scores (Gemma 2, which only math and flash_attn compute) are
+    read; without it give them as heads, head_dim (0: unchecked) and softcap. kernel: parallel.kernel's choices;
+    half: attention runs in bf16/fp16, which the flash kernels need; None reads it from `args` (the
+    TrainingArguments: bf16=True / fp16=True), else from `accelerate launch --mixed_precision`. On CUDA with
+    neither, it is refused: the kernel would be chosen for fp32 (not the flash kernel) without a word."""
+    if config is not None:
+        config_heads, config_dim = head_shape(config)
+        if heads and heads != config_heads:
+            raise ValueError(f"setup_cp: heads={heads} but config has {config_heads} query heads; pass config alone")
+        heads, head_dim = config_heads, head_dim or config_dim
+        softcap = softcap or bool(config_softcap(config.get_text_config() if hasattr(config, "get_text_config")
+                                                 else config))
+    if not heads:
+        raise ValueError("setup_cp: pass config=model.config (or heads=, the model's query heads)")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch --mixed_precision, which the
     if half is None and (args is not None or launcher is not None):  # Trainer's Accelerator takes too
