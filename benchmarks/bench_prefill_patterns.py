@@ -7,9 +7,16 @@ excluded; a kernel's internal buffers are not tensors and not counted).
 
     python -m benchmarks.bench_prefill_patterns            # 2K, 4K, 8K tokens, 3 reps
     python -m benchmarks.bench_prefill_patterns --quick    # 1K and 2K, 1 rep
+    python -m benchmarks.bench_prefill_patterns --generate # greedy_generate: batched vs one at a time
 
 Writes benchmarks/results/bench_prefill_patterns.json. Two layers (one local, one global), 8 query / 4 K/V heads
 of 64, fp32, random weights (time and memory do not depend on them).
+
+--generate: RULER's greedy generation (eval/ruler/generate.py greedy_generate) of 8 prompts of 2K tokens that share
+their first 1,800 (a haystack up to its needle), 32 new tokens each, on the same models: one batch that keeps every
+token in every layer (prefix caching, one decode forward per step for all rows) against each prompt alone on the
+model's own sliding caches (batch_size=1: how a sliding-window model ran before). Same answers checked; median of
+3, written to benchmarks/results/bench_generate_patterns.json.
 """
 from __future__ import annotations
 
@@ -55,11 +62,52 @@ def measure(model, length: int, ours: bool, reps: int) -> dict:
     return {"seconds": statistics.median(times), "peak_mib": peak / 2 ** 20, "logits": logits}
 
 
+class _Tokenizer:
+    """Enough of a tokenizer for greedy_generate on random weights: no end token, ids decoded as numbers."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def generation(reps: int, rows: int = 8, length: int = 2048, shared: int = 1800, new: int = 32) -> list[dict]:
+    from longstride.eval.ruler.generate import greedy_generate
+
+    g = torch.Generator().manual_seed(0)
+    haystack = torch.randint(2, SHAPE["vocab_size"], (shared,), generator=g).tolist()
+    prompts = [haystack + torch.randint(2, SHAPE["vocab_size"], (length - shared,), generator=g).tolist()
+               for _ in range(rows)]
+    out = []
+    for name, (what, make) in MODELS.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        model.generation_config.eos_token_id = None
+        times, answers = {}, {}
+        for batch_size in (1, 0):
+            runs = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                answers[batch_size] = greedy_generate(model, _Tokenizer(), prompts, new, batch_size=batch_size)
+                runs.append(time.perf_counter() - start)
+            times[batch_size] = statistics.median(runs)
+        out.append({"model": name, "pattern": what, "prompts": rows, "tokens": length, "shared": shared, "new": new,
+                    "alone_s": times[1], "batched_s": times[0], "time_ratio": times[0] / times[1],
+                    "same_answers": answers[0] == answers[1]})
+    return out
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--generate", action="store_true")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
+    if args.generate:
+        rows = generation(args.reps)
+        print_table(rows, ["model", "pattern", "prompts", "tokens", "shared", "new", "alone_s", "batched_s",
+                           "time_ratio", "same_answers"])
+        print(write_results("bench_generate_patterns", rows, {"shape": SHAPE, "reps": args.reps}))
+        return rows
     lengths, reps = ([1024, 2048], 1) if args.quick else ([2048, 4096, 8192], args.reps)
     rows = []
     for name, (what, make) in MODELS.items():

@@ -62,9 +62,11 @@ def cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def new_cache(model) -> DynamicCache:
-    """An empty KV cache for `model` (its layers made as the forward fills them)."""
-    return DynamicCache(config=model.config)
+def new_cache(model, full: bool = False) -> DynamicCache:
+    """An empty KV cache for `model` (its layers made as the forward fills them): the kinds of layer its config
+    asks for (a sliding-window layer keeps only its window's last tokens), or with `full` a plain growing layer for
+    every layer (every token kept, the masks applying the windows: what a batch of left-padded rows needs)."""
+    return DynamicCache() if full else DynamicCache(config=model.config)
 
 
 def plain_layers(cache: DynamicCache) -> bool:
@@ -109,10 +111,11 @@ def put_row(cache: DynamicCache, row: int, prefilled: DynamicCache, width: int) 
 
 def row_prefix(model, batch: DynamicCache, row: int, start: int, n: int) -> Optional[DynamicCache]:
     """The first `n` cached tokens of a BufferLayer cache's row `row` (its prompt starts at column `start`) as
-    one prompt's own cache; None when n is 0."""
+    one prompt's own cache (plain layers, every token kept: a sliding-window model's batch keeps them too);
+    None when n is 0."""
     if not n:
         return None
-    cache = new_cache(model)
+    cache = new_cache(model, full=True)
     for i, layer in enumerate(batch.layers):
         cache.update(layer.buf_k[row:row + 1, :, start:start + n], layer.buf_v[row:row + 1, :, start:start + n], i)
     return cache

@@ -268,8 +268,10 @@ def test_setup_cp_reads_heads_head_size_and_soft_cap_from_the_config():
                  num_key_value_heads=2, head_dim=8, vocab_size=64)
     assert setup_cp(1, config=T.Gemma2Config(**small), device_type="cpu").kernel == "math"
     assert setup_cp(1, config=T.LlamaConfig(**small), device_type="cpu").kernel == "sdpa"
-    with pytest.raises(ValueError, match="setup_cp: heads=8 but config has 4 query heads"):
+    with pytest.raises(ValueError, match="setup_cp: heads=8 but config has 4; pass config alone"):
         setup_cp(1, 8, config=T.LlamaConfig(**small), device_type="cpu")
+    with pytest.raises(ValueError, match="setup_cp: head_dim=16 but config has 8"):
+        setup_cp(1, head_dim=16, config=T.LlamaConfig(**small), device_type="cpu")
     with pytest.raises(ValueError, match="pass config=model.config"):
         setup_cp(1, device_type="cpu")
 

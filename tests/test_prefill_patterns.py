@@ -98,11 +98,47 @@ def test_a_layer_whose_call_and_mask_disagree_on_its_window_follows_the_mask(nam
     torch.manual_seed(0)
     model = WINDOW_CASES[name][0]().eval()
     model.set_attn_implementation("eager")
+    assert attention.prefill_computes(model)
     ids = prompt(60)
     _, logits = prefill(model, ids, 16)
     monkeypatch.setattr(G, "prefill_computes", lambda m: False)
     _, ref = prefill(model, ids, 16)
     assert relative(logits, ref) < 1e-5
+
+
+def test_a_vision_language_gemma_3_prefills_its_text_decoder():
+    """Gemma 3 4B and up load through AutoModelForCausalLM as Gemma3ForConditionalGeneration, whose vision tower
+    attends bidirectionally: that tower never runs on RULER's text, and the text decoder's windows are computed."""
+    text = dict(MODELS["llama"][0](0).to_dict(), sliding_window=7, layer_types=["sliding_attention",
+                                                                                 "full_attention"] * 2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = T.Gemma3Config(text_config={k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                              "num_hidden_layers", "num_attention_heads",
+                                                              "num_key_value_heads", "head_dim", "sliding_window",
+                                                              "layer_types")},
+                            vision_config=vision, mm_tokens_per_image=4)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration" and attention.prefill_computes(model)
+    ids = prompt(60)
+    _, logits = prefill(model, ids, 16)
+    assert relative(logits, own_forward(model, ids)[1]) < 1e-5
+
+
+def test_what_the_prefill_does_not_compute_is_refused_not_dropped():
+    """A caller's tensor mask, a position bias or bidirectional attention reaching prefill_attention are refused
+    naming what was asked, as longstride's training attention refuses them."""
+    model = make_model("gemma3", 7).eval()
+    layer = next(m for m in model.modules() if type(m).__name__ == "Gemma3Attention")
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="this call's mask holds more"):
+        attention.prefill_attention(layer, q, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match=r"an additive position bias \(position_bias\)"):
+        attention.prefill_attention(layer, q, kv, kv, None, position_bias=torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="bidirectional attention"):
+        attention.prefill_attention(layer, q, kv, kv, None, is_causal=False)
 
 
 def test_chunked_layers_run_the_model_s_own_attention():
@@ -120,10 +156,13 @@ def test_chunked_layers_run_the_model_s_own_attention():
     assert relative(logits, own_forward(model, ids)[1]) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2", "gpt_oss"])
-def test_greedy_answers_equal_the_model_s_own_generate(name):
-    """Prompts of 40-90 tokens through greedy_generate (patterned prefill, the model's own decode, rows one at a
-    time) answer what transformers' generate answers with the model's eager attention."""
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "gemma2", "gpt_oss"])
+def test_greedy_answers_equal_the_model_s_own_generate(name, monkeypatch):
+    """Four prompts of 40-90 tokens, three of them sharing their first 40-50 (prefix caching), decoded together in
+    one left-padded batch that keeps every token in every layer (the masks apply the windows of 7: decode_attention
+    on CPU for Gemma 3 and Mistral, the model's own eager attention for Gemma 2's cap and GPT-OSS's sinks), and one
+    at a time on the model's own sliding caches (batch_size=1): both answer what transformers' generate answers
+    with the model's eager attention. The drafts asked for are off (a rejected draft's holes would shift windows)."""
     from longstride.data.tokenizer import train_bpe
 
     tok = train_bpe(["some words to train a tokenizer on, and a few more words"] * 4, 300)
@@ -133,12 +172,15 @@ def test_greedy_answers_equal_the_model_s_own_generate(name):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = make_matter(cls(config).float()).eval()
-    prompts = [prompt(n, len(tok), seed=n) for n in (40, 70, 90)]
-    got = G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32)
-    for p, answer in zip(prompts, got, strict=True):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[],
-                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
-        assert answer == tok.decode(ref, skip_special_tokens=True)
+    base = prompt(90, len(tok), seed=5)
+    prompts = [base[:40], base[:50] + prompt(20, len(tok), seed=6), base, prompt(70, len(tok), seed=7)]
+    want = [tok.decode(model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[],
+                                      pad_token_id=tok.pad_token_id)[0, len(p):].tolist(), skip_special_tokens=True)
+            for p in prompts]
+    alone, inner = [], G._one_at_a_time
+    monkeypatch.setattr(G, "_one_at_a_time", lambda *a: alone.append(a[1]) or inner(*a))
+    assert G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32, draft=3) == want and not alone
+    assert G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32, batch_size=1) == want and len(alone) == 4
 
 
 def test_a_patterned_prefill_holds_a_tile_of_scores_not_the_chunk_s(monkeypatch):

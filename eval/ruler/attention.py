@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation
-from longstride.parallel.attention import MaskNote, no_mask, unsupported_attention
+from longstride.parallel.attention import UNSUPPORTED_KWARGS, MaskNote, no_mask, unsupported_attention
 from longstride.parallel.dense import DENSE, expand_kv
 from longstride.parallel.kernels import block_forward, resolve_kernel
 from longstride.parallel.pattern import ABSENT, Pattern, fold_sinks, layer_pattern, layer_types
@@ -58,12 +58,18 @@ def prefill_attention(module, query, key, value, attention_mask, scaling=None, d
 def prefill_pattern(module, mask, query, key, kwargs: dict) -> tuple[Pattern, Optional[torch.Tensor]]:
     """(the layer's Pattern over the call's keys, its sinks or None) as the model's own attention computes them: the
     window its mask holds (eager and SDPA read the mask, built from config.sliding_window and config.layer_types,
-    not the call's sliding_window), the call's soft-cap and sinks (s_aux). A chunked layer, or a mask holding
-    padding or more than a causal window, is refused (prefill_computes keeps such models on their own attention)."""
+    not the call's sliding_window), the call's soft-cap and sinks (s_aux). A chunked layer, a mask holding padding
+    or more than a causal window, and what longstride's training attention refuses (bidirectional attention, a
+    position bias, sparse indices) are refused (prefill_computes keeps such models on their own attention)."""
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if layer_pattern(module, kwargs.get("sliding_window", ABSENT)).chunk:
         raise NotImplementedError(f"{where} is a chunked attention layer, which prefill_attention does not compute")
-    note = mask or MaskNote()
+    for name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{where} asks for {what} ({name}), which prefill_attention does not compute")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(f"{where} asks for bidirectional attention, which prefill_attention does not compute")
+    note = MaskNote() if mask is None else mask
     if not isinstance(note, MaskNote) or note.padding or note.beyond_causal:
         raise NotImplementedError(f"{where}: prefill_attention computes one unpadded prompt with a causal mask "
                                   f"(sliding or not), and this call's mask holds more: {note}")
@@ -89,7 +95,8 @@ def prefill_kernel(query: torch.Tensor, softcap: Optional[float]) -> str:
 def _prefill_pattern(query, key, value, scale, pattern: Pattern, sinks):
     """(1, H, s, D) queries, the suffix of (1, Hkv, c + s, D) keys, through a window (pattern.window, or all the
     keys), with the pattern's soft-cap and the sinks: a dense kernel in query tiles on (B, H, L, D) views, no copy
-    of the cache; a varlen kernel (CUDA flash) as one varlen piece."""
+    of the cache; a varlen kernel (CUDA flash) as one varlen piece, on a (tokens, heads, D) copy of the keys and
+    values it reads (the cache is laid out (B, H, L, D))."""
     kernel = prefill_kernel(query, pattern.softcap)
     window = pattern.window or key.shape[2]
     if kernel in DENSE:
@@ -102,11 +109,15 @@ def _prefill_pattern(query, key, value, scale, pattern: Pattern, sinks):
 
 
 def prefill_computes(model) -> bool:
-    """Whether `prefill_attention` computes every layer of `model`: what longstride's training attention computes
-    (parallel/attention.unsupported_attention: full and sliding-window layers, soft-capped scores, sinks) without
-    chunked layers (Llama 4's), whose chunks count from each prompt's start, which a cached prefill does not see."""
+    """Whether `prefill_attention` computes every layer of `model`'s text decoder (a vision-language model's vision
+    tower, bidirectional and never run on RULER's text, aside: Gemma 3 4B and up load as one): what longstride's
+    training attention computes (parallel/attention.unsupported_attention: full and sliding-window layers,
+    soft-capped scores, sinks) without chunked layers (Llama 4's), whose chunks count from each prompt's start,
+    which a cached prefill does not see."""
     text = model.config.get_text_config(decoder=True)
-    return "chunked_attention" not in layer_types(text) and not unsupported_attention(model)
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return "chunked_attention" not in layer_types(text) and not unsupported_attention(decoder or model)
 
 
 def _prefill_cpu(query, key, value, scale, causal=True):
@@ -138,8 +149,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     causality among the new tokens) or none (one new token, nothing masked) -> ((B, q, H, D), None). The g query
     heads that share a K/V head go into the query-length dimension, (B, Hkv, g*q, D), so SDPA reads each K/V
     head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask)."""
-    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("decode_attention is full causal attention: no dropout, window, softcap or sinks")
+    if dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("decode_attention computes plain softmax scores: no dropout, softcap or sinks")
     B, H, q, D = query.shape
     assert attention_mask is not None or q == 1, "several new tokens after a cache need a mask"
     g = H // key.shape[1]

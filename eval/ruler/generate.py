@@ -14,7 +14,8 @@ query tiles), and the last layer computes only the last token's row, the one who
 and logits are the full forward's to fp32 rounding (tests/test_ruler.py, tests/test_prefill_patterns.py).
 
 The prompt's KV cache is then copied into a batch buffer with room for the whole answer, the rows left-padded
-to the longest prompt, and the rows are decoded one token per forward for all of them together
+to the longest prompt (a sliding-window model's batch keeps every token in every layer, its masks applying the
+windows), and the rows are decoded one token per forward for all of them together
 (transformers' DynamicCache concatenates: a copy of the whole cache per token and layer). A row leaves the
 batch at EOS, at its token budget, or, given references, once its score is decided (`decided`). Answers are
 the generated token ids decoded, never the prompt stripped from a decoded output.
@@ -120,6 +121,7 @@ class Generation:
     references: Optional[list[list[str]]] = None  # by prompt index: a row ends once its score is decided
     metric: str = "all"
     draft: int = 0  # prompt-lookup tokens verified per decode step (with a BufferLayer cache)
+    full: bool = False  # every layer's cache keeps every token (hf_adapter.new_cache(full=True)): batched windows
 
     @classmethod
     def of(cls, model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **settings) -> Generation:
@@ -130,6 +132,7 @@ class Generation:
 
     def prefill(self, i: int, cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, int]:
         """Prompt i prefilled (from `cache`, its first tokens, when given): its cache and first new token."""
+        cache = cache if cache is not None else new_cache(self.model, self.full)
         cache, logits = _prefill(self.model, self.prompts[i], self.prefill_chunk, self.device, self.kw, cache)
         return cache, int(logits.argmax())
 
@@ -142,7 +145,9 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     `batch_size`, or with 0 as many as keep rows x (longest prompt + max_new_tokens x (1 + draft)) within
     `batch_tokens` (the KV cache's tokens, draft holes included). With `references` (one list per prompt) a row
     stops as soon as its score under `metric` is decided: the same score, a shorter answer. `draft` > 0: each
-    step also verifies up to that many prompt-lookup tokens per row (the same answers in fewer forwards)."""
+    step also verifies up to that many prompt-lookup tokens per row (the same answers in fewer forwards); a model
+    with sliding-window layers decodes without drafts (a rejected draft's columns would shift its windows)."""
+    draft = 0 if windowed(model) else draft
     g = Generation.of(model, tokenizer, prompts, max_new_tokens, prefill_chunk=prefill_chunk, references=references,
                       metric=metric, draft=draft)
     answers: list[str] = [""] * len(prompts)
@@ -160,10 +165,21 @@ def prefill_batches(prompts: list[list[int]], room: int, batch_size: int, batch_
             for rows in batches([len(p) + room for p in prompts], batch_size, batch_tokens)]
 
 
+def windowed(model) -> bool:
+    """Whether the model's own cache keeps special layers (transformers' sliding-window layers, which keep only
+    their window's last tokens; chunked or other layers)."""
+    return not plain_layers(new_cache(model))
+
+
 def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]:
     """One batch's answers by prompt index: its prompts prefilled one by one (in `rows`' order, each from the
-    prefix it shares with the one before), then decoded together with `room` answer columns per row."""
+    prefix it shares with the one before), then decoded together with `room` answer columns per row. A batch of
+    several rows of a sliding-window model keeps every token in every layer (the masks apply the windows, as they
+    do over left padding); a lone row, or a model prefill_attention does not compute (chunked layers, whose chunks
+    count columns that left padding shifts), keeps the model's own cache and runs alone (`_one_at_a_time`)."""
     widths = [len(g.prompts[i]) for i in rows]
+    if len(rows) > 1 and windowed(g.model) and prefill_computes(g.model):
+        g = replace(g, full=True)
     one, token = g.prefill(rows[0])
     if not plain_layers(one):
         return _one_at_a_time(g, rows, one, token)

@@ -80,9 +80,10 @@ def setup_cp(cp: int, heads: int = 0, impl: str = "ring", ulysses: int = 0, upip
     neither, it is refused: the kernel would be chosen for fp32 (not the flash kernel) without a word."""
     if config is not None:
         config_heads, config_dim = head_shape(config)
-        if heads and heads != config_heads:
-            raise ValueError(f"setup_cp: heads={heads} but config has {config_heads} query heads; pass config alone")
-        heads, head_dim = config_heads, head_dim or config_dim
+        for name, given, read in (("heads", heads, config_heads), ("head_dim", head_dim, config_dim)):
+            if given and given != read:
+                raise ValueError(f"setup_cp: {name}={given} but config has {read}; pass config alone")
+        heads, head_dim = config_heads, config_dim
         softcap = softcap or bool(config_softcap(config.get_text_config() if hasattr(config, "get_text_config")
                                                  else config))
     if not heads:
