@@ -57,14 +57,44 @@ def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
     return docs
 
 
+def ppl_attention(model):
+    """Switches the model's decoder to longstride's attention where it computes every layer (windows, chunks,
+    soft-capped scores and sinks included: Gemma 2's and GPT-OSS's eager attention held L x L scores per head,
+    transformers' fp32 SDPA with grouped K/V heads on CUDA falls back to an L x L kernel) and returns the
+    document layout its forwards pass, carrying the kernel parallel.kernel=auto picks for this device, dtype and
+    model; None, the model's own attention left, where the decoder needs more (parallel/attention.py
+    unsupported_attention). Only the text decoder: a vision-language model's vision tower never runs here."""
+    from longstride.parallel.attention import head_shape, unsupported_attention, use_longstride_attention
+    from longstride.parallel.cp import CPContext, DocLayout
+    from longstride.parallel.kernels import resolve_kernel
+    from longstride.parallel.pattern import config_softcap
+
+    get_decoder = getattr(model, "get_decoder", None)
+    body = get_decoder() if callable(get_decoder) else decoder(model)  # the text decoder, not a vision tower
+    found = unsupported_attention(body)
+    if found:
+        print(f"eval.ppl: note: {type(model).__name__} runs its own attention ({'; '.join(found[:3])})",
+              file=sys.stderr)
+        return None
+    use_longstride_attention(body)
+    param = next(model.parameters())
+    kernel = resolve_kernel("auto", param.device.type, half=param.dtype in (torch.float16, torch.bfloat16),
+                            head_dim=head_shape(model.config)[1],
+                            softcap=bool(config_softcap(model.config.get_text_config(decoder=True))))
+    return DocLayout(None, cp=CPContext(kernel=kernel))
+
+
 @torch.no_grad()
-def perplexities(model, docs: list[list[int]], length: int, tile: int) -> dict:
+def perplexities(model, docs: list[list[int]], length: int, tile: int, layout=None) -> dict:
+    """Whole and last-quarter perplexity of the first `length` tokens of each document; layout: ppl_attention's
+    (longstride's attention), or None for the model's own."""
     total = tail = n_total = n_tail = 0.0
     body, head = decoder(model), output_head(model)
+    extra = {} if layout is None else {"doc_layout": layout}
     for ids in docs:
         x = torch.tensor(ids[:length], device=model.device)[None]
         labels = torch.cat([x[:, 1:], torch.full((1, 1), -100, device=x.device)], dim=1)
-        hidden = body(input_ids=x, use_cache=False).last_hidden_state
+        hidden = body(input_ids=x, use_cache=False, **extra).last_hidden_state
         q = length - length // 4  # the last quarter scored on its own: each position's logits computed once
         tail_sum = float(chunked_cross_entropy_sum(hidden[:, q:], head, labels[:, q:], tile))
         total += float(chunked_cross_entropy_sum(hidden[:, :q], head, labels[:, :q], tile)) + tail_sum
@@ -102,8 +132,6 @@ def main(argv: list[str]) -> list[dict]:
 
 def execute(cfg: PplConfig) -> list[dict]:
     """The command on parsed options (eval/cli.parse_ppl)."""
-    from longstride.parallel.attention import use_longstride_attention
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     config, base_max = eval_config(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types)
@@ -126,14 +154,11 @@ def execute(cfg: PplConfig) -> list[dict]:
     if beyond:  # an index past the table, not extrapolation: refused before any scoring
         raise ValueError(f"lengths {beyond}: {type(model).__name__} learns a table of {info.position_limit} positions "
                          f"and cannot take longer inputs; give lengths up to {info.position_limit}")
-    if info.device.type == "cuda":
-        # transformers' SDPA with GQA in fp32 on CUDA falls back to an L x L math kernel (36 GiB at 32K for
-        # SmolLM2); longstride's attention runs fp32 SDPA on the memory-efficient kernel
-        use_longstride_attention(model)
+    layout = ppl_attention(model)
     rows = []
     for L in cfg.lengths:
         r = {"length": L, "yarn_factor": cfg.yarn.factor or 1.0, "trained_len": base_max,
-             **perplexities(model, docs, L, cfg.tile)}
+             **perplexities(model, docs, L, cfg.tile, layout)}
         rows.append(r)
         print(f"length {L:>7}  ppl {r['ppl']:9.3f}  last-quarter ppl {r['tail_ppl']:9.3f}  ({r['docs']} docs)")
     out = cfg.out or default_out(cfg.checkpoint)

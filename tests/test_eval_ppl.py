@@ -140,3 +140,64 @@ def test_documents_open_with_bos_where_the_tokenizer_puts_one(tmp_path, bos_firs
     (doc,) = long_documents(_Tok(bos_first), cfg, 50)
     body = [10 + ord(c) % 50 for c in "x = 1\n" * 20]
     assert doc == ([9] + body if bos_first else body)
+
+
+@pytest.mark.parametrize("name, kernel", [("mistral", "sdpa"), ("gemma3", "sdpa"), ("gemma2", "math"),
+                                          ("gpt_oss", "sdpa"), ("llama4", "sdpa")])
+def test_windowed_capped_sink_and_chunked_models_score_with_longstride_attention(name, kernel):
+    """eval ppl switches the decoder to longstride's attention (their eager attention held L x L scores per head):
+    windows of 7, Gemma 2's cap on the math kernel, GPT-OSS's sinks, Llama 4's chunks, each perplexity the model's
+    own eager cross entropy within 1e-5 relative."""
+    import torch
+
+    from longstride.eval.ppl import perplexities, ppl_attention
+    from tests.test_attention_patterns import make_model
+
+    lm = make_model(name, 7).eval()
+    docs = [torch.randint(2, 64, (80,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    with torch.no_grad():
+        own = torch.stack([torch.nn.functional.cross_entropy(lm(torch.tensor([d[:64]])).logits[0, :-1],
+                                                             torch.tensor(d[1:64]), reduction="none") for d in docs])
+    layout = ppl_attention(lm)
+    assert layout.cp.kernel == kernel and lm.config._attn_implementation == "longstride"
+    got = perplexities(lm, docs, 64, 16, layout)
+    assert got["ppl"] == pytest.approx(math.exp(own.mean().item()), rel=1e-5)
+    assert got["tail_ppl"] == pytest.approx(math.exp(own[:, 48:].mean().item()), rel=1e-5)
+
+
+def test_a_model_longstride_does_not_compute_keeps_its_own_attention(capsys):
+    """A bidirectional Gemma 3 (use_bidirectional_attention): eval ppl leaves it on its own attention, saying why."""
+    import transformers as T
+
+    from longstride.eval.ppl import ppl_attention
+
+    lm = T.Gemma3ForCausalLM(T.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=8, use_bidirectional_attention=True)).eval()
+    own = lm.config._attn_implementation
+    assert ppl_attention(lm) is None and lm.config._attn_implementation == own
+    err = capsys.readouterr().err
+    assert "Gemma3ForCausalLM runs its own attention" in err and "bidirectional attention" in err, err
+
+
+def test_a_vision_language_gemma_3_scores_its_text_decoder_with_longstride_attention(monkeypatch):
+    """Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text decoder switches (its attention calls reach
+    longstride's doc_attention), the vision tower keeps its own; the perplexity is the model's own."""
+    import torch
+
+    from longstride.eval.ppl import perplexities, ppl_attention
+    from longstride.parallel import attention
+    from tests.test_prefill_patterns import vision_gemma3
+
+    lm = vision_gemma3()
+    docs = [torch.randint(2, 64, (80,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    with torch.no_grad():
+        own = torch.stack([torch.nn.functional.cross_entropy(lm(torch.tensor([d[:64]])).logits[0, :-1],
+                                                             torch.tensor(d[1:64]), reduction="none") for d in docs])
+    layout = ppl_attention(lm)
+    calls, inner = [], attention.doc_attention
+    monkeypatch.setattr(attention, "doc_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    got = perplexities(lm, docs, 64, 16, layout)
+    assert len(calls) == 2 * lm.config.text_config.num_hidden_layers
+    assert lm.config.vision_config._attn_implementation != "longstride"
+    assert got["ppl"] == pytest.approx(math.exp(own.mean().item()), rel=1e-5)

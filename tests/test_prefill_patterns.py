@@ -106,22 +106,27 @@ def test_a_layer_whose_call_and_mask_disagree_on_its_window_follows_the_mask(nam
     assert relative(logits, ref) < 1e-5
 
 
-def test_a_vision_language_gemma_3_prefills_its_text_decoder():
-    """Gemma 3 4B and up load through AutoModelForCausalLM as Gemma3ForConditionalGeneration, whose vision tower
-    attends bidirectionally: that tower never runs on RULER's text, and the text decoder's windows are computed."""
+def vision_gemma3() -> torch.nn.Module:
+    """A tiny Gemma 3 as its 4B and larger checkpoints load through AutoModelForCausalLM:
+    Gemma3ForConditionalGeneration, a SigLIP vision tower (bidirectional) beside the text decoder (windows of 7)."""
     text = dict(MODELS["llama"][0](0).to_dict(), sliding_window=7, layer_types=["sliding_attention",
                                                                                  "full_attention"] * 2)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "sliding_window", "layer_types")
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
-    config = T.Gemma3Config(text_config={k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                              "num_hidden_layers", "num_attention_heads",
-                                                              "num_key_value_heads", "head_dim", "sliding_window",
-                                                              "layer_types")},
-                            vision_config=vision, mm_tokens_per_image=4)
+    config = T.Gemma3Config(text_config={k: text[k] for k in keys}, vision_config=vision, mm_tokens_per_image=4)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config).eval()
-    assert type(model).__name__ == "Gemma3ForConditionalGeneration" and attention.prefill_computes(model)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    return model
+
+
+def test_a_vision_language_gemma_3_prefills_its_text_decoder():
+    """The vision tower never runs on RULER's text; the text decoder's windows are computed."""
+    model = vision_gemma3()
+    assert attention.prefill_computes(model)
     ids = prompt(60)
     _, logits = prefill(model, ids, 16)
     assert relative(logits, own_forward(model, ids)[1]) < 1e-5
