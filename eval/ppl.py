@@ -63,7 +63,8 @@ def ppl_attention(model):
     transformers' fp32 SDPA with grouped K/V heads on CUDA falls back to an L x L kernel) and returns the
     document layout its forwards pass, carrying the kernel parallel.kernel=auto picks for this device, dtype and
     model; None, the model's own attention left, where the decoder needs more (parallel/attention.py
-    unsupported_attention). Only the text decoder: a vision-language model's vision tower never runs here."""
+    unsupported_attention, or a two-token forward whose calls ask for more). Only the text decoder: a
+    vision-language model's vision tower never runs here."""
     from longstride.parallel.attention import head_shape, unsupported_attention, use_longstride_attention
     from longstride.parallel.cp import CPContext, DocLayout
     from longstride.parallel.kernels import resolve_kernel
@@ -76,12 +77,22 @@ def ppl_attention(model):
         print(f"eval.ppl: note: {type(model).__name__} runs its own attention ({'; '.join(found[:3])})",
               file=sys.stderr)
         return None
+    own = body.config._attn_implementation
     use_longstride_attention(body)
     param = next(model.parameters())
     kernel = resolve_kernel("auto", param.device.type, half=param.dtype in (torch.float16, torch.bfloat16),
                             head_dim=head_shape(model.config)[1],
                             softcap=bool(config_softcap(model.config.get_text_config(decoder=True))))
-    return DocLayout(None, cp=CPContext(kernel=kernel))
+    layout = DocLayout(None, cp=CPContext(kernel=kernel))
+    try:  # what a layer's call asks for and no config shows (a position bias, sparse indices) refuses here
+        with torch.no_grad():
+            decoder(model)(input_ids=torch.zeros(1, 2, dtype=torch.long, device=param.device), use_cache=False,
+                           doc_layout=layout)
+    except NotImplementedError as e:
+        body.set_attn_implementation(own)
+        print(f"eval.ppl: note: {type(model).__name__} runs its own attention ({e})", file=sys.stderr)
+        return None
+    return layout
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """eval.ppl on a micro checkpoint: lengths, YaRN at eval time, outputs, bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -187,6 +188,7 @@ def test_a_vision_language_gemma_3_scores_its_text_decoder_with_longstride_atten
 
     from longstride.eval.ppl import perplexities, ppl_attention
     from longstride.parallel import attention
+    from longstride.parallel.cp import CPContext
     from tests.test_prefill_patterns import vision_gemma3
 
     lm = vision_gemma3()
@@ -195,9 +197,32 @@ def test_a_vision_language_gemma_3_scores_its_text_decoder_with_longstride_atten
         own = torch.stack([torch.nn.functional.cross_entropy(lm(torch.tensor([d[:64]])).logits[0, :-1],
                                                              torch.tensor(d[1:64]), reduction="none") for d in docs])
     layout = ppl_attention(lm)
+    assert layout.cp.kernel == "sdpa"
+    layout = dataclasses.replace(layout, cp=CPContext(kernel="math"))  # a kernel only this layout names
     calls, inner = [], attention.doc_attention
-    monkeypatch.setattr(attention, "doc_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    monkeypatch.setattr(attention, "doc_attention", lambda *a, **k: calls.append(k["kernel"]) or inner(*a, **k))
     got = perplexities(lm, docs, 64, 16, layout)
-    assert len(calls) == 2 * lm.config.text_config.num_hidden_layers
+    assert calls == ["math"] * 2 * lm.config.text_config.num_hidden_layers  # the layout reached every layer
     assert lm.config.vision_config._attn_implementation != "longstride"
     assert got["ppl"] == pytest.approx(math.exp(own.mean().item()), rel=1e-5)
+
+
+def test_a_call_asking_for_more_than_its_config_shows_keeps_the_model_s_own_attention(capsys):
+    """Attention calls that pass a position bias: ppl_attention's two-token probe meets longstride's refusal, puts
+    the decoder back on its own attention and says why; the perplexity is the model's own."""
+    import torch
+
+    from longstride.eval.ppl import perplexities, ppl_attention
+    from tests.test_attention_patterns import make_model
+
+    lm = make_model("llama", 0).eval()
+    for layer in lm.model.layers:
+        forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, f=forward, **k: f(*a, position_bias=torch.zeros(1), **k)
+    assert ppl_attention(lm) is None and lm.config._attn_implementation == "eager"
+    assert "runs its own attention" in capsys.readouterr().err
+    docs = [torch.randint(2, 64, (80,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    with torch.no_grad():
+        own = torch.stack([torch.nn.functional.cross_entropy(lm(torch.tensor([d[:64]])).logits[0, :-1],
+                                                             torch.tensor(d[1:64]), reduction="none") for d in docs])
+    assert perplexities(lm, docs, 64, 16)["ppl"] == pytest.approx(math.exp(own.mean().item()), rel=1e-5)

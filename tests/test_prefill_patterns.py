@@ -56,9 +56,9 @@ def test_a_chunked_prefill_gives_the_model_s_own_cache_and_logits(name, window, 
     KV cache (each sliding layer's kept tokens) and last-token logits of one forward through the model's eager
     attention; the windowed, soft-capped and sink layers ran longstride's patterned prefill."""
     model = make_model(name, window).eval()
+    assert attention.prefill_computes(model)  # its probe forward first: not counted below
     calls = counting(monkeypatch)
     ids = prompt(90)
-    assert attention.prefill_computes(model)
     cache, logits = prefill(model, ids, 32)
     ref_cache, ref_logits = own_forward(model, ids)
     assert relative(logits, ref_logits) < 1e-5
@@ -146,6 +146,20 @@ def test_what_the_prefill_does_not_compute_is_refused_not_dropped():
         attention.prefill_attention(layer, q, kv, kv, None, is_causal=False)
 
 
+def test_a_call_asking_for_more_than_its_config_shows_prefills_on_the_model_s_own_attention(capsys):
+    """Attention calls that pass a position bias (which no config field shows): the two-token probe finds the refusal
+    before any prompt's cache is written, and the prompts prefill on the model's own attention, with a note."""
+    model = make_model("llama", 0).eval()
+    for layer in model.model.layers:
+        forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, f=forward, **k: f(*a, position_bias=torch.zeros(1), **k)
+    assert not attention.prefill_computes(model)
+    assert "prefills on its own attention" in capsys.readouterr().err
+    ids = prompt(60)
+    _, logits = prefill(model, ids, 16)
+    assert relative(logits, own_forward(model, ids)[1]) < 1e-5
+
+
 def test_chunked_layers_run_the_model_s_own_attention():
     """Llama 4's chunks count from the prompt's start, which a cached forward does not see: generation leaves
     such a model on its own attention, and prefill_attention called on a chunked layer refuses it."""
@@ -163,9 +177,10 @@ def test_chunked_layers_run_the_model_s_own_attention():
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral", "gemma2", "gpt_oss"])
 def test_greedy_answers_equal_the_model_s_own_generate(name, monkeypatch):
-    """Four prompts of 40-90 tokens, three of them sharing their first 40-50 (prefix caching), decoded together in
-    one left-padded batch that keeps every token in every layer (the masks apply the windows of 7: decode_attention
-    on CPU for Gemma 3 and Mistral, the model's own eager attention for Gemma 2's cap and GPT-OSS's sinks), and one
+    """Four prompts of 40-90 tokens, three of them sharing their first 40-50 (prefix caching: those prefixes are not
+    prefilled again), decoded together in one left-padded batch that keeps every token in every layer (the masks
+    apply the windows of 7: decode_attention on CPU for Gemma 3 and Mistral, the model's own eager attention for
+    Gemma 2's cap and GPT-OSS's sinks), and one
     at a time on the model's own sliding caches (batch_size=1): both answer what transformers' generate answers
     with the model's eager attention. The drafts asked for are off (a rejected draft's holes would shift windows)."""
     from longstride.data.tokenizer import train_bpe
@@ -184,7 +199,15 @@ def test_greedy_answers_equal_the_model_s_own_generate(name, monkeypatch):
             for p in prompts]
     alone, inner = [], G._one_at_a_time
     monkeypatch.setattr(G, "_one_at_a_time", lambda *a: alone.append(a[1]) or inner(*a))
+    prefilled, prefill_inner = [], G._prefill
+    monkeypatch.setattr(G, "_prefill", lambda m, ids, chunk, d, kw, cache=None: prefilled.append(
+        len(ids) - (cache.get_seq_length() if cache is not None else 0)) or prefill_inner(m, ids, chunk, d, kw, cache))
+    decoded, (decode, mask) = [], attention._ATTENTION[attention.DECODE_ATTENTION]
+    monkeypatch.setitem(attention._ATTENTION, attention.DECODE_ATTENTION,
+                        (lambda *a, **k: decoded.append(1) or decode(*a, **k), mask))
     assert G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32, draft=3) == want and not alone
+    assert sum(prefilled) == sum(map(len, prompts)) - 40 - 50  # two prompts from their shared prefixes
+    assert bool(decoded) == (name in ("gemma3", "mistral"))  # CPU decode attention where the scores are plain
     assert G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32, batch_size=1) == want and len(alone) == 4
 
 

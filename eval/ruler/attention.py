@@ -7,19 +7,21 @@ plain causal layers as one lower-right causal block (two CPU flash calls on CPU,
 windows, soft-capped scores (Gemma 2) and sinks (GPT-OSS) through the block kernels in query tiles against the keys
 each tile sees (parallel/dense.py), or the flash kernels in bf16/fp16 on CUDA: memory grows with the prompt, not
 with prefill_chunk x prompt as the model's eager attention's scores (or SDPA's mask) do. `prefill_computes` says
-where it runs; generate.py runs the model's own attention elsewhere. The decode computes full causal attention
-only (no window, soft-cap or sinks) and runs where the cache and scores allow (hf_adapter.full_attention_layers,
-plain_scores).
+where it runs; generate.py runs the model's own attention elsewhere. The decode computes plain softmax scores (no
+soft-cap or sinks) under transformers' SDPA mask, which carries a sliding layer's window, and runs where the cache
+keeps every token and the scores allow (hf_adapter.full_attention_layers, plain_scores).
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation
+from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation, cache_kw, new_cache
 from longstride.parallel.attention import UNSUPPORTED_KWARGS, MaskNote, no_mask, unsupported_attention
 from longstride.parallel.dense import DENSE, expand_kv
 from longstride.parallel.kernels import block_forward, resolve_kernel
@@ -98,6 +100,8 @@ def _prefill_pattern(query, key, value, scale, pattern: Pattern, sinks):
     of the cache; a varlen kernel (CUDA flash) as one varlen piece, on a (tokens, heads, D) copy of the keys and
     values it reads (the cache is laid out (B, H, L, D))."""
     kernel = prefill_kernel(query, pattern.softcap)
+    if pattern.window:  # the keys some query's window reaches (a full cache holds them all): what a varlen call copies
+        key, value = (x[:, :, -(pattern.window - 1 + query.shape[2]):] for x in (key, value))
     window = pattern.window or key.shape[2]
     if kernel in DENSE:
         out, lse = DENSE[kernel][0](query, key, value, scale, True, window, pattern.softcap)
@@ -108,16 +112,36 @@ def _prefill_pattern(query, key, value, scale, pattern: Pattern, sinks):
     return fold_sinks(out, lse, sinks)[0]
 
 
+_COMPUTES: WeakKeyDictionary = WeakKeyDictionary()  # model -> prefill_computes' answer, found once
+
+
 def prefill_computes(model) -> bool:
     """Whether `prefill_attention` computes every layer of `model`'s text decoder (a vision-language model's vision
     tower, bidirectional and never run on RULER's text, aside: Gemma 3 4B and up load as one): what longstride's
     training attention computes (parallel/attention.unsupported_attention: full and sliding-window layers,
     soft-capped scores, sinks) without chunked layers (Llama 4's), whose chunks count from each prompt's start,
-    which a cached prefill does not see."""
-    text = model.config.get_text_config(decoder=True)
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    return "chunked_attention" not in layer_types(text) and not unsupported_attention(decoder or model)
+    which a cached prefill does not see; and what the layers' calls ask for, which no config shows (a position
+    bias, sparse indices), found by a two-token forward on a cache of its own (`_probe`) before any prompt's."""
+    if model not in _COMPUTES:
+        text = model.config.get_text_config(decoder=True)
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if callable(get_decoder) else None
+        static = "chunked_attention" not in layer_types(text) and not unsupported_attention(decoder or model)
+        _COMPUTES[model] = static and _probe(model)
+    return _COMPUTES[model]
+
+
+@torch.no_grad()
+def _probe(model) -> bool:
+    """A two-token prefill under prefill_attention; False (with a note) where a layer's call refuses there."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with use_attention(model, PREFILL_ATTENTION):
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw(model): new_cache(model)})
+    except NotImplementedError as e:
+        print(f"eval: note: {type(model).__name__} prefills on its own attention: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _prefill_cpu(query, key, value, scale, causal=True):
@@ -146,7 +170,8 @@ def _prefill_lower_right(query, key, value, scale, causal=True):
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A decode step on CPU: query (B, H, q, D), the q new tokens (the last one and its draft), against the
     cache's key/value (B, Hkv, n, D), with transformers' boolean SDPA mask (B, 1, q, n) (left padding, draft holes,
-    causality among the new tokens) or none (one new token, nothing masked) -> ((B, q, H, D), None). The g query
+    causality among the new tokens, a sliding layer's window) or none (one new token, nothing masked: transformers
+    skips the mask only where the window reaches every key) -> ((B, q, H, D), None). The g query
     heads that share a K/V head go into the query-length dimension, (B, Hkv, g*q, D), so SDPA reads each K/V
     head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask)."""
     if dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:

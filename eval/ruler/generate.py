@@ -32,8 +32,10 @@ K/V per query head whenever there is a mask).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Optional
+from weakref import WeakSet
 
 import numpy as np
 import torch
@@ -165,6 +167,9 @@ def prefill_batches(prompts: list[list[int]], room: int, batch_size: int, batch_
             for rows in batches([len(p) + room for p in prompts], batch_size, batch_tokens)]
 
 
+_NOTED: WeakSet = WeakSet()  # models whose batched windows the run has been told about
+
+
 def windowed(model) -> bool:
     """Whether the model's own cache keeps special layers (transformers' sliding-window layers, which keep only
     their window's last tokens; chunked or other layers)."""
@@ -180,6 +185,12 @@ def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]
     widths = [len(g.prompts[i]) for i in rows]
     if len(rows) > 1 and windowed(g.model) and prefill_computes(g.model):
         g = replace(g, full=True)
+        if g.model not in _NOTED:
+            _NOTED.add(g.model)
+            print(f"eval: note: {type(g.model).__name__} has sliding-window layers; a batch of several prompts keeps "
+                  "every token in every layer, as a full-attention model's does (rows x columns within batch_tokens); "
+                  "lower batch_tokens, or batch_size=1 (one prompt at a time on the model's sliding caches), where "
+                  "memory is short", file=sys.stderr)
     one, token = g.prefill(rows[0])
     if not plain_layers(one):
         return _one_at_a_time(g, rows, one, token)
@@ -189,8 +200,9 @@ def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]
 
 
 def _one_at_a_time(g: Generation, rows: list[int], one: DynamicCache, token: int) -> dict[int, str]:
-    """Sliding-window or other special layers keep their own cache: those rows are prefilled and decoded one
-    at a time, without drafts (the first, `rows[0]`, is prefilled already: `one`, `token`)."""
+    """A lone row of a sliding-window model, or any row of a model with chunked or other special layers, on the
+    model's own cache (a sliding layer keeping only its window): prefilled and decoded one at a time, without
+    drafts (the first, `rows[0]`, is prefilled already: `one`, `token`)."""
     alone, out = replace(g, draft=0), {}
     for r, i in enumerate(rows):
         cache, t = (one, token) if r == 0 else g.prefill(i)

@@ -89,7 +89,8 @@ def test_patterned_prefill_in_bf16_matches_the_model_s_own_attention(name):
     """Windows (torch's flash kernel with its window), soft-capped scores (the CUDA math kernel in query tiles) and
     sinks through `prefill_attention` on CUDA in bf16: a 3,000-token prompt in 1,024-token forwards gives the
     last-token logits of one fp32 eager forward on the CPU to within 1.5x the error of the model's own bf16 eager
-    attention on CUDA over the same forwards; every patterned call ran the kernel named."""
+    attention on CUDA over the same forwards; every patterned call picked the kernel named, and torch's
+    flash op ran where that is torch_flash."""
     from tests.test_attention_patterns import make_matter
 
     from longstride.eval.ruler import attention, generate
@@ -106,9 +107,12 @@ def test_patterned_prefill_in_bf16_matches_the_model_s_own_attention(name):
     picked, pick = [], attention.prefill_kernel
     attention.prefill_kernel = lambda *a: picked.append(pick(*a)) or picked[-1]
     try:
-        _, logits = _prefill(model, ids, CHUNK, CUDA, kw)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _, logits = _prefill(model, ids, CHUNK, CUDA, kw)
     finally:
         attention.prefill_kernel = pick
+    varlen = any(e.name == "aten::_flash_attention_forward" for e in prof.events())  # torch_flash's varlen op ran
+    assert varlen or kernel != "torch_flash", name
     if kernel == "math" and flash_attn_available() and flash_attn_softcap_problem() is None:
         kernel = "flash_attn"  # soft-capped scores on a flash-attn build that caps them
     assert set(picked) == {kernel}, (name, set(picked))
