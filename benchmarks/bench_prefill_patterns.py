@@ -16,7 +16,8 @@ of 64, fp32, random weights (time and memory do not depend on them).
 their first 1,800 (a haystack up to its needle), 32 new tokens each, on the same models: one batch that keeps every
 token in every layer (prefix caching, one decode forward per step for all rows) against each prompt alone on the
 model's own sliding caches (batch_size=1: how a sliding-window model ran before). Same answers checked; median of
-3, written to benchmarks/results/bench_generate_patterns.json.
+3, written to benchmarks/results/bench_generate_patterns.json (`--shared 0 --new 64`: nothing shared, longer answers,
+the batched decode alone: bench_generate_patterns_shared0_new64.json).
 """
 from __future__ import annotations
 
@@ -101,12 +102,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--generate", action="store_true")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--shared", type=int, default=1800, help="--generate: prompt tokens the prompts share")
+    p.add_argument("--new", type=int, default=32, help="--generate: new tokens per prompt")
     args = p.parse_args(argv)
     if args.generate:
-        rows = generation(args.reps)
+        rows = generation(args.reps, shared=args.shared, new=args.new)
         print_table(rows, ["model", "pattern", "prompts", "tokens", "shared", "new", "alone_s", "batched_s",
                            "time_ratio", "same_answers"])
-        print(write_results("bench_generate_patterns", rows, {"shape": SHAPE, "reps": args.reps}))
+        name = "bench_generate_patterns" + ("" if (args.shared, args.new) == (1800, 32) else
+                                            f"_shared{args.shared}_new{args.new}")
+        print(write_results(name, rows, {"shape": SHAPE, "reps": args.reps}))
         return rows
     lengths, reps = ([1024, 2048], 1) if args.quick else ([2048, 4096, 8192], args.reps)
     rows = []

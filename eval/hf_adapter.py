@@ -6,8 +6,8 @@ RULER's generation (eval/ruler/generate.py) keeps a batch's KV cache in buffers 
 answer (`BufferLayer`, a DynamicLayer that writes in place instead of concatenating) and moves prompts'
 caches into and out of them (`buffer_cache`, `put_row`, `row_prefix`, `keep_rows`); the context-parallel
 prefill (eval/ruler/cp_prefill.py) and generation swap the model's attention for a block
-(`attention_implementation`). Which models our attention reproduces in decoding (`plain_scores`), and which
-prefill chunks transformers' length-dependent RoPE would rotate otherwise than one forward (`check_prefill_chunk`).
+(`attention_implementation`); and which prefill chunks transformers' length-dependent RoPE would rotate
+otherwise than one forward (`check_prefill_chunk`).
 When transformers changes its cache, attention or tokenizer plumbing, this file is what changes.
 """
 from __future__ import annotations
@@ -162,15 +162,6 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
             and not getattr(backend, "encode_special_tokens", False)):
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-
-
-def plain_scores(model) -> bool:
-    """Whether the model's attention scores are plain softmax ones, which this module's attention computes: no logit
-    soft-capping (Gemma 2) and no sinks (GPT-OSS); otherwise the model's own attention runs, with its masks."""
-    text = model.config.get_text_config(decoder=True)
-    from longstride.parallel.pattern import has_sinks
-
-    return not getattr(text, "attn_logit_softcapping", None) and not any(has_sinks(m) for m in model.modules())
 
 
 def check_prefill_chunk(config, chunk: int, longest: int) -> None:

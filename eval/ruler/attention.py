@@ -7,9 +7,9 @@ plain causal layers as one lower-right causal block (two CPU flash calls on CPU,
 windows, soft-capped scores (Gemma 2) and sinks (GPT-OSS) through the block kernels in query tiles against the keys
 each tile sees (parallel/dense.py), or the flash kernels in bf16/fp16 on CUDA: memory grows with the prompt, not
 with prefill_chunk x prompt as the model's eager attention's scores (or SDPA's mask) do. `prefill_computes` says
-where it runs; generate.py runs the model's own attention elsewhere. The decode computes plain softmax scores (no
-soft-cap or sinks) under transformers' SDPA mask, which carries a sliding layer's window, and runs where the cache
-keeps every token and the scores allow (hf_adapter.full_attention_layers, plain_scores).
+where it runs; generate.py runs the model's own attention elsewhere. The decode computes the scores (soft-capped
+and sinks too) under transformers' SDPA mask, which carries a sliding layer's window, on CPU where the cache keeps
+every token (hf_adapter.full_attention_layers).
 """
 from __future__ import annotations
 
@@ -173,17 +173,40 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     causality among the new tokens, a sliding layer's window) or none (one new token, nothing masked: transformers
     skips the mask only where the window reaches every key) -> ((B, q, H, D), None). The g query
     heads that share a K/V head go into the query-length dimension, (B, Hkv, g*q, D), so SDPA reads each K/V
-    head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask)."""
-    if dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("decode_attention computes plain softmax scores: no dropout, softcap or sinks")
+    head once with no GQA expansion (transformers' SDPA copies K/V per query head whenever there is a mask).
+    Soft-capped scores (Gemma 2) and sinks (GPT-OSS) run the same folded heads through explicit scores
+    (`_decode_scores`): a few queries' rows, not a prompt's."""
+    if dropout:
+        raise NotImplementedError("decode_attention computes no attention dropout")
     B, H, q, D = query.shape
     assert attention_mask is not None or q == 1, "several new tokens after a cache need a mask"
     g = H // key.shape[1]
     folded = query.reshape(B, H // g, g * q, D)  # heads kv*g .. kv*g+g-1 share K/V head kv (repeat_kv's order)
     if attention_mask is not None and g > 1:
         attention_mask = attention_mask[:, :, None].expand(-1, -1, g, -1, -1).reshape(B, 1, g * q, -1)
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap or sinks is not None:
+        out = _decode_scores(folded, key, value, attention_mask, scaling, softcap, sinks, q)
+    else:
+        out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
     return out.view(B, H, q, D).transpose(1, 2).contiguous(), None
+
+
+def _decode_scores(folded, key, value, mask, scale, softcap, sinks, q: int):
+    """decode_attention's folded heads (B, Hkv, g*q, D) with Gemma 2's soft-cap applied to the scores before the
+    mask, and GPT-OSS's sinks (H,) joining each query head's softmax with a zero value, as the models' eager
+    attention computes them, in fp32."""
+    scale = scale if scale is not None else folded.shape[-1] ** -0.5
+    s = torch.matmul(folded.float(), key.float().transpose(-1, -2)).mul_(scale)
+    if softcap:
+        s.div_(softcap).tanh_().mul_(softcap)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if sinks is not None:  # folded row j * q + t is query head kv * g + j's token t
+        sink = sinks.float().view(1, key.shape[1], -1, 1).repeat_interleave(q, dim=2)
+        lse = torch.logaddexp(lse, sink)
+    return torch.matmul(s.sub_(lse).exp_(), value.float()).to(folded.dtype)
 
 
 def cpu_kernels(device: torch.device) -> bool:

@@ -42,7 +42,7 @@ import torch
 
 from longstride.eval.hf_adapter import (DynamicCache, buffer_cache, buffer_columns, buffered, cache_kw,
                                         check_prefill_chunk, full_attention_layers, keep_rows, new_cache, plain_layers,
-                                        plain_scores, put_row, row_prefix)
+                                        put_row, row_prefix)
 from longstride.eval.ruler.attention import (DECODE_ATTENTION, PREFILL_ATTENTION, cpu_kernels, prefill_computes,
                                              use_attention)
 from longstride.eval.ruler.score import sample_score
@@ -379,7 +379,7 @@ def _decode_rows(g: Generation, rows: list[int], widths: list[int], first: list[
     (1 + draft) columns, each step also verifies up to g.draft prompt-lookup tokens per row (module docstring)."""
     batch = _Decoding(g, rows, widths, first, cache, mask)
     done = [r for r, (i, t) in enumerate(zip(rows, first)) if batch.add(r, i, t)]
-    ours = cpu_kernels(g.device) and full_attention_layers(cache) and plain_scores(g.model)
+    ours = cpu_kernels(g.device) and full_attention_layers(cache) and prefill_computes(g.model)
     with use_attention(g.model, DECODE_ATTENTION if ours else None):
         while len(done) < len(batch.live):
             if done:
