@@ -154,7 +154,7 @@ def test_a_call_asking_for_more_than_its_config_shows_prefills_on_the_model_s_ow
         forward = layer.self_attn.forward
         layer.self_attn.forward = lambda *a, f=forward, **k: f(*a, position_bias=torch.zeros(1), **k)
     assert not attention.prefill_computes(model)
-    assert "prefills on its own attention" in capsys.readouterr().err
+    assert "generates on its own attention" in capsys.readouterr().err
     ids = prompt(60)
     _, logits = prefill(model, ids, 16)
     assert relative(logits, own_forward(model, ids)[1]) < 1e-5

@@ -139,7 +139,7 @@ def _probe(model) -> bool:
         with use_attention(model, PREFILL_ATTENTION):
             model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw(model): new_cache(model)})
     except NotImplementedError as e:
-        print(f"eval: note: {type(model).__name__} prefills on its own attention: {e}", file=sys.stderr)
+        print(f"eval: note: {type(model).__name__} generates on its own attention: {e}", file=sys.stderr)
         return False
     return True
 
