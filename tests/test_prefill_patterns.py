@@ -1,7 +1,7 @@
 """RULER's prefill (eval/ruler/attention.py prefill_attention) on models whose attention is not plain causal:
 sliding windows (Mistral, Qwen2, Gemma 3, OLMo 3, EXAONE 4), soft-capped scores (Gemma 2) and sinks (GPT-OSS)
-computed by longstride's block kernels, exact against the model's own eager attention; Llama 4's chunked layers
-left to the model's own attention; scores held one query tile at a time, not prefill_chunk x prompt."""
+and chunks (Llama 4) computed by longstride's block kernels, exact against the model's own eager attention; scores
+held one query tile at a time, not prefill_chunk x prompt; generation batched over full caches."""
 from __future__ import annotations
 
 import dataclasses
@@ -160,29 +160,58 @@ def test_a_call_asking_for_more_than_its_config_shows_prefills_on_the_model_s_ow
     assert relative(logits, own_forward(model, ids)[1]) < 1e-5
 
 
-def test_chunked_layers_run_the_model_s_own_attention():
-    """Llama 4's chunks count from the prompt's start, which a cached forward does not see: generation leaves
-    such a model on its own attention, and prefill_attention called on a chunked layer refuses it."""
+@pytest.mark.parametrize("chunk", [7, 16, 40])
+def test_a_chunked_layer_s_prefill_gives_the_model_s_own_cache_and_logits(chunk, monkeypatch):
+    """Llama 4 (chunked layers, NoPE full layers between them): a 90-token prompt prefilled 13 tokens a forward
+    (chunks of 7, 16 and 40 tokens cross the forwards unaligned) gives the cache and last-token logits of one eager
+    forward; the chunked layers ran `_prefill_chunks`, placed by the positions their mask call gave."""
+    model = make_model("llama4", chunk).eval()
+    assert attention.prefill_computes(model)
+    calls, inner = [], attention._prefill_chunks
+    monkeypatch.setattr(attention, "_prefill_chunks", lambda *a: calls.append(a[6:]) or inner(*a))
+    ids = prompt(90)
+    cache, logits = prefill(model, ids, 13)
+    ref_cache, ref_logits = own_forward(model, ids)
+    assert relative(logits, ref_logits) < 1e-5
+    for mine, theirs in zip(cache.layers, ref_cache.layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape and torch.allclose(mine.keys, theirs.keys, atol=1e-5)
+    chunked = model.config.layer_types.count("chunked_attention")
+    assert len(calls) == chunked * 7  # 90 tokens in 7 forwards
+    # (first query's position, first key's): the first forward from 0; the last from 78, its keys from the chunk - 1
+    # tokens the model's sliding cache kept
+    assert calls[0] == (0, 0) and calls[-1] == (78, max(0, 78 - chunk + 1))
+
+
+def test_the_chunked_prefill_test_fails_without_the_chunks(monkeypatch):
+    """Control: the chunked layers computed as plain causal ones move the logits by more than 1e-2 relative."""
+    model = make_model("llama4", 7).eval()
+    ids = prompt(90)
+    inner = attention.prefill_pattern
+    monkeypatch.setattr(attention, "prefill_pattern",
+                        lambda *a: (dataclasses.replace(inner(*a)[0], chunk=None), inner(*a)[1]))
+    _, logits = prefill(model, ids, 13)
+    assert relative(logits, own_forward(model, ids)[1]) > 1e-2
+
+
+def test_a_chunked_layer_without_its_positions_is_refused():
+    """prefill_attention reached on a chunked layer without prefill_mask's positions refuses it, naming it."""
     model = make_model("llama4", 16).eval()
-    assert not attention.prefill_computes(model)
     layer = next(m for m in model.modules() if type(m).__name__ == "Llama4TextAttention" and
                  model.config.layer_types[m.layer_idx] == "chunked_attention")
     q = torch.zeros(1, 4, 3, 8)
-    with pytest.raises(NotImplementedError, match="chunked attention layer"):
+    with pytest.raises(NotImplementedError, match="chunked attention layer, whose chunks count from positions"):
         attention.prefill_attention(layer, q, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), None)
-    ids = prompt(60)
-    _, logits = prefill(model, ids, 16)
-    assert relative(logits, own_forward(model, ids)[1]) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "gemma2", "gpt_oss", "llama4"])
 def test_greedy_answers_equal_the_model_s_own_generate(name, monkeypatch):
     """Four prompts of 40-90 tokens, three of them sharing their first 40-50 (prefix caching: those prefixes are not
     prefilled again), decoded together in one left-padded batch that keeps every token in every layer (the masks
     apply the windows of 7, in longstride's CPU decode attention, Gemma 2's cap and GPT-OSS's sinks included), and
     one
     at a time on the model's own sliding caches (batch_size=1): both answer what transformers' generate answers
-    with the model's eager attention. The drafts asked for are off (a rejected draft's holes would shift windows)."""
+    with the model's eager attention. The drafts asked for are off (a rejected draft's holes would shift windows).
+    Llama 4's chunked rows run alone on its sliding caches."""
     from longstride.data.tokenizer import train_bpe
 
     tok = train_bpe(["some words to train a tokenizer on, and a few more words"] * 4, 300)
@@ -205,6 +234,9 @@ def test_greedy_answers_equal_the_model_s_own_generate(name, monkeypatch):
     decoded, (decode, mask) = [], attention._ATTENTION[attention.DECODE_ATTENTION]
     monkeypatch.setitem(attention._ATTENTION, attention.DECODE_ATTENTION,
                         (lambda *a, **k: decoded.append(1) or decode(*a, **k), mask))
+    if name == "llama4":  # chunks count positions, which left padding moves off the columns: every row alone
+        assert G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32, draft=3) == want and len(alone) == 1
+        return
     assert G.greedy_generate(model, tok, prompts, 8, prefill_chunk=32, draft=3) == want and not alone
     assert sum(prefilled) == sum(map(len, prompts)) - 40 - 50  # two prompts from their shared prefixes
     assert decoded  # longstride's CPU decode attention, the cap's and the sinks' included

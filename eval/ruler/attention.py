@@ -2,18 +2,19 @@
 a prompt's new tokens against its cached ones with no mask tensor, and `decode_attention`, a CPU decode step with
 GQA folded into SDPA's query length.
 
-The prefill computes every layer longstride's training attention computes (parallel/pattern.py) except chunked ones:
-plain causal layers as one lower-right causal block (two CPU flash calls on CPU, one SDPA call elsewhere); sliding
-windows, soft-capped scores (Gemma 2) and sinks (GPT-OSS) through the block kernels in query tiles against the keys
-each tile sees (parallel/dense.py), or the flash kernels in bf16/fp16 on CUDA: memory grows with the prompt, not
-with prefill_chunk x prompt as the model's eager attention's scores (or SDPA's mask) do. `prefill_computes` says
-where it runs; generate.py runs the model's own attention elsewhere. The decode computes the scores (soft-capped
-and sinks too) under transformers' SDPA mask, which carries a sliding layer's window, on CPU where the cache keeps
-every token (hf_adapter.full_attention_layers).
+The prefill computes every layer longstride's training attention computes (parallel/pattern.py): plain causal layers
+as one lower-right causal block (two CPU flash calls on CPU, one SDPA call elsewhere); sliding windows, chunks
+(Llama 4: placed by the positions the mask call gives, `prefill_mask`), soft-capped scores (Gemma 2) and sinks
+(GPT-OSS) through the block kernels in query tiles against the keys each tile sees (parallel/dense.py), or the flash
+kernels in bf16/fp16 on CUDA: memory grows with the prompt, not with prefill_chunk x prompt as the model's eager
+attention's scores (or SDPA's mask) do. `prefill_computes` says where it runs; generate.py runs the model's own
+attention elsewhere. The decode computes the scores (soft-capped and sinks too) under transformers' SDPA mask, which
+carries a sliding layer's window, on CPU where the cache keeps every token (hf_adapter.full_attention_layers).
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Optional
 from weakref import WeakKeyDictionary
 
@@ -25,7 +26,7 @@ from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation, cach
 from longstride.parallel.attention import UNSUPPORTED_KWARGS, MaskNote, no_mask, unsupported_attention
 from longstride.parallel.dense import DENSE, expand_kv
 from longstride.parallel.kernels import block_forward, resolve_kernel
-from longstride.parallel.pattern import ABSENT, Pattern, fold_sinks, layer_pattern, layer_types
+from longstride.parallel.pattern import ABSENT, Pattern, fold_sinks, layer_pattern
 from longstride.parallel.ring import merge
 from longstride.parallel.varlen import VARLEN, VarlenCall, as_block
 
@@ -39,14 +40,18 @@ def prefill_attention(module, query, key, value, attention_mask, scaling=None, d
     layer computes the last token's row only (the others are zero): a prefill keeps the logits of its last
     token alone, and decoding reads the layer's keys and values, which are in the cache already. A plain causal
     layer runs `_prefill_cpu` on CPU, `_prefill_lower_right` elsewhere; a window, soft-cap or sinks
-    `_prefill_pattern`."""
+    `_prefill_pattern`; a chunked layer `_prefill_chunks`."""
     if dropout:
         raise NotImplementedError("prefill_attention computes no attention dropout")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pattern, sinks = prefill_pattern(module, attention_mask, query, key, kwargs)
     last = module.layer_idx == module.config.num_hidden_layers - 1
     q = query[:, :, -1:] if last else query
-    if pattern != Pattern() or sinks is not None:
+    if pattern.chunk:
+        offset = query.shape[2] - q.shape[2]  # the last row alone: its queries start that much later
+        out = _prefill_chunks(q, key, value, scale, pattern, sinks, attention_mask.q_offset + offset,
+                              attention_mask.kv_offset)
+    elif pattern != Pattern() or sinks is not None:
         out = _prefill_pattern(q, key, value, scale, pattern, sinks)
     else:
         out = (_prefill_cpu if query.device.type == "cpu" else _prefill_lower_right)(q, key, value, scale, not last)
@@ -60,12 +65,15 @@ def prefill_attention(module, query, key, value, attention_mask, scaling=None, d
 def prefill_pattern(module, mask, query, key, kwargs: dict) -> tuple[Pattern, Optional[torch.Tensor]]:
     """(the layer's Pattern over the call's keys, its sinks or None) as the model's own attention computes them: the
     window its mask holds (eager and SDPA read the mask, built from config.sliding_window and config.layer_types,
-    not the call's sliding_window), the call's soft-cap and sinks (s_aux). A chunked layer, a mask holding padding
-    or more than a causal window, and what longstride's training attention refuses (bidirectional attention, a
-    position bias, sparse indices) are refused (prefill_computes keeps such models on their own attention)."""
+    not the call's sliding_window), the call's soft-cap and sinks (s_aux); a chunked layer's chunk (Llama 4), which
+    `prefill_mask`'s positions place. A mask holding padding or more than a causal window, and what longstride's
+    training attention refuses (bidirectional attention, a position bias, sparse indices) are refused
+    (prefill_computes keeps such models on their own attention)."""
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    if layer_pattern(module, kwargs.get("sliding_window", ABSENT)).chunk:
-        raise NotImplementedError(f"{where} is a chunked attention layer, which prefill_attention does not compute")
+    chunk = layer_pattern(module, kwargs.get("sliding_window", ABSENT)).chunk
+    if chunk and not isinstance(mask, PrefillNote):
+        raise NotImplementedError(f"{where} is a chunked attention layer, whose chunks count from positions its "
+                                  "mask call did not give (prefill_mask's)")
     for name, what in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{where} asks for {what} ({name}), which prefill_attention does not compute")
@@ -79,8 +87,10 @@ def prefill_pattern(module, mask, query, key, kwargs: dict) -> tuple[Pattern, Op
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per "
                          f"query head ({query.shape[1]},)")
-    softcap = kwargs.get("softcap")
-    return Pattern(note.local, None, float(softcap) if softcap else None).within(key.shape[2]), sinks
+    softcap = float(kwargs.get("softcap") or 0) or None
+    if chunk:  # the mask's local size is the chunk: counted from positions, not cut by the keys' count
+        return Pattern(None, chunk, softcap), sinks
+    return Pattern(note.local, None, softcap).within(key.shape[2]), sinks
 
 
 def prefill_kernel(query: torch.Tensor, softcap: Optional[float]) -> str:
@@ -96,20 +106,58 @@ def prefill_kernel(query: torch.Tensor, softcap: Optional[float]) -> str:
 
 def _prefill_pattern(query, key, value, scale, pattern: Pattern, sinks):
     """(1, H, s, D) queries, the suffix of (1, Hkv, c + s, D) keys, through a window (pattern.window, or all the
-    keys), with the pattern's soft-cap and the sinks: a dense kernel in query tiles on (B, H, L, D) views, no copy
-    of the cache; a varlen kernel (CUDA flash) as one varlen piece, on a (tokens, heads, D) copy of the keys and
-    values it reads (the cache is laid out (B, H, L, D))."""
-    kernel = prefill_kernel(query, pattern.softcap)
+    keys), with the pattern's soft-cap and the sinks."""
     if pattern.window:  # the keys some query's window reaches (a full cache holds them all): what a varlen call copies
         key, value = (x[:, :, -(pattern.window - 1 + query.shape[2]):] for x in (key, value))
-    window = pattern.window or key.shape[2]
-    if kernel in DENSE:
-        out, lse = DENSE[kernel][0](query, key, value, scale, True, window, pattern.softcap)
-    else:
-        call = VarlenCall.of_ranges([(0, query.shape[2])], [(0, key.shape[2])], window)
-        out, lse = call.forward(VARLEN[kernel], query, key, value, scale, pattern.softcap)
-        out, lse = as_block(out, slice(None)), lse.unsqueeze(0)
+    return fold_sinks(*_suffix(query, key, value, scale, pattern.window or key.shape[2], pattern.softcap), sinks)[0]
+
+
+def _prefill_chunks(query, key, value, scale, pattern: Pattern, sinks, q_first: int, k_first: int):
+    """A chunked layer: queries at positions q_first.., keys at k_first.. (what the model's sliding cache kept of
+    the chunk so far, then the new tokens); each run of queries in one chunk of pattern.chunk positions (counted
+    from 0, as transformers' chunked mask for one unpadded row) attends causally to its chunk's keys, the suffix of
+    which it is."""
+    size, s = pattern.chunk, query.shape[2]
+    outs, lses, a = [], [], q_first
+    while a < q_first + s:
+        start = a // size * size
+        b = min(q_first + s, start + size)
+        ks, ke = max(k_first, start) - k_first, b - k_first
+        o, l = _suffix(query[:, :, a - q_first:b - q_first], key[:, :, ks:ke], value[:, :, ks:ke], scale, ke - ks,
+                       pattern.softcap)
+        outs.append(o)
+        lses.append(l)
+        a = b
+    out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (outs, lses))
     return fold_sinks(out, lse, sinks)[0]
+
+
+def _suffix(query, key, value, scale, window: int, softcap):
+    """(out, lse) of (1, H, s, D) queries, the suffix of (1, Hkv, n, D) keys, each seeing the `window` keys up to
+    itself: a dense kernel in query tiles on (B, H, L, D) views, no copy of the keys; a varlen kernel (CUDA flash)
+    as one varlen piece, on a (tokens, heads, D) copy of them (the cache is laid out (B, H, L, D))."""
+    kernel = prefill_kernel(query, softcap)
+    if kernel in DENSE:
+        return DENSE[kernel][0](query, key, value, scale, True, window, softcap)
+    out, lse = VarlenCall.of_ranges([(0, query.shape[2])], [(0, key.shape[2])], window).forward(
+        VARLEN[kernel], query, key, value, scale, softcap)
+    return as_block(out, slice(None)), lse.unsqueeze(0)
+
+
+@dataclass(frozen=True)
+class PrefillNote(MaskNote):
+    """A windowed or chunked layer's MaskNote with the positions of the call's first query and first key."""
+    q_offset: int = 0
+    kv_offset: int = 0
+
+
+def prefill_mask(*args, q_offset=0, kv_offset=0, local_size=None, **kwargs):
+    """prefill_attention's mask function: no_mask's note, and for a layer with a local size (a window or a chunk)
+    the positions its chunks count from (transformers' q_offset / kv_offset); None for a plain causal layer."""
+    note = no_mask(*args, local_size=local_size, **kwargs)
+    if not local_size or note is None:
+        return note
+    return PrefillNote(note.padding, note.beyond_causal, note.local, int(q_offset), int(kv_offset))
 
 
 _COMPUTES: WeakKeyDictionary = WeakKeyDictionary()  # model -> prefill_computes' answer, found once
@@ -118,16 +166,13 @@ _COMPUTES: WeakKeyDictionary = WeakKeyDictionary()  # model -> prefill_computes'
 def prefill_computes(model) -> bool:
     """Whether `prefill_attention` computes every layer of `model`'s text decoder (a vision-language model's vision
     tower, bidirectional and never run on RULER's text, aside: Gemma 3 4B and up load as one): what longstride's
-    training attention computes (parallel/attention.unsupported_attention: full and sliding-window layers,
-    soft-capped scores, sinks) without chunked layers (Llama 4's), whose chunks count from each prompt's start,
-    which a cached prefill does not see; and what the layers' calls ask for, which no config shows (a position
-    bias, sparse indices), found by a two-token forward on a cache of its own (`_probe`) before any prompt's."""
+    training attention computes (parallel/attention.unsupported_attention: full, sliding-window and chunked layers,
+    soft-capped scores, sinks); and what the layers' calls ask for, which no config shows (a position bias, sparse
+    indices), found by a two-token forward on a cache of its own (`_probe`) before any prompt's."""
     if model not in _COMPUTES:
-        text = model.config.get_text_config(decoder=True)
         get_decoder = getattr(model, "get_decoder", None)
         decoder = get_decoder() if callable(get_decoder) else None
-        static = "chunked_attention" not in layer_types(text) and not unsupported_attention(decoder or model)
-        _COMPUTES[model] = static and _probe(model)
+        _COMPUTES[model] = not unsupported_attention(decoder or model) and _probe(model)
     return _COMPUTES[model]
 
 
@@ -215,7 +260,8 @@ def cpu_kernels(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-_ATTENTION = {PREFILL_ATTENTION: (prefill_attention, no_mask), DECODE_ATTENTION: (decode_attention, SDPA_MASK)}
+_ATTENTION = {PREFILL_ATTENTION: (prefill_attention, prefill_mask),
+              DECODE_ATTENTION: (decode_attention, SDPA_MASK)}
 
 
 def use_attention(model, name: Optional[str]):

@@ -46,6 +46,7 @@ from longstride.eval.hf_adapter import (DynamicCache, buffer_cache, buffer_colum
 from longstride.eval.ruler.attention import (DECODE_ATTENTION, PREFILL_ATTENTION, cpu_kernels, prefill_computes,
                                              use_attention)
 from longstride.eval.ruler.score import sample_score
+from longstride.parallel.pattern import layer_types
 
 DRAFT_NGRAM = 3  # the longest suffix looked up for a draft (then shorter ones, down to the last token)
 
@@ -89,9 +90,9 @@ def _prefill(model, ids: list[int], chunk: int, device, kw: str,
              cache: Optional[DynamicCache] = None) -> tuple[DynamicCache, torch.Tensor]:
     """One prompt alone, `chunk` tokens per forward (a later chunk attends to the earlier ones): its KV cache
     and the logits of its last token. With `cache` holding the prompt's first tokens already (a shared prefix,
-    or a context-parallel prefill), only the rest is run. Where `prefill_computes` (full and sliding-window layers,
-    soft-capped scores, sinks) the forward runs `prefill_attention` (no mask tensor); elsewhere (chunked layers)
-    the model's own attention with its mask."""
+    or a context-parallel prefill), only the rest is run. Where `prefill_computes` (full, sliding-window and chunked
+    layers, soft-capped scores, sinks) the forward runs `prefill_attention` (no mask tensor); elsewhere the model's
+    own attention with its mask."""
     cache = cache if cache is not None else new_cache(model)
     start = cache.get_seq_length()
     if start >= len(ids):
@@ -170,6 +171,12 @@ def prefill_batches(prompts: list[list[int]], room: int, batch_size: int, batch_
 _NOTED: WeakSet = WeakSet()  # models whose batched windows the run has been told about
 
 
+def chunked(model) -> bool:
+    """Whether the model has chunked layers (Llama 4), whose chunks count positions: left padding moves them off a
+    batch's cache columns, over which transformers' masks count."""
+    return "chunked_attention" in layer_types(model.config.get_text_config(decoder=True))
+
+
 def windowed(model) -> bool:
     """Whether the model's own cache keeps special layers (transformers' sliding-window layers, which keep only
     their window's last tokens; chunked or other layers)."""
@@ -180,10 +187,10 @@ def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]
     """One batch's answers by prompt index: its prompts prefilled one by one (in `rows`' order, each from the
     prefix it shares with the one before), then decoded together with `room` answer columns per row. A batch of
     several rows of a sliding-window model keeps every token in every layer (the masks apply the windows, as they
-    do over left padding); a lone row, or a model prefill_attention does not compute (chunked layers, whose chunks
-    count columns that left padding shifts), keeps the model's own cache and runs alone (`_one_at_a_time`)."""
+    do over left padding); a lone row, a chunked model (`chunked`) or one prefill_attention does not compute keeps
+    the model's own cache and runs alone (`_one_at_a_time`)."""
     widths = [len(g.prompts[i]) for i in rows]
-    if len(rows) > 1 and windowed(g.model) and prefill_computes(g.model):
+    if len(rows) > 1 and windowed(g.model) and prefill_computes(g.model) and not chunked(g.model):
         g = replace(g, full=True)
         if g.model not in _NOTED:
             _NOTED.add(g.model)

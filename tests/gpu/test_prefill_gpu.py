@@ -2,8 +2,8 @@
 through `prefill_attention`'s GPU path (one SDPA call a layer with torch's lower-right causal bias, no mask tensor),
 gives in bf16 the last-token logits and KV cache of one fp32 forward of the whole prompt to within 1.5x the error of
 transformers' own bf16 SDPA forward (with its mask); and its attention calls over the cache ran the flash kernel.
-Windowed, soft-capped and sink layers (Gemma 3, Gemma 2, GPT-OSS) through its patterned path against the models' own
-eager attention."""
+Windowed, soft-capped, sink and chunked layers (Gemma 3, Gemma 2, GPT-OSS, Llama 4) through its patterned path
+against the models' own eager attention."""
 from __future__ import annotations
 
 import pytest
@@ -80,6 +80,9 @@ PATTERNED = {  # name -> (model on the CPU in fp32, the kernel the patterned pre
         layer_types=["sliding_attention", "full_attention"] * 2)), "math"),
     "gpt_oss sinks, window 128": (lambda: T.GptOssForCausalLM(T.GptOssConfig(
         **SHAPE, sliding_window=128, num_local_experts=2, num_experts_per_tok=1)), "torch_flash"),
+    "llama4 chunks 512": (lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
+        **SHAPE, intermediate_size_mlp=512, num_local_experts=1, attention_chunk_size=512, no_rope_layer_interval=2,
+        attn_temperature_tuning=False)), "torch_flash"),
 }
 
 
