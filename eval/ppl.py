@@ -27,7 +27,7 @@ from longstride.data.files import list_files, stdlib_root
 from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import PplConfig, default_out, parse_ppl, results_stem
 from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
-from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head
+from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head, text_decoder
 from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.overrides import run
 
@@ -65,13 +65,10 @@ def ppl_attention(model):
     model; None, the model's own attention left, where the decoder needs more (parallel/attention.py
     unsupported_attention, or a two-token forward whose calls ask for more). Only the text decoder: a
     vision-language model's vision tower never runs here."""
-    from longstride.parallel.attention import head_shape, unsupported_attention, use_longstride_attention
+    from longstride.parallel.attention import auto_kernel, unsupported_attention, use_longstride_attention
     from longstride.parallel.cp import CPContext, DocLayout
-    from longstride.parallel.kernels import resolve_kernel
-    from longstride.parallel.pattern import config_softcap
 
-    get_decoder = getattr(model, "get_decoder", None)
-    body = get_decoder() if callable(get_decoder) else decoder(model)  # the text decoder, not a vision tower
+    body = text_decoder(model)
     found = unsupported_attention(body)
     if found:
         print(f"eval.ppl: note: {type(model).__name__} runs its own attention ({'; '.join(found[:3])})",
@@ -79,14 +76,10 @@ def ppl_attention(model):
         return None
     own = body.config._attn_implementation
     use_longstride_attention(body)
-    param = next(model.parameters())
-    kernel = resolve_kernel("auto", param.device.type, half=param.dtype in (torch.float16, torch.bfloat16),
-                            head_dim=head_shape(model.config)[1],
-                            softcap=bool(config_softcap(model.config.get_text_config(decoder=True))))
-    layout = DocLayout(None, cp=CPContext(kernel=kernel))
+    layout = DocLayout(None, cp=CPContext(kernel=auto_kernel(model)))
     try:  # what a layer's call asks for and no config shows (a position bias, sparse indices) refuses here
         with torch.no_grad():
-            decoder(model)(input_ids=torch.zeros(1, 2, dtype=torch.long, device=param.device), use_cache=False,
+            decoder(model)(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device), use_cache=False,
                            doc_layout=layout)
     except NotImplementedError as e:
         body.set_attn_implementation(own)

@@ -101,6 +101,13 @@ def decoder(lm: torch.nn.Module) -> torch.nn.Module:
     return getattr(lm, decoder_name(lm))
 
 
+def text_decoder(lm: torch.nn.Module) -> torch.nn.Module:
+    """The module holding a causal LM's text layers, whose attention implementation eval switches: get_decoder()'s
+    (a vision-language model's language model, not the wrapper beside its vision tower), else decoder(lm)."""
+    get = getattr(lm, "get_decoder", None)
+    return get() if callable(get) else decoder(lm)
+
+
 def decoder_layers(lm: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder's stack of layers (what checkpointing, tiling and FSDP wrap one by one): its ModuleList of
     config.num_hidden_layers modules (layers: Llama, Qwen, GPT-NeoX; h: GPT-2). A ValueError naming the model where

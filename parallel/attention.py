@@ -23,8 +23,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from longstride.model.tiling import autocast_on
 from longstride.parallel.cp import DocLayout, method
-from longstride.parallel.kernels import SOFTCAP_KERNELS, doc_attention
-from longstride.parallel.pattern import ABSENT, LAYER_TYPES, Pattern, layer_pattern
+from longstride.parallel.kernels import SOFTCAP_KERNELS, doc_attention, resolve_kernel
+from longstride.parallel.pattern import ABSENT, LAYER_TYPES, Pattern, config_softcap, layer_pattern
 
 NAME = "longstride"
 
@@ -121,6 +121,15 @@ def head_shape(config) -> tuple[int, int]:
     return heads, int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
 
 
+def auto_kernel(model: torch.nn.Module, ring: bool = False) -> str:
+    """parallel.kernel=auto's pick for `model` as it is: its parameters' device and dtype (bf16/fp16: the flash
+    kernels), its head size and its soft-capped scores (Gemma 2); ring: under ring attention."""
+    param = next(model.parameters())
+    return resolve_kernel("auto", param.device.type, ring=ring, half=param.dtype in (torch.float16, torch.bfloat16),
+                          head_dim=head_shape(model.config)[1],
+                          softcap=bool(config_softcap(model.config.get_text_config(decoder=True))))
+
+
 def check_supported(model: torch.nn.Module, split_longest: int = 0) -> None:
     """Refuses, before compute, a model whose attention longstride would compute wrongly (naming each layer and
     field); causal, windowed, chunked, soft-capped and sink attention pass."""
@@ -139,14 +148,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     # query: (B, H, L, D), key/value: (B, Hkv, L, D) -> ((B, L, H, D), None)
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstride attention")
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise NotImplementedError(f"{where} asks for bidirectional attention (is_causal=False), which longstride's "
-                                  "attention does not implement; refused rather than dropped")
-    for key_name, what in UNSUPPORTED_KWARGS.items():
-        if kwargs.get(key_name) is not None:
-            raise NotImplementedError(f"{where} asks for {what} ({key_name}), which longstride's attention does not "
-                                      "implement; refused rather than dropped")
+    where = refuse_call(module, query, kwargs, "longstride's attention")
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             f"{where}: {query.shape[2]} query positions against {key.shape[2]} key positions (a forward with a KV "
@@ -167,9 +169,6 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
                                   "math, or flash_attn on CUDA when installed) or math; with the HF Trainer, "
                                   "setup_cp(..., config=model.config)")
     sinks = kwargs.get("s_aux")
-    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
-        raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "
-                         f"head ({query.shape[1]},)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _same_dtype(query, key, value)
     if layout.cp.method is None:
@@ -178,6 +177,25 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     else:
         out = method(layout.cp.method).attention(query, key, value, layout, scale, pattern=pattern, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def refuse_call(module, query, kwargs: dict, who: str) -> str:
+    """What one attention call asks for that `who` (an attention function) does not compute, refused naming it:
+    bidirectional attention, UNSUPPORTED_KWARGS; its sinks (s_aux) checked against the query heads. Returns the
+    call's name for further messages."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(f"{where} asks for bidirectional attention (is_causal=False), which {who} does "
+                                  "not implement; refused rather than dropped")
+    for key_name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(key_name) is not None:
+            raise NotImplementedError(f"{where} asks for {what} ({key_name}), which {who} does not implement; "
+                                      "refused rather than dropped")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per query "
+                         f"head ({query.shape[1]},)")
+    return where
 
 
 def _same_dtype(q, k, v):

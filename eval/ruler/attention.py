@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation, cache_kw, new_cache
-from longstride.parallel.attention import UNSUPPORTED_KWARGS, MaskNote, no_mask, unsupported_attention
+from longstride.model.loss import text_decoder
+from longstride.parallel.attention import MaskNote, no_mask, refuse_call, unsupported_attention
 from longstride.parallel.dense import DENSE, expand_kv
 from longstride.parallel.kernels import block_forward, resolve_kernel
 from longstride.parallel.pattern import ABSENT, Pattern, fold_sinks, layer_pattern
@@ -69,24 +70,16 @@ def prefill_pattern(module, mask, query, key, kwargs: dict) -> tuple[Pattern, Op
     `prefill_mask`'s positions place. A mask holding padding or more than a causal window, and what longstride's
     training attention refuses (bidirectional attention, a position bias, sparse indices) are refused
     (prefill_computes keeps such models on their own attention)."""
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    where = refuse_call(module, query, kwargs, "prefill_attention")
     chunk = layer_pattern(module, kwargs.get("sliding_window", ABSENT)).chunk
     if chunk and not isinstance(mask, PrefillNote):
         raise NotImplementedError(f"{where} is a chunked attention layer, whose chunks count from positions its "
                                   "mask call did not give (prefill_mask's)")
-    for name, what in UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{where} asks for {what} ({name}), which prefill_attention does not compute")
-    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise NotImplementedError(f"{where} asks for bidirectional attention, which prefill_attention does not compute")
     note = MaskNote() if mask is None else mask
     if not isinstance(note, MaskNote) or note.padding or note.beyond_causal:
         raise NotImplementedError(f"{where}: prefill_attention computes one unpadded prompt with a causal mask "
                                   f"(sliding or not), and this call's mask holds more: {note}")
     sinks = kwargs.get("s_aux")
-    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
-        raise ValueError(f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)}, expected one per "
-                         f"query head ({query.shape[1]},)")
     softcap = float(kwargs.get("softcap") or 0) or None
     if chunk:  # the mask's local size is the chunk: counted from positions, not cut by the keys' count
         return Pattern(None, chunk, softcap), sinks
@@ -170,9 +163,7 @@ def prefill_computes(model) -> bool:
     soft-capped scores, sinks); and what the layers' calls ask for, which no config shows (a position bias, sparse
     indices), found by a two-token forward on a cache of its own (`_probe`) before any prompt's."""
     if model not in _COMPUTES:
-        get_decoder = getattr(model, "get_decoder", None)
-        decoder = get_decoder() if callable(get_decoder) else None
-        _COMPUTES[model] = not unsupported_attention(decoder or model) and _probe(model)
+        _COMPUTES[model] = not unsupported_attention(text_decoder(model)) and _probe(model)
     return _COMPUTES[model]
 
 

@@ -16,11 +16,9 @@ import torch.distributed as dist
 
 from longstride.eval.hf_adapter import DynamicCache, attention_implementation, new_cache
 from longstride.model.loss import decoder
-from longstride.parallel.attention import head_shape, longstride_attention, no_mask
+from longstride.parallel.attention import auto_kernel, longstride_attention, no_mask
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
-from longstride.parallel.kernels import resolve_kernel
-from longstride.parallel.pattern import config_softcap
 from longstride.parallel.zigzag import unshard
 
 NAME = "longstride_kv"
@@ -50,10 +48,7 @@ def cp_prefill(model, ids: list[int], cp: CPContext) -> DynamicCache:
         return cache
     full = torch.tensor(ids[:length], device=device)[None]
     batch = {"input_ids": full, "position_ids": torch.arange(length, device=device)[None]}
-    half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
-    soft = bool(config_softcap(model.config.get_text_config()))
-    cp = dataclasses.replace(cp, kernel=resolve_kernel("auto", device.type, ring=cp.method is not None, half=half,
-                                                       head_dim=head_shape(model.config)[1], softcap=soft))
+    cp = dataclasses.replace(cp, kernel=auto_kernel(model, ring=cp.method is not None))
     local, layout = shard_for_cp(batch, False, cp)
     kv: dict[int, tuple] = {}
     with attention_implementation(model, NAME, _attention_keeping_kv, no_mask):
