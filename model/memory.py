@@ -21,8 +21,8 @@ The estimate, per rank, in bytes:
     full checkpointing           r H per layer (its input), plus one layer's set while it is recomputed
     selective                    r H per layer (its input) and the outputs of its matmuls, b each (selective_keeps:
                                  q/k/v, the output projection, the MLP's or experts' projections), attention's
-                                 output and lse (b q + 4 Hq), plus one layer's set (an upper bound: the outputs
-                                 kept are in it)
+                                 output and lse (b q + 4 Hq), under plain Ulysses its head-layout q and K/V too
+                                 (ulysses_keeps), plus one layer's set (an upper bound: the outputs kept are in it)
     the first k layers only      k checkpointed layers as above and n - k whole sets (whose backward frees them
     (checkpoint_layers)          before the first recompute: no extra set while k < n)
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
@@ -38,6 +38,7 @@ keep, and benchmarks/bench_memory.py measures the real figures (benchmarks/READM
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -148,7 +149,7 @@ def layer_keeps(config, parts: LayerParts, b: int, tiled: bool, autocast: bool =
     return keep if tiled else keep + _mlp_keeps(config, parts, b, H, I)
 
 
-def selective_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
+def selective_keeps(config, parts: LayerParts, b: int, tiled: bool, ulysses: int = 1) -> int:
     """Bytes per token selective checkpointing's cache keeps for one decoder layer (model/selective.py): the outputs
     of its matmuls outside autograd Functions (the tiles keep nothing there), b each
     (bf16 under autocast): q, k and v (or one fused q/k/v; in tiles in a pre-norm layer), the output projection's H;
@@ -156,9 +157,10 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
     of experts: the router's logits, per expert a token goes to its gate_up and down outputs, and a shared expert's
     set with its gate; attention's output b Hq d and its fp32 log-sum-exp 4 Hq (on one device and under every CP
     method: attention is one op, parallel/attention_call.py; where CUDA's sdpa kernel falls back to SDPA's math, its
-    L x L scores are kept besides, which this does not count). Measured op by op on nine architectures
-    (tests/test_memory_estimate.py). The layer's input is not in it (the residual adds are recomputed): estimate()
-    adds it, as full checkpointing keeps it."""
+    L x L scores are kept besides, which this does not count); ulysses: the degree of a plain (one-stage) Ulysses
+    exchange, whose op also keeps the head-layout q and K/V (ulysses_keeps). Measured op by op on nine architectures
+    (tests/test_memory_estimate.py; under each CP method: tests/test_cp_model.py). The layer's input is not in it
+    (the residual adds are recomputed): estimate() adds it, as full checkpointing keeps it."""
     H, I, d, Hq, Hkv = _dims(config)
     keep = H + (0 if tiled and parts.pre_norm else (Hq + 2 * Hkv) * d)  # pre-norm tiles hold q/k/v's projections
     keep += Hq * d  # attention's output
@@ -171,7 +173,16 @@ def selective_keeps(config, parts: LayerParts, b: int, tiled: bool) -> int:
                                                                               if parts.shared_expert else 0)
     else:
         keep += (2 * I if parts.gated_mlp else I) + H
-    return b * keep + 4 * Hq
+    return b * keep + 4 * Hq + ulysses_keeps(config, b, ulysses)
+
+
+def ulysses_keeps(config, b: int, n: int) -> int:
+    """Bytes per local token that plain Ulysses at degree n keeps beyond one device's attention output and lse, under
+    selective checkpointing: the head-layout q (Hq d) and the K/V that travelled (2 lcm(Hkv, n) d: each K/V head
+    replicated until they divide by n), which its backward reads and its recompute would otherwise exchange again
+    (parallel/ulysses.py). UPipe's stages keep nothing more (their backward exchanges q, out and dout again)."""
+    _, _, d, Hq, Hkv = _dims(config)
+    return b * (Hq + 2 * math.lcm(Hkv, n)) * d if n > 1 else 0
 
 
 def _norm_readers(parts: LayerParts, tiled: bool) -> list[int]:
@@ -203,20 +214,21 @@ def precision(bf16: bool, fsdp: bool) -> dict:
 
 def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_tile: int, shard: int = 1,
              act_bytes: int = 4, offload: bool = False, parts: LayerParts = LayerParts(),
-             autocast: bool = False, ac_layers: Optional[int] = None) -> dict:
+             autocast: bool = False, ac_layers: Optional[int] = None, ulysses: int = 1) -> dict:
     """GiB per rank for a stage: tokens = micro_batch_size x seq_len / cp on this rank; parts: the model's
     layer_parts (the Llama form by default); act_bytes: 2 under bf16, with autocast: True where bf16 autocast runs
     over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision);
     ac_layers: how many layers `ac` checkpoints (model.checkpoint_layers; None: all), the others keeping their whole
-    set as without checkpointing."""
+    set as without checkpointing; ulysses: the degree of a plain Ulysses exchange (CPDegrees.plain_ulysses; 1: none),
+    which selective checkpointing keeps (ulysses_keeps)."""
     H, I, d, Hq, Hkv = _dims(config)
     n, q, qkv = config.num_hidden_layers, Hq * d, (Hq + 2 * Hkv) * d
     r = 4 if autocast else act_bytes  # the residual stream's bytes per element
     layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
     peak = r * H + act_bytes * (q + qkv) + r * 2 * d  # gradients in one layer's backward, cos/sin
     # full and selective keep each layer's input; selective also its matmuls' outputs
-    per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile))
-                                                     if ac == "selective" else 0)
+    per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile),
+                                                                    ulysses=ulysses) if ac == "selective" else 0)
     k = n if ac == "none" or ac_layers is None else ac_layers  # the layers keeping per_layer; the rest keep `layer`
     layers = k * per_layer + (n - k) * layer  # what every layer keeps at the forward's end
     # backward runs the whole (last) layers' first, freeing them, then recomputes one checkpointed layer at a time

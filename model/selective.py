@@ -5,8 +5,9 @@ Kept: the matmuls' outputs (KEPT: the q/k/v, output and MLP or experts' projecti
 log-sum-exp (ATTENTION_OPS: longstride's attention, one op however it runs: on one device, in a ring, under Ulysses
 or UPipe (parallel/attention_call.py); torch's SDPA kernels where SDPA runs under autograd). Everything else (norms,
 RoPE, residual adds, activations, autocast's casts: cheap elementwise ops) is recomputed from them in backward: no
-matmul and no attention kernel runs again and no ring sends K/V again (Ulysses' all-to-alls do run again, q/K/V
-to heads and the output back: they lie outside the op, inside Ulysses' own autograd.Function). Where CUDA's SDPA
+matmul and no attention kernel runs again, no ring sends K/V again and no Ulysses group exchanges heads again (its
+all-to-alls run inside the op; plain Ulysses' op also returns, so keeps, the head-layout q and K/V its backward
+reads). Where CUDA's SDPA
 falls back to its math kernel (fp64, or a shape no fused kernel takes) the kept matmuls include its L x L scores,
 as no checkpointing keeps them.
 

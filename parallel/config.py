@@ -65,6 +65,11 @@ class CPDegrees:
         Ulysses group (ring x lcm(2, ulysses) covers both)."""
         return self.ring * math.lcm(2, self.ulysses)
 
+    def plain_ulysses(self, heads: int) -> int:
+        """The Ulysses degree where all `heads` query heads run in one stage (plain Ulysses, alone or inside a ring),
+        whose head-layout q and K/V selective checkpointing keeps (model/memory.ulysses_keeps); 1 otherwise."""
+        return self.ulysses if self.ulysses > 1 and self.stage_heads in (0, heads) else 1
+
 
 def describe_cp(impl: str, d: CPDegrees, kv_heads: int = 0) -> str:
     """' upipe: ring 2 x ulysses 2, 2 heads per stage' for the stage log; states the K/V heads that travel

@@ -8,13 +8,15 @@ second all-to-all brings the output back to sequence shards.
 
 UPipe runs the query heads in stages of U (head schedule: parallel/heads.py): each stage's all-to-alls and
 attention reuse the previous stage's buffers, and K/V are exchanged once and kept. Only the local
-inputs, the local output and each stage's log-sum-exp are saved for backward (each stage's attention is
-parallel/attention_call's op, which selective checkpointing keeps); backward exchanges
+inputs, the local output and each stage's log-sum-exp are saved for backward; backward exchanges
 (q, out, dout) per stage again and runs the attention backward stage by stage, so its buffers are
 per stage too. Plain Ulysses is the one-stage case, except that it keeps the head-layout q and K/V (the
 same bytes as the local q, k, v) and its backward exchanges only (out, dout): one all-to-all fewer per
 backward and no third copy of q, out, dout in flight at once (bench_peers measured the re-exchange at
-1.16x DeepSpeed Ulysses' time and 2x its memory on 8:2 x 128 heads at 8K).
+1.16x DeepSpeed Ulysses' time and 2x its memory on 8:2 x 128 heads at 8K). The whole forward, all-to-alls
+included, is one call of parallel/attention_call's op: selective checkpointing keeps its outputs (plain Ulysses':
+the local output, the head-layout q and K/V and the lse; UPipe's: the local output and the lses), and backward's
+recompute of a layer exchanges nothing.
 
     ulysses_attention(q, k, v, plan, kernel, scale, ring, heads, stage_heads, pattern, sinks) -> out,
     differentiable
@@ -119,30 +121,46 @@ class UlyssesCall(NamedTuple):
     stage_heads: int = 0
 
 
-class _UlyssesAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, call: UlyssesCall):
-        heads = call.heads
-        sched = head_schedule(q.shape[1], k.shape[1], heads.size, call.stage_heads, q.device)
+class _Exchange(NamedTuple):
+    """Ulysses' whole forward as one attention call (parallel/attention_call): the all-to-alls and each stage's ring
+    call run inside longstride's attention op, so that selective checkpointing keeps its outputs and backward's
+    recompute neither attends nor exchanges again. forward -> plain Ulysses: (out, head-layout q, K/V, lse), what
+    its backward reads; UPipe: (out, each stage's lse)."""
+
+    call: UlyssesCall
+    sched: HeadSchedule
+
+    def forward(self, q, k, v, sinks):
+        call, sched, heads = self.call, self.sched, self.call.heads
         kv = _kv_to_heads(k, v, sched, heads)
-        ctx.call, ctx.sched = call, sched
         if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
             qf = heads.to_heads(q)
+            qf = qf.clone() if qf is q else qf  # one process (no group): an op's output may not be its input
             held = heads.my_heads(torch.arange(q.shape[1], device=q.device))
-            o, lse = attention_forward(qf, kv[0], kv[1], _sinks_of(sinks, held), call.ring)
-            out = heads.to_seq(o).contiguous()
-            # the head-layout q and K/V hold the same bytes as the local q, k, v (L/N tokens x H heads = L tokens x
-            # H/N heads): kept instead of them, the backward does not exchange them again
-            ctx.save_for_backward(qf, kv, out, lse, sinks)
-            return out
+            o, lse = call.ring.forward(qf, kv[0], kv[1], _sinks_of(sinks, held))
+            return heads.to_seq(o).contiguous(), qf, kv, lse
         out, lses, bufs = torch.empty_like(q), [], {}
         for st in sched.stages:
             qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
-            o, lse = attention_forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)),
-                                       call.ring)
+            o, lse = call.ring.forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)))
             out.index_copy_(1, st.send, heads.to_seq(o, bufs, "o"))
             lses.append(lse)
-        ctx.save_for_backward(q, k, v, out, sinks, *lses)
+        return out, *lses
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, call: UlyssesCall):
+        sched = head_schedule(q.shape[1], k.shape[1], call.heads.size, call.stage_heads, q.device)
+        ctx.call, ctx.sched = call, sched
+        out, *kept = attention_forward(q, k, v, sinks, _Exchange(call, sched))
+        if len(sched.stages) == 1:
+            # the head-layout q and K/V hold the same bytes as the local q, k, v (L/N tokens x H heads = L tokens x
+            # H/N heads): kept instead of them, the backward does not exchange them again
+            qf, kv, lse = kept
+            ctx.save_for_backward(qf, kv, out, lse, sinks)
+        else:  # UPipe: the local inputs, exchanged again stage by stage in backward
+            ctx.save_for_backward(q, k, v, out, sinks, *kept)
         return out
 
     @staticmethod

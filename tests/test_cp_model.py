@@ -100,20 +100,39 @@ class AttentionKernelCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def counted_exchanges():
+    """Counts Ulysses' all-to-alls (parallel/ulysses's all_to_all_single) while entered, in box[0]: entered around
+    backward, the exchanges backward runs, its recompute's included."""
+    from longstride.parallel import ulysses
+
+    box, exchange = [0], ulysses.all_to_all_single
+
+    def counted(*args, **kwargs):
+        box[0] += 1
+        return exchange(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ulysses, "all_to_all_single", counted)
+        yield box
+
+
 def loss_and_grads(cp: CPContext, lengths: list[int], doc_masking: bool, ac: str = "none", calls: list = None,
-                   kept: list = None):
+                   kept: list = None, exchanges: list = None):
     """calls: gets the attention calls backward ran; kept: gets what selective checkpointing's cache holds, bytes per
-    layer and local token"""
+    layer and local token; exchanges: gets the all-to-alls backward ran"""
     cache = SelectiveCache() if kept is not None else None
     model = tiny_model(ac, cache)
     local, layout = shard_for_cp(packed_batch(lengths), doc_masking, cp)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
     if kept is not None:
         kept.append(cache.total() / model.lm.config.num_hidden_layers / local["input_ids"].numel())
-    with AttentionKernelCalls() as counted:
+    with AttentionKernelCalls() as counted, counted_exchanges() as exchanged:
         loss.backward()
     if calls is not None:
         calls.append(counted.n)
+    if exchanges is not None:
+        exchanges.append(exchanged[0])
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -121,16 +140,18 @@ def _worker(rank: int, n: int, par: ParallelConfig, ac: str, path: str) -> None:
     import torch.distributed as dist
 
     cp = cp_context(par.cp_impl, ParallelDims(n, 1, n), cp_degrees(par, n, heads=4), "cpu", "sdpa", par.balance)
-    out, calls, kept = {}, [], []
+    out, calls, kept, exchanges, unchecked = {}, [], [], [], []
+    loss_and_grads(cp, LENGTHS["every_rank_several_docs"], True, exchanges=unchecked)  # backward's own exchanges
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):
             loss, grads = loss_and_grads(cp, lengths, doc_masking, ac, calls,
-                                         kept if ac.startswith("selective") else None)
+                                         kept if ac.startswith("selective") else None, exchanges)
             for t in (loss, *grads.values()):
                 dist.all_reduce(t)  # the global loss sum and gradient are sums over CP ranks
             out[lname, doc_masking] = (loss, grads)
     if rank == 0:
-        torch.save({"results": out, "backward_attention_calls": sum(calls), "selective_kept": kept}, path)
+        torch.save({"results": out, "backward_attention_calls": sum(calls), "selective_kept": kept,
+                    "backward_exchanges": exchanges, "unchecked_backward_exchanges": unchecked[0]}, path)
 
 
 IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled with it); 4 query / 2 K/V heads
@@ -169,11 +190,19 @@ def test_cp_loss_and_gradients_equal_single_process(impl, tmp_path):
     # selective checkpointing keeps attention's output (a ring's too: no block or K/V message again); full
     # checkpointing recomputes the whole layer
     assert (reran == 0) == (ac != "full"), f"{impl}: backward ran attention {reran} times"
-    if ac == "selective:untiled":  # and what it keeps is what the estimate counts, one device's set per local token
+    # nor Ulysses' all-to-alls (inside the same op): backward exchanges what it exchanges without checkpointing
+    exchanged, unchecked = saved["backward_exchanges"], saved["unchecked_backward_exchanges"]
+    exchanging = par.cp_impl != "ring"
+    assert (unchecked > 0) == exchanging, (impl, unchecked)
+    assert all(n > unchecked if ac == "full" and exchanging else n == unchecked for n in exchanged), (
+        impl, unchecked, exchanged)
+    if ac == "selective:untiled":  # and what it keeps is what the estimate counts per local token: one device's set,
+        # and plain Ulysses' head-layout q and K/V
         from longstride.model.memory import layer_parts, selective_keeps
 
         lm = tiny_model(ac).lm
-        est = selective_keeps(lm.config, layer_parts(lm, lean_norms=True), 4, tiled=False)
+        est = selective_keeps(lm.config, layer_parts(lm, lean_norms=True), 4, tiled=False,
+                              ulysses=cp_degrees(par, n, heads=4).plain_ulysses(4))
         assert saved["selective_kept"] == [est] * 4, (impl, est, saved["selective_kept"])
     for lname, lengths in LENGTHS.items():
         for doc_masking in (True, False):

@@ -282,6 +282,7 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     analytic estimate fits; a trace that failed (None) leaves the estimate alone."""
     from types import SimpleNamespace as NS
 
+    from longstride.parallel.config import CPDegrees
     from longstride.recipes.run import stage
     from longstride.recipes.run.step import StepSpec
 
@@ -292,7 +293,7 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     tracker = NS(info=lambda *a: None, warning=lambda msg, *a: messages.append(msg % a))
     acc = NS(num_processes=1, mixed_precision="no", device=torch.device("cpu"), is_main_process=True)
     ctx = NS(accelerator=acc, tracker=tracker, cfg=NS(train=NS(trace_memory="true")))
-    plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1),
+    plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), degrees=CPDegrees(),
               step=StepSpec(), fsdp=False)
     stage.log_memory_estimate(ctx, plan, model.lm)
     assert bool(messages) == warns, messages

@@ -71,6 +71,22 @@ def test_gpu_step_traces_with_offload_and_selective_checkpointing():
     assert gpu_trace(program("tiny", "ring", 2, checkpointing="selective"))["flash_calls"] > 0
 
 
+def test_selective_checkpointing_keeps_plain_ulysses_exchange_as_the_estimate_counts():
+    """Under selective checkpointing plain Ulysses' op keeps the head-layout q and K/V (its recompute exchanges
+    nothing): the traced GPU step keeps ulysses_keeps more per layer and local token than the ring's, which the
+    estimate adds; UPipe keeps what the ring keeps."""
+    from longstride.model.memory import ulysses_keeps
+
+    kept = {m: gpu_trace(program("tiny", m, 2, checkpointing="selective", mlp_tile=0)) for m in ("ring", "ulysses",
+                                                                                              "upipe")}
+    assert all(r["flash_calls"] > 0 for r in kept.values())
+    config, length = SHAPES["tiny"]
+    more = config.num_hidden_layers * length // 2 * ulysses_keeps(config, 2, 2)
+    assert more > 0 and program("tiny", "ulysses", 2).degrees.plain_ulysses(config.num_attention_heads) == 2
+    assert kept["ulysses"]["activations"] - kept["ring"]["activations"] == pytest.approx(more, rel=0.01)
+    assert kept["upipe"]["activations"] == pytest.approx(kept["ring"]["activations"], rel=0.001)
+
+
 def test_memory_trace_is_linear_in_length_with_flash_attention():
     """Full checkpointing, tiles and a flash kernel keep no L x L term: the activations of 2L are twice L's."""
     config, _ = SHAPES["tiny"]

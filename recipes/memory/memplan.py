@@ -125,7 +125,8 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     est = estimate(prog.config, n, prog.micro_batch * prog.seq_len // prog.cp, ac=step.checkpointing,
                    mlp_tile=step.mlp_tile, loss_tile=step.loss_tile, shard=world if prog.fsdp else 1,
                    offload=step.offload, parts=r["layer_parts"], **precision(prog.bf16, prog.fsdp),
-                   ac_layers=step.checkpoint_layers)
+                   ac_layers=step.checkpoint_layers,
+                   ulysses=prog.degrees.plain_ulysses(prog.config.num_attention_heads))
     row = {"stage": plan.name, "seq_len": prog.seq_len, "cp": prog.cp, "cp_impl": prog.cp_impl if prog.cp > 1 else "",
            "checkpointing": step.checkpointing, "checkpoint_layers": step.checkpoint_layers,
            "layers": prog.config.num_hidden_layers, "kernel": plan.kernel,

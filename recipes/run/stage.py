@@ -145,7 +145,7 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
                    ac=spec.checkpointing, mlp_tile=spec.mlp_tile, loss_tile=spec.loss_tile,
                    shard=acc.num_processes if plan.fsdp else 1, offload=spec.offload,
                    parts=layer_parts(lm, spec.lean_norms), **precision(acc.mixed_precision == "bf16", plan.fsdp),
-                   ac_layers=spec.checkpoint_layers)
+                   ac_layers=spec.checkpoint_layers, ulysses=plan.degrees.plain_ulysses(lm.config.num_attention_heads))
     avail, where = device_memory_gib(acc.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     tracker.info(f"stage {plan.name}: memory estimate per rank {est['total']:.2f} GiB (parameters "
                  f"{est['parameters']:.2f}, gradients {est['gradients']:.2f}, optimizer {est['optimizer']:.2f}, "
