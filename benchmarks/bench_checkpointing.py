@@ -20,11 +20,14 @@ figure is the measured cache plus the layer input, tests/test_memory_estimate.py
 by default, and each mode's peak is measured too (CUDA max_memory_allocated above what the step starts with, the
 gradients included there: its activations and autocast's bf16 copies of the weights). With --cp N the step runs under
 ring attention over N gloo processes on CPU (one thread each), where selective_matmuls also recomputes the ring's
-K/V exchange; rank 0's times and cache (per local token).
+K/V exchange; rank 0's times and cache (per local token). --cp-impl ulysses or upipe (N dividing the 9 heads: 3)
+attends through Ulysses' all-to-alls instead, which each mode's row counts (calls and bytes a rank sends, forward
+and backward, measured in its warm-up step).
 
     python -m benchmarks.bench_checkpointing [--length 2048 --layers 8 --reps 7]   # CPU, fp32
     python -m benchmarks.bench_checkpointing --out DIR/checkpointing.json           # on a GPU: 16K, 30 layers
     python -m benchmarks.bench_checkpointing --cp 2 [--length 8192 --layers 4]    # ring attention, 2 gloo ranks
+    python -m benchmarks.bench_checkpointing --cp 3 --cp-impl ulysses             # Ulysses over 3 gloo ranks
     # writes benchmarks/results/bench_checkpointing.json (CPU) unless --out; --smoke: 256 tokens, 2 layers
 """
 from __future__ import annotations
@@ -95,9 +98,29 @@ def build(mode: str, layers: int, length: int, device: str, cp=None):
     return step, step.prep(collate([packed_item([ids[0].numpy()], length, pad_id=1)])), lm
 
 
+class _Exchanges:
+    """Counts Ulysses' all-to-alls (calls, bytes this rank sends) while `phase` names where they are counted."""
+
+    def __init__(self):
+        from longstride.parallel import ulysses
+
+        self.counts, self.phase, exchange = {}, None, ulysses.all_to_all_single
+
+        def counted(recv, send, *args, **kwargs):
+            if self.phase is not None:
+                n, b = self.counts.get(self.phase, (0, 0))
+                self.counts[self.phase] = (n + 1, b + send.numel() * send.element_size())
+            return exchange(recv, send, *args, **kwargs)
+
+        ulysses.all_to_all_single = counted
+
+
+_EXCHANGES: list = []  # an _Exchanges while one counts
+
+
 def run_step(step, local, mode: str, device: str, cached: dict | None = None) -> tuple[float, int | None]:
     """(seconds, CUDA peak bytes above the start or None on CPU) of one forward + backward; cached: collects the
-    bytes selective's cache holds."""
+    bytes selective's cache holds (and the Ulysses exchanges counted, under the key "exchanges")."""
     from longstride.recipes.run.step import loss_sum
 
     kept = selective.ATTENTION_OPS
@@ -109,14 +132,25 @@ def run_step(step, local, mode: str, device: str, cached: dict | None = None) ->
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
+        counter = _EXCHANGES[0] if _EXCHANGES and cached is not None else None
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            if counter:
+                counter.counts, counter.phase = {}, "forward"
             loss = loss_sum(step.module, local, device)
+        if counter:
+            counter.phase = "backward"
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
+        if counter:
+            cached = cached if cached is not None else {}
+            _RECORDED.clear()
+            cached["exchanges"] = {k: {"calls": n, "bytes": b} for k, (n, b) in counter.counts.items()}
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - start if cuda else None
     finally:
+        if _EXCHANGES:
+            _EXCHANGES[0].phase = None
         selective.ATTENTION_OPS = kept
         _RECORDED.clear()
 
@@ -131,11 +165,12 @@ def measure(args, device: str, cp=None) -> tuple:
 
     sync = dist.barrier if cp is not None else (lambda: None)
     built = {m: build(m, args.layers, args.length, device, cp) for m in args.modes}
-    cache, peak = {}, {m: [] for m in args.modes}
+    cache, peak, exchanges = {}, {m: [] for m in args.modes}, {}
     for m in args.modes:  # a first step each (warm-up), counting what selective's cache holds
         got = {}
         sync()
         run_step(*built[m][:2], m, device, got)
+        exchanges[m] = got.pop("exchanges", None)
         tokens = built[m][1][0]["input_ids"].numel()
         cache[m] = sum(got.values()) / tokens / args.layers if m.startswith("selective") else None
         built[m][2].zero_grad(set_to_none=False)  # the gradients stay allocated: a step's peak is above them
@@ -148,31 +183,46 @@ def measure(args, device: str, cp=None) -> tuple:
             peak[m].append(top)
             built[m][2].zero_grad(set_to_none=False)
     lm = built["none"][2]
-    return times, peak, cache, lm.config, layer_parts(lm, lean_norms=True)
+    return times, peak, cache, lm.config, layer_parts(lm, lean_norms=True), exchanges
+
+
+def _degrees(args):
+    """--cp's degrees for --cp-impl over the model's 9 query heads (UPipe: 3 a stage)."""
+    from longstride.parallel.config import CPDegrees, ParallelConfig
+    from longstride.parallel.cp import cp_degrees
+
+    if args.cp == 1:
+        return CPDegrees()
+    return cp_degrees(ParallelConfig(cp_impl=args.cp_impl, upipe_heads=3 if args.cp_impl == "upipe" else 0), args.cp,
+                      heads=9)
 
 
 def _cp_rank(rank: int, world: int, args, path: str) -> None:
-    """One gloo rank of --cp: ring attention over `world` CPU processes, one thread each; rank 0 saves what it
+    """One gloo rank of --cp: --cp-impl attention over `world` CPU processes, one thread each; rank 0 saves what it
     measured (each rank's step ends with the ring's last exchange, so their times agree)."""
-    from longstride.parallel.config import ParallelConfig, ParallelDims
-    from longstride.parallel.cp import cp_context, cp_degrees
+    from longstride.parallel.config import ParallelDims
+    from longstride.parallel.cp import cp_context
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cp = cp_context("ring", ParallelDims(world, 1, world), cp_degrees(ParallelConfig(cp_impl="ring"), world, heads=9),
-                    "cpu", "sdpa")
+    cp = cp_context(args.cp_impl, ParallelDims(world, 1, world), _degrees(args), "cpu", "sdpa")
+    if args.cp_impl != "ring":
+        _EXCHANGES[:] = [_Exchanges()]
     got = measure(args, "cpu", cp)
     if rank == 0:
         torch.save(got, path)
 
 
 def main(argv=None) -> dict:
-    from longstride.model.memory import estimate
+    from longstride.model.memory import estimate, ulysses_keeps
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--length", type=int, help="default 16384 on a GPU, 2048 on CPU")
     ap.add_argument("--layers", type=int, help="default 30 on a GPU, 8 on CPU")
     ap.add_argument("--reps", type=int, help="default 5 on a GPU, 7 on CPU")
     ap.add_argument("--cp", type=int, default=1, help="ring attention over this many gloo processes (on CPU)")
+    ap.add_argument("--cp-impl", default="ring", choices=("ring", "ulysses", "upipe"),
+                    help="with --cp: the CP method (ulysses and upipe: --cp 3, which divides the 9 heads; upipe runs "
+                         "3 heads a stage)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES + EXTRA}")
     ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 2 rounds")
     ap.add_argument("--out", default=None, help=f"default {OUT} (with --cp N: bench_checkpointing_cpN.json)")
@@ -185,18 +235,24 @@ def main(argv=None) -> dict:
     for name, on_gpu, on_cpu, smoke in (("length", 16384, 2048, 256), ("layers", 30, 8, 2), ("reps", 5, 7, 2)):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else on_gpu if gpu else on_cpu)
-    args.out = args.out or (OUT.replace(".json", f"_cp{args.cp}.json") if args.cp > 1 else OUT)
+    if args.cp_impl != "ring":
+        if args.cp != 3:
+            ap.error(f"--cp-impl {args.cp_impl}: --cp 3 (the Ulysses degree must divide the 9 query heads)")
+        args.length -= args.length % 6 if args.smoke else 0  # 2 chunks, each split over the 3 ranks
+    impl = "" if args.cp_impl == "ring" else f"_{args.cp_impl}"
+    args.out = args.out or (OUT.replace(".json", f"_cp{args.cp}{impl}.json") if args.cp > 1 else OUT)
     if args.cp > 1:
         from longstride.parallel.spawn import run_gloo
 
         with tempfile.TemporaryDirectory() as d:
             run_gloo(_cp_rank, args.cp, args, os.path.join(d, "rank0.pt"))
-            times, peak, cache, config, parts = torch.load(os.path.join(d, "rank0.pt"), weights_only=False)
+            times, peak, cache, config, parts, exchanges = torch.load(os.path.join(d, "rank0.pt"),
+                                                                      weights_only=False)
     else:
         if not gpu:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
-        times, peak, cache, config, parts = measure(args, device)
-    H = config.hidden_size
+        times, peak, cache, config, parts, exchanges = measure(args, device)
+    H, ulysses = config.hidden_size, _degrees(args).plain_ulysses(config.num_attention_heads)
     rows = []
     for m in args.modes:
         med = statistics.median(times[m])
@@ -205,6 +261,8 @@ def main(argv=None) -> dict:
         row = {"mode": m, "step_s_median": round(med, 3), "vs_none": round(med / statistics.median(times["none"]), 3),
                "vs_none_paired": round(paired, 3), "step_s": [round(t, 3) for t in times[m]],
                "cache_bytes_per_token_layer_measured": cache[m]}  # None: no cache in that mode
+        if exchanges[m] is not None:
+            row["all_to_alls_per_step_measured"] = exchanges[m]  # rank 0's, sent bytes
         if cache[m] is not None:
             row["cache_per_token_layer_measured_H"] = round(cache[m] / 4 / H, 2)
         if gpu:
@@ -214,9 +272,10 @@ def main(argv=None) -> dict:
         for name, b, autocast in (("fp32", 4, False), ("bf16_autocast", 2, True)):
             # per layer: full_half's mean over its checkpointed and whole layers
             est = estimate(config, 1, 1, _ac(m), 0, 1024, act_bytes=b, parts=parts, autocast=autocast,
-                           ac_layers=_checkpoint_layers(m, args.layers))["layers_bytes_per_token"] / args.layers
-            if m == "selective_matmuls":  # without attention's output and log-sum-exp
-                est -= b * H + 4 * heads  # (heads x head size = H in this model)
+                           ac_layers=_checkpoint_layers(m, args.layers),
+                           ulysses=ulysses)["layers_bytes_per_token"] / args.layers
+            if m == "selective_matmuls":  # without attention's output and log-sum-exp, or Ulysses' exchange
+                est -= b * H + 4 * heads + ulysses_keeps(config, b, ulysses)  # (heads x head size = H in this model)
             row[f"layer_bytes_per_token_{name}_estimate_H"] = round(est / 4 / H, 2)
         rows.append(row)
     from longstride.parallel.kernels import resolve_kernel
@@ -224,8 +283,8 @@ def main(argv=None) -> dict:
     result = {"kernel": resolve_kernel("auto", device, ring=False, half=gpu),
               "what": "one forward + backward of SmolLM2-135M's layer shape, 1 sequence, "
                       + ("bf16 autocast over fp32 weights" if gpu else "CPU fp32")
-                      + (f", ring attention over {args.cp} gloo processes (one thread each; rank 0's times; cache per "
-                         "local token)" if args.cp > 1 else ""), "cp": args.cp,
+                      + (f", {args.cp_impl} attention over {args.cp} gloo processes (one thread each; rank 0's times; "
+                         "cache per local token)" if args.cp > 1 else ""), "cp": args.cp, "cp_impl": args.cp_impl,
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "cuda": torch.version.cuda,
               "length": args.length, "layers": args.layers, "reps": args.reps, "torch": torch.__version__,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",

@@ -11,8 +11,9 @@ activation checkpointing (model/selective.py) sees a layer's whole attention as 
 outputs, and backward's recompute of the layer takes them from its cache instead of running the kernels again,
 and under a ring or Ulysses instead of sending K/V round it or exchanging heads again too (no rank communicates in
 that recompute, so none waits for another). The call object reaches the op through a registry entry that lives for
-the op's call only (an op takes tensors and numbers). A dispatch mode sees the op, not what runs inside it: one that must see the
-kernels and buffers inside (the memory trace, the flash kernels' contract check) runs it with `run_inside`.
+the op's call only (an op takes tensors and numbers). A dispatch mode sees the op, not what runs inside it: one that
+must see the kernels and buffers inside (the memory trace, the flash kernels' contract check) runs it with
+`run_inside`.
 Not for torch.compile or export, which would take the call's key for a constant (nothing compiles the model).
 """
 from __future__ import annotations

@@ -11,12 +11,12 @@ attention reuse the previous stage's buffers, and K/V are exchanged once and kep
 inputs, the local output and each stage's log-sum-exp are saved for backward; backward exchanges
 (q, out, dout) per stage again and runs the attention backward stage by stage, so its buffers are
 per stage too. Plain Ulysses is the one-stage case, except that it keeps the head-layout q and K/V (the
-same bytes as the local q, k, v) and its backward exchanges only (out, dout): one all-to-all fewer per
-backward and no third copy of q, out, dout in flight at once (bench_peers measured the re-exchange at
-1.16x DeepSpeed Ulysses' time and 2x its memory on 8:2 x 128 heads at 8K). The whole forward, all-to-alls
-included, is one call of parallel/attention_call's op: selective checkpointing keeps its outputs (plain Ulysses':
-the local output, the head-layout q and K/V and the lse; UPipe's: the local output and the lses), and backward's
-recompute of a layer exchanges nothing.
+same bytes as the local q, k, v; K/V lcm(Hkv, N) / Hkv times more where replicated) and its backward
+exchanges only (out, dout): one all-to-all fewer per backward and no third copy of q, out, dout in flight
+at once (bench_peers measured the re-exchange at 1.16x DeepSpeed Ulysses' time and 2x its memory on 8:2 x
+128 heads at 8K). The whole forward, all-to-alls included, is one call of parallel/attention_call's op:
+selective checkpointing keeps its outputs (plain Ulysses': the local output, the head-layout q and K/V and
+the lse; UPipe's: the local output and the lses), and backward's recompute of a layer exchanges nothing.
 
     ulysses_attention(q, k, v, plan, kernel, scale, ring, heads, stage_heads, pattern, sinks) -> out,
     differentiable
@@ -156,7 +156,7 @@ class _UlyssesAttention(torch.autograd.Function):
         out, *kept = attention_forward(q, k, v, sinks, _Exchange(call, sched))
         if len(sched.stages) == 1:
             # the head-layout q and K/V hold the same bytes as the local q, k, v (L/N tokens x H heads = L tokens x
-            # H/N heads): kept instead of them, the backward does not exchange them again
+            # H/N heads; K/V more where replicated): kept instead of them, the backward does not exchange them again
             qf, kv, lse = kept
             ctx.save_for_backward(qf, kv, out, lse, sinks)
         else:  # UPipe: the local inputs, exchanged again stage by stage in backward

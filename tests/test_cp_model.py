@@ -162,6 +162,8 @@ IMPLS = {  # name: (processes, parallel config, checkpointing mode, MLP tiled wi
     "ring2_selective_ac": (2, ParallelConfig(cp_impl="ring"), "selective:untiled"),
     "upipe2_U2_selective_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "selective:untiled"),
     "ulysses2": (2, ParallelConfig(cp_impl="ulysses"), "none"),
+    # 2 K/V heads over 4 ranks: each replicated twice, as the estimate's kept K/V counts
+    "ulysses4_selective_ac": (4, ParallelConfig(cp_impl="ulysses"), "selective:untiled"),
     "upipe2_U2_tiled_mlp_full_ac": (2, ParallelConfig(cp_impl="upipe", upipe_heads=2), "full"),
     "hybrid_ring2xulysses2": (4, ParallelConfig(cp_impl="hybrid", ulysses=2), "none"),
     # Ulysses' Function around a ring of two: the ring's output kept, its exchange not run again in backward
