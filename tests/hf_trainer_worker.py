@@ -3,7 +3,8 @@ dataloader; run by tests/test_hf_trainer.py, on one process or under torchrun. W
 loss (all processes' loss terms summed) and the final parameters to the file given as argv[1].
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.hf_trainer_worker OUT CP IMPL [KIND
-        [PER_DEVICE_BATCH ACCUMULATION]]    (KIND: trainer or sft)
+        [PER_DEVICE_BATCH ACCUMULATION]]    (KIND: trainer, trainer_gc[_reentrant] (the Trainer's
+        activation checkpointing) or sft)
 """
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     losses, micro = [], []
     data = packed_dataset(documents(), L, pad_id=1)
     base, config, extra = Trainer, TrainingArguments, {}
+    if kind.startswith("trainer_gc"):  # the Trainer's own activation checkpointing of each decoder layer
+        name = "activation_checkpointing" if "activation_checkpointing" in config.__dataclass_fields__ \
+            else "gradient_checkpointing"  # (transformers < 5.2x)
+        extra["args_kwargs"] = {name: True, f"{name}_kwargs": {"use_reentrant": kind.endswith("reentrant")}}
     if kind == "sft":
         base, config, data, extra = sft_parts(data)
         # fp32 like the Trainer runs (SFTConfig turns bf16 on by default)
@@ -88,8 +93,11 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     trainer = Recorder(model=model, args=args, train_dataset=data,
                        data_collator=LongstrideCollator(cpx, pad_id=1), **extra)
     trainer.train()
+    from longstride.model.loss import decoder_layers
+
+    recomputed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in decoder_layers(model))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
+        torch.save({"losses": losses, "checkpointed_layers": recomputed, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
     if dist.is_initialized():
         # every rank has finished (rank 0 has written); then exit without running destructors: freeing DDP's reducer
         # joins gloo's worker thread while holding the GIL that thread waits for (a hang under load with dp=2),

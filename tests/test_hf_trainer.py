@@ -297,6 +297,15 @@ def test_trainer_with_cp_equals_one_process_and_longstride_loop(impl, kind, tmp_
     assert moved > 1e-2, f"the parameters were trained (largest relative change {moved:.2e})"
 
 
+@pytest.mark.parametrize("impl,kind", [("ulysses", "trainer_gc"), ("ring", "trainer_gc_reentrant")])
+def test_the_trainers_activation_checkpointing_under_cp_equals_the_longstride_loop(impl, kind, tmp_path):
+    """TrainingArguments' activation checkpointing (transformers' own, each decoder layer recomputed in backward,
+    non-reentrant or reentrant) over longstride's CP attention: the same losses and parameters."""
+    run = _worker(tmp_path / "gc.pt", 2, 2, impl, kind)
+    assert run["checkpointed_layers"] == 2, "the Trainer checkpointed both decoder layers"
+    _matches_own_loop({f"{kind} with {impl} cp=2": run}, own_loop())
+
+
 @pytest.mark.parametrize("procs,cp,accum", [(1, 1, 2), (2, 1, 1), (2, 2, 2)])
 def test_trainer_over_accumulation_or_data_parallel_ranks_equals_the_longstride_loop(procs, cp, accum, tmp_path):
     """The same global batch of BATCH rows split another way: one row a micro-batch, over gradient accumulation,
