@@ -4,10 +4,10 @@ full       each decoder layer keeps only its input; backward recomputes the laye
            activation checkpointing over torch's non-reentrant checkpoint).
 selective  inside each layer, the outputs of the matmuls (the q/k/v, output and MLP projections) and attention's
            output and log-sum-exp (on one device and under every CP method; plain Ulysses' head-layout q and
-           K/V too, parallel/ulysses.py) are kept; everything else is
-           recomputed from them (norms, RoPE, residual adds, activations, autocast's casts: cheap elementwise
-           ops), through torch's selective-checkpoint contexts with the policy of model/selective.py
-           (op-level selective checkpointing as torchtitan's, for about half of what no checkpointing keeps).
+           K/V too, parallel/ulysses.py) are kept; everything else is recomputed from them (norms, RoPE,
+           residual adds, activations, autocast's casts: cheap elementwise ops), through torch's selective-
+           checkpoint contexts with the policy of model/selective.py (op-level selective checkpointing as
+           torchtitan's, for about half of what no checkpointing keeps).
 layers     (model.checkpoint_layers) the first N decoder layers only; the others keep all they save, as without
            checkpointing.
 offload    (CUDA runs, with full or selective) the checkpointed layer inputs are held in pinned

@@ -7,9 +7,8 @@ or UPipe (parallel/attention_call.py); torch's SDPA kernels where SDPA runs unde
 RoPE, residual adds, activations, autocast's casts: cheap elementwise ops) is recomputed from them in backward: no
 matmul and no attention kernel runs again, no ring sends K/V again and no Ulysses group exchanges heads again (its
 all-to-alls run inside the op; plain Ulysses' op also returns, so keeps, the head-layout q and K/V its backward
-reads). Where CUDA's SDPA
-falls back to its math kernel (fp64, or a shape no fused kernel takes) the kept matmuls include its L x L scores,
-as no checkpointing keeps them.
+reads). Where CUDA's SDPA falls back to its math kernel (fp64, or a shape no fused kernel takes) the kept matmuls
+include its L x L scores, as no checkpointing keeps them.
 
 Light on purpose (torch only): parallel/ imports it and it imports nothing of longstride.
 """

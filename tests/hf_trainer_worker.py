@@ -97,7 +97,8 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
 
     recomputed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in decoder_layers(model))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save({"losses": losses, "checkpointed_layers": recomputed, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
+        torch.save({"losses": losses, "checkpointed_layers": recomputed,
+                    "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
     if dist.is_initialized():
         # every rank has finished (rank 0 has written); then exit without running destructors: freeing DDP's reducer
         # joins gloo's worker thread while holding the GIL that thread waits for (a hang under load with dp=2),

@@ -86,9 +86,9 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
 
 def fixes(prog, stage: str):
     """Single changes to `stage` in order of cost: tiling, selective checkpointing (backward recomputes the
-    elementwise ops only), full checkpointing of the first half, then three quarters, of the
-    layers (each recomputes its whole layer; the others keep everything), of every layer, offload, then each
-    larger cp within the world. Yields (the overrides that set it, the changed program)."""
+    elementwise ops only), full checkpointing of the first half, then three quarters, of the layers (each
+    recomputes its whole layer; the others keep everything), of every layer, offload, then each larger cp within
+    the world. Yields (the overrides that set it, the changed program)."""
     step = prog.step
     on = "model.activation_checkpointing=true model.checkpoint_mode="
     layers, field = prog.config.num_hidden_layers, f"recipe.stages.{stage}.checkpoint_layers"
