@@ -23,6 +23,7 @@ The estimate, per rank, in bytes:
                                  q/k/v, the output projection, the MLP's or experts' projections), attention's
                                  output and lse (b q + 4 Hq), under plain Ulysses its head-layout q and K/V too
                                  (ulysses_keeps), plus one layer's set (an upper bound: the outputs kept are in it)
+    plain Ulysses                a layer's set also holds its replicated K/V heads (ulysses_replicas)
     the first k layers only      k checkpointed layers as above and n - k whole sets (whose backward frees them
     (checkpoint_layers)          before the first recompute: no extra set while k < n)
     with offload (CUDA)          the layer inputs (r H per layer) live in host memory instead; the device
@@ -185,6 +186,14 @@ def ulysses_keeps(config, b: int, n: int) -> int:
     return b * (Hq + 2 * math.lcm(Hkv, n)) * d if n > 1 else 0
 
 
+def ulysses_replicas(config, b: int, n: int) -> int:
+    """Bytes per local token that plain Ulysses at degree n saves beyond one device's layer where a layer keeps its
+    whole set (no checkpointing, full checkpointing's recompute): the replicas of K/V heads that do not divide by n,
+    2 (lcm(Hkv, n) - Hkv) d; its head-layout q and K/V otherwise hold the bytes of the local q, k, v they replace."""
+    _, _, d, _, Hkv = _dims(config)
+    return b * 2 * (math.lcm(Hkv, n) - Hkv) * d if n > 1 else 0
+
+
 def _norm_readers(parts: LayerParts, tiled: bool) -> list[int]:
     """The projections that read the first norm's output (attention's q/k/v, and the MLP's where one norm feeds both:
     Phi-2, GPT-J, Cohere) and the later norms' (the MLP's; none where its tiles read it inside their Function)."""
@@ -220,11 +229,13 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     over fp32 weights (one process, or DDP), False where the weights themselves are bf16 (FSDP2's mixed precision);
     ac_layers: how many layers `ac` checkpoints (model.checkpoint_layers; None: all), the others keeping their whole
     set as without checkpointing; ulysses: the degree of a plain Ulysses exchange (CPDegrees.plain_ulysses; 1: none),
-    which selective checkpointing keeps (ulysses_keeps)."""
+    which selective checkpointing keeps (ulysses_keeps) and whose replicated K/V a whole layer keeps
+    (ulysses_replicas)."""
     H, I, d, Hq, Hkv = _dims(config)
     n, q, qkv = config.num_hidden_layers, Hq * d, (Hq + 2 * Hkv) * d
     r = 4 if autocast else act_bytes  # the residual stream's bytes per element
-    layer = layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
+    layer = (layer_keeps(config, parts, act_bytes, tiled=bool(mlp_tile), autocast=autocast)  # per token
+             + ulysses_replicas(config, act_bytes, ulysses))
     peak = r * H + act_bytes * (q + qkv) + r * 2 * d  # gradients in one layer's backward, cos/sin
     # full and selective keep each layer's input; selective also its matmuls' outputs
     per_layer = layer if ac == "none" else r * H + (selective_keeps(config, parts, act_bytes, tiled=bool(mlp_tile),

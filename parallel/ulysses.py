@@ -77,7 +77,7 @@ class HeadComm:
         send = self._buf(bufs, name + ".send", (N, P * M, h // N, Ll, D), xs[0])
         parts = send.view(N, P, M, h // N, Ll, D)
         for i, x in enumerate(xs):  # straight into the send buffer, no stacked copy
-            parts[:, i].copy_(x.reshape(M, N, h // N, Ll, D).transpose(0, 1))
+            parts[:, i].copy_(x.unflatten(1, (N, h // N)).transpose(0, 1))  # a view whatever x's strides
         recv = self._buf(bufs, name + ".recv", send.shape, xs[0])
         all_to_all_single(recv, send, self.group)
         del send, parts  # without kept buffers the send buffer goes before the layout copy's buffer comes
@@ -106,6 +106,14 @@ def _kv_to_heads(k, v, sched: HeadSchedule, heads: HeadComm) -> torch.Tensor:
         k, v = (x.repeat_interleave(sched.kv_rep, dim=1) for x in (k, v))
     B, Hkv, Ll, D = k.shape
     return heads.to_heads([k, v]).view(2, B, Hkv // heads.size, Ll * heads.size, D)
+
+
+def _token_major(like: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, L, D) tensor like `like` laid out token-major, (B, L, H, D) in memory, as the ring's and one
+    device's outputs are: transformers' attention output (out.transpose(1, 2)) is then a view, not a copy that the
+    output projection would keep beside the out attention's backward keeps."""
+    B, H, L, D = like.shape
+    return torch.empty(B, L, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
 def _sinks_of(sinks: Optional[torch.Tensor], heads_held: torch.Tensor) -> Optional[torch.Tensor]:
@@ -138,8 +146,8 @@ class _Exchange(NamedTuple):
             qf = qf.clone() if qf is q else qf  # one process (no group): an op's output may not be its input
             held = heads.my_heads(torch.arange(q.shape[1], device=q.device))
             o, lse = call.ring.forward(qf, kv[0], kv[1], _sinks_of(sinks, held))
-            return heads.to_seq(o).contiguous(), qf, kv, lse
-        out, lses, bufs = torch.empty_like(q), [], {}
+            return _token_major(q).copy_(heads.to_seq(o)), qf, kv, lse
+        out, lses, bufs = _token_major(q), [], {}
         for st in sched.stages:
             qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
             o, lse = call.ring.forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)))

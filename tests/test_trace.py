@@ -87,6 +87,21 @@ def test_selective_checkpointing_keeps_plain_ulysses_exchange_as_the_estimate_co
     assert kept["upipe"]["activations"] == pytest.approx(kept["ring"]["activations"], rel=0.001)
 
 
+def test_plain_ulysses_keeps_the_ring_s_layer_set_plus_its_replicated_k_v():
+    """Without checkpointing plain Ulysses' saved head-layout q and K/V replace the local q, k, v byte for byte, and
+    its output is token-major as the ring's (the caller's transpose a view, not a second copy): the traced step keeps
+    the ring's activations at cp 2 (4:2 heads), and at cp 4 the 2 K/V heads' replicas more (ulysses_replicas)."""
+    from longstride.model.memory import ulysses_replicas
+
+    config, length = SHAPES["tiny"]
+    for cp in (2, 4):
+        acts = {m: gpu_trace(program("tiny", m, cp, checkpointing="none", mlp_tile=0))["activations"]
+                for m in ("ring", "ulysses")}
+        more = config.num_hidden_layers * length // cp * ulysses_replicas(config, 2, cp)
+        assert (more > 0) == (cp == 4)
+        assert acts["ulysses"] - acts["ring"] == pytest.approx(more, abs=4096), (cp, acts, more)
+
+
 def test_memory_trace_is_linear_in_length_with_flash_attention():
     """Full checkpointing, tiles and a flash kernel keep no L x L term: the activations of 2L are twice L's."""
     config, _ = SHAPES["tiny"]

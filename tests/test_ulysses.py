@@ -121,6 +121,8 @@ def test_upipe_schedule_exchanges_each_kv_head_once_and_covers_every_query_head(
         doc = layouts()["docs_random"]
         qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
         out = ulysses_attention(qq, kk, vv, ring_plan(doc, B, L, 1, 0), "sdpa", D ** -0.5, None, HeadComm(None), U)
+        # token-major like the ring's output: the caller's out.transpose(1, 2) is a view, not a second copy kept
+        assert out.transpose(1, 2).is_contiguous(), f"{heads_}:{kv_} U={U}: out is not token-major"
         out.backward(dout)
         for got, want in zip((out, qq.grad, kk.grad, vv.grad), single_process(q, k, v, dout, doc)):
             assert (got - want).abs().max().item() <= 1e-5, f"{heads_}:{kv_} U={U}"
