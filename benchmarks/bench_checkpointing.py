@@ -144,8 +144,6 @@ def run_step(step, local, mode: str, device: str, cached: dict | None = None) ->
         if cuda:
             torch.cuda.synchronize()
         if counter:
-            cached = cached if cached is not None else {}
-            _RECORDED.clear()
             cached["exchanges"] = {k: {"calls": n, "bytes": b} for k, (n, b) in counter.counts.items()}
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - start if cuda else None
     finally:

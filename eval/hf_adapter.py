@@ -6,8 +6,8 @@ RULER's generation (eval/ruler/generate.py) keeps a batch's KV cache in buffers 
 answer (`BufferLayer`, a DynamicLayer that writes in place instead of concatenating) and moves prompts'
 caches into and out of them (`buffer_cache`, `put_row`, `row_prefix`, `keep_rows`); the context-parallel
 prefill (eval/ruler/cp_prefill.py) and generation swap the model's attention for a block
-(`attention_implementation`); and which prefill chunks transformers' length-dependent RoPE would rotate
-otherwise than one forward (`check_prefill_chunk`).
+(`attention_implementation`); a two-token probe of what attention calls refuse (`probe_refusal`); and which
+prefill chunks transformers' length-dependent RoPE would rotate otherwise than one forward (`check_prefill_chunk`).
 When transformers changes its cache, attention or tokenizer plumbing, this file is what changes.
 """
 from __future__ import annotations
@@ -162,6 +162,18 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
             and not getattr(backend, "encode_special_tokens", False)):
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+@torch.no_grad()
+def probe_refusal(forward, device) -> Optional[str]:
+    """The message an attention call refuses a two-token forward with (`forward(ids)`, its NotImplementedError), or
+    None where it runs: what a layer's call asks for and no config shows (a position bias, sparse indices), found
+    before any real input."""
+    try:
+        forward(torch.zeros(1, 2, dtype=torch.long, device=device))
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 def check_prefill_chunk(config, chunk: int, longest: int) -> None:

@@ -65,6 +65,7 @@ def ppl_attention(model):
     model; None, the model's own attention left, where the decoder needs more (parallel/attention.py
     unsupported_attention, or a two-token forward whose calls ask for more). Only the text decoder: a
     vision-language model's vision tower never runs here."""
+    from longstride.eval.hf_adapter import probe_refusal
     from longstride.parallel.attention import auto_kernel, unsupported_attention, use_longstride_attention
     from longstride.parallel.cp import CPContext, DocLayout
 
@@ -77,13 +78,11 @@ def ppl_attention(model):
     own = body.config._attn_implementation
     use_longstride_attention(body)
     layout = DocLayout(None, cp=CPContext(kernel=auto_kernel(model)))
-    try:  # what a layer's call asks for and no config shows (a position bias, sparse indices) refuses here
-        with torch.no_grad():
-            decoder(model)(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device), use_cache=False,
-                           doc_layout=layout)
-    except NotImplementedError as e:
+    refused = probe_refusal(lambda ids: decoder(model)(input_ids=ids, use_cache=False, doc_layout=layout),
+                            model.device)
+    if refused:
         body.set_attn_implementation(own)
-        print(f"eval.ppl: note: {type(model).__name__} runs its own attention ({e})", file=sys.stderr)
+        print(f"eval.ppl: note: {type(model).__name__} runs its own attention ({refused})", file=sys.stderr)
         return None
     return layout
 

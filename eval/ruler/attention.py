@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation, cache_kw, new_cache
+from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation, cache_kw, new_cache, probe_refusal
 from longstride.model.loss import text_decoder
 from longstride.parallel.attention import MaskNote, no_mask, refuse_call, unsupported_attention
 from longstride.parallel.dense import DENSE, expand_kv
@@ -167,17 +167,16 @@ def prefill_computes(model) -> bool:
     return _COMPUTES[model]
 
 
-@torch.no_grad()
 def _probe(model) -> bool:
     """A two-token prefill under prefill_attention; False (with a note) where a layer's call refuses there."""
-    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
-    try:
+    def prefill(ids):
         with use_attention(model, PREFILL_ATTENTION):
             model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw(model): new_cache(model)})
-    except NotImplementedError as e:
-        print(f"eval: note: {type(model).__name__} generates on its own attention: {e}", file=sys.stderr)
-        return False
-    return True
+
+    refused = probe_refusal(prefill, next(model.parameters()).device)
+    if refused:
+        print(f"eval: note: {type(model).__name__} generates on its own attention: {refused}", file=sys.stderr)
+    return not refused
 
 
 def _prefill_cpu(query, key, value, scale, causal=True):
