@@ -238,10 +238,11 @@ def _decode_scores(folded, key, value, mask, scale, softcap, sinks, q: int):
     if mask is not None:
         s.masked_fill_(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    if sinks is not None:  # folded row j * q + t is query head kv * g + j's token t
-        sink = sinks.float().view(1, key.shape[1], -1, 1).repeat_interleave(q, dim=2)
-        lse = torch.logaddexp(lse, sink)
-    return torch.matmul(s.sub_(lse).exp_(), value.float()).to(folded.dtype)
+    out = torch.matmul(s.sub_(lse).exp_(), value.float())
+    if sinks is not None:  # folded row j * q + t is query head kv * g + j's token t: (B, H, q) in head order
+        B, Hkv, gq, D = out.shape
+        out = fold_sinks(out.view(B, -1, q, D), lse.view(B, -1, q), sinks)[0].view(B, Hkv, gq, D)
+    return out.to(folded.dtype)
 
 
 def cpu_kernels(device: torch.device) -> bool:
