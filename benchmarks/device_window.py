@@ -61,11 +61,18 @@ def py(*args: str) -> list[str]:
 SMOKE_SLACK = 3
 
 MAIN_JOB_STAGES = "recipe.stages.s2_2k.cp=1 recipe.stages.s3_4k.cp=1 logger.progress_bar=false"
-SMOKE_STAGES = " ".join(f"recipe.stages.{s}.{k}" for s in ("s2_2k", "s3_4k")
-                        for k in ("steps=2", "save_every=2", "warmup_steps=1", "batch_tokens=4096"))
+# a smoke tokenizes a slice of each source: the whole mixture is 22M tokens, half a minute of a CPU's smoke
+SMOKE_DATA = "data.sources.stdlib.max_docs=600"  # the filler reads the first 400
+SMOKE_STAGES = " ".join([f"recipe.stages.{s}.{k}" for s in ("s2_2k", "s3_4k")
+                         for k in ("steps=2", "save_every=2", "warmup_steps=1", "batch_tokens=4096")]
+                        + [f"data.sources.{s}.synthetic.num_docs={n}" for s, n in (("retrieval_short", 1000),
+                                                                                  ("retrieval_mid", 200),
+                                                                                  ("retrieval_long", 100))]
+                        + [SMOKE_DATA])
 
 PROBE_SMOKE = ("model.hidden_size=128 model.intermediate_size=256 model.num_hidden_layers=2 model.num_attention_heads=2 "
-               "model.num_key_value_heads=1 model.vocab_size=4096 model.loss_tile_tokens=256 train.trace_memory=true " +
+               "model.num_key_value_heads=1 model.vocab_size=4096 model.loss_tile_tokens=256 train.trace_memory=true "
+               f"{SMOKE_DATA} " +
                " ".join(f"recipe.stages.{s}.{k}" for s, n in (("s1_16k", 512), ("s2_32k", 1024))
                         for k in ("steps=2", "warmup_steps=1", f"seq_len={n}", f"batch_tokens={n}")))
 

@@ -265,8 +265,8 @@ def test_resume_on_another_dp_cp_split_re_shards_the_state(tmp_path, cache_dir):
     from tests.conftest import micro_overrides, read_metrics
 
     def launch(root, cp, extra=(), env=None):
-        proc = start(micro_overrides(root, cache_dir) + [f"recipe.stages.s1_256.cp={cp}", *extra], launcher=True,
-                     env_extra=env)
+        proc = start(micro_overrides(root, cache_dir) + ["stage=s1_256", f"recipe.stages.s1_256.cp={cp}", *extra],
+                     launcher=True, env_extra=env)
         out, _ = proc.communicate(timeout=900)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, out)
 
