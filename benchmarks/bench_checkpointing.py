@@ -222,7 +222,7 @@ def main(argv=None) -> dict:
                     help="with --cp: the CP method (ulysses and upipe: --cp 3, which divides the 9 heads; upipe runs "
                          "3 heads a stage)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES + EXTRA}")
-    ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 2 rounds")
+    ap.add_argument("--smoke", action="store_true", help="256 tokens, 2 layers, 1 round")
     ap.add_argument("--out", default=None, help=f"default {OUT} (with --cp N: bench_checkpointing_cpN.json)")
     args = ap.parse_args(argv)
     args.modes = tuple(args.modes.split(","))
@@ -230,7 +230,7 @@ def main(argv=None) -> dict:
         ap.error(f"--modes: none, selective and selective_matmuls (the ratios' references) and any of {MODES + EXTRA}")
     gpu = torch.cuda.is_available() and args.cp == 1
     device = "cuda" if gpu else "cpu"
-    for name, on_gpu, on_cpu, smoke in (("length", 16384, 2048, 256), ("layers", 30, 8, 2), ("reps", 5, 7, 2)):
+    for name, on_gpu, on_cpu, smoke in (("length", 16384, 2048, 256), ("layers", 30, 8, 2), ("reps", 5, 7, 1)):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else on_gpu if gpu else on_cpu)
     if args.cp_impl != "ring":

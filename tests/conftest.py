@@ -94,6 +94,16 @@ def micro(tmp_path, cache_dir) -> list[str]:
     return micro_overrides(tmp_path / "out", cache_dir)
 
 
+@pytest.fixture(scope="session")
+def s1_reference(tmp_path_factory, cache_dir) -> Path:
+    """The micro recipe's stage s1_256 trained in one process, uninterrupted (run_cli): the run whose losses the
+    multi-process, re-split and resumed runs of the suite must equal. Its stage folder; tests only read it."""
+    root = tmp_path_factory.mktemp("s1_reference")
+    r = run_cli(micro_overrides(root, cache_dir) + ["stage=s1_256"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return root / "tiny" / "s1_256"
+
+
 def crash_after(step: int) -> dict:
     """The environment of recipes/run/stage.py's test hook: SIGKILL after optimizer step `step` of a stage."""
     return {"LONGSTRIDE_TEST_CRASH_AT_STEP": str(step)}

@@ -12,6 +12,7 @@ with windows smaller and larger than a CP chunk and crossing document boundaries
 """
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 import transformers as T
@@ -101,9 +102,10 @@ def _loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
+@functools.lru_cache(maxsize=None)  # the same for every kernel and CP method: computed once per process
 def eager_reference(name: str, window: int, doc_masking: bool):
     """(logits (L, V), loss, grads) of the model's own eager attention; with document masks each document runs
-    alone."""
+    alone. Callers only read them."""
     model = make_model(name, window)
     batch = packed_batch(doc_masking)
     spans = [(0, L)]

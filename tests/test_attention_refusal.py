@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import transformers as T
 
 from longstride.parallel.attention import MaskNote, longstride_attention, unsupported_attention, use_longstride_attention
 from longstride.parallel.cp import CPContext
+from tests.forked_cli import run_module
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
@@ -224,8 +223,8 @@ def test_a_recipe_trains_a_soft_capped_checkpoint_and_refuses_a_kernel_without_t
     tok.save_pretrained(ckpt)
     args = ["recipe=extend_pretrained", f"model.checkpoint={ckpt}", f"data.tokenizer={ckpt}",
             f"paths.output_root={tmp_path}/out", "logger.wandb_mode=disabled", "logger.progress_bar=false"]
-    proc = subprocess.run([sys.executable, "-m", "longstride.recipes.train", *args, "parallel.kernel=sdpa"],
-                          capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=300)
+    proc = run_module("longstride.recipes.train", [*args, "parallel.kernel=sdpa"],
+                      {**os.environ, "WANDB_MODE": "disabled"}, os.getcwd(), 300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "parallel.kernel=sdpa has no logit soft-capping" in proc.stderr, proc.stderr[-2000:]
     assert "config.attn_logit_softcapping" in proc.stderr and not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,10 +201,11 @@ def test_checkpoint_dir_that_does_not_exist(micro):
         run(cfg)
 
 
-def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_at: int | None = None) -> None:
-    """Runs stage s1 in one process and under accelerate launch with the 2-process CPU config (gloo);
-    the losses must agree up to reduction order. crash_at: the 2-process run is first SIGKILLed after
-    that step, then rerun, and resumes from its last checkpoint."""
+def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_at: int | None = None,
+                          one: Path | None = None) -> None:
+    """Runs stage s1 in one process (or reads `one`, a stage folder of that run: the suite's s1_reference) and under
+    accelerate launch with the 2-process CPU config (gloo); the losses must agree up to reduction order. crash_at:
+    the 2-process run is first SIGKILLed after that step, then rerun, and resumes from its last checkpoint."""
     import subprocess
 
     from tests.conftest import REPO, accelerate_launch, micro_overrides
@@ -212,14 +214,18 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
         return [o for o in micro_overrides(root, cache_dir) if "micro_batch_size" not in o] + [
             "stage=s1_256", "recipe.stages.s1_256.micro_batch_size=4", *extra(two)]
 
-    one = run_cli(overrides(tmp_path / "one", False))
-    assert one.returncode == 0, one.stderr[-2000:]
+    if one is None:
+        ran = run_cli(overrides(tmp_path / "one", False))
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        one = tmp_path / "one" / "tiny" / "s1_256"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
     def launch(extra=None):
-        return subprocess.run([*accelerate_launch(), "-m", "longstride.recipes.train",
-                               *overrides(tmp_path / "two", True)], cwd=REPO, env={**env, **(extra or {})},
-                              capture_output=True, text=True, timeout=600)
+        args = overrides(tmp_path / "two", True)
+        if extra:  # the killed run traces nothing: only the resumed run's trace is read
+            args = [a for a in args if a != "train.trace_memory=true"]
+        return subprocess.run([*accelerate_launch(), "-m", "longstride.recipes.train", *args], cwd=REPO,
+                              env={**env, **(extra or {})}, capture_output=True, text=True, timeout=600)
     if crash_at is not None:
         killed = launch(crash_after(crash_at))
         assert killed.returncode != 0 and not (tmp_path / "two" / "tiny" / "s1_256" / "final").exists()
@@ -229,7 +235,7 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
         assert "resuming from" in two.stderr + two.stdout
     for text in [expect] if isinstance(expect, str) else expect:
         assert text in two.stderr + two.stdout, text
-    a, b = read_metrics(tmp_path / "one" / "tiny" / "s1_256"), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
+    a, b = read_metrics(one), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
     assert sorted(a) == sorted(b)
     for s in a:
         # grad_norm too: Adam barely notices a gradient off by a constant factor, so losses alone would not
@@ -246,14 +252,14 @@ def test_two_process_data_parallel_matches_one_process(tmp_path, cache_dir):
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: ["recipe.stages.s1_256.batch_tokens=1024"], "dp 2, cp 1")
 
 
-def test_two_process_context_parallel_matches_one_process(tmp_path, cache_dir):
+def test_two_process_context_parallel_matches_one_process(tmp_path, cache_dir, s1_reference):
     """cp=2 (zig-zag ring attention, documents masked) on 2 ranks sees the same sequences as one process
     with cp=1: each rank holds half of every sequence, and the loss is normalised by the global count."""
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}"],
-                          "dp 1, cp 2")
+                          "dp 1, cp 2", one=s1_reference)
 
 
-def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, cache_dir):
+def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, cache_dir, s1_reference):
     """FSDP2 over the dp x cp ranks (parameters and optimizer state sharded, forced on for CPU) with
     cp=2, full activation checkpointing and the layers tiled in 16-token tiles (tiled ops return their
     parameters' gradients through autograd, which FSDP2 reduces), killed after step 4 and rerun: the
@@ -265,16 +271,17 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
                                                             *(lean if two else [])],
                           ["model FSDPChunkedLossLM", "activation checkpointing full; MLP tile 16",
                            "stage s1_256: traced step per rank", "device mesh: 2 ranks, built once for the run"],
-                          crash_at=4)
+                          crash_at=4, one=s1_reference)
     from safetensors import safe_open
 
-    def weights(run):
-        with safe_open(str(tmp_path / run / "tiny" / "s1_256" / "final" / "model.safetensors"), "pt") as f:
+    def weights(stage):
+        with safe_open(str(stage / "final" / "model.safetensors"), "pt") as f:
             return set(f.keys())
-    assert weights("two") == weights("one"), "FSDP2's final holds the same tensors as one process's (a tie once)"
+    assert weights(tmp_path / "two" / "tiny" / "s1_256") == weights(s1_reference), \
+        "FSDP2's final holds the same tensors as one process's (a tie once)"
 
 
-def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):
+def test_two_process_upipe_matches_one_process(tmp_path, cache_dir, s1_reference):
     """cp=2 with UPipe (Ulysses all-to-all in 2 stages of 2 query heads), selective activation
     checkpointing of the first layer only and the MLP tiled in 16-token tiles, through accelerate launch: the losses
     equal the plain one-process run's."""
@@ -284,7 +291,8 @@ def test_two_process_upipe_matches_one_process(tmp_path, cache_dir):
                                                             "parallel.cp_impl=upipe", "parallel.upipe_heads=2",
                                                             *(lean if two else [])],
                           ["cp 2 upipe: ulysses 2, 2 heads per stage",
-                           "activation checkpointing selective (the first 1 of 2 layers); MLP tile 16"])
+                           "activation checkpointing selective (the first 1 of 2 layers); MLP tile 16"],
+                          one=s1_reference)
 
 
 def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir):
