@@ -176,21 +176,34 @@ def test_context_parallel_prefill_gives_the_single_process_cache_and_answer(chec
     run_gloo(_cp_prefill_worker, 2, str(checkpoint))
 
 
+def _ruler_worker(rank, world, args, out):
+    import os
+
+    os.environ["WORLD_SIZE"] = str(world)  # what torchrun sets; the process group exists already
+    torch.set_num_threads(1)
+    main([*args, f"out={out}"])
+
+
 def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoint, tmp_path):
-    """torchrun with 2 processes: samples split between them (default) or every prompt's prefill split
-    with ring attention (prefill=cp); both give the one-process predictions."""
+    """2 processes: samples split between them (default; gloo ranks) or every prompt's prefill split with ring
+    attention (prefill=cp; the command under torchrun); both give the one-process predictions."""
     import os
     import subprocess
     import sys
+
+    from longstride.parallel.spawn import run_gloo
 
     args = [f"checkpoint={checkpoint}", "lengths=[1024]", "num_samples=3", "tasks=[niah_single_2,vt]", "threads=1"]
     one = main(args + [f"out={tmp_path / 'one'}"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for mode in ("local", "cp"):
         out = tmp_path / mode
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "longstride.eval.ruler", *args, f"prefill={mode}", f"out={out}"], check=True, env=env,
-                       capture_output=True, timeout=300)
+        if mode == "local":
+            run_gloo(_ruler_worker, 2, [*args, "prefill=local"], str(out))
+        else:
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "longstride.eval.ruler", *args, f"prefill={mode}", f"out={out}"], check=True,
+                           env=env, capture_output=True, timeout=300)
         saved = json.loads((out / "ruler.json").read_text())["samples"]
         assert [(r["task"], r["index"], r["prediction"]) for r in saved] == \
             [(r["task"], r["index"], r["prediction"]) for r in one["records"]], mode
