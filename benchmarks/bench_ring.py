@@ -48,8 +48,9 @@ def make_inputs(length: int, dtype, seed: int = 0):
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
-def packed_doc_ids(length: int, count: int, seed: int = 0) -> list[torch.Tensor]:
-    """Document ids of `count` random best-fit packed sequences of the embedded corpus."""
+def packed_doc_ids(length: int, count: int, seed: int = 0, min_docs: int = 1) -> list[torch.Tensor]:
+    """Document ids of `count` random best-fit packed sequences of the embedded corpus, drawn from those of at least
+    `min_docs` documents (a short smoke's sequences are mostly one file)."""
     from longstride.data.config import DataConfig, SourceConfig
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.data.packing import pack
@@ -58,7 +59,10 @@ def packed_doc_ids(length: int, count: int, seed: int = 0) -> list[torch.Tensor]
     tok = build_tokenizer(cfg, ".cache/longstride")
     corpus = build_corpus(cfg, tok, ".cache/longstride")
     plan, _ = pack(corpus.doc_start, corpus.doc_len, length, "best_fit")
-    pick = np.random.default_rng(seed).choice(len(plan), size=count, replace=False)
+    pool = np.arange(len(plan))
+    if min_docs > 1:
+        pool = pool[np.diff(plan.seq_ptr) >= min_docs]
+    pick = pool[np.random.default_rng(seed).choice(len(pool), size=count, replace=False)]
     out = []
     for i in sorted(pick.tolist()):
         lens = plan.seg_len[plan.seq_ptr[i]:plan.seq_ptr[i + 1]].tolist()

@@ -235,7 +235,7 @@ def longest_context(shape_name: str, device: torch.device, start: int, limit: in
     return rows
 
 
-def doc_attention_timing(length: int, device: torch.device, reps: int = 10) -> list:
+def doc_attention_timing(length: int, device: torch.device, reps: int = 10, min_docs: int = 1) -> list:
     """Forward + backward of the 1B shape's attention (32:8 heads, head dim 64, bf16) on packed documents vs
     one causal sequence of the same length; the ideal time ratio is the ratio of causal pairs."""
     from benchmarks.bench_ring import packed_doc_ids
@@ -247,7 +247,7 @@ def doc_attention_timing(length: int, device: torch.device, reps: int = 10) -> l
     q, k, v, dout = (torch.randn(1, L, h, 64, generator=g).to(device, dtype).transpose(1, 2)
                      for L, h in ((length, 32), (length, 8), (length, 8), (length, 32)))
     rows = []
-    for i, doc in enumerate(packed_doc_ids(length, 3)):
+    for i, doc in enumerate(packed_doc_ids(length, 3, min_docs=min_docs)):
         doc = doc.to(device)
         x = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
