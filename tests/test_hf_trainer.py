@@ -24,12 +24,13 @@ from tests.hf_trainer_worker import BATCH, L, LR, STEPS, documents, tiny_lm
 
 def _worker(out, procs: int, cp: int, impl: str, kind: str = "trainer", batch: int = BATCH, accum: int = 1) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    args = ["-m", "tests.hf_trainer_worker", str(out), str(cp), impl, kind, str(batch), str(accum)]
+    module, args = "tests.hf_trainer_worker", [str(out), str(cp), impl, kind, str(batch), str(accum)]
     if procs > 1:
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(procs), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                            str(procs), "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
     else:  # one process: forked from the suite's server, which imported torch and transformers once
-        r = run_module(args[1], args[2:], env, str(REPO), 300)
+        r = run_module(module, args, env, str(REPO), 300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return torch.load(out)
 

@@ -195,16 +195,12 @@ def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoin
 
     args = [f"checkpoint={checkpoint}", "lengths=[1024]", "num_samples=3", "tasks=[niah_single_2,vt]", "threads=1"]
     one = main(args + [f"out={tmp_path / 'one'}"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_gloo(_ruler_worker, 2, [*args, "prefill=local"], str(tmp_path / "local"))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "longstride.eval.ruler", *args, "prefill=cp", f"out={tmp_path / 'cp'}"], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
     for mode in ("local", "cp"):
-        out = tmp_path / mode
-        if mode == "local":
-            run_gloo(_ruler_worker, 2, [*args, "prefill=local"], str(out))
-        else:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "longstride.eval.ruler", *args, f"prefill={mode}", f"out={out}"], check=True,
-                           env=env, capture_output=True, timeout=300)
-        saved = json.loads((out / "ruler.json").read_text())["samples"]
+        saved = json.loads((tmp_path / mode / "ruler.json").read_text())["samples"]
         assert [(r["task"], r["index"], r["prediction"]) for r in saved] == \
             [(r["task"], r["index"], r["prediction"]) for r in one["records"]], mode
 
