@@ -36,6 +36,7 @@ from longstride.parallel.attention_call import attention_forward
 from longstride.parallel.blocks import RingPlan
 from longstride.parallel.collectives import all_to_all_single
 from longstride.parallel.config import CPDegrees, check_ulysses
+from longstride.parallel.dense import seq_major
 from longstride.parallel.ring import RingCall, RingComm
 from longstride.parallel.heads import HeadSchedule, head_schedule
 from longstride.parallel.pattern import CAUSAL, Pattern, sink_grad
@@ -108,14 +109,6 @@ def _kv_to_heads(k, v, sched: HeadSchedule, heads: HeadComm) -> torch.Tensor:
     return heads.to_heads([k, v]).view(2, B, Hkv // heads.size, Ll * heads.size, D)
 
 
-def _token_major(like: torch.Tensor) -> torch.Tensor:
-    """An empty (B, H, L, D) tensor like `like` laid out token-major, (B, L, H, D) in memory, as the ring's and one
-    device's outputs are: transformers' attention output (out.transpose(1, 2)) is then a view, not a copy that the
-    output projection would keep beside the out attention's backward keeps."""
-    B, H, L, D = like.shape
-    return torch.empty(B, L, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
-
-
 def _sinks_of(sinks: Optional[torch.Tensor], heads_held: torch.Tensor) -> Optional[torch.Tensor]:
     return None if sinks is None else sinks.index_select(0, heads_held)
 
@@ -141,13 +134,15 @@ class _Exchange(NamedTuple):
     def forward(self, q, k, v, sinks):
         call, sched, heads = self.call, self.sched, self.call.heads
         kv = _kv_to_heads(k, v, sched, heads)
+        # the output token-major (seq_major), as the ring's: transformers' out.transpose(1, 2) is then a view, not a
+        # copy that the output projection would keep
         if len(sched.stages) == 1:  # plain Ulysses: all heads in head order, no buffers to keep for reuse
             qf = heads.to_heads(q)
             qf = qf.clone() if qf is q else qf  # one process (no group): an op's output may not be its input
             held = heads.my_heads(torch.arange(q.shape[1], device=q.device))
             o, lse = call.ring.forward(qf, kv[0], kv[1], _sinks_of(sinks, held))
-            return _token_major(q).copy_(heads.to_seq(o)), qf, kv, lse
-        out, lses, bufs = _token_major(q), [], {}
+            return seq_major(q).copy_(heads.to_seq(o)), qf, kv, lse
+        out, lses, bufs = seq_major(q), [], {}
         for st in sched.stages:
             qf = heads.to_heads(q.index_select(1, st.send), bufs, "q")
             o, lse = call.ring.forward(qf, st.pick(kv[0]), st.pick(kv[1]), _sinks_of(sinks, heads.my_heads(st.send)))
