@@ -176,12 +176,13 @@ def test_context_parallel_prefill_gives_the_single_process_cache_and_answer(chec
     run_gloo(_cp_prefill_worker, 2, str(checkpoint))
 
 
-def _ruler_worker(rank, world, args, out):
+def _ruler_worker(rank, world, args, out) -> dict:
+    """`longstride eval ruler ARGS out=OUT` on a gloo rank of run_gloo: what the command returns."""
     import os
 
     os.environ["WORLD_SIZE"] = str(world)  # what torchrun sets; the process group exists already
     torch.set_num_threads(1)
-    main([*args, f"out={out}"])
+    return main([*args, f"out={out}"])
 
 
 def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoint, tmp_path):
@@ -206,12 +207,8 @@ def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoin
 
 
 def _uneven_share_worker(rank, world, checkpoint, out):
-    import os
-
-    os.environ["WORLD_SIZE"] = str(world)  # what torchrun sets; the process group exists already
-    torch.set_num_threads(1)
     for name, args in _UNEVEN.items():
-        got = main([f"checkpoint={checkpoint}", *args, f"out={out}/{name}", "threads=1"])
+        got = _ruler_worker(rank, world, [f"checkpoint={checkpoint}", *args, "threads=1"], f"{out}/{name}")
         if rank == 0:
             with open(f"{out}/{name}.json", "w") as f:
                 json.dump({k: got[k] for k in ("records", "skipped")}, f)
