@@ -152,6 +152,27 @@ class OnlinePacker:
         self.counts = dict(state["counts"]) if state else {"sequences": 0, "used": 0, "pieces": 0, "docs": 0,
                                                            "docs_cut": 0}
 
+    def adopt(self, states: list[dict]) -> None:
+        """Takes over other packers' pending sequences (their states; data/stream_split.py, a resume on fewer
+        data-parallel ranks): their ready ones as they are, their open ones as open ones of this packer (concat:
+        their pieces go on filling its one open sequence in order), the fullest made ready while more than
+        open_seqs are open; their counts are added to this one's."""
+        for state in states:
+            other = OnlinePacker(self.seq_len, self.method, self.open_seqs)
+            other.load_state_dict(state)
+            self.ready += other.ready
+            for k, v in other.counts.items():
+                self.counts[k] += v
+            for seq in other.open:
+                if self.method == "concat":
+                    for piece in seq:
+                        self._fill(piece)
+                    continue
+                self.open.append(seq)
+                self.used.append(sum(len(p) for p in seq))
+                while len(self.open) > self.open_seqs:
+                    self._emit(int(np.argmax(self.used)))
+
     def _emit(self, i: int) -> None:
         seq, used = self.open.pop(i), self.used.pop(i)
         self.counts["sequences"] += 1
@@ -166,18 +187,22 @@ class OnlinePacker:
         self.open[i].append(piece)
         self.used[i] += len(piece)
 
+    def _fill(self, doc: np.ndarray) -> int:
+        """concat: `doc` into the one open sequence, cut where it is full (then ready); returns the parts."""
+        parts = 0
+        while len(doc):
+            room = self.seq_len - (self.used[0] if self.open else 0)
+            self._put(0, doc[:room])
+            doc, parts = doc[room:], parts + 1
+            if self.used[0] == self.seq_len:
+                self._emit(0)
+        return parts
+
     def add(self, doc: np.ndarray) -> None:
         L = self.seq_len
         self.counts["docs"] += 1
         if self.method == "concat":
-            parts = 0
-            while len(doc):
-                room = L - (self.used[0] if self.open else 0)
-                self._put(0, doc[:room])
-                doc, parts = doc[room:], parts + 1
-                if self.used[0] == L:
-                    self._emit(0)
-            self.counts["docs_cut"] += parts > 1
+            self.counts["docs_cut"] += self._fill(doc) > 1
             return
         self.counts["docs_cut"] += len(doc) > L
         for s in range(0, len(doc), L):

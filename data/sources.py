@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 import datasets
+import numpy as np
 
 from longstride.data import synthetic
 from longstride.data.config import SourceConfig
+from longstride.data.stream_split import keeps, split_rows
 from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_digest, stdlib_root, unreadable
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -207,12 +209,22 @@ def _listed(src: SourceConfig, field: str, paths) -> list[str]:
     return walk_files(src, field) if paths is None else paths
 
 
-def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0), paths=None, rank: int = 0):
-    """A walked source's files less the held-out ones, this rank's every world-th of them: each rank opens only its
-    own files."""
+def _stream_walked(src, cache_dir, field, world, leave_out: range = range(0), paths=None, rank: int = 0,
+                   split=None, epoch: int = 0):
+    """A walked source's files less the held-out ones in the epoch's order (walked_order), this rank's every
+    world-th of them (or the positions `split` gives it): each rank opens only its own files."""
     paths = _listed(src, field, paths)
     kept = paths[:leave_out.start] + paths[leave_out.stop:] if leave_out else paths
-    return datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": kept[rank::max(world, 1)]})
+    order = walked_order(len(kept), epoch)
+    mine = split_rows(split, len(kept)) if split else range(rank, len(kept), max(world, 1))
+    # one shard a file; the epoch's order is this one, not datasets' (set_epoch would shuffle each rank's own list)
+    return datasets.IterableDataset.from_generator(_read_files, gen_kwargs={"paths": [kept[order[g]] for g in mine]})
+
+
+def walked_order(count: int, epoch: int) -> list[int]:
+    """The order a walked source's files are read in, in epoch `epoch`: as walked in the first, then a permutation
+    seeded by the epoch, the same for every number of data-parallel ranks (they take every ranks-th of it)."""
+    return list(range(count)) if not epoch else np.random.default_rng(epoch).permutation(count).tolist()
 
 
 def _size(path: str):
@@ -394,25 +406,37 @@ def drop_skipped(ds: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
 
 
 def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources", rank: int = 0, world: int = 1,
-                  leave_out: range = range(0), paths=None) -> datasets.IterableDataset:
+                  leave_out: range = range(0), paths=None, split=None, epoch: int = 0) -> datasets.IterableDataset:
     """Rows {text, skip} read lazily (data.streaming=true): the rows in `leave_out` dropped (any range of a stdlib
     or local_dir source's files, a prefix of any other kind), then rank's share of the rest (a walked source's every
     world-th file, which only that rank opens; else whole shards when the shard count divides by world and nothing
-    is left out, else every world-th row, which every rank reads past). `paths`: a stdlib or local_dir
-    source's files as the stage walked them once (walk_files), else walked here. Raises ValueError naming the
-    field on bad input, before anything is read past the first row."""
+    is left out, else every world-th row, which every rank reads past); with `split` (a resume re-split across
+    another number of ranks, data/stream_split.py) the rows it names instead; set to read epoch `epoch`. `paths`:
+    a stdlib or local_dir source's files as the stage walked them once (walk_files), else walked here. Raises
+    ValueError naming the field on bad input, before anything is read past the first row."""
     kind = check_source(src, field)
     if kind.stream is _stream_walked:  # already this rank's files
-        return _stream_walked(src, cache_dir, field, world, leave_out, paths, rank)
+        return _stream_walked(src, cache_dir, field, world, leave_out, paths, rank, split, epoch)
     if leave_out.start:
         raise ValueError(f"{field}: a {src.kind} source can leave out only its first rows, not {leave_out}")
-    ds = kind.stream(src, cache_dir, field, world)
+    ds = kind.stream(src, cache_dir, field, 1 if split else world)
     if leave_out:
         ds = ds.skip(leave_out.stop)
-    if world > 1:
+    if split:
+        ds = ds.filter(keeps(split), with_indices=True)
+    elif world > 1:
         from datasets.distributed import split_dataset_by_node
 
         # split by shards, datasets would apply the skip to each rank's own shards (its first rows, not the
         # stream's): the held-out rows trained on and as many others never read
         ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy="examples" if leave_out else "auto")
+    ds.set_epoch(epoch)  # datasets shuffles the order of the shards of a stream without skip() by the epoch
     return ds
+
+
+def stream_split_by_rows(src: SourceConfig, cache_dir: str, field: str, world: int, leave_out: range) -> bool:
+    """Whether stream_source gives rank r of `world` the rows at positions r, r + world, ... of the source (what a
+    re-split across another number of ranks needs, data/stream_split.py) rather than whole shards."""
+    if world == 1 or walked(src) or leave_out:
+        return True
+    return KINDS[src.kind].stream(src, cache_dir, field, world).n_shards % world != 0

@@ -29,7 +29,8 @@ from longstride.data.config import DataConfig
 from longstride.data.loader import stateful_loader
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
-from longstride.data.sources import filler_prefix, stream_rows_identity, stream_source, walk_files, walked
+from longstride.data.sources import (filler_prefix, stream_rows_identity, stream_source, stream_split_by_rows,
+                                     walk_files, walked)
 from longstride.data.synthetic import FILLER_FILES, filler_sources
 from longstride.data.tokenizer import tokenize_fn
 
@@ -41,11 +42,14 @@ def tokenized(ds: datasets.IterableDataset, tokenizer) -> datasets.IterableDatas
 class StreamPacker(torch.utils.data.IterableDataset):
     """Endless packed sequences (PackedBatch items) from token-weighted streamed sources."""
 
-    def __init__(self, factories: dict[str, Callable[[], datasets.IterableDataset]], weights: dict[str, float],
+    def __init__(self, factories: dict[str, Callable[..., datasets.IterableDataset]], weights: dict[str, float],
                  seq_len: int, pad_id: int, method: str = "best_fit", open_seqs: int = 64, held_rows=None,
-                 share: tuple[int, int] = (0, 1)):
+                 share: tuple[int, int] = (0, 1), by_rows=None):
+        # factories[name](epoch, split=None): the source's rows of this rank in that epoch (split: a re-split's
+        # share, stream_split.py)
         self.factories, self.seq_len, self.pad_id = factories, seq_len, pad_id
         self.share = share  # (data-parallel rank, ranks) whose share of each source this reads (for errors)
+        self.by_rows = dict(by_rows or {})  # whether each source's share is every ranks-th row (re-splittable)
         self.packer = OnlinePacker(seq_len, method, open_seqs)
         total = sum(weights.get(n, 0.0) for n in factories)
         self.weights = {n: weights.get(n, 0.0) / total for n in factories if weights.get(n, 0.0) > 0}
@@ -54,19 +58,26 @@ class StreamPacker(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> dict:
         return {"sources": {n: ds.state_dict() for n, ds in self._ds.items()}, "counters": copy.deepcopy(self.counters),
-                "packer": self.packer.state_dict()}
+                "packer": self.packer.state_dict(), "splits": copy.deepcopy(self.splits), "by_rows": self.by_rows}
 
     def load_state_dict(self, state) -> None:
+        """A state this class wrote, or a re-split one (stream_split.resplit: its sources start at their split's
+        first row, and "packer" lists the packer states this rank takes over)."""
         names = list(self.weights)
         self.counters = copy.deepcopy(state["counters"]) if state else {
             key: {n: ({} if key == "skipped" else 0) for n in names}
-            for key in ("epoch", "tokens", "rows", "skipped", "epoch_docs")}
-        self.packer.load_state_dict(state["packer"] if state else None)
+            for key in ("epoch", "tokens", "rows", "skipped", "epoch_docs", "epoch_rows")}
+        # a state from before the per-epoch row counts: None (unknown) until each source's next epoch
+        self.counters.setdefault("epoch_rows", {n: None for n in names})
+        self.splits = copy.deepcopy(state.get("splits", {})) if state else {}
+        packed = state["packer"] if state else None
+        self.packer.load_state_dict(None if isinstance(packed, list) else packed)
+        if isinstance(packed, list):
+            self.packer.adopt(packed)
         self._ds, self._its = {}, {}
         for n in names:
-            ds = self.factories[n]()
-            ds.set_epoch(self.counters["epoch"][n])
-            if state:
+            ds = self.factories[n](self.counters["epoch"][n], self.splits.get(n))
+            if state and state["sources"][n] is not None:
                 ds.load_state_dict(state["sources"][n])
             self._ds[n] = ds
 
@@ -96,12 +107,14 @@ class StreamPacker(torch.utils.data.IterableDataset):
                          f"; a streamed source needs at least {ranks} rows (files, for a walked source) so that "
                          "every data-parallel rank reads some: add some, drop it, or stream with fewer ranks"))
                 c["epoch"][name] += 1
-                c["epoch_docs"][name] = 0
-                ds = self.factories[name]()
-                ds.set_epoch(c["epoch"][name])
+                c["epoch_docs"][name] = c["epoch_rows"][name] = 0
+                self.splits[name] = None  # every epoch starts whole, shared by this layout's ranks
+                ds = self.factories[name](c["epoch"][name])
                 self._ds[name], self._its[name] = ds, None
                 continue
             c["rows"][name] += 1
+            if c["epoch_rows"][name] is not None:
+                c["epoch_rows"][name] += 1
             if row["skip"]:
                 c["skipped"][name][row["skip"]] = c["skipped"][name].get(row["skip"], 0) + 1
                 continue
@@ -163,8 +176,9 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
                              "data.eval_sequences=0")
 
     def factories(rank: int, world: int, leave_out: dict) -> dict:
-        return {n: (lambda n=n, s=s: tokenized(stream_source(s, cache_dir, f"data.sources.{n}", rank, world,
-                                                             leave_out.get(n, range(0)), paths.get(n)), tokenizer))
+        return {n: (lambda epoch=0, split=None, n=n, s=s: tokenized(stream_source(
+                    s, cache_dir, f"data.sources.{n}", rank, world, leave_out.get(n, range(0)), paths.get(n), split,
+                    epoch), tokenizer))
                 for n, s in cfg.sources.items()}
 
     def head(length: int, mix) -> tuple[list, StreamPacker]:
@@ -196,8 +210,10 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
             for n, r in head(length, mix)[1].counters["rows"].items():
                 rows[n] = max(rows.get(n, 0), r)
     held = {n: range(first[n], first[n] + r) for n, r in rows.items() if r}
+    by_rows = {n: stream_split_by_rows(s, cache_dir, f"data.sources.{n}", dp, held.get(n, range(0)))
+               for n, s in cfg.sources.items()}
     train = StreamPacker(factories(dp_rank, dp, held), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
-                         cfg.stream_open_seqs, held_rows=rows, share=(dp_rank, dp))
+                         cfg.stream_open_seqs, held_rows=rows, share=(dp_rank, dp), by_rows=by_rows)
     identity = {n: stream_rows_identity(s, f"data.sources.{n}", paths.get(n)) for n, s in cfg.sources.items()}
     return StreamLoader(train, micro_batch_size), held_out, {
         **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()},

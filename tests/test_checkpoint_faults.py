@@ -210,18 +210,6 @@ def test_damaged_final_is_never_loaded(killed_and_clean, cache_dir, tmp_path):
         assert f"{final} is damaged (model.safetensors has" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_streaming_checkpoint_of_another_process_count_is_refused(tmp_path):
-    from longstride.recipes.checkpoint.format import CheckpointError, load_training_state, write_manifest
-
-    torch.save({"step": 3}, tmp_path / "trainer.pt")
-    for r in range(2):
-        torch.save({"data": {}}, tmp_path / f"rank{r}.pt")
-    write_manifest(str(tmp_path), world_size=2)
-    with pytest.raises(CheckpointError, match="written by 2 processes but this launch has 1; with streaming"):
-        load_training_state(str(tmp_path), 0, 1, resplit=False)
-    assert load_training_state(str(tmp_path), 0, 1, resplit=True)[0] == {"step": 3}
-
-
 # both directions, each with and without FSDP2 once (the four pairs took 86 s of CI time; the re-split and
 # the DCP re-sharding are the same code for both directions)
 @pytest.mark.parametrize("first, second, fsdp", [(1, 2, False), (2, 1, True)])
@@ -355,7 +343,7 @@ def test_checkpoint_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, v
     write_manifest(path, 1)
     assert verify(path) is None, "the manifest vouches for the files: whoever wrote them wrote it"
     with pytest.raises(CheckpointError, match=rf"{victim} holds a '.*' object, not tensors and plain data"):
-        load_training_state(path, rank=0, world=1, resplit=True)
+        load_training_state(path, rank=0)
     assert not marker.exists(), "the payload ran"
 
 
@@ -375,7 +363,7 @@ def test_training_state_round_trips_with_weights_only(tmp_path):
     with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 1},
                             rank_state={"rng": state}, meta={}):
         pass
-    _, mine = load_training_state(path, rank=0, world=1, resplit=True)
+    _, mine = load_training_state(path, rank=0)
     set_rng_state(mine["rng"])
     got = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
     assert torch.equal(got[0], expect[0]) and np.array_equal(got[1], expect[1]) and got[2:] == expect[2:]

@@ -224,19 +224,18 @@ def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def load_training_state(path: str, rank: int, world: int, resplit: bool) -> tuple[dict, dict]:
+def load_training_state(path: str, rank: int) -> tuple[dict, dict]:
     """(trainer state, this rank's state) of a verified step checkpoint (the model and optimizer shards are
-    read by parallel/shards.py, re-sharded to any layout). Written by another number of processes: with
-    `resplit` (the loader re-splits its position), a rank the old run did not have takes rank 0's state;
-    otherwise (streaming data) refused."""
-    written = manifest_world(path)
-    if written != world and not resplit:
-        raise CheckpointError(f"checkpoint {path} was written by {written} processes but this launch has {world}; "
-                              f"with streaming data (each process's stream position) it resumes only on {written} "
-                              "processes: relaunch with that many")
+    read by parallel/shards.py, re-sharded to any layout). Written by fewer processes, a rank the old run did not
+    have takes rank 0's state (the loader re-splits its position; a streamed one reads every rank's,
+    load_rank_state)."""
     trainer = load_state_file(os.path.join(path, "trainer.pt"))
-    mine = os.path.join(path, f"rank{rank}.pt")
-    return trainer, load_state_file(mine if rank < written else os.path.join(path, "rank0.pt"))
+    return trainer, load_rank_state(path, rank if rank < manifest_world(path) else 0)
+
+
+def load_rank_state(path: str, rank: int) -> dict:
+    """What rank `rank` of the run that wrote the step checkpoint `path` saved of its own (data position, RNG)."""
+    return load_state_file(os.path.join(path, f"rank{rank}.pt"))
 
 
 def loadable_bytes(state, name: str) -> bytes:

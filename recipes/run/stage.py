@@ -212,9 +212,9 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
                     "packing": str(cfg.data.packing), "open_seqs": cfg.data.stream_open_seqs,
                     "micro_batch_size": stage.micro_batch_size, "held_out_rows": report["held_out_rows"],
                     "rows": report.pop("rows_identity"),
-                    # a walked source's rank reads every dp-th file (before: every dp-th row of all of them)
-                    **({"walked_split": "files"} if dims.dp > 1 and any(walked(s) for s in cfg.data.sources.values())
-                       else {})}
+                    # a walked source's epochs read its files in walked_order, every dp-th to a rank (before: each
+                    # rank's own files in datasets' order, and earlier every dp-th row of all of them)
+                    **({"walked_order": 1} if any(walked(s) for s in cfg.data.sources.values()) else {})}
             return loader, held_out, report, data_fingerprint(meta, *(h["input_ids"] for h in held_out))
         held = holdout_documents(cfg.data, ctx.corpus, stages)
         train_set, pack_stats = stage_sequences(cfg.data, ctx.corpus, stage.seq_len, pad_id, stage.mixture,

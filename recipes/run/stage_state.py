@@ -11,8 +11,9 @@ from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_
 from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
 from longstride.model.rope import max_positions
-from longstride.recipes.checkpoint.format import (load_shards_checked, load_training_state, manifest_world, rng_state,
-                                                  set_rng_state, writing_checkpoint)
+from longstride.data.stream_split import resplit
+from longstride.recipes.checkpoint.format import (load_rank_state, load_shards_checked, load_training_state,
+                                                  manifest_world, rng_state, set_rng_state, writing_checkpoint)
 from longstride.recipes.run.faults import check_finite_parameters, stage_input
 from longstride.recipes.run.runlock import fingerprint
 
@@ -51,17 +52,20 @@ def restore_stage(ctx, run, path: str) -> None:
     from the shards (re-sharded to this run's processes and layout), the rest from trainer.pt and rank<r>.pt;
     the data position is re-split when the checkpoint had another number of data-parallel ranks. A checkpoint
     trained with another tokenizer is refused. One whose data position this stage cannot use (data_problem: its
-    data changed, it predates the fingerprint, or a streamed one has another data-parallel layout) is refused too,
+    data changed, it predates the fingerprint, or a streamed one cannot be re-split: stream_split.resplit) is refused too,
     unless train.resume_data=false: then the stage's data starts afresh and its start validation loss is measured
     again on this run's held-out documents."""
     acc, cfg, dims = ctx.accelerator, ctx.cfg, run.plan.dims
-    streaming = cfg.data.streaming
-    trainer, mine = load_training_state(path, acc.process_index, acc.num_processes,
-                                        resplit=not streaming or not cfg.train.resume_data)
-    layout = (manifest_world(path), trainer.get("dp", dims.dp)) if streaming else None
+    trainer, mine = load_training_state(path, acc.process_index)
+    data, note = mine["data"], ""
     with stage_input(run.plan.name):  # a position the stage cannot use: exit 2, naming the stage
         check_same_tokenizer(trainer.get("tokenizer"), ctx.tokenizer, path)
-        problem = data_problem(trainer.get("data"), run.data_id, layout, (acc.num_processes, dims.dp))
+        problem = data_problem(trainer.get("data"), run.data_id)
+        if cfg.data.streaming and not problem:
+            try:
+                data, note = streamed_position(ctx, path, trainer.get("dp", dims.dp), dims)
+            except ValueError as e:
+                problem = f"holds streamed positions that cannot be re-split to {dims.dp} data-parallel ranks ({e})"
         if problem and cfg.train.resume_data:
             raise ValueError(f"{path} {problem}, so its data position would name other sequences; resume with the "
                              "data and layout it was written with, keep its weights, optimizer and step but start "
@@ -74,14 +78,29 @@ def restore_stage(ctx, run, path: str) -> None:
     run.val_start = None if problem else trainer["val_loss_start"]  # None: measured again, on this run's documents
     with stage_input(run.plan.name):
         if not problem:
-            run.loader.load_state_dict(mine["data"])
+            run.loader.load_state_dict(data)
     set_rng_state(mine["rng"])
     if changed:
         ctx.tracker.info("stage %s: the checkpoint's %s; training on with this config's", run.plan.name, changed)
     ctx.tracker.info("stage %s: resuming from %s (step %d)%s", run.plan.name, path, run.step,
                      f"; its data from the start of the epoch (train.resume_data=false: {problem})" if problem else
-                     "" if mine["data"].get("world", dims.dp) == dims.dp else
-                     f"; its data position re-split from {mine['data']['world']} to {dims.dp} data-parallel ranks")
+                     note or ("" if data.get("world", dims.dp) == dims.dp else
+                              f"; its data position re-split from {data['world']} to {dims.dp} data-parallel ranks"))
+
+
+def streamed_position(ctx, path: str, written_dp: int, dims) -> tuple[dict, str]:
+    """(this process's stream position, a note for the log): the state its data-parallel rank saved, or, written
+    with another number of data-parallel ranks, every old rank's re-split (data/stream_split.py; ValueError naming
+    the source when it cannot be). The old run's processes of one data-parallel rank held the same position."""
+    cp = manifest_world(path) // written_dp
+    dp_rank = dims.dp_rank(ctx.accelerator.process_index)
+    if written_dp == dims.dp:
+        return load_rank_state(path, dp_rank * cp)["data"], ""
+    states = [load_rank_state(path, i * cp)["data"] for i in range(written_dp)]
+    names = {n: f"data.sources.{n}" for n in ctx.cfg.data.sources}
+    data, notes = resplit(states, dp_rank, dims.dp, names)
+    return data, (f"; its stream positions re-split from {written_dp} to {dims.dp} data-parallel ranks"
+                  + "".join(f"; {n}" for n in notes))
 
 
 def keep_configured_hyperparameters(run, scheduler_state: dict, configured: list[dict]) -> str:
@@ -102,19 +121,16 @@ def keep_configured_hyperparameters(run, scheduler_state: dict, configured: list
     return ", ".join(changed).replace("initial_lr", "peak lr")
 
 
-def data_problem(saved, current: str, layout=None, here=None):
+def data_problem(saved, current: str):
     """Why a checkpoint's data position does not fit this stage, or None: its data fingerprint (data/pipeline.py
-    data_fingerprint) is missing or not `current`, or (streamed: `layout`, `here` = (processes, dp)) each rank's
-    stream position was written on another layout and cannot be re-split."""
+    data_fingerprint) is missing or not `current`."""
     if saved is None:
         return "was written by a longstride that recorded no data fingerprint"
     if saved != current:
         return ("was written over other data: an edited, added or removed source file, another data config, or a "
                 "longstride whose packing, held-out split or data fingerprint differs (a checkpoint written before "
-                "the fingerprint covered the corpus's tokens and streamed files' sizes is such a one)")
-    if layout is not None and tuple(layout) != tuple(here):
-        return (f"holds streamed positions of {layout[0]} processes with dp={layout[1]}, and this launch has "
-                f"{here[0]} with dp={here[1]} (a stream position belongs to its data-parallel rank)")
+                "the fingerprint covered the corpus's tokens and streamed files' sizes, or before streamed stages "
+                "could resume on another number of data-parallel ranks, is such a one)")
     return None
 
 

@@ -1,0 +1,88 @@
+"""Re-splitting streamed data positions when a stage resumes on another number of data-parallel ranks.
+
+A streamed source is read in one fixed row order each epoch (no shuffle; after its held-out rows), and data-parallel
+rank r of W reads the rows at positions r, r + W, r + 2W, ... of it (a walked source's files likewise). Each rank's
+checkpoint counts the rows it read in the epoch, so the rows every rank of the old layout read are known, and a
+resume on W' ranks shares out the rest of the epoch: the unread rows below the furthest one read (`gaps`) and every
+row from there (`tail`), new rank r' taking positions r', r' + W', ... of that list (a `split`: plain data, stored in
+the stream's state until the source's next epoch, which every layout reads from its start again). No row of the
+epoch is read twice and none is left out; the documents an old rank had drawn but not yet trained on (its packer's
+open and ready sequences) go to new rank (old rank mod W'); each rank's mixer starts from the mean of the old ranks'
+token counts, so the mixture's shares hold. Where the old ranks were in different epochs of a source, the new ranks
+continue the furthest one and the lagging ranks' rest of the earlier epoch is left out (named in the log).
+
+Not re-split (refused, naming the source): a source whose ranks read whole shards (a `disk` or `files` source with
+nothing held out whose shard count divides by the ranks) and checkpoints written before the row counts were kept.
+"""
+from __future__ import annotations
+
+
+def split_rows(split: dict, count: int) -> list[int]:
+    """The positions among `count` rows (a walked source's files) that `split` gives its rank."""
+    order = [g for g in split["gaps"] if g < count] + list(range(split["tail"], count))
+    return order[split["way"]::split["ways"]]
+
+
+def keeps(split: dict):
+    """A datasets filter (row, index) -> bool: whether the row at `index` of the stream is this rank's."""
+    gaps, tail, way, ways = {g: p for p, g in enumerate(split["gaps"])}, split["tail"], split["way"], split["ways"]
+
+    def mine(_row, index: int) -> bool:
+        p = gaps.get(index, len(gaps) + index - tail if index >= tail else None)
+        return p is not None and p % ways == way
+    return mine
+
+
+def _rest(split: dict, read: list[int]) -> tuple[list[int], int]:
+    """(gaps, tail) of what no rank has read, given how many positions each way of `split` read."""
+    ways, gaps = split["ways"], split["gaps"]
+    end = max((w + (k - 1) * ways + 1 for w, k in enumerate(read) if k), default=0)  # past the furthest read
+    row = lambda p: gaps[p] if p < len(gaps) else split["tail"] + p - len(gaps)  # noqa: E731
+    unread = [row(p) for p in range(end) if p // ways >= read[p % ways]]
+    return unread + list(gaps[end:]), split["tail"] + max(0, end - len(gaps))
+
+
+def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict, list[str]]:
+    """(the stream loader state of data-parallel rank `way` of `ways`, notes for the log) from `states`, the loader
+    states of every data-parallel rank of the layout that wrote them (in rank order). `names`: each source's config
+    field, for errors. Raises ValueError naming the source when the states cannot be re-split."""
+    streams = [s["dataset_state"] for s in states]
+    old, notes = len(streams), []
+    for n in streams[0]["counters"]["epoch"]:
+        if "epoch_rows" not in streams[0]["counters"] or streams[0].get("by_rows", {}).get(n) is None:
+            raise ValueError(f"{names[n]}: the checkpoint was written by a longstride that kept no per-epoch row "
+                             "counts, so what each rank read cannot be re-split")
+        if not all(s["by_rows"][n] for s in streams):
+            raise ValueError(f"{names[n]}: its {old} data-parallel ranks read whole shards of it (its shard count "
+                             f"divides by {old} and none of its rows is held out), not every {old}-th row, so what "
+                             "they read cannot be re-split")
+    mine = [s for i, s in enumerate(streams) if i % ways == way]
+    counters = {"epoch": {}, "epoch_rows": {}, "epoch_docs": {}, "tokens": {}, "rows": {}, "skipped": {}}
+    splits = {}
+    for n in streams[0]["counters"]["epoch"]:
+        epochs = [s["counters"]["epoch"][n] for s in streams]
+        epoch = max(epochs)
+        at = [i for i, e in enumerate(epochs) if e == epoch]
+        if len(at) < old:
+            notes.append(f"{names[n]}: data-parallel ranks {[i for i in range(old) if i not in at]} of {old} had not "
+                         f"finished epoch {epoch - 1}, which the others had; the rest of their share of it is left "
+                         f"out and epoch {epoch} goes on")
+        recorded = streams[at[0]]["splits"].get(n)
+        split = recorded or {"gaps": [], "tail": 0, "ways": old}
+        read = [0] * split["ways"]
+        for i in at:
+            s = streams[i]
+            read[(s["splits"].get(n) or {"way": i})["way"]] = s["counters"]["epoch_rows"][n]
+        gaps, tail = _rest(split, read)
+        splits[n] = {"gaps": gaps, "tail": tail, "ways": ways, "way": way}
+        counters["epoch"][n], counters["epoch_rows"][n] = epoch, 0
+        counters["epoch_docs"][n] = sum(streams[i]["counters"]["epoch_docs"][n] for i in at)
+        counters["tokens"][n] = round(sum(s["counters"]["tokens"][n] for s in streams) / ways)
+        counters["rows"][n] = sum(s["counters"]["rows"][n] for s in mine)
+        counters["skipped"][n] = {}
+        for s in mine:
+            for why, k in s["counters"]["skipped"][n].items():
+                counters["skipped"][n][why] = counters["skipped"][n].get(why, 0) + k
+    stream = {"sources": {n: None for n in splits}, "counters": counters, "splits": splits,
+              "by_rows": dict(streams[0]["by_rows"]), "packer": [s["packer"] for s in mine]}
+    return {**states[way % old], "dataset_state": stream}, notes

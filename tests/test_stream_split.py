@@ -1,0 +1,144 @@
+"""A streamed stage resumed on another number of data-parallel ranks (data/stream_split.py): every row of the epoch
+the old ranks were in is read exactly once by old and new ranks together, and every document an old rank had drawn
+reaches a batch."""
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from longstride.data.config import DataConfig, SourceConfig
+from longstride.data.stream import streaming_stage
+from longstride.data.stream_split import resplit
+from longstride.data.tokenizer import train_bpe
+from tests.test_stream import corpus_docs, write_jsonl
+
+L, MB = 128, 2
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A files source (rows of one jsonl, each rank reading past the others' rows) and a local_dir source (one file
+    a document, each rank opening only its own), 3:1 by tokens; small enough that some ranks wrap into later epochs."""
+    d = tmp_path_factory.mktemp("split")
+    a, b = corpus_docs("a", 40, 0), corpus_docs("b", 17, 1)
+    a[20] = "   "  # skipped and counted
+    (d / "b").mkdir()
+    for i, text in enumerate(b):
+        (d / "b" / f"{i:02d}.txt").write_text(text)
+    tok = train_bpe(a + b, 300)
+    cfg = DataConfig(sources={"a": SourceConfig(kind="files", path=write_jsonl(d / "a.jsonl", a), weight=3.0),
+                              "b": SourceConfig(kind="local_dir", path=str(d / "b"), weight=1.0)},
+                     streaming=True, eval_sequences=2, stream_open_seqs=6)
+    return cfg, tok, str(d)
+
+
+def loaders(setup, world: int, packing: str) -> list:
+    cfg, tok, d = setup
+    cfg = DataConfig(**{**cfg.__dict__, "packing": packing})
+    return [streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, r, world, d)[0] for r in range(world)]
+
+
+def recorded(loader, drawn: list) -> None:
+    """Appends (source, epoch, document) to `drawn` for every document the loader's packer draws."""
+    packer = loader.loader.dataset
+    draw = packer.next_document
+
+    def next_document():
+        before = dict(packer.counters["tokens"])
+        ids = draw()
+        name = next(n for n, t in packer.counters["tokens"].items() if t != before[n])
+        drawn.append((name, packer.counters["epoch"][name], tuple(ids.tolist())))
+        return ids
+    packer.next_document = next_document
+
+
+def trained(batch: dict, pad: int) -> Counter:
+    """Each document piece of a batch as a tuple of token ids (padding left out)."""
+    out = Counter()
+    for ids, doc in zip(batch["input_ids"], batch["doc_ids"]):
+        for k in doc.unique().tolist():
+            piece = ids[doc == k]
+            if not bool((piece == pad).all()):
+                out[tuple(piece.tolist())] += 1
+    return out
+
+
+def through_a_file(state: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(state, buf)  # as a checkpoint holds it, loaded as a resume loads it
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def epoch_rows(setup, name: str) -> Counter:
+    """The documents of one epoch of source `name` past its held-out rows, as one rank reads them."""
+    (one,), drawn = loaders(setup, 1, "best_fit"), []
+    recorded(one, drawn)
+    while one.loader.dataset.counters["epoch"][name] == 0:
+        next(one)
+    return Counter(doc for n, e, doc in drawn if n == name and e == 0)
+
+
+@pytest.mark.parametrize("layouts, packing", [((2, 1), "best_fit"), ((2, 3), "best_fit"), ((1, 2), "concat"),
+                                              ((2, 3, 2), "best_fit")])
+def test_a_re_split_reads_every_row_of_the_epoch_once_and_trains_every_drawn_document(setup, layouts, packing):
+    """Ranks of each layout take 7 steps (each rank's packer reads its own number of rows), their states are
+    re-split for the next layout; then the last layout's ranks read on until every source is past the epoch the
+    first re-split was in. Each source's rows of that epoch, over every rank of every layout, are its whole epoch
+    once; and every document drawn is in some batch or still pending in the last ranks' packers."""
+    pad = setup[1].pad_token_id
+    drawn, seen, epochs = [], Counter(), None
+    ranks = loaders(setup, layouts[0], packing)
+    for i, world in enumerate(layouts):
+        for r in ranks:
+            recorded(r, drawn)
+        for _ in range(7):
+            for r in ranks:
+                seen += trained(next(r), pad)
+        if i + 1 == len(layouts):
+            break
+        states = [through_a_file(r.state_dict()) for r in ranks]
+        if epochs is None:
+            epochs = {n: max(s["dataset_state"]["counters"]["epoch"][n] for s in states) for n in ("a", "b")}
+        new = layouts[i + 1]
+        ranks = loaders(setup, new, packing)
+        for way, r in enumerate(ranks):
+            state, _ = resplit(states, way, new, {"a": "data.sources.a", "b": "data.sources.b"})
+            r.load_state_dict(through_a_file(state))
+    assert epochs is not None
+    while any(r.loader.dataset.counters["epoch"][n] <= epochs[n] for r in ranks for n in epochs):
+        for r in ranks:
+            seen += trained(next(r), pad)
+    for n, epoch in epochs.items():
+        got = Counter(doc for m, e, doc in drawn if m == n and e == epoch)
+        assert got == epoch_rows(setup, n), (n, epoch, sum(got.values()))
+    pending = Counter()
+    for r in ranks:
+        packer = r.loader.dataset.packer
+        for seq in packer.open + packer.ready:
+            pending.update(tuple(p.tolist()) for p in seq)
+    if packing == "best_fit":  # no document is cut (all are shorter than a sequence): pieces are documents
+        assert seen + pending == Counter(doc for _, _, doc in drawn)
+    else:  # concat cuts documents at sequence ends: the tokens are conserved
+        tokens = lambda c: sum(len(k) * v for k, v in c.items())  # noqa: E731
+        assert tokens(seen) + tokens(pending) == sum(len(doc) for _, _, doc in drawn)
+
+
+def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):
+    ranks = loaders(setup, 2, "best_fit")
+    for r in ranks:
+        next(r)
+    states = [r.state_dict() for r in ranks]
+    names = {"a": "data.sources.a", "b": "data.sources.b"}
+    sharded = [{**s, "dataset_state": {**s["dataset_state"], "by_rows": {"a": False, "b": True}}} for s in states]
+    with pytest.raises(ValueError, match=r"data.sources.a: its 2 data-parallel ranks read whole shards of it"):
+        resplit(sharded, 0, 1, names)
+    old = [{**s, "dataset_state": {**s["dataset_state"], "counters": {
+        k: v for k, v in s["dataset_state"]["counters"].items() if k != "epoch_rows"}}} for s in states]
+    with pytest.raises(ValueError, match=r"data.sources.a: the checkpoint was written by a longstride that kept no "
+                                         r"per-epoch row counts"):
+        resplit(old, 0, 1, names)
+    assert np.isfinite(len(resplit(states, 0, 1, names)[0]["dataset_state"]["splits"]["a"]["gaps"]))
