@@ -49,7 +49,9 @@ def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict,
     streams = [s["dataset_state"] for s in states]
     old, notes = len(streams), []
     for n in streams[0]["counters"]["epoch"]:
-        if "epoch_rows" not in streams[0]["counters"] or streams[0].get("by_rows", {}).get(n) is None:
+        # None: a rank resumed from such a checkpoint and has not started an epoch of the source since
+        if any(s["counters"].get("epoch_rows", {}).get(n) is None or s.get("by_rows", {}).get(n) is None
+               for s in streams):
             raise ValueError(f"{names[n]}: the checkpoint was written by a longstride that kept no per-epoch row "
                              "counts, so what each rank read cannot be re-split")
         if not all(s["by_rows"][n] for s in streams):

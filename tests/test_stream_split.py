@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
@@ -141,4 +140,9 @@ def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):
     with pytest.raises(ValueError, match=r"data.sources.a: the checkpoint was written by a longstride that kept no "
                                          r"per-epoch row counts"):
         resplit(old, 0, 1, names)
-    assert np.isfinite(len(resplit(states, 0, 1, names)[0]["dataset_state"]["splits"]["a"]["gaps"]))
+    packer = loaders(setup, 2, "best_fit")[1].loader.dataset  # a rank that resumed such a checkpoint
+    packer.load_state_dict(old[1]["dataset_state"])
+    assert packer.counters["epoch_rows"] == {"a": None, "b": None}, "unknown until the source's next epoch"
+    with pytest.raises(ValueError, match=r"data.sources.a: the checkpoint was written by a longstride that kept no "):
+        resplit([states[0], {**states[1], "dataset_state": packer.state_dict()}], 0, 1, names)
+    assert resplit(states, 0, 1, names)[0]["dataset_state"]["splits"]["a"]["ways"] == 1
