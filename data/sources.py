@@ -411,9 +411,12 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
     or local_dir source's files, a prefix of any other kind), then rank's share of the rest (a walked source's every
     world-th file, which only that rank opens; else whole shards when the shard count divides by world and nothing
     is left out, else every world-th row, which every rank reads past); with `split` (a resume re-split across
-    another number of ranks, data/stream_split.py) the rows it names instead; set to read epoch `epoch`. `paths`:
-    a stdlib or local_dir source's files as the stage walked them once (walk_files), else walked here. Raises
-    ValueError naming the field on bad input, before anything is read past the first row."""
+    another number of ranks, data/stream_split.py) the rows it names instead. `epoch`: a walked source's files come
+    in walked_order's order for it; other kinds take the epoch by `set_epoch` on the dataset that is iterated
+    (datasets reorders the shards of a stream without skip() or take() by it, before any split, and a map makes a
+    new dataset at epoch 0). `paths`: a stdlib or local_dir source's files as the stage walked them once
+    (walk_files), else walked here. Raises ValueError naming the field on bad input, before anything is read past
+    the first row."""
     kind = check_source(src, field)
     if kind.stream is _stream_walked:  # already this rank's files
         return _stream_walked(src, cache_dir, field, world, leave_out, paths, rank, split, epoch)
@@ -423,14 +426,13 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
     if leave_out:
         ds = ds.skip(leave_out.stop)
     if split:
-        ds = ds.filter(keeps(split), with_indices=True)
-    elif world > 1:
+        return ds.filter(keeps(split), with_indices=True)
+    if world > 1:
         from datasets.distributed import split_dataset_by_node
 
         # split by shards, datasets would apply the skip to each rank's own shards (its first rows, not the
         # stream's): the held-out rows trained on and as many others never read
         ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy="examples" if leave_out else "auto")
-    ds.set_epoch(epoch)  # datasets shuffles the order of the shards of a stream without skip() by the epoch
     return ds
 
 

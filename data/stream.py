@@ -35,8 +35,12 @@ from longstride.data.synthetic import FILLER_FILES, filler_sources
 from longstride.data.tokenizer import tokenize_fn
 
 
-def tokenized(ds: datasets.IterableDataset, tokenizer) -> datasets.IterableDataset:
-    return ds.map(tokenize_fn(tokenizer), batched=True, batch_size=64, remove_columns=["text"])
+def tokenized(ds: datasets.IterableDataset, tokenizer, epoch: int | None = None) -> datasets.IterableDataset:
+    """The rows tokenised; `epoch` (not for a walked source, whose order is its own): set for datasets' shard order."""
+    ds = ds.map(tokenize_fn(tokenizer), batched=True, batch_size=64, remove_columns=["text"])
+    if epoch is not None:
+        ds.set_epoch(epoch)
+    return ds
 
 
 class StreamPacker(torch.utils.data.IterableDataset):
@@ -58,7 +62,9 @@ class StreamPacker(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> dict:
         return {"sources": {n: ds.state_dict() for n, ds in self._ds.items()}, "counters": copy.deepcopy(self.counters),
-                "packer": self.packer.state_dict(), "splits": copy.deepcopy(self.splits), "by_rows": self.by_rows}
+                "packer": self.packer.state_dict(), "splits": copy.deepcopy(self.splits),
+                # a source read through a re-split's share is read by rows, whatever this layout's own split is
+                "by_rows": {n: self.by_rows.get(n, False) or self.splits.get(n) is not None for n in self.weights}}
 
     def load_state_dict(self, state) -> None:
         """A state this class wrote, or a re-split one (stream_split.resplit: its sources start at their split's
@@ -178,7 +184,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     def factories(rank: int, world: int, leave_out: dict) -> dict:
         return {n: (lambda epoch=0, split=None, n=n, s=s: tokenized(stream_source(
                     s, cache_dir, f"data.sources.{n}", rank, world, leave_out.get(n, range(0)), paths.get(n), split,
-                    epoch), tokenizer))
+                    epoch), tokenizer, None if walked(s) else epoch))
                 for n, s in cfg.sources.items()}
 
     def head(length: int, mix) -> tuple[list, StreamPacker]:

@@ -7,12 +7,14 @@ resume on W' ranks shares out the rest of the epoch: the unread rows below the f
 row from there (`tail`), new rank r' taking positions r', r' + W', ... of that list (a `split`: plain data, stored in
 the stream's state until the source's next epoch, which every layout reads from its start again). No row of the
 epoch is read twice and none is left out; the documents an old rank had drawn but not yet trained on (its packer's
-open and ready sequences) go to new rank (old rank mod W'); each rank's mixer starts from the mean of the old ranks'
-token counts, so the mixture's shares hold. Where the old ranks were in different epochs of a source, the new ranks
+open and ready sequences) go to new rank (old rank mod W'); the old ranks' token counts are shared evenly by the new
+ranks' mixers, so the mixture's shares hold. Where the old ranks were in different epochs of a source, the new ranks
 continue the furthest one and the lagging ranks' rest of the earlier epoch is left out (named in the log).
 
 Not re-split (refused, naming the source): a source whose ranks read whole shards (a `disk` or `files` source with
 nothing held out whose shard count divides by the ranks) and checkpoints written before the row counts were kept.
+Costs: each new process reads every old data-parallel rank's state (their packers' pending tokens too), and a source
+read through a split reads its epoch from the start up to its rows (a `hub` source streams that part again).
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ def _rest(split: dict, read: list[int]) -> tuple[list[int], int]:
     ways, gaps = split["ways"], split["gaps"]
     end = max((w + (k - 1) * ways + 1 for w, k in enumerate(read) if k), default=0)  # past the furthest read
     row = lambda p: gaps[p] if p < len(gaps) else split["tail"] + p - len(gaps)  # noqa: E731
-    unread = [row(p) for p in range(end) if p // ways >= read[p % ways]]
-    return unread + list(gaps[end:]), split["tail"] + max(0, end - len(gaps))
+    # way w read positions w, w + ways, ... up to its count; the unread ones below `end` (a few per way)
+    unread = sorted(p for w in range(ways) for p in range(w + read[w] * ways, end, ways))
+    return [row(p) for p in unread] + list(gaps[end:]), split["tail"] + max(0, end - len(gaps))
 
 
 def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict, list[str]]:
@@ -66,9 +69,9 @@ def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict,
         epoch = max(epochs)
         at = [i for i, e in enumerate(epochs) if e == epoch]
         if len(at) < old:
-            notes.append(f"{names[n]}: data-parallel ranks {[i for i in range(old) if i not in at]} of {old} had not "
-                         f"finished epoch {epoch - 1}, which the others had; the rest of their share of it is left "
-                         f"out and epoch {epoch} goes on")
+            behind = {i: e for i, e in enumerate(epochs) if e < epoch}
+            notes.append(f"{names[n]}: data-parallel ranks of {old} in an earlier epoch than {epoch} ({behind}, rank: "
+                         f"epoch); the rest of their share of those epochs is left out and epoch {epoch} goes on")
         recorded = streams[at[0]]["splits"].get(n)
         split = recorded or {"gaps": [], "tail": 0, "ways": old}
         read = [0] * split["ways"]
@@ -78,7 +81,8 @@ def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict,
         gaps, tail = _rest(split, read)
         splits[n] = {"gaps": gaps, "tail": tail, "ways": ways, "way": way}
         counters["epoch"][n], counters["epoch_rows"][n] = epoch, 0
-        counters["epoch_docs"][n] = sum(streams[i]["counters"]["epoch_docs"][n] for i in at)
+        # a part of an epoch: its "no usable document in a whole pass" check waits for the next whole one
+        counters["epoch_docs"][n] = max(1, sum(streams[i]["counters"]["epoch_docs"][n] for i in at))
         counters["tokens"][n] = round(sum(s["counters"]["tokens"][n] for s in streams) / ways)
         counters["rows"][n] = sum(s["counters"]["rows"][n] for s in mine)
         counters["skipped"][n] = {}

@@ -18,20 +18,23 @@ from tests.test_stream import corpus_docs, write_jsonl
 L, MB = 128, 2
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A files source (rows of one jsonl, each rank reading past the others' rows) and a local_dir source (one file
-    a document, each rank opening only its own), 3:1 by tokens; small enough that some ranks wrap into later epochs."""
+@pytest.fixture(scope="module", params=[2, 0], ids=["held_out", "none_held_out"])
+def setup(tmp_path_factory, request):
+    """A files source of 5 jsonl files (a stream of rows, each rank reading past the others' rows; with nothing held
+    out datasets reorders its files by the epoch, which every layout must share) and a local_dir source (one file a
+    document, each rank opening only its own), 3:1 by tokens; small enough that some ranks wrap into later epochs."""
     d = tmp_path_factory.mktemp("split")
     a, b = corpus_docs("a", 40, 0), corpus_docs("b", 17, 1)
     a[20] = "   "  # skipped and counted
     (d / "b").mkdir()
     for i, text in enumerate(b):
         (d / "b" / f"{i:02d}.txt").write_text(text)
+    for k in range(5):
+        write_jsonl(d / f"a{k}.jsonl", a[8 * k:8 * k + 8])
     tok = train_bpe(a + b, 300)
-    cfg = DataConfig(sources={"a": SourceConfig(kind="files", path=write_jsonl(d / "a.jsonl", a), weight=3.0),
+    cfg = DataConfig(sources={"a": SourceConfig(kind="files", path=str(d / "a*.jsonl"), weight=3.0),
                               "b": SourceConfig(kind="local_dir", path=str(d / "b"), weight=1.0)},
-                     streaming=True, eval_sequences=2, stream_open_seqs=6)
+                     streaming=True, eval_sequences=request.param, stream_open_seqs=6)
     return cfg, tok, str(d)
 
 
@@ -104,8 +107,10 @@ def test_a_re_split_reads_every_row_of_the_epoch_once_and_trains_every_drawn_doc
             epochs = {n: max(s["dataset_state"]["counters"]["epoch"][n] for s in states) for n in ("a", "b")}
         new = layouts[i + 1]
         ranks = loaders(setup, new, packing)
+        behind = {n for n in ("a", "b") if len({s["dataset_state"]["counters"]["epoch"][n] for s in states}) > 1}
         for way, r in enumerate(ranks):
-            state, _ = resplit(states, way, new, {"a": "data.sources.a", "b": "data.sources.b"})
+            state, notes = resplit(states, way, new, {"a": "data.sources.a", "b": "data.sources.b"})
+            assert {n for n in behind if any(note.startswith(f"data.sources.{n}: ") for note in notes)} == behind
             r.load_state_dict(through_a_file(state))
     assert epochs is not None
     while any(r.loader.dataset.counters["epoch"][n] <= epochs[n] for r in ranks for n in epochs):
@@ -146,3 +151,20 @@ def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):
     with pytest.raises(ValueError, match=r"data.sources.a: the checkpoint was written by a longstride that kept no "):
         resplit([states[0], {**states[1], "dataset_state": packer.state_dict()}], 0, 1, names)
     assert resplit(states, 0, 1, names)[0]["dataset_state"]["splits"]["a"]["ways"] == 1
+
+
+def test_each_epoch_reads_in_the_order_every_layout_shares(setup):
+    """The local_dir source's files: as walked in the first epoch, then walked_order's permutation for the epoch;
+    the files source's rows: the same order every epoch with held-out rows (skip() fixes datasets' shard order),
+    else its 5 files reordered by datasets from the epoch on."""
+    from longstride.data.sources import walked_order
+
+    (one,), drawn = loaders(setup, 1, "best_fit"), []
+    recorded(one, drawn)
+    while min(one.loader.dataset.counters["epoch"].values()) < 2:
+        next(one)
+    order = lambda n, e: [doc for m, ep, doc in drawn if m == n and ep == e]  # noqa: E731
+    first = order("b", 0)
+    assert order("b", 1) == [first[i] for i in walked_order(len(first), 1)] != first
+    assert sorted(order("a", 1)) == sorted(order("a", 0))
+    assert (order("a", 1) == order("a", 0)) == bool(setup[0].eval_sequences)
