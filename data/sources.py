@@ -19,8 +19,8 @@ import numpy as np
 
 from longstride.data import synthetic
 from longstride.data.config import SourceConfig
-from longstride.data.stream_split import keeps, split_rows
 from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_digest, stdlib_root, unreadable
+from longstride.data.stream_split import keeps, split_rows
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 

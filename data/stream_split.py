@@ -1,7 +1,8 @@
 """Re-splitting streamed data positions when a stage resumes on another number of data-parallel ranks.
 
-A streamed source is read in one fixed row order each epoch (no shuffle; after its held-out rows), and data-parallel
-rank r of W reads the rows at positions r, r + W, r + 2W, ... of it (a walked source's files likewise). Each rank's
+A streamed source's rows (past its held-out ones) come in one order in each epoch, the same for every layout (a walked
+source's files in data/sources.walked_order, others as datasets orders them for the epoch), and data-parallel rank r
+of W reads the rows at positions r, r + W, r + 2W, ... of it. Each rank's
 checkpoint counts the rows it read in the epoch, so the rows every rank of the old layout read are known, and a
 resume on W' ranks shares out the rest of the epoch: the unread rows below the furthest one read (`gaps`) and every
 row from there (`tail`), new rank r' taking positions r', r' + W', ... of that list (a `split`: plain data, stored in
