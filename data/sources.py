@@ -20,7 +20,7 @@ import numpy as np
 from longstride.data import synthetic
 from longstride.data.config import SourceConfig
 from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_digest, stdlib_root, unreadable
-from longstride.data.stream_split import keeps, split_rows
+from longstride.data.stream_split import first_row, keeps, split_rows
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
@@ -423,10 +423,12 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
     if leave_out.start:
         raise ValueError(f"{field}: a {src.kind} source can leave out only its first rows, not {leave_out}")
     ds = kind.stream(src, cache_dir, field, 1 if split else world)
+    # a split's share starts at its first row where skip() already fixes the order (datasets reorders no shards)
+    first = first_row(split) if split and leave_out else 0
     if leave_out:
-        ds = ds.skip(leave_out.stop)
+        ds = ds.skip(leave_out.stop + first)
     if split:
-        return ds.filter(keeps(split), with_indices=True)
+        return ds.filter(keeps(split, first), with_indices=True)
     if world > 1:
         from datasets.distributed import split_dataset_by_node
 

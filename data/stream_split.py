@@ -15,7 +15,8 @@ continue the furthest one and the lagging ranks' rest of the earlier epoch is le
 Not re-split (refused, naming the source): a source whose ranks read whole shards (a `disk` or `files` source with
 nothing held out whose shard count divides by the ranks) and checkpoints written before the row counts were kept.
 Costs: each new process reads every old data-parallel rank's state (their packers' pending tokens too), and a source
-read through a split reads its epoch from the start up to its rows (a `hub` source streams that part again).
+read through a split with nothing held out reads its epoch from the start up to its rows (datasets may reorder its
+shards by the epoch, so no row can be skipped unread; a `hub` source streams that part again).
 """
 from __future__ import annotations
 
@@ -26,12 +27,20 @@ def split_rows(split: dict, count: int) -> list[int]:
     return order[split["way"]::split["ways"]]
 
 
-def keeps(split: dict):
-    """A datasets filter (row, index) -> bool: whether the row at `index` of the stream is this rank's."""
+def first_row(split: dict) -> int:
+    """The first row `split` gives its rank (the rows before it can be skipped unread)."""
+    gaps, way = split["gaps"], split["way"]
+    return gaps[way] if way < len(gaps) else split["tail"] + way - len(gaps)
+
+
+def keeps(split: dict, offset: int = 0):
+    """A datasets filter (row, index) -> bool: whether the row at `index` + `offset` of the stream is this rank's
+    (`offset`: the rows skipped before the filter)."""
     gaps, tail, way, ways = {g: p for p, g in enumerate(split["gaps"])}, split["tail"], split["way"], split["ways"]
 
     def mine(_row, index: int) -> bool:
-        p = gaps.get(index, len(gaps) + index - tail if index >= tail else None)
+        g = index + offset
+        p = gaps.get(g, len(gaps) + g - tail if g >= tail else None)
         return p is not None and p % ways == way
     return mine
 

@@ -174,8 +174,9 @@ def test_each_epoch_reads_in_the_order_every_layout_shares(setup):
 def test_chained_re_splits_of_any_layouts_read_every_row_once():
     """The position arithmetic alone, over 400 random chains of up to 4 layouts of 1-6 ranks on 50 rows, each rank
     having read any number of its rows: what the ranks read plus what the last layout's shares hold is every row
-    once, and the datasets filter of a share keeps exactly the rows split_rows lists (the walked files' path)."""
-    from longstride.data.stream_split import _rest, keeps, split_rows
+    once, and the datasets filter of a share keeps exactly the rows split_rows lists (the walked files' path), also
+    past the rows before the share's first, skipped unread."""
+    from longstride.data.stream_split import _rest, first_row, keeps, split_rows
 
     rng, count = np.random.default_rng(0), 50
     for _ in range(400):
@@ -185,6 +186,9 @@ def test_chained_re_splits_of_any_layouts_read_every_row_once():
             for w, share in enumerate(shares):
                 keep = keeps({**split, "way": w})
                 assert [g for g in range(count) if keep(None, g)] == share
+                first = first_row({**split, "way": w})  # the rows before it skipped unread
+                keep = keeps({**split, "way": w}, first)
+                assert [g for g in range(first, count) if keep(None, g - first)] == share
             read = [int(rng.integers(0, len(share) + 1)) for share in shares]
             read_rows += [g for share, k in zip(shares, read) for g in share[:k]]
             gaps, tail = _rest(split, read)
