@@ -161,9 +161,9 @@ def test_a_resume_over_changed_data_is_refused_and_resume_data_false_starts_it_a
 
 def test_a_checkpoint_without_a_data_fingerprint_or_under_another_tokenizer_is_refused(tmp_path):
     """A checkpoint from before the fingerprint cannot show its data position is this data's: refused unless
-    train.resume_data=false. One trained with another
-    tokenizer (a BPE retrained on changed texts, or another EOS) is refused, a checkpoint from before the fingerprint
-    by the tokenizer saved in it; the same tokenizer saved and loaded back has the same fingerprint."""
+    train.resume_data=false. One trained with another tokenizer (a BPE retrained on changed texts, or another EOS)
+    is refused, a checkpoint from before the fingerprint by the tokenizer saved in it; the same tokenizer saved and
+    loaded back has the same fingerprint."""
     from longstride.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
     from longstride.recipes.run.stage_state import check_same_tokenizer, data_problem
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 
+from longstride.data.stream_split import resplit
 from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
 from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
 from longstride.model.rope import max_positions
-from longstride.data.stream_split import resplit
 from longstride.recipes.checkpoint.format import (load_rank_state, load_shards_checked, load_training_state,
                                                   manifest_world, rng_state, set_rng_state, writing_checkpoint)
 from longstride.recipes.run.faults import check_finite_parameters, stage_input
@@ -52,9 +52,9 @@ def restore_stage(ctx, run, path: str) -> None:
     from the shards (re-sharded to this run's processes and layout), the rest from trainer.pt and rank<r>.pt;
     the data position is re-split when the checkpoint had another number of data-parallel ranks. A checkpoint
     trained with another tokenizer is refused. One whose data position this stage cannot use (data_problem: its
-    data changed, it predates the fingerprint, or a streamed one cannot be re-split: stream_split.resplit) is refused too,
-    unless train.resume_data=false: then the stage's data starts afresh and its start validation loss is measured
-    again on this run's held-out documents."""
+    data changed or it predates the fingerprint; or a streamed one that stream_split.resplit cannot re-split) is
+    refused too, unless train.resume_data=false: then the stage's data starts afresh and its start validation loss
+    is measured again on this run's held-out documents."""
     acc, cfg, dims = ctx.accelerator, ctx.cfg, run.plan.dims
     trainer, mine = load_training_state(path, acc.process_index)
     data, note = mine["data"], ""
