@@ -322,7 +322,9 @@ def test_trainer_over_accumulation_or_data_parallel_ranks_equals_the_longstride_
 def test_evaluation_keeps_the_documents_whatever_remove_unused_columns_says(tmp_path):
     """Trainer.evaluate on packed_dataset rows: the Trainer's column removal (remove_unused_columns=True, its
     default) dropped doc_ids before the collator saw them and the eval failed; the mixin's eval loader leaves the
-    columns to the collator, so both settings give one loss, the documents' own."""
+    columns to the collator, so both settings give the documents' own loss: longstride's chunked loss under each
+    row's document masks, batch by batch as the Trainer averages it (within 1e-5; one document a row, without the
+    masks, is more than ten times that away)."""
     from transformers import Trainer, TrainingArguments
 
     from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, setup_cp
@@ -340,7 +342,25 @@ def test_evaluation_keeps_the_documents_whatever_remove_unused_columns_says(tmp_
         trainer = T(model=model, args=args, eval_dataset=data,
                     data_collator=LongstrideCollator(setup_cp(1, model.config.num_attention_heads, "ring"), pad_id=1))
         losses.append(trainer.evaluate()["eval_loss"])
-    assert losses[0] == losses[1], losses
+
+    lm = ChunkedLossLM(tiny_lm(), tile=32)
+    use_longstride_attention(lm.lm)
+
+    @torch.no_grad()
+    def mean_loss(own_documents: bool) -> float:
+        """Each batch of 2 rows' loss per label token, averaged over rows (the Trainer repeats a batch's loss for
+        each of its rows)."""
+        total = 0.0
+        for s in range(0, len(data), 2):
+            b = collate([data[i] for i in range(s, min(s + 2, len(data)))])
+            docs = b["doc_ids"] if own_documents else torch.zeros_like(b["doc_ids"])
+            loss = lm(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(docs))
+            total += len(b["input_ids"]) * (loss / (b["labels"] != -100).sum()).item()
+        return total / len(data)
+
+    own, one_each = mean_loss(True), mean_loss(False)
+    assert abs(one_each - own) > 10 * 1e-5 * own, (own, one_each)  # ten times the tolerance below
+    assert losses == pytest.approx([own, own], rel=1e-5), (losses, own)
 
 
 def test_loader_workers_under_cp_are_refused():

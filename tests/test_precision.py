@@ -48,14 +48,22 @@ def _worker(rank, world, out):
         for _ in range(STEPS):
             loss = model.module(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
             model.backward(loss / 100)
+            grads = {p.grad.dtype for p in model.module.parameters() if p.grad is not None}
+            assert grads == {torch.float32}, (name, grads)  # the reduced gradients the optimizer reads
             opt.step()
             opt.zero_grad(set_to_none=True)
             mean = loss.detach().float().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
         runs[name] = losses
+        moments = {t.dtype for st in opt.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")}
+        assert moments == {torch.float32}, (name, moments)  # an fp32 AdamW in every regime
         if fsdp:
             assert next(iter(inner.parameters())).dtype == torch.float32, "FSDP2 keeps fp32 master weights"
+            # FSDP2 gathers bf16 copies and reduce-scatters in fp32 (its private state: no public accessor)
+            policies = {(g.mp_policy.param_dtype, g.mp_policy.reduce_dtype) for layer in inner.lm.model.layers
+                        for g in layer._get_fsdp_state()._fsdp_param_groups}
+            assert policies == {(torch.bfloat16, torch.float32)}, policies
     if rank == 0:
         torch.save(runs, out)
 

@@ -111,7 +111,7 @@ def test_a_re_split_reads_every_row_of_the_epoch_once_and_trains_every_drawn_doc
         behind = {n for n in ("a", "b") if len({s["dataset_state"]["counters"]["epoch"][n] for s in states}) > 1}
         for way, r in enumerate(ranks):
             state, notes = resplit(states, way, new, {"a": "data.sources.a", "b": "data.sources.b"})
-            assert {n for n in behind if any(note.startswith(f"data.sources.{n}: ") for note in notes)} == behind
+            assert {n for n in ("a", "b") if any(note.startswith(f"data.sources.{n}: ") for note in notes)} == behind
             r.load_state_dict(through_a_file(state))
     assert epochs is not None
     while any(r.loader.dataset.counters["epoch"][n] <= epochs[n] for r in ranks for n in epochs):
@@ -152,6 +152,14 @@ def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):
     with pytest.raises(ValueError, match=r"data.sources.a: the checkpoint was written by a longstride that kept no "):
         resplit([states[0], {**states[1], "dataset_state": packer.state_dict()}], 0, 1, names)
     assert resplit(states, 0, 1, names)[0]["dataset_state"]["splits"]["a"]["ways"] == 1
+    # rank 1 a whole epoch of b further than rank 0: rank 0's rest of its epoch is left out, and the log says so
+    c = states[1]["dataset_state"]["counters"]
+    ahead = {**c, "epoch": {**c["epoch"], "b": states[0]["dataset_state"]["counters"]["epoch"]["b"] + 1}}
+    lagging = [states[0], {**states[1], "dataset_state": {**states[1]["dataset_state"], "counters": ahead}}]
+    epoch = ahead["epoch"]["b"]
+    _, notes = resplit(lagging, 0, 1, names)
+    assert (f"data.sources.b: data-parallel ranks of 2 in an earlier epoch than {epoch} ({{0: {epoch - 1}}}, rank: "
+            f"epoch); the rest of their share of those epochs is left out and epoch {epoch} goes on") in notes, notes
 
 
 def test_each_epoch_reads_in_the_order_every_layout_shares(setup):

@@ -39,6 +39,28 @@ def test_a_directory_made_meanwhile_is_kept_and_named(tmp_path):
     assert os.listdir(tmp_path) == ["m"] and os.listdir(out) == ["theirs"]
 
 
+def test_a_writer_killed_mid_write_leaves_only_its_partial_folder_which_the_next_writer_removes(tmp_path):
+    """A real SIGKILL inside the block (no cleanup runs): `out` never appears half written; the dead writer's
+    folder stays until the next writer of `out` removes it and writes `out` whole."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "m"
+    child = ("import os, signal, sys\nfrom longstride.whole_dir import staged\n"
+             "with staged(sys.argv[1]) as tmp:\n"
+             "    open(os.path.join(tmp, 'half'), 'w').write('x')\n"
+             "    print(tmp, flush=True)\n"
+             "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", child, str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    partial = r.stdout.strip()
+    assert is_partial(partial) and os.listdir(partial) == ["half"] and not out.exists()
+    with staged(str(out)) as tmp:
+        open(os.path.join(tmp, "w"), "w").close()
+    assert os.listdir(tmp_path) == ["m"] and os.listdir(out) == ["w"]
+
+
 def test_a_dead_writers_partial_folder_is_removed_and_a_live_or_remote_ones_kept(tmp_path):
     """Whether a writer runs is known on its own host only: another host's folder (a shared file system) is kept."""
     import socket
