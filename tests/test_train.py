@@ -261,8 +261,9 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
     """FSDP2 over the dp x cp ranks (parameters and optimizer state sharded, forced on for CPU) with
     cp=2, full activation checkpointing and the layers tiled in 16-token tiles (tiled ops return their
     parameters' gradients through autograd, which FSDP2 reduces), killed after step 4 and rerun: the
-    losses still equal the plain one-process run's. Rank 0 also traces each stage's step (recipes/memory/trace.py, in
-    a child process beside the real process group) and logs it beside the analytic estimate."""
+    losses still equal the plain one-process run's, and so does its final's every tensor. Rank 0 also traces each
+    stage's step (recipes/memory/trace.py, in a child process beside the real process group) and logs it beside the
+    analytic estimate."""
     lean = ["model.activation_checkpointing=true", "model.mlp_tile_tokens=16", "train.trace_memory=true"]
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
                                                             f"parallel.fsdp={'true' if two else 'false'}",
@@ -270,13 +271,15 @@ def test_fsdp2_with_context_parallel_resumes_and_matches_one_process(tmp_path, c
                           ["model FSDPChunkedLossLM", "activation checkpointing full; MLP tile 16",
                            "stage s1_256: traced step per rank", "device mesh: 2 ranks, built once for the run"],
                           crash_at=4, one=s1_reference)
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    def weights(stage):
-        with safe_open(str(stage / "final" / "model.safetensors"), "pt") as f:
-            return set(f.keys())
-    assert weights(tmp_path / "two" / "tiny" / "s1_256") == weights(s1_reference), \
-        "FSDP2's final holds the same tensors as one process's (a tie once)"
+    two, one = (load_file(str(stage / "final" / "model.safetensors")) for stage in (tmp_path / "two" / "tiny" /
+                                                                                    "s1_256", s1_reference))
+    assert two.keys() == one.keys(), "FSDP2's final holds the same tensors as one process's (a tie once)"
+    # and the same values: after the kill, the resume and 6 AdamW steps each tensor is within 1e-4 of its largest
+    # entry (measured 1e-5: reduction order, which Adam's normalised steps carry into the weights)
+    gap = {k: ((two[k] - one[k]).abs().max() / one[k].abs().max()).item() for k in one}
+    assert max(gap.values()) < 1e-4, sorted(gap.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_two_process_upipe_matches_one_process(tmp_path, cache_dir, s1_reference):
