@@ -105,16 +105,29 @@ def run(out: Path, only: list[str]) -> None:
         summary[name] = record(out / name) if rc == 0 else {"exit": rc}
         print(f"{name:22s} {n} process(es): exit {rc}, {len(summary[name])} files recorded", flush=True)
     path.write_text(json.dumps(summary, indent=1, sort_keys=True))
+    failed = [name for name in only if not recorded(summary[name])]
+    if failed:
+        sys.exit(f"no complete record (a failed run, or no metrics or weights) for: {', '.join(failed)}; see their logs")
+
+
+def recorded(layout: dict) -> bool:
+    """Whether a layout's record holds what a comparison needs: it ran (no exit code), with metrics and weights."""
+    return "exit" not in layout and any(f.endswith("metrics.jsonl") for f in layout) and \
+        any(f.endswith("/weights") for f in layout)
 
 
 def compare(a: Path, b: Path) -> bool:
+    """Whether every layout's record is complete on both sides and the same; a run that failed on both sides (or
+    recorded nothing) is FAILED, never identical."""
     x, y = (json.loads((p / "summary.json").read_text()) for p in (a, b))
     same = True
     for name in sorted(set(x) | set(y)):
         xs, ys = x.get(name, {}), y.get(name, {})
         diff = sorted(f for f in set(xs) | set(ys) if xs.get(f) != ys.get(f))
-        same &= not diff and name in x and name in y
-        print(f"{name:22s} {'identical' if not diff else 'DIFFERENT: ' + ', '.join(diff)}")
+        complete = name in x and name in y and recorded(xs) and recorded(ys)
+        same &= not diff and complete
+        print(f"{name:22s} " + ("FAILED: no complete record on both sides" if not complete else
+                                "identical" if not diff else "DIFFERENT: " + ", ".join(diff)))
     return same
 
 

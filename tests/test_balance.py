@@ -1,6 +1,7 @@
 """Document-aware load balancing (parallel/balance.py): the work model equals the ring plan's own pair
-count, the balancer evens out real-looking packed layouts, and ring attention, Ulysses x ring and the
-tiny model give the one-process results under any chunk assignment (gloo, N = 2..4, odd N included)."""
+count, the balancer evens out real-looking packed layouts, and ring attention gives the one-process results under
+any chunk assignment (gloo, N = 2..4, odd N included). The tiny model under the balancer's assignment, with ring
+(N = 2) and Ulysses x ring (N = 4), is in tests/test_cp_model.py (`..._balance_docs` cases)."""
 from __future__ import annotations
 
 import numpy as np

@@ -33,6 +33,11 @@ def test_every_token_exactly_once(method, seq_len):
     per_seq = np.add.reduceat(plan.seg_len, plan.seq_ptr[:-1])
     assert (per_seq <= seq_len).all()
     assert 0 <= stats["padding_fraction"] < 1
+    # no segment crosses a document boundary: its first and last token lie in the same document
+    ends = np.cumsum(lens)
+    first = np.searchsorted(ends, plan.seg_start, side="right")
+    assert (plan.seg_len > 0).all() and (first == np.searchsorted(ends, plan.seg_start + plan.seg_len - 1,
+                                                                  side="right")).all()
 
 
 def test_best_fit_cuts_only_long_documents_and_pads_little():
@@ -40,14 +45,23 @@ def test_best_fit_cuts_only_long_documents_and_pads_little():
     L = 512
     plan, stats = pack(starts, lens, L, "best_fit")
     _, concat_stats = pack(starts, lens, L, "concat")
-    assert stats["docs_cut_fraction"] == pytest.approx((lens > L).mean())
+    # read off the plan: a document of at most L tokens is one whole segment, a longer one several
+    doc = np.searchsorted(np.cumsum(lens), plan.seg_start, side="right")
+    pieces = np.bincount(doc, minlength=len(lens))
+    short = lens <= L
+    assert (pieces[short] == 1).all() and (pieces[~short] > 1).all()
+    whole = {(int(a), int(n)) for a, n in zip(plan.seg_start, plan.seg_len)}
+    assert all((int(a), int(n)) in whole for a, n in zip(starts[short], lens[short]))
+    assert stats["docs_cut_fraction"] == pytest.approx((pieces > 1).mean()) == pytest.approx((lens > L).mean())
     assert stats["docs_cut_fraction"] < concat_stats["docs_cut_fraction"]
     assert stats["padding_fraction"] < 0.01
 
 
 def test_best_fit_decreasing_is_optimal_on_exact_fit():
     # 6 items that fill 3 bins exactly: BFD must find it.
-    assert len(set(best_fit_decreasing(np.array([6, 4, 5, 5, 7, 3]), 10).tolist())) == 3
+    lens = np.array([6, 4, 5, 5, 7, 3])
+    bins = best_fit_decreasing(lens, 10)
+    assert np.bincount(bins, weights=lens).tolist() == [10, 10, 10]
 
 
 def test_split_long_pieces():
@@ -66,15 +80,22 @@ def test_batch_fields_restart_per_document_and_labels_stay_inside():
     plan, _ = pack(starts, lens, 64, "best_fit")
     ds = PackedSequences(tokens, plan, pad_id=0)
     batch = collate([ds[i] for i in range(len(ds))])
+    assert set(batch) == {"input_ids", "labels", "position_ids", "doc_ids"}
+    placed = []
     for b in range(len(ds)):
         ids, lab, pos, doc = (batch[k][b].numpy() for k in ("input_ids", "labels", "position_ids", "doc_ids"))
-        assert set(batch) == {"input_ids", "labels", "position_ids", "doc_ids"}
         for d in np.unique(doc):
             idx = np.flatnonzero(doc == d)
             assert (pos[idx] == np.arange(len(idx))).all(), "RoPE positions restart at 0 in each document"
             assert lab[idx[-1]] == IGNORE_INDEX, "no label across a document boundary"
-            assert (lab[idx[:-1]] == ids[idx[1:]]).all() or (lab[idx] == IGNORE_INDEX).all()
+            if (ids[idx] == 0).all():  # the sequence's padding (the corpus's ids are >= 10): no loss on it
+                assert idx[-1] == len(ids) - 1 and (lab[idx] == IGNORE_INDEX).all()
+                continue
+            assert (lab[idx[:-1]] == ids[idx[1:]]).all(), "each label is the document's next token"
+            placed.append(tuple(ids[idx].tolist()))
         assert np.all(np.diff(doc) >= 0)
+    assert sorted(placed) == sorted(tuple(tokens[a:a + n].tolist()) for a, n in zip(starts, lens))
+    assert int((batch["labels"] != IGNORE_INDEX).sum()) == int((lens - 1).sum()) == 45
 
 
 def test_long_document_upsampling_reaches_share():
