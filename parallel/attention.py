@@ -33,7 +33,11 @@ NAME = "longstride"
 # do not implement: refused when set, never dropped (a T5-style position bias, sparse attention)
 UNSUPPORTED_KWARGS = {"position_bias": "an additive position bias",
                       "sinks": "attention sinks under the name sinks (longstride reads GPT-OSS's s_aux)",
-                      "block_indices": "block-sparse attention", "indices": "indexed sparse attention"}
+                      "block_indices": "block-sparse attention", "indices": "indexed sparse attention",
+                      # DataCollatorWithFlattening(return_flash_attn_kwargs=True): documents longstride reads from
+                      # doc_layout only (LongstrideCollator); computed as one causal row they would see each other
+                      "cu_seq_lens_q": "documents as flash-attention sequence lengths",
+                      "cu_seq_lens_k": "documents as flash-attention sequence lengths"}
 
 
 def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> list[str]:
@@ -218,10 +222,13 @@ class MaskNote:
     `doc_layout`), what that mask would hold beyond plain causal attention: padding (zeros in attention_mask),
     anything else (documents from position_ids restarting at 0, a model's extra mask rules), and the window or
     chunk (`local`) the model's own mask gives the layers it is built for. None stands for a plain causal mask.
-    `padding`: padding before a real token (left or inside a row: "padding (zeros in attention_mask)")."""
+    `padding`: padding before a real token (left or inside a row: "padding (zeros in attention_mask)"). `rule`: the
+    model's own mask rule lets a query see a later key (bidirectional attention, a prefix or image block), which no
+    doc_layout describes."""
     padding: bool = False
     beyond_causal: bool = False
     local: Optional[int] = None
+    rule: bool = False
 
 
 def no_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, local_size: Optional[int] = None, **kwargs):
@@ -231,8 +238,30 @@ def no_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, local
     if attention_mask is not None and attention_mask.dim() == 2:
         real = attention_mask.bool()
         padding = bool((~real[:, :-1] & real[:, 1:]).any())  # a padded position before a real one
-    note = MaskNote(padding, not allow_is_causal_skip, int(local_size) if local_size else None)
+    note = MaskNote(padding, not allow_is_causal_skip, int(local_size) if local_size else None, sees_later(**kwargs))
     return None if note == MaskNote() else note
+
+
+def sees_later(mask_function=None, use_vmap: bool = False, batch_size: int = 1, q_length: int = 0, q_offset: int = 0,
+               kv_length: int = 0, kv_offset: int = 0, device=None, **_) -> bool:
+    """Whether transformers' mask function for the call lets a query see a later key (bidirectional attention, a
+    prefix, Gemma 3's image blocks): each query's next key is asked, (q, q + 1), which any rule that opens a run of
+    two or more tokens to each other allows somewhere. transformers' functions take index tensors that broadcast; a
+    model's own or/and function (`use_vmap`: one transformers does not trust to broadcast) that fails on them counts
+    as such a rule."""
+    if mask_function is None or q_length < 1:
+        return False
+    q = torch.arange(q_offset, q_offset + q_length, device=device)
+    q = q[q + 1 < kv_offset + kv_length][None, :]
+    if not q.numel():
+        return False
+    rows = torch.arange(batch_size, device=device)[:, None]
+    try:
+        return bool(mask_function(rows, torch.zeros_like(rows), q, q + 1).any())
+    except Exception:  # noqa: BLE001 - any failure of a function we do not own: refused rather than guessed
+        if use_vmap:
+            return True
+        raise
 
 
 def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> None:
@@ -246,6 +275,10 @@ def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> 
                                   "read; give documents as doc_layout (LongstrideCollator) or run the model's own "
                                   "attention")
     note = mask or MaskNote()
+    if note.rule:
+        raise NotImplementedError(f"{where}: the model's own mask lets a query see later keys (bidirectional "
+                                  "attention, or a prefix or image block that attends both ways), which longstride's "
+                                  "causal attention does not compute; run the model's own attention")
     if note.padding or (note.beyond_causal and doc_layout is None):
         what = "padding (zeros in attention_mask)" if note.padding else \
             "more than causal attention (packed documents: position_ids restarting at 0; or a model's own mask rule)"

@@ -250,8 +250,11 @@ def _flash_call(fn, window=None, **kw):
     left, right = (-1, -1) if window is None else (window - 1, 0)
     if "window_size" in params:
         kw["window_size"] = (left, right)
-    else:
+    elif "window_size_left" in params:
         kw.update(window_size_left=left, window_size_right=right)
+    elif window is not None:  # flash-attn < 2.3 has no windows: the layer would attend to its whole document
+        raise ValueError(f"this flash-attn build's {fn.__name__} takes no window size, and this layer attends within "
+                         f"a window of {window}; install flash-attn >= 2.3, or use parallel.kernel=torch_flash or math")
     return fn(**{k: v for k, v in kw.items() if k in params})
 
 

@@ -84,8 +84,9 @@ def test_windows_sinks_and_chunks_are_accepted(name):
 
 def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     """Defence in depth: an attention call that carries soft-capping on a kernel without it (the batch's default,
-    sdpa), bidirectional attention or sinks of the wrong shape fails at once; a window or chunk of at least the
-    sequence is plain causal."""
+    sdpa), bidirectional attention, sinks of the wrong shape or documents as flash-attention sequence lengths
+    (DataCollatorWithFlattening's cu_seq_lens_q/k, which longstride would have computed as one causal row) fails at
+    once; a window or chunk of at least the sequence is plain causal."""
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(NotImplementedError, match=r"\(softcap=30.0\) and parallel.kernel=sdpa does not"):
         longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
@@ -95,7 +96,7 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     bidirectional.is_causal = False  # BERT's self-attention module, which passes no is_causal keyword
     with pytest.raises(NotImplementedError, match="bidirectional"):
         longstride_attention(bidirectional, q, k, v, None)
-    for name in ("position_bias", "sinks", "block_indices", "indices"):
+    for name in ("position_bias", "sinks", "block_indices", "indices", "cu_seq_lens_q", "cu_seq_lens_k"):
         with pytest.raises(NotImplementedError, match=name):
             longstride_attention(torch.nn.Module(), q, k, v, None, **{name: torch.zeros(1)})
     with pytest.raises(ValueError, match="s_aux"):
@@ -164,6 +165,45 @@ def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
     block[..., 30:, :30] = False
     with pytest.raises(NotImplementedError, match="a mask built outside longstride's mask function"):
         model(input_ids=ids, attention_mask=block)
+
+
+def test_a_mask_rule_that_sees_later_keys_is_refused_with_documents_too():
+    """A model whose own mask rule opens later keys to a query (Step 3.7's use_bidirectional_attention, an or-mask of
+    transformers' create_causal_mask) was computed as plain causal whenever a doc_layout came with the call (training
+    and eval ppl always pass one): 0.87 away from eager. Refused now, with or without a doc_layout; transformers'
+    prefix / image blocks (block_sequence_ids) likewise, while its causal, window, chunk and packed-document masks
+    pass the probe."""
+    from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function,
+                                            chunked_causal_mask_function, or_masks, packed_sequence_mask_function,
+                                            sliding_window_causal_mask_function)
+    from transformers.models.step3p7 import configuration_step3p7, modeling_step3p7
+
+    from longstride.parallel.attention import no_mask, sees_later
+    from longstride.parallel.cp import DocLayout
+
+    cfg = configuration_step3p7.Step3p7TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, num_local_experts=2, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, share_expert_dim=16, mlp_layer_types=["dense", "dense"],
+        layer_types=["full_attention", "full_attention"], pad_token_id=0, sliding_window=64)
+    cfg.use_bidirectional_attention = True
+    model = modeling_step3p7.Step3p7TextModel(cfg).eval()
+    use_longstride_attention(model)
+    ids = torch.randint(1, 64, (1, 16))
+    for layout in (None, DocLayout(None, cp=CPContext(kernel="sdpa"))):
+        with pytest.raises(NotImplementedError, match="the model's own mask lets a query see later keys"):
+            model(input_ids=ids, **({"doc_layout": layout} if layout else {}))
+    call = dict(batch_size=2, q_length=12, q_offset=0, kv_length=12, kv_offset=0)
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    blocks = torch.full((2, 12), -1)
+    blocks[1, 3:6] = 0  # an image block of 3 tokens in the second row
+    for fn in (causal_mask_function, sliding_window_causal_mask_function(4), chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)),
+               and_masks(causal_mask_function, packed_sequence_mask_function(docs))):
+        assert not sees_later(fn, **call) and no_mask(mask_function=fn, **call) is None
+    assert sees_later(and_masks(lambda b, h, q, kv: q >= 0, packed_sequence_mask_function(docs)), **call)
+    assert sees_later(or_masks(causal_mask_function, blockwise_overlay(blocks)), **call)
+    assert not sees_later(or_masks(causal_mask_function, blockwise_overlay(torch.full((2, 12), -1))), **call)
+    assert sees_later(lambda b, h, q, kv: bool(q > kv), use_vmap=True, **call), "a model's function that fails"
 
 
 WINDOW_CASES = {  # a layer's call against the mask transformers' eager attention builds for it

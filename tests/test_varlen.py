@@ -341,3 +341,23 @@ def test_flash_attn_is_handed_the_soft_cap(monkeypatch):
     _fake_flash_attn(monkeypatch, with_softcap=False)
     with pytest.raises(ValueError, match="this flash-attn build.s old_fwd takes no softcap"):
         run("flash_attn", Pattern(softcap=2.0))
+
+
+def test_flash_attn_calls_pass_the_window_each_release_takes_and_refuse_one_without_windows():
+    """flash-attn's varlen functions took the window as `window_size` (a pair, <= 2.6) or as two ints (later); a
+    release without windows (< 2.3) was handed none, so a sliding layer attended to its whole document: refused."""
+    from longstride.parallel.varlen import _flash_call
+
+    def pair(q, window_size=(-1, -1), softcap=0.0):
+        return window_size
+
+    def ints(q, window_size_left=-1, window_size_right=-1, softcap=0.0):
+        return window_size_left, window_size_right
+
+    def old(q, softmax_scale=None):
+        return "called"
+
+    assert _flash_call(pair, q=0, window=8) == (7, 0) and _flash_call(ints, q=0, window=8) == (7, 0)
+    assert _flash_call(pair, q=0) == (-1, -1) and _flash_call(old, q=0) == "called"
+    with pytest.raises(ValueError, match="takes no window size, and this layer attends within a window of 8"):
+        _flash_call(old, q=0, window=8)

@@ -150,7 +150,7 @@ def prefill_mask(*args, q_offset=0, kv_offset=0, local_size=None, **kwargs):
     note = no_mask(*args, local_size=local_size, **kwargs)
     if not local_size or note is None:
         return note
-    return PrefillNote(note.padding, note.beyond_causal, note.local, int(q_offset), int(kv_offset))
+    return PrefillNote(note.padding, note.beyond_causal, note.local, note.rule, int(q_offset), int(kv_offset))
 
 
 _COMPUTES: WeakKeyDictionary = WeakKeyDictionary()  # model -> prefill_computes' answer, found once
