@@ -48,8 +48,13 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
     query's, a mask computed from the values (Doge), attention dropout in a model being trained; and with
     `split_longest` (the longest sequence a stage splits over context-parallel ranks, 0: none), what reads a
     token's position from the tokens one rank holds (position_dependent). Empty for Llama, Qwen3, SmolLM3,
-    Mistral, Qwen2, Gemma 2 and 3, OLMo 3, GPT-OSS, Llama 4's text model and the like."""
+    Mistral, Qwen2, Gemma 2 and 3, OLMo 3, GPT-OSS, Llama 4's text model and the like. A config whose settings vary
+    by layer (transformers' per_layer_config, Gemma 4) is refused before anything else is read of it."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "is_heterogeneous", False):
+        return [f"{type(cfg).__name__} has per-layer settings (config.per_layer_config: head sizes and other attention "
+                "settings that vary by layer), which longstride's attention, memory plan and kernels read as one "
+                "value for every layer"]
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])
     other = [i for i, t in enumerate(types) if t not in LAYER_TYPES]

@@ -2,7 +2,8 @@
 transformers' own classes with bidirectional attention (Gemma 3 with
 use_bidirectional_attention; BERT's encoder loaded as a causal LM; config.is_causal=False), a layer type that is not
 attention longstride computes (linear attention), chunked layers without a chunk size, Doge's dynamic mask (a per-head
-mask from the values), and a model that computes attention in its own code (Bloom), whose switch to longstride's
+mask from the values), settings that vary by layer (Gemma 4's per_layer_config), and a model that computes attention
+in its own code (Bloom), whose switch to longstride's
 attention transformers only warns about. Sliding windows, chunks, soft-capped scores (Gemma 2) and sinks are
 computed (tests/test_attention_patterns.py); soft-capped scores on a kernel without a soft-cap are refused, and a
 recipe trains a Gemma 2 checkpoint on the kernel auto picks."""
@@ -36,6 +37,8 @@ REFUSED = {  # model -> (config, class, what the refusal names)
                      T.BertLMHeadModel, "attention.self.is_causal=False"),
     "llama_config_not_causal": (lambda: T.LlamaConfig(**SMALL, is_causal=False), T.LlamaForCausalLM,
                                 "config.is_causal=False"),
+    # per-layer settings (transformers' heterogeneous configs): reading config.head_dim raised deep inside
+    "gemma4_per_layer_config": (lambda: T.Gemma4TextConfig(**SMALL), T.Gemma4ForCausalLM, "per-layer settings"),
     "llama4_chunks_without_size": (lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                                               layer_types=["chunked_attention", "full_attention"],
                                                               attention_chunk_size=None),
