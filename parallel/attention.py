@@ -51,10 +51,10 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
     Mistral, Qwen2, Gemma 2 and 3, OLMo 3, GPT-OSS, Llama 4's text model and the like. A config whose settings vary
     by layer (transformers' per_layer_config, Gemma 4) is refused before anything else is read of it."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "is_heterogeneous", False):
-        return [f"{type(cfg).__name__} has per-layer settings (config.per_layer_config: head sizes and other attention "
-                "settings that vary by layer), which longstride's attention, memory plan and kernels read as one "
-                "value for every layer"]
+    per_layer = sorted(getattr(cfg, "per_layer_attributes", None) or ())  # transformers' heterogeneous configs
+    if per_layer:
+        return [f"{type(cfg).__name__} sets {', '.join(per_layer)} per layer (config.per_layer_config), which "
+                "longstride's attention, memory plan and kernels read as one value for every layer"]
     found = []
     types = list(getattr(cfg, "layer_types", None) or [])
     other = [i for i, t in enumerate(types) if t not in LAYER_TYPES]
@@ -254,11 +254,13 @@ def sees_later(mask_function=None, use_vmap: bool = False, batch_size: int = 1, 
     two or more tokens to each other allows somewhere. transformers' functions take index tensors that broadcast; a
     model's own or/and function (`use_vmap`: one transformers does not trust to broadcast) that fails on them counts
     as such a rule."""
-    if mask_function is None or q_length < 1:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    asked = min(q_length, kv_offset + kv_length - 1 - q_offset)  # queries with a next key among the call's keys
+    if mask_function is None or asked < 1:
         return False
-    q = torch.arange(q_offset, q_offset + q_length, device=device)
-    q = q[q + 1 < kv_offset + kv_length][None, :]
-    if not q.numel():
+    q = torch.arange(q_offset, q_offset + asked, device=device)[None, :]
+    if q.is_meta or isinstance(q, FakeTensor):  # a memory trace (recipes/memory/trace.py): no values; the run asks
         return False
     rows = torch.arange(batch_size, device=device)[:, None]
     try:

@@ -38,7 +38,8 @@ REFUSED = {  # model -> (config, class, what the refusal names)
     "llama_config_not_causal": (lambda: T.LlamaConfig(**SMALL, is_causal=False), T.LlamaForCausalLM,
                                 "config.is_causal=False"),
     # per-layer settings (transformers' heterogeneous configs): reading config.head_dim raised deep inside
-    "gemma4_per_layer_config": (lambda: T.Gemma4TextConfig(**SMALL), T.Gemma4ForCausalLM, "per-layer settings"),
+    "gemma4_per_layer_config": (lambda: T.Gemma4TextConfig(**SMALL), T.Gemma4ForCausalLM,
+                                "sets head_dim per layer"),
     "llama4_chunks_without_size": (lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                                               layer_types=["chunked_attention", "full_attention"],
                                                               attention_chunk_size=None),
