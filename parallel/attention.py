@@ -227,9 +227,9 @@ class MaskNote:
     `doc_layout`), what that mask would hold beyond plain causal attention: padding (zeros in attention_mask),
     anything else (documents from position_ids restarting at 0, a model's extra mask rules), and the window or
     chunk (`local`) the model's own mask gives the layers it is built for. None stands for a plain causal mask.
-    `padding`: padding before a real token (left or inside a row: "padding (zeros in attention_mask)"). `rule`: the
-    model's own mask rule lets a query see a later key (bidirectional attention, a prefix or image block), which no
-    doc_layout describes."""
+    `padding`: padding before a real token (left or inside a row: "padding (zeros in attention_mask)"). `rule`: a
+    mask rule of the model's own (sees_later: bidirectional attention, a prefix or image block), which no doc_layout
+    describes."""
     padding: bool = False
     beyond_causal: bool = False
     local: Optional[int] = None
@@ -243,32 +243,33 @@ def no_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, local
     if attention_mask is not None and attention_mask.dim() == 2:
         real = attention_mask.bool()
         padding = bool((~real[:, :-1] & real[:, 1:]).any())  # a padded position before a real one
-    note = MaskNote(padding, not allow_is_causal_skip, int(local_size) if local_size else None, sees_later(**kwargs))
+    note = MaskNote(padding, not allow_is_causal_skip, int(local_size) if local_size else None,
+                    sees_later(allow_is_causal_skip=allow_is_causal_skip, **kwargs))
     return None if note == MaskNote() else note
 
 
-def sees_later(mask_function=None, use_vmap: bool = False, batch_size: int = 1, q_length: int = 0, q_offset: int = 0,
-               kv_length: int = 0, kv_offset: int = 0, device=None, **_) -> bool:
-    """Whether transformers' mask function for the call lets a query see a later key (bidirectional attention, a
-    prefix, Gemma 3's image blocks): each query's next key is asked, (q, q + 1), which any rule that opens a run of
-    two or more tokens to each other allows somewhere. transformers' functions take index tensors that broadcast; a
-    model's own or/and function (`use_vmap`: one transformers does not trust to broadcast) that fails on them counts
-    as such a rule."""
+def sees_later(mask_function=None, use_vmap: bool = False, allow_is_causal_skip: bool = True, batch_size: int = 1,
+               q_length: int = 0, q_offset: int = 0, kv_length: int = 0, kv_offset: int = 0, device=None, **_) -> bool:
+    """Whether the call's mask holds a rule of the model's own beyond causal attention, windows, chunks and packed
+    documents: an or/and mask function the model passed to transformers (`use_vmap`: bidirectional attention, Gemma
+    3's image blocks on its sliding layers, any narrower rule; not evaluated, since under a context-parallel shard
+    transformers looks such a function up by position values past the shard's length), or one of transformers' own
+    rules letting a query see a later key (prefix or image blocks from block_sequence_ids). Those are asked for each
+    query's next key, (q, q + 1), which a rule opening a run of two or more tokens to each other allows somewhere;
+    transformers' functions take index tensors that broadcast. A plain causal call (allow_is_causal_skip) holds
+    none."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if use_vmap:
+        return True
     asked = min(q_length, kv_offset + kv_length - 1 - q_offset)  # queries with a next key among the call's keys
-    if mask_function is None or asked < 1:
+    if mask_function is None or allow_is_causal_skip or asked < 1:
         return False
     q = torch.arange(q_offset, q_offset + asked, device=device)[None, :]
     if q.is_meta or isinstance(q, FakeTensor):  # a memory trace (recipes/memory/trace.py): no values; the run asks
         return False
     rows = torch.arange(batch_size, device=device)[:, None]
-    try:
-        return bool(mask_function(rows, torch.zeros_like(rows), q, q + 1).any())
-    except Exception:  # noqa: BLE001 - any failure of a function we do not own: refused rather than guessed
-        if use_vmap:
-            return True
-        raise
+    return bool(mask_function(rows, torch.zeros_like(rows), q, q + 1).any())
 
 
 def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> None:
@@ -283,8 +284,9 @@ def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> 
                                   "attention")
     note = mask or MaskNote()
     if note.rule:
-        raise NotImplementedError(f"{where}: the model's own mask lets a query see later keys (bidirectional "
-                                  "attention, or a prefix or image block that attends both ways), which longstride's "
+        raise NotImplementedError(f"{where}: the model's own mask holds a rule of its own (letting a query see later "
+                                  "keys: bidirectional attention, or a prefix or image block that attends both ways; "
+                                  "or an or/and mask function the model passes to transformers), which longstride's "
                                   "causal attention does not compute; run the model's own attention")
     if note.padding or (note.beyond_causal and doc_layout is None):
         what = "padding (zeros in attention_mask)" if note.padding else \

@@ -174,9 +174,10 @@ def test_what_transformers_mask_would_hold_without_a_doc_layout_is_refused():
 def test_a_mask_rule_that_sees_later_keys_is_refused_with_documents_too():
     """A model whose own mask rule opens later keys to a query (Step 3.7's use_bidirectional_attention, an or-mask of
     transformers' create_causal_mask) was computed as plain causal whenever a doc_layout came with the call (training
-    and eval ppl always pass one): 0.87 away from eager. Refused now, with or without a doc_layout; transformers'
-    prefix / image blocks (block_sequence_ids) likewise, while its causal, window, chunk and packed-document masks
-    pass the probe."""
+    and eval ppl always pass one): 0.87 away from eager. Refused now, with or without a doc_layout: any or/and
+    function of the model's own without evaluating it, transformers' prefix / image blocks (block_sequence_ids)
+    where a query's next key is open, at the chunk's own positions; its causal, window, chunk and packed-document
+    masks pass the probe, and a plain causal call is not probed."""
     from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function,
                                             chunked_causal_mask_function, or_masks, packed_sequence_mask_function,
                                             sliding_window_causal_mask_function)
@@ -195,19 +196,29 @@ def test_a_mask_rule_that_sees_later_keys_is_refused_with_documents_too():
     use_longstride_attention(model)
     ids = torch.randint(1, 64, (1, 16))
     for layout in (None, DocLayout(None, cp=CPContext(kernel="sdpa"))):
-        with pytest.raises(NotImplementedError, match="the model's own mask lets a query see later keys"):
+        with pytest.raises(NotImplementedError, match="the model's own mask holds a rule of its own"):
             model(input_ids=ids, **({"doc_layout": layout} if layout else {}))
-    call = dict(batch_size=2, q_length=12, q_offset=0, kv_length=12, kv_offset=0)
+    call = dict(batch_size=2, q_length=12, q_offset=0, kv_length=12, kv_offset=0, allow_is_causal_skip=False)
     docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
     blocks = torch.full((2, 12), -1)
     blocks[1, 3:6] = 0  # an image block of 3 tokens in the second row
     for fn in (causal_mask_function, sliding_window_causal_mask_function(4), chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)),
                and_masks(causal_mask_function, packed_sequence_mask_function(docs))):
-        assert not sees_later(fn, **call) and no_mask(mask_function=fn, **call) is None
+        assert not sees_later(fn, **call) and not no_mask(mask_function=fn, **call).rule
     assert sees_later(and_masks(lambda b, h, q, kv: q >= 0, packed_sequence_mask_function(docs)), **call)
     assert sees_later(or_masks(causal_mask_function, blockwise_overlay(blocks)), **call)
     assert not sees_later(or_masks(causal_mask_function, blockwise_overlay(torch.full((2, 12), -1))), **call)
-    assert sees_later(lambda b, h, q, kv: bool(q > kv), use_vmap=True, **call), "a model's function that fails"
+
+    def never(*_):
+        raise AssertionError("not evaluated")
+    assert sees_later(never, use_vmap=True, **call), "a model's own or/and function: a rule, not evaluated"
+    assert not sees_later(never, **{**call, "allow_is_causal_skip": True}), "a plain causal call holds no rule"
+    # a chunk of a prefill past position 9 (RULER's prefill_mask passes the offsets on): the block is at 10-11 there
+    late = torch.full((2, 16), -1)
+    late[1, 10:12] = 0
+    chunk = {**call, "q_length": 6, "q_offset": 10, "kv_length": 16, "kv_offset": 0}
+    assert sees_later(or_masks(causal_mask_function, blockwise_overlay(late)), **chunk)
+    assert not sees_later(or_masks(causal_mask_function, blockwise_overlay(late)), **{**chunk, "q_offset": 0})
 
 
 WINDOW_CASES = {  # a layer's call against the mask transformers' eager attention builds for it

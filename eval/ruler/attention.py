@@ -147,7 +147,7 @@ class PrefillNote(MaskNote):
 def prefill_mask(*args, q_offset=0, kv_offset=0, local_size=None, **kwargs):
     """prefill_attention's mask function: no_mask's note, and for a layer with a local size (a window or a chunk)
     the positions its chunks count from (transformers' q_offset / kv_offset); None for a plain causal layer."""
-    note = no_mask(*args, local_size=local_size, **kwargs)
+    note = no_mask(*args, local_size=local_size, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
     if not local_size or note is None:
         return note
     return PrefillNote(note.padding, note.beyond_causal, note.local, note.rule, int(q_offset), int(kv_offset))
