@@ -434,13 +434,20 @@ def stream_source(src: SourceConfig, cache_dir: str, field: str = "data.sources"
 
         # split by shards, datasets would apply the skip to each rank's own shards (its first rows, not the
         # stream's): the held-out rows trained on and as many others never read
-        ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy="examples" if leave_out else "auto")
+        strategy = "examples" if _by_rows(ds.n_shards, world, leave_out) else "shards"
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world, strategy=strategy)
     return ds
+
+
+def _by_rows(shards: int, world: int, leave_out: range) -> bool:
+    """Whether `world` ranks split a (non-walked) stream by rows, rank r taking positions r, r + world, ...: always
+    with rows left out (a skip), else unless its shards divide evenly among the ranks (then whole shards each)."""
+    return world == 1 or bool(leave_out) or shards % world != 0
 
 
 def stream_split_by_rows(src: SourceConfig, cache_dir: str, field: str, world: int, leave_out: range) -> bool:
     """Whether stream_source gives rank r of `world` the rows at positions r, r + world, ... of the source (what a
     re-split across another number of ranks needs, data/stream_split.py) rather than whole shards."""
-    if world == 1 or walked(src) or leave_out:
+    if world == 1 or walked(src) or leave_out:  # without building the stream
         return True
-    return KINDS[src.kind].stream(src, cache_dir, field, world).n_shards % world != 0
+    return _by_rows(KINDS[src.kind].stream(src, cache_dir, field, world).n_shards, world, leave_out)

@@ -20,6 +20,14 @@ shards by the epoch, so no row can be skipped unread; a `hub` source streams tha
 """
 from __future__ import annotations
 
+from collections import Counter
+
+
+def _row(split: dict, p: int) -> int:
+    """The row at position `p` of `split`'s list: its gaps, then every row from its tail."""
+    gaps = split["gaps"]
+    return gaps[p] if p < len(gaps) else split["tail"] + p - len(gaps)
+
 
 def split_rows(split: dict, count: int) -> list[int]:
     """The positions among `count` rows (a walked source's files) that `split` gives its rank."""
@@ -29,8 +37,7 @@ def split_rows(split: dict, count: int) -> list[int]:
 
 def first_row(split: dict) -> int:
     """The first row `split` gives its rank (the rows before it can be skipped unread)."""
-    gaps, way = split["gaps"], split["way"]
-    return gaps[way] if way < len(gaps) else split["tail"] + way - len(gaps)
+    return _row(split, split["way"])
 
 
 def keeps(split: dict, offset: int = 0):
@@ -49,10 +56,9 @@ def _rest(split: dict, read: list[int]) -> tuple[list[int], int]:
     """(gaps, tail) of what no rank has read, given how many positions each way of `split` read."""
     ways, gaps = split["ways"], split["gaps"]
     end = max((w + (k - 1) * ways + 1 for w, k in enumerate(read) if k), default=0)  # past the furthest read
-    row = lambda p: gaps[p] if p < len(gaps) else split["tail"] + p - len(gaps)  # noqa: E731
     # way w read positions w, w + ways, ... up to its count; the unread ones below `end` (a few per way)
     unread = sorted(p for w in range(ways) for p in range(w + read[w] * ways, end, ways))
-    return [row(p) for p in unread] + list(gaps[end:]), split["tail"] + max(0, end - len(gaps))
+    return [_row(split, p) for p in unread] + list(gaps[end:]), split["tail"] + max(0, end - len(gaps))
 
 
 def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict, list[str]]:
@@ -95,10 +101,7 @@ def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict,
         counters["epoch_docs"][n] = max(1, sum(streams[i]["counters"]["epoch_docs"][n] for i in at))
         counters["tokens"][n] = round(sum(s["counters"]["tokens"][n] for s in streams) / ways)
         counters["rows"][n] = sum(s["counters"]["rows"][n] for s in mine)
-        counters["skipped"][n] = {}
-        for s in mine:
-            for why, k in s["counters"]["skipped"][n].items():
-                counters["skipped"][n][why] = counters["skipped"][n].get(why, 0) + k
+        counters["skipped"][n] = dict(sum((Counter(s["counters"]["skipped"][n]) for s in mine), Counter()))
     stream = {"sources": {n: None for n in splits}, "counters": counters, "splits": splits,
               "by_rows": dict(streams[0]["by_rows"]), "packer": [s["packer"] for s in mine]}
     return {**states[way % old], "dataset_state": stream}, notes
