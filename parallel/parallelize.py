@@ -71,10 +71,11 @@ class Parallelized:
         if is_main:
             save_config(lm, directory)
 
-    def save_state(self, directory: str, optimizer) -> None:
+    def save_state(self, directory: str, optimizer, background: bool = False):
         """Collective: the model and optimizer state written as per-rank shards (parallel/shards.py): FSDP2's
-        shards as they are, DDP's replicas split between the ranks; nothing gathered."""
-        save_shards(directory, self.module, optimizer)
+        shards as they are, DDP's replicas split between the ranks; nothing gathered. background: returns the
+        future of the writes, the state already copied (save_shards)."""
+        return save_shards(directory, self.module, optimizer, background)
 
     def load_state(self, directory: str, optimizer) -> None:
         """Collective: the model and optimizer state read back from shards written by any number of processes,

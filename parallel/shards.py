@@ -13,10 +13,13 @@ parameters) load with `weights_only=True`. A refused file raises UnsafeCheckpoin
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import warnings
+from concurrent.futures import Future
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -110,13 +113,52 @@ def _state(module: torch.nn.Module, optimizer) -> dict:
     return {"model": model, "optim": get_optimizer_state_dict(module, optimizer)}
 
 
-def save_shards(directory: str, module: torch.nn.Module, optimizer) -> None:
+def save_shards(directory: str, module: torch.nn.Module, optimizer, background: bool = False) -> Optional[Future]:
     """Collective: every rank writes its file(s) of the model and optimizer state into `directory` (which
-    exists), rank 0 the metadata. No tensor is gathered onto another rank."""
+    exists), rank 0 the metadata. No tensor is gathered onto another rank. background: the state is copied to
+    host memory here (a new copy each save) and written by a thread of DCP's (its collectives on a process group
+    of their own, save_group); the returned future completes on every rank once every rank's files are written,
+    synced and the metadata written, and raises what failed as an OSError."""
+    writer = FileSystemWriter(directory, single_file_per_rank=True)
+    if background:
+        return _failures_as_oserror(dcp.async_save(_state(module, optimizer), storage_writer=writer,
+                                                   process_group=save_group()))
     try:
-        dcp.save(_state(module, optimizer), storage_writer=FileSystemWriter(directory, single_file_per_rank=True))
+        dcp.save(_state(module, optimizer), storage_writer=writer)
     except CheckpointException as e:  # a BaseException: make it an error the caller's handler sees
         raise OSError(first_failure(e)) from None
+    return None
+
+
+def _failures_as_oserror(saving: Future) -> Future:
+    """`saving`'s outcome, a CheckpointException (a BaseException) made an OSError as save_shards raises it."""
+    done: Future = Future()
+
+    def settle(f: Future) -> None:
+        try:
+            done.set_result(f.result())
+        except CheckpointException as e:
+            done.set_exception(OSError(first_failure(e)))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `done`
+            done.set_exception(e)
+
+    saving.add_done_callback(settle)
+    return done
+
+
+@functools.cache
+def save_group():
+    """The process group a background save's collectives run on (None: one process, none to run): gloo, so they
+    run beside training's own collectives (NCCL or gloo) without sharing a queue with them, waiting as long as the
+    world's group. Collective the first time: every rank's first background save makes it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = c10d._get_default_group()
+    options = getattr(world._get_backend(world._device_types[0]), "options", None)
+    return dist.new_group(backend="gloo", timeout=None if options is None else options._timeout)
 
 
 def load_shards(directory: str, module: torch.nn.Module, optimizer) -> None:

@@ -13,6 +13,15 @@ and renames it into place, so a crash at any point never leaves a directory that
 Old step checkpoints beyond `keep_last` are renamed aside before they are deleted. Resume walks the
 step checkpoints from newest to oldest and takes the first that verifies against its manifest,
 warning about each one it passes over.
+
+train.async_save: a step checkpoint blocks the step only while each rank copies its model and optimizer shard to
+host memory (DCP's async_save, parallel/shards.py) and writes its own small files; DCP's thread writes the shards
+behind the next steps and the main rank seals the checkpoint (manifest last, rename, keep_last's pruning) in a
+thread of BackgroundSave's once every rank's shards are on disk, so until then it is a `.tmp-` directory no resume
+takes. One save is in flight at a time: the next save, a stop signal and the end of the stage wait for it, and
+a failed write (a full disk) is raised there as a blocking save raises it. The threads are not daemons: a run
+that stops on an error finishes the save in flight before its process exits. Cost: one more copy of the rank's
+state in host memory while a save is in flight (benchmarks/bench_checkpoint.py --background).
 """
 from __future__ import annotations
 
@@ -25,7 +34,9 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import numpy as np
@@ -163,12 +174,15 @@ def writing_checkpoint(
     world_size: int = 1,
     manifest: Optional[dict] = None,
     keep_last: int = 0,
+    background: Optional[BackgroundSave] = None,
 ):
     """Collective: every rank enters it. Yields the directory being written: every rank writes its parts there (its
     shard of the model and optimizer, or its part in gathering the weights; the main rank the model's config and
     tokenizer); then this writes each rank's state, the trainer state and stage.json, the manifest last, and puts
     the directory in place. A failed write (a full disk) raises CheckpointError; earlier checkpoints are untouched.
-    The writes flow one way: the caller writes its files, the format seals them."""
+    The writes flow one way: the caller writes its files, the format seals them. With `background` (whose shards
+    the caller started writing in the block: BackgroundSave.track), the sealing waits for them in a thread of
+    its own and this returns at once; `background.wait()` raises what failed."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, TMP_PREFIX + name)
     if is_main:
@@ -189,24 +203,91 @@ def writing_checkpoint(
                 torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
             with open(os.path.join(tmp, "stage.json"), "w") as f:
                 json.dump(meta, f, indent=2)
+    barrier()  # every rank's own files are written: what is left is the shards (in the background) and the seal
+    seal = (lambda: _seal(tmp, path, world_size, manifest, keep_last)) if is_main else None
+    if background is not None:
+        background.finish(path, seal)
+        return
+    _test_kills(name)
+    if seal:
+        seal()
     barrier()
+
+
+def _test_kills(name: str) -> None:
     test_kill("save", name)  # a crash after the files, before the manifest
     test_kill("term_in_save", name, sig=signal.SIGTERM)  # a preemption notice while saving
-    if is_main:
-        with disk_errors(path):
-            write_manifest(tmp, world_size, manifest)  # last: its presence means every rank's files are complete
-    if is_main:
-        if os.path.exists(path):  # re-saving the same name: swap, then drop the old one
-            old = os.path.join(parent, TMP_PREFIX + "old-" + name)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        fsync_path(parent)
-        if keep_last > 0:
-            _drop_older(parent, name, keep_last)
-    barrier()
+
+
+def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_last: int) -> None:
+    """The main rank's last part of a save, once every rank's files are in `tmp`: the manifest, then `tmp`
+    renamed to `path`, then train.keep_last's pruning."""
+    parent, name = os.path.split(path)
+    with disk_errors(path):
+        write_manifest(tmp, world_size, manifest)  # last: its presence means every rank's files are complete
+    if os.path.exists(path):  # re-saving the same name: swap, then drop the old one
+        old = os.path.join(parent, TMP_PREFIX + "old-" + name)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    fsync_path(parent)
+    if keep_last > 0:
+        _drop_older(parent, name, keep_last)
+
+
+class BackgroundSave:
+    """The step checkpoint in flight on this rank, if any: its shards' future and the seal that follows."""
+
+    def __init__(self):
+        self._shards: Optional[Future] = None
+        self._thread: Optional[threading.Thread] = None
+        self._path: Optional[str] = None
+        self._error: Optional[BaseException] = None
+
+    @property
+    def in_flight(self) -> Optional[str]:
+        """The checkpoint being written, until `wait` returns."""
+        return self._path
+
+    def track(self, shards: Future) -> None:
+        """The future of the shards this rank started writing (Parallelized.save_state(..., background=True))."""
+        if self._path is not None or self._shards is not None:
+            raise RuntimeError("a background save started while another is in flight: wait() for it first")
+        self._shards = shards
+
+    def finish(self, path: str, seal: Optional[Callable[[], None]]) -> None:
+        """After every rank's own files are written (writing_checkpoint): a thread waits for the shards, then
+        runs `seal` (the main rank's; None on the others)."""
+        if self._shards is None:
+            raise RuntimeError(f"{path}: a background save with no shards tracked (BackgroundSave.track)")
+        shards, self._shards, self._path = self._shards, None, path
+
+        def run() -> None:
+            try:
+                shards.result()
+                _test_kills(os.path.basename(path))
+                if seal is not None:
+                    seal()
+            except BaseException as e:  # noqa: BLE001 - raised by wait(), in the training thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"save {os.path.basename(path)}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> Optional[str]:
+        """Blocks until the save in flight (if any) is written and sealed; returns its path, or None when there
+        was none. A failed write raises CheckpointError naming the checkpoint (the earlier ones are intact)."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        path, error = self._path, self._error
+        self._thread, self._path, self._error = None, None, None
+        if error is not None:
+            with disk_errors(path):
+                raise error
+        return path
 
 
 def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:

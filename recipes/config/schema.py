@@ -91,6 +91,9 @@ class TrainConfig:
     seed: int = 0
     precision: Precision = Precision.auto  # auto: bf16 where the GPU has it, else fp32
     keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
+    # true: a step checkpoint blocks training only while each rank copies its state to host memory; the files are
+    # written and sealed behind the next steps (recipes/checkpoint/format.py: BackgroundSave)
+    async_save: bool = False
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck rank) fails the run
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
     resume_from: Optional[str] = None  # a step_NNNNNN or final dir of this run: continue from it (config changes allowed)

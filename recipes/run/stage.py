@@ -39,6 +39,7 @@ from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
+from longstride.recipes.checkpoint.format import BackgroundSave
 from longstride.recipes.checkpoint.format import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
 from longstride.recipes.config.plan import StagePlan
 from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
@@ -107,6 +108,7 @@ class StageRun:
     pack_stats: dict
     built: Step  # the step's parts (recipes/run/step.py): its CP context and batch preparation
     data_id: str  # the data's fingerprint (stage_data), stored with each step checkpoint and checked on resume
+    saves: Optional[BackgroundSave] = None  # train.async_save: the step checkpoint being written behind the steps
     step: int = 0
     tokens_seen: int = 0
     val_start: Optional[float] = None
@@ -256,7 +258,8 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
                                 stage.decay_fraction)
     loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
     return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
-                    pack_stats=pack_stats, built=built, data_id=data_id)
+                    pack_stats=pack_stats, built=built, data_id=data_id,
+                    saves=BackgroundSave() if cfg.train.async_save else None)
 
 
 def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:
@@ -350,6 +353,9 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
             if not guard.in_row and last_good != here:
                 save_stage(ctx, run, here, with_state=True)
                 last_good = here
+            if run.saves is not None:  # the newest checkpoint sealed before any rank exits
+                run.saves.wait()
+                ctx.accelerator.wait_for_everyone()
             raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
                                   f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
                                   "to resume (without train.resume=false or train.resume_from, which would start over)")

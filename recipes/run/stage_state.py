@@ -19,9 +19,13 @@ from longstride.recipes.run.runlock import fingerprint
 
 
 def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = None) -> None:
-    """Collective: every rank calls it. with_state: a resumable step checkpoint; else the stage's final model.
-    NaN parameters are refused before anything is written."""
+    """Collective: every rank calls it. with_state: a resumable step checkpoint (written in the background with
+    train.async_save: recipes/checkpoint/format.py's BackgroundSave); else the stage's final model. NaN parameters
+    are refused before anything is written."""
     acc, plan, model = ctx.accelerator, run.plan, run.model
+    if run.saves is not None:  # one save at a time: the one in flight is sealed first (a failure raised here)
+        run.saves.wait()
+    background = run.saves if with_state else None  # train.async_save: a step checkpoint's shards written behind
     check_finite_parameters(model.parameters(), path)
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
                "val_loss_start": run.val_start, "data": run.data_id, "tokenizer": ctx.tokenizer_id,
@@ -36,9 +40,12 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
         world_size=acc.num_processes,
         manifest={"dp": plan.dims.dp, "cp": plan.dims.cp, "config": fingerprint(ctx.cfg_dict)},
         keep_last=ctx.cfg.train.keep_last if with_state else 0,
+        background=background,
     ) as directory:
         if with_state:  # a step checkpoint: per-rank shards, and the config and tokenizer that make it an HF dir
-            model.save_state(directory, run.optimizer)
+            shards = model.save_state(directory, run.optimizer, background=background is not None)
+            if background is not None:
+                background.track(shards)
         else:  # a final: the HF directory, its weights streamed from the shards under FSDP2
             model.save_weights(run.lm, directory, acc.is_main_process)
         if acc.is_main_process:
