@@ -13,6 +13,13 @@ largest resident set sampled every millisecond during the save minus the set jus
 the gradients freed and the freed heap returned to the OS), each rank in a fresh process.
 
     python -m benchmarks.bench_checkpoint [--fsdp both|true|false]
+
+--background times blocking and background (train.async_save) step checkpoints of the same model side by side:
+how long each save holds training, how long the two training steps after it take (a background save's writes
+run beside them) against the same steps with no save, when it is sealed, and the resident set when the save
+returns above the set before the saves (a background save's copy of the rank's state, held until it is written).
+
+    python -m benchmarks.bench_checkpoint --background [--reps 5] [--fsdp ...]
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import ctypes
 import os
 import tempfile
 import threading
+import time
 
 import torch
 
@@ -54,13 +62,13 @@ class Sampler(threading.Thread):
         return max(self.peak, rss_mib())
 
 
-def _worker(rank, world, fsdp, kind, root, out):
+def _build(rank, world, fsdp):
+    """(model, parallelized step, AdamW with state after one step, the step's input ids) on this rank."""
     from longstride.model.build import build_model
     from longstride.model.config import ModelConfig
     from longstride.parallel.config import WorldMesh
     from longstride.parallel.parallelize import parallelize
     from longstride.parallel.spawn import rank_accelerator
-    from longstride.recipes.checkpoint.format import rng_state, writing_checkpoint
     from longstride.recipes.config.schema import OptimConfig
     from longstride.recipes.run.step import StepSpec, build_optimizer, build_step
 
@@ -75,6 +83,13 @@ def _worker(rank, world, fsdp, kind, root, out):
     model.backward(model(ids, ids, torch.arange(64)[None]))
     opt.step()  # AdamW state exists, as in any step checkpoint
     opt.zero_grad(set_to_none=True)
+    return lm, model, opt, ids
+
+
+def _worker(rank, world, fsdp, kind, root, out):
+    from longstride.recipes.checkpoint.format import rng_state, writing_checkpoint
+
+    lm, model, opt, ids = _build(rank, world, fsdp)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages back to the OS, so the RSS before is what is held
     torch.distributed.barrier()
     before = rss_mib()
@@ -103,14 +118,99 @@ def _worker(rank, world, fsdp, kind, root, out):
                os.path.join(out, f"rank{rank}.pt"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fsdp", choices=["both", "true", "false"], default="both")
-    args = ap.parse_args()
+def _timed_worker(rank, world, fsdp, background, reps, root, out):
+    """train.async_save's cost, on the loop's own pieces (stage_state.save_stage's): for each of `reps` step
+    checkpoints, the seconds the save holds training (entering the save to its return), the seconds of the two
+    training steps that follow it (a background save's writes run beside them), and the seconds until it is sealed
+    (BackgroundSave.wait after those steps; a blocking save is sealed when it returns); the resident set when the
+    save returns above the set before the first save (a background save's copy of the state, held until its
+    writes end); the same two steps timed with no save before them."""
+    from longstride.recipes.checkpoint.format import BackgroundSave, rng_state, step_name, writing_checkpoint
+
+    lm, model, opt, ids = _build(rank, world, fsdp)
+
+    def train_step():
+        model.backward(model(ids, ids, torch.arange(ids.shape[1])[None]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def two_steps() -> float:
+        t = time.perf_counter()
+        train_step()
+        train_step()
+        return time.perf_counter() - t
+
+    saves, rows, quiet = BackgroundSave() if background else None, [], []
+    two_steps()  # warm
+    quiet.append(two_steps())
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    torch.distributed.barrier()
+    before = rss_mib()
+    for i in range(1, reps + 1):
+        path = os.path.join(root, "s1", step_name(i))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+                                trainer_state={"step": i}, rank_state={"rng": rng_state()}, meta={"step": i},
+                                world_size=world, keep_last=2, background=saves) as d:
+            shards = model.save_state(d, opt, background=background)
+            if background:
+                saves.track(shards)
+            if rank == 0:
+                lm.config.save_pretrained(d)
+        held, copy = time.perf_counter() - t0, rss_mib() - before
+        steps = two_steps()
+        if background:
+            saves.wait()
+        rows.append({"held_s": held, "steps_after_s": steps, "copy_mib": copy,
+                     "sealed_s": time.perf_counter() - t0 if background else held})
+        torch.distributed.barrier()
+        quiet.append(two_steps())
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    torch.save({"rows": rows, "quiet": quiet}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def timed(reps: int, fsdps: list[bool]) -> None:
+    """--background: blocking and background step checkpoints side by side (medians over `reps` saves)."""
+    from statistics import median
+
     from longstride.parallel.spawn import run_gloo
 
     rows = []
-    for fsdp in ([False, True] if args.fsdp == "both" else [args.fsdp == "true"]):
+    for fsdp in fsdps:
+        for background in (False, True):
+            with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
+                run_gloo(_timed_worker, 2, fsdp, background, reps, root, out)
+                for rank in range(2):
+                    r = torch.load(os.path.join(out, f"rank{rank}.pt"))
+                    med = lambda k: round(median(x[k] for x in r["rows"]), 3)  # noqa: E731
+                    rows.append({"save": "background" if background else "blocking",
+                                 "wrap": "FSDP2" if fsdp else "DDP", "rank": rank,
+                                 "training held s": med("held_s"), "2 steps after it s": med("steps_after_s"),
+                                 "2 steps, no save s": round(median(r["quiet"]), 3),
+                                 "sealed after s": med("sealed_s"),
+                                 "held at the return MiB": round(median(x["copy_mib"] for x in r["rows"]))})
+    print(f"Step checkpoints of SmolLM2-135M's shape with AdamW state, 2 gloo processes, medians of {reps} saves "
+          "(measured)")
+    print_table(rows, list(rows[0]))
+    print("results:", write_results("bench_checkpoint_background", rows, {"shape": SHAPE, "reps": reps}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fsdp", choices=["both", "true", "false"], default="both")
+    ap.add_argument("--background", action="store_true", help="time blocking and background (train.async_save) "
+                    "step checkpoints instead")
+    ap.add_argument("--reps", type=int, default=5, help="with --background: step checkpoints timed per mode")
+    args = ap.parse_args()
+    fsdps = [False, True] if args.fsdp == "both" else [args.fsdp == "true"]
+    if args.background:
+        return timed(args.reps, fsdps)
+    from longstride.parallel.spawn import run_gloo
+
+    rows = []
+    for fsdp in fsdps:
         for kind in ["step", 1024, 128]:
             if kind == 128 and not fsdp:
                 continue  # DDP's final is save_pretrained of the main rank's replica: no files to budget

@@ -286,7 +286,9 @@ def test_kill_inside_a_checkpoint_write_leaves_nothing_that_looks_complete(kille
     assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise
 
 
-def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path, s1_reference):
+@pytest.mark.parametrize("background", [False, True])
+def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path, s1_reference, background):
+    """With train.async_save the shards' write fails behind the steps and is raised at the stage's final save."""
     import subprocess
 
     from tests.conftest import read_metrics
@@ -299,6 +301,7 @@ def test_disk_full_fails_cleanly_and_the_rerun_resumes(micro, tmp_path, s1_refer
     try:
         one = [o for o in micro if not o.startswith("paths.output_root")] + [f"paths.output_root={mnt}",
                                                                              "stage=s1_256"]
+        one += [f"train.async_save={str(background).lower()}"]
         r = run_cli(one)
         assert r.returncode == 2, r.stderr[-2000:]
         assert f"could not write checkpoint {mnt}/tiny/s1_256/step_000003" in r.stderr and "Traceback" not in r.stderr
