@@ -1,6 +1,7 @@
-"""Training on one GPU: the micro recipe in bf16 on torch's flash kernel (loss falls, a killed run resumes from
-its checkpoint, finals reload), an FSDP2 bf16 step and resume through torch.distributed.checkpoint's optimizer
-state on one rank, and the side-stream activation offload (same gradients, lower peak memory)."""
+"""Training on one GPU: the micro recipe in bf16 on torch's flash kernel (loss falls, step checkpoints written in
+the background verify, a killed run resumes from its checkpoint, finals reload), an FSDP2 bf16 step and resume
+through torch.distributed.checkpoint's optimizer state on one rank, and the side-stream activation offload (same
+gradients, lower peak memory)."""
 from __future__ import annotations
 
 import tempfile
@@ -32,10 +33,16 @@ def recipe(root, cache, steps: int = 30) -> list[str]:
 
 
 def test_micro_recipe_in_bf16_on_flash_kernel_loss_falls_and_finals_reload(tmp_path, cache_dir):
-    cfg = compose_cfg(recipe(tmp_path / "out", cache_dir))
+    """Its step checkpoints are written in the background (train.async_save: the GPU state copied to host memory,
+    then written behind the steps) and verify."""
+    from longstride.recipes.checkpoint.format import verify
+
+    cfg = compose_cfg(recipe(tmp_path / "out", cache_dir) + ["train.async_save=true"])
     assert {p.kernel for p in validate(cfg, 1, "cuda").values()} == {"torch_flash"}
     finals = run(cfg)
-    m = read_metrics(tmp_path / "out" / "tiny" / "s1_256")
+    stage = tmp_path / "out" / "tiny" / "s1_256"
+    assert [verify(str(stage / n)) for n in ("step_000010", "step_000020")] == [None, None]
+    m = read_metrics(stage)
     losses = [m[s]["loss"] for s in range(1, 31)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3, losses
     assert m[30]["val_loss"] < m[0]["val_loss"] - 0.3
