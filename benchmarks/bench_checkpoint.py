@@ -16,7 +16,7 @@ the gradients freed and the freed heap returned to the OS), each rank in a fresh
 
 --background times blocking and background (train.async_save) step checkpoints of the same model side by side:
 how long each save holds training, how long the two training steps after it take (a background save's writes
-run beside them) against the same steps with no save, when it is sealed, and the resident set when the save
+run beside them) against the same steps with no save, by when it is sealed, and the resident set when the save
 returns above the set before the saves (a background save's copy of the rank's state, held until it is written).
 
     python -m benchmarks.bench_checkpoint --background [--reps 5] [--fsdp ...]
@@ -121,8 +121,9 @@ def _worker(rank, world, fsdp, kind, root, out):
 def _timed_worker(rank, world, fsdp, background, reps, root, out):
     """train.async_save's cost, on the loop's own pieces (stage_state.save_stage's): for each of `reps` step
     checkpoints, the seconds the save holds training (entering the save to its return), the seconds of the two
-    training steps that follow it (a background save's writes run beside them), and the seconds until it is sealed
-    (BackgroundSave.wait after those steps; a blocking save is sealed when it returns); the resident set when the
+    training steps that follow it (a background save's writes run beside them), and the seconds by which it is
+    sealed (a background save: BackgroundSave.wait returning after those two steps, so at least held + the steps;
+    a blocking save: its return); the resident set when the
     save returns above the set before the first save (a background save's copy of the state, held until its
     writes end); the same two steps timed with no save before them."""
     from longstride.recipes.checkpoint.format import BackgroundSave, rng_state, step_name, writing_checkpoint
@@ -189,7 +190,7 @@ def timed(reps: int, fsdps: list[bool]) -> None:
                                  "wrap": "FSDP2" if fsdp else "DDP", "rank": rank,
                                  "training held s": med("held_s"), "2 steps after it s": med("steps_after_s"),
                                  "2 steps, no save s": round(median(r["quiet"]), 3),
-                                 "sealed after s": med("sealed_s"),
+                                 "sealed by s": med("sealed_s"),
                                  "held at the return MiB": round(median(x["copy_mib"] for x in r["rows"]))})
     print(f"Step checkpoints of SmolLM2-135M's shape with AdamW state, 2 gloo processes, medians of {reps} saves "
           "(measured)")

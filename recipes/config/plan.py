@@ -25,6 +25,7 @@ from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
 from longstride.parallel.pattern import config_softcap
 from longstride.recipes.config.schema import Config, StageConfig, selected_stages
+from longstride.recipes.run.profiling import check_profile
 from longstride.recipes.run.step import StepSpec
 
 
@@ -429,6 +430,7 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
         raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
                          "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
                          "activation_checkpointing), or drop model.checkpoint_layers")
+    check_profile(cfg.profile, {n: p.stage.total_steps for n, p in plans.items()}, world, device_type)
     selected_stages(cfg)
     if check_data:
         _check_data(cfg)

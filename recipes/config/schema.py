@@ -108,6 +108,20 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """Steps start_step..end_step (1-based, of each stage's own count) traced by torch.profiler: a Chrome trace per
+    rank and the ops that took longest (recipes/run/profiling.py). 0 = off."""
+    start_step: int = 0
+    end_step: int = 0  # 0 = start_step (one step)
+    stages: Optional[List[str]] = None  # null = every stage
+    ranks: Optional[List[int]] = None  # null = every rank
+    record_shapes: bool = False  # each op's input shapes (a larger trace)
+    with_stack: bool = False  # the Python stack of each op (a much larger trace)
+    # CUDA only: the caching allocator's history over the same steps, a snapshot for pytorch.org/memory_viz
+    memory_snapshot: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -117,6 +131,7 @@ class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     stage: Optional[str] = None  # run only this stage of the recipe
 
 

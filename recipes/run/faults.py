@@ -120,10 +120,12 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
-    def requested(self, device) -> int:
-        """The signal number if any rank got one, else 0 (a collective: every rank calls it each step)."""
-        flag = torch.tensor(float(self.signum), device=device)
-        return int(all_reduce(flag, torch.distributed.ReduceOp.MAX).item())
+    def requested(self, device, save_failed: bool = False) -> tuple[int, bool]:
+        """(the signal number if any rank got one, else 0; whether any rank's background save failed: `save_failed`
+        on any rank). A collective: every rank calls it each step."""
+        flags = all_reduce(torch.tensor([float(self.signum), float(save_failed)], device=device),
+                           torch.distributed.ReduceOp.MAX).tolist()
+        return int(flags[0]), bool(flags[1])
 
 
 def die_with_parent() -> None:

@@ -39,12 +39,13 @@ from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
-from longstride.recipes.checkpoint.format import BackgroundSave
-from longstride.recipes.checkpoint.format import final_dir, latest_checkpoint, remove_partial, step_name, verified_final
+from longstride.recipes.checkpoint.format import (BackgroundSave, CheckpointError, final_dir, latest_checkpoint,
+                                                  remove_partial, step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan
-from longstride.recipes.run.faults import NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
+from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
+from longstride.recipes.run.profiling import StepProfiler
 from longstride.recipes.run.schedule import build_scheduler
-from longstride.recipes.run.stage_state import restore_stage, save_stage
+from longstride.recipes.run.stage_state import restore_stage, save_stage, settle_saves
 from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum
 from longstride.recipes.run.tracking import peak_memory_gib, reset_peak_memory
 
@@ -335,31 +336,60 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
 
 
 def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, last_good: Optional[str]) -> None:
-    """The first validation loss (unless resumed), then steps to the budget: step checkpoints every save_every
-    (never inside a run of skipped steps); a stop signal on any rank saves and raises Stopped on every rank."""
+    """The first validation loss (unless resumed), then steps to the budget, each followed by after_step; the steps
+    of profile.*'s window traced (recipes/run/profiling.py)."""
     guard, stage = NonFiniteGuard(ctx.cfg.train.max_nonfinite_steps), run.plan.stage
     if run.val_start is None:  # a fresh stage, or a resume whose data started afresh (stage_state.restore_stage)
         run.val_start = validation_loss(ctx, run)
         ctx.tracker.log_values(run.step, {"val_loss": run.val_start})
-    while run.step < stage.total_steps:
-        metrics = train_step(ctx, run, guard, last_good)
-        ctx.tracker.log(run.step, metrics)
-        here = os.path.join(stage_dir, step_name(run.step))
-        if stage.save_every and run.step % stage.save_every == 0 and run.step < stage.total_steps and not guard.in_row:
+    profiler = StepProfiler(ctx.cfg.profile, run.plan.name, stage_dir, ctx.accelerator.process_index,
+                            ctx.accelerator.device, ctx.tracker.info)
+    try:
+        while run.step < stage.total_steps:
+            with profiler.step(run.step + 1):
+                metrics = train_step(ctx, run, guard, last_good)
+            last_good = after_step(ctx, run, stage_dir, stop, guard, metrics, last_good)
+    except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
+        settle_saves(ctx, run)
+        ctx.accelerator.wait_for_everyone()
+        raise
+    except Stopped:
+        raise
+    except Exception:  # this rank's own error: the save in flight is finished if it can be, its failure logged
+        try:
+            settle_saves(ctx, run)
+        except CheckpointError as e:
+            ctx.tracker.warning("%s", e)
+        raise
+    finally:  # a window cut short by a stop or an error: what it traced is written
+        profiler.close()
+
+
+def after_step(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, guard: NonFiniteGuard,
+               metrics: dict, last_good: Optional[str]) -> Optional[str]:
+    """A step's log line, its checkpoint (every save_every, never inside a run of skipped steps) and a stop signal
+    (any rank's: every rank saves this step and raises Stopped). Returns the newest checkpoint."""
+    stage = run.plan.stage
+    ctx.tracker.log(run.step, metrics)
+    here = os.path.join(stage_dir, step_name(run.step))
+    if stage.save_every and run.step % stage.save_every == 0 and run.step < stage.total_steps and not guard.in_row:
+        save_stage(ctx, run, here, with_state=True)
+        last_good = here
+    signum, save_failed = stop.requested(ctx.accelerator.device, run.saves is not None and run.saves.failed())
+    if save_failed:  # a background save failed on some rank: every rank stops here, naming it
+        settle_saves(ctx, run, failed_elsewhere=True)
+    if signum:  # preemption or Ctrl-C on any rank: all save this step (the same decision on each), then stop
+        if not guard.in_row and last_good != here:
             save_stage(ctx, run, here, with_state=True)
             last_good = here
-        signum = stop.requested(ctx.accelerator.device)
-        if signum:  # preemption or Ctrl-C on any rank: all save this step (the same decision on each), then stop
-            if not guard.in_row and last_good != here:
-                save_stage(ctx, run, here, with_state=True)
-                last_good = here
-            if run.saves is not None:  # the newest checkpoint sealed before any rank exits
-                run.saves.wait()
-                ctx.accelerator.wait_for_everyone()
-            raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
-                                  f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
-                                  "to resume (without train.resume=false or train.resume_from, which would start over)")
-        test_kill("step", run.step, before=ctx.tracker.finish_stage)
+        if run.saves is not None:  # the newest checkpoint sealed before any rank exits
+            settle_saves(ctx, run)
+            ctx.accelerator.wait_for_everyone()
+        raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
+                              f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
+                              "to resume (without train.resume=false or train.resume_from, which would start over)")
+    test_kill("step", run.step, before=ctx.tracker.finish_stage)
+    return last_good
 
 
 def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> str:
@@ -391,7 +421,7 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
             tracker.info("stage %s: validation loss %.4f -> %.4f", plan.name, run.val_start, val_end)
             save_stage(ctx, run, final, with_state=False, extra_meta={"val_loss_start": run.val_start,
                                                                       "val_loss_end": val_end})
-            signum = stop.requested(acc.device)
+            signum, _ = stop.requested(acc.device)  # no save is in flight after the final one
             if signum and plan.name == list(ctx.plans)[-1]:  # the last stage: the run is complete, nothing to stop
                 tracker.info("stage %s: %s arrived during its final save; the run is complete", plan.name,
                              signal.Signals(signum).name)

@@ -12,8 +12,9 @@ from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_
 from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
 from longstride.model.rope import max_positions
-from longstride.recipes.checkpoint.format import (load_rank_state, load_shards_checked, load_training_state,
-                                                  manifest_world, rng_state, set_rng_state, writing_checkpoint)
+from longstride.recipes.checkpoint.format import (CheckpointError, load_rank_state, load_shards_checked,
+                                                  load_training_state, manifest_world, rng_state, set_rng_state,
+                                                  writing_checkpoint)
 from longstride.recipes.run.faults import check_finite_parameters, stage_input
 from longstride.recipes.run.runlock import fingerprint
 
@@ -23,8 +24,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     train.async_save: recipes/checkpoint/format.py's BackgroundSave); else the stage's final model. NaN parameters
     are refused before anything is written."""
     acc, plan, model = ctx.accelerator, run.plan, run.model
-    if run.saves is not None:  # one save at a time: the one in flight is sealed first (a failure raised here)
-        run.saves.wait()
+    settle_saves(ctx, run)  # one save at a time: the one in flight is sealed first (a failure raised here)
     background = run.saves if with_state else None  # train.async_save: a step checkpoint's shards written behind
     check_finite_parameters(model.parameters(), path)
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
@@ -52,6 +52,20 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
             if with_state:
                 save_config(run.lm, directory)
             save_tokenizer(ctx.tokenizer, directory, max_positions(run.lm.config))
+
+
+def settle_saves(ctx, run, failed_elsewhere: bool = False) -> None:
+    """Waits for the step checkpoint in flight (train.async_save), logging how long it held training and when it
+    was sealed; raises CheckpointError if it failed here or, `failed_elsewhere`, on another rank."""
+    if run.saves is None:
+        return
+    path = run.saves.in_flight
+    if run.saves.wait():
+        ctx.tracker.info("step checkpoint %s written in the background: training held %.2f s, sealed %.1f s after "
+                         "the save began", path, run.saves.held, run.saves.sealed_s)
+    if failed_elsewhere and path:
+        raise CheckpointError(f"could not write checkpoint {path} on another rank (its log says why); the earlier "
+                              "checkpoints are intact: rerun to resume from the newest")
 
 
 def restore_stage(ctx, run, path: str) -> None:

@@ -192,3 +192,29 @@ def test_selective_checkpointing_keeps_the_gpu_kernels_attention_output(kernel, 
         for n, g in g0.items():
             err = ((results[mode][1][n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
             assert err <= tol, f"{mode} {n}: {err:.2e}"
+
+
+def test_profiled_gpu_steps_hold_cuda_kernels_and_a_memory_snapshot(tmp_path):
+    """profile.* on a GPU (recipes/run/profiling.py): the Chrome trace holds the steps' CUDA kernels, the log ranks
+    ops by their own GPU time, and profile.memory_snapshot writes the allocator's history for memory_viz."""
+    import gzip
+    import json
+    import pickle
+
+    from longstride.recipes.config.schema import ProfileConfig
+    from longstride.recipes.run.profiling import StepProfiler
+
+    logged = []
+    prof = StepProfiler(ProfileConfig(start_step=1, end_step=2, memory_snapshot=True), "s1", str(tmp_path), 0, CUDA,
+                        logged.append)
+    a = torch.randn(512, 512, device=CUDA)
+    for n in (1, 2, 3):
+        with prof.step(n):
+            a = torch.tanh(a @ a.T / 512)
+    stem = tmp_path / "profile" / "rank0-steps1-2"
+    events = json.load(gzip.open(f"{stem}.json.gz"))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events), "CUDA kernels in the trace"
+    assert len(logged) == 1 and "own GPU time" in logged[0]
+    with open(f"{stem}-memory.pickle", "rb") as f:  # written by this test's own run
+        snapshot = pickle.load(f)
+    assert snapshot["segments"] and any(t for t in snapshot["device_traces"])
