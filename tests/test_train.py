@@ -315,6 +315,33 @@ def test_a_streaming_stage_killed_on_two_processes_resumes_on_one(tmp_path, cach
     assert sorted(m) == list(range(7)) and all(np.isfinite(m[s]["loss"]) for s in range(1, 7))
 
 
+def test_a_streaming_stage_killed_as_a_ring_of_two_resumes_on_one_process_with_the_same_data(tmp_path, cache_dir):
+    """data.streaming=true as cp=2 x dp=1, killed after step 4 (checkpoint at step 3), continued from step 3 as
+    cp=1 on one process (train.resume_from: the config changed): the same data-parallel rank's stream position is
+    read (rank 0's of the ring), nothing is re-split, and steps 4-6 see the sequences of an uninterrupted one-process
+    streaming run (losses within 1e-5: the ring reduces in another order)."""
+    from tests.conftest import micro_overrides
+    from tests.test_faults import start
+
+    def args(root, cp):
+        return micro_overrides(root, cache_dir) + ["stage=s1_256", "data.streaming=true",
+                                                   f"recipe.stages.s1_256.cp={cp}"]
+
+    proc = start(args(tmp_path / "x", 2), launcher=True, env_extra=crash_after(4))
+    out, _ = proc.communicate(timeout=600)
+    stage = tmp_path / "x" / "tiny" / "s1_256"
+    assert proc.returncode != 0 and (stage / "step_000003").is_dir(), out[-3000:]
+    resumed = run_cli(args(tmp_path / "x", 1) + [f"train.resume_from={stage / 'step_000003'}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {stage / 'step_000003'}" in resumed.stderr and "re-split" not in resumed.stderr
+    clean = run_cli(args(tmp_path / "clean", 1))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    a, b = read_metrics(stage), read_metrics(tmp_path / "clean" / "tiny" / "s1_256")
+    assert sorted(a) == sorted(b) == list(range(7))
+    for s in range(1, 7):
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5), s
+
+
 def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir):
     """data.streaming=true: the stage reads the stdlib files lazily and packs online; killed after step
     4 (checkpoint at step 3) and rerun, its losses equal an uninterrupted streaming run's bitwise."""

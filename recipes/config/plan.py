@@ -430,8 +430,8 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
         raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
                          "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
                          "activation_checkpointing), or drop model.checkpoint_layers")
-    check_profile(cfg.profile, {n: p.stage.total_steps for n, p in plans.items()}, world, device_type)
-    selected_stages(cfg)
+    check_profile(cfg.profile, {n: p.stage.total_steps for n, p in plans.items()}, selected_stages(cfg), world,
+                  device_type)
     if check_data:
         _check_data(cfg)
     return plans

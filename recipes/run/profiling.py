@@ -7,14 +7,17 @@ Each traced rank writes, under `<stage>/profile/`:
   rank<r>-steps<a>-<b>.txt       the ops by their own time (self CUDA time on a GPU, else self CPU time)
   rank<r>-steps<a>-<b>-memory.pickle   with profile.memory_snapshot (CUDA only): the caching allocator's history
                                  over the steps, for https://pytorch.org/memory_viz
-and logs the five ops that took longest. A stage resumed inside the window traces the steps it has left of it;
-a run stopped inside it (a stop signal, an error) writes what it traced, named by the steps it entered. The
+and logs the five ops that took longest (each traced rank: rank 0 in the run's log, the others on their stderr). A
+stage resumed inside the window traces the steps it has left of it (a trace of the same steps already there is
+kept: the new one gets a -2, -3 suffix); a run stopped inside it (a stop signal, an error) writes what it traced,
+named by the steps it entered. A trace that cannot be written is a warning, never the run's end. The
 window's settings are checked before anything is built (check_profile).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -27,13 +30,15 @@ def window(p: ProfileConfig) -> Optional[tuple[int, int]]:
     return (p.start_step, p.end_step or p.start_step) if p.start_step else None
 
 
-def check_profile(p: ProfileConfig, stages: dict[str, int], world: int, device_type: str) -> None:
-    """Raises ValueError naming the profile field and the fix; `stages`: each stage's step count."""
+def check_profile(p: ProfileConfig, stages: dict[str, int], runs: list[str], world: int, device_type: str) -> None:
+    """Raises ValueError naming the profile field and the fix; `stages`: each of the recipe's stages' step count,
+    `runs`: the stages this command runs."""
     if p.start_step < 0 or p.end_step < 0:
         raise ValueError(f"profile.start_step={p.start_step}, profile.end_step={p.end_step} must be >= 0 (steps of "
                          "each stage, from 1; start_step=0 = off)")
     if not p.start_step:
-        if p.end_step or p.stages or p.ranks or p.memory_snapshot or p.record_shapes or p.with_stack:
+        if p.end_step or p.stages is not None or p.ranks is not None or p.memory_snapshot or p.record_shapes \
+                or p.with_stack:
             raise ValueError("profile.* is set but profile.start_step=0 (off); set profile.start_step to the first "
                              "step to trace (e.g. profile.start_step=5 profile.end_step=6)")
         return
@@ -41,6 +46,9 @@ def check_profile(p: ProfileConfig, stages: dict[str, int], world: int, device_t
     if last < first:
         raise ValueError(f"profile.end_step={p.end_step} is before profile.start_step={p.start_step}; give an end "
                          "step >= the start (or 0 for the start step alone)")
+    for name, value in (("stages", p.stages), ("ranks", p.ranks)):
+        if value is not None and not list(value):
+            raise ValueError(f"profile.{name}=[] traces nothing; drop it (null = every one of them) or list some")
     unknown = [s for s in p.stages or [] if s not in stages]
     if unknown:
         raise ValueError(f"profile.stages names {unknown}, not stages of this recipe ({list(stages)})")
@@ -48,7 +56,9 @@ def check_profile(p: ProfileConfig, stages: dict[str, int], world: int, device_t
     if bad:
         raise ValueError(f"profile.ranks={list(p.ranks)}: ranks {bad} are not in this run of {world} process(es) "
                          f"(0..{world - 1})")
-    traced = {name: steps for name, steps in stages.items() if not p.stages or name in p.stages}
+    traced = {name: stages[name] for name in runs if p.stages is None or name in p.stages}
+    if not traced:
+        raise ValueError(f"profile.stages={list(p.stages)} names none of the stages this command runs ({runs})")
     if all(first > steps for steps in traced.values()):
         raise ValueError(f"profile.start_step={first} is past the last step of every stage it traces "
                          f"({traced}); pick a step within them")
@@ -60,10 +70,13 @@ def check_profile(p: ProfileConfig, stages: dict[str, int], world: int, device_t
 class StepProfiler:
     """One stage's traced steps on this rank: `step(n)` wraps optimizer step n; `close()` ends a window cut short."""
 
-    def __init__(self, p: ProfileConfig, stage: str, stage_dir: str, rank: int, device: torch.device, log):
+    def __init__(self, p: ProfileConfig, stage: str, stage_dir: str, rank: int, device: torch.device, log,
+                 total_steps: int = 0):
         span = window(p)
-        on = span is not None and (not p.stages or stage in p.stages) and (p.ranks is None or rank in p.ranks)
+        on = span is not None and (p.stages is None or stage in p.stages) and (p.ranks is None or rank in p.ranks)
         self.first, self.last = span if on else (0, -1)
+        if on and total_steps and self.first > total_steps:
+            log(f"profile: stage {stage} has {total_steps} steps; profile.start_step={self.first} is not reached in it")
         self.p, self.out, self.rank, self.cuda, self.log = p, os.path.join(stage_dir, "profile"), rank, \
             device.type == "cuda", log
         self.prof: Optional[torch.profiler.profile] = None
@@ -88,36 +101,54 @@ class StepProfiler:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             if self.p.memory_snapshot:
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+                torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         self.prof = torch.profiler.profile(activities=activities, record_shapes=self.p.record_shapes,
                                            with_stack=self.p.with_stack)
         self.prof.start()
         self.started = n
 
     def close(self) -> None:
-        """Stops the trace (if one runs) and writes it, named by the steps it covered."""
+        """Stops the trace (if one runs) and writes it, named by the steps it covered. A trace that cannot be
+        written (a full disk, a GPU error) is a warning: it never ends a run, nor replaces the error ending one."""
         if self.prof is None:
             return
         prof, self.prof = self.prof, None
-        if self.cuda:
-            torch.cuda.synchronize()
-        prof.stop()
+        try:
+            if self.cuda:
+                torch.cuda.synchronize()
+            prof.stop()
+            self._write(prof)
+        except Exception as e:  # noqa: BLE001 - a diagnostic's failure
+            self.log(f"profile: steps {self.started}-{self.entered} of rank {self.rank} not written ({e})")
+        finally:
+            if self.cuda and self.p.memory_snapshot:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _write(self, prof) -> None:
         os.makedirs(self.out, exist_ok=True)
-        stem = os.path.join(self.out, f"rank{self.rank}-steps{self.started}-{self.entered}")
+        stem = base = os.path.join(self.out, f"rank{self.rank}-steps{self.started}-{self.entered}")
+        again = 1
+        while os.path.exists(stem + ".json.gz"):  # a resumed stage tracing its window again keeps the first trace
+            again += 1
+            stem = f"{base}-{again}"
         prof.export_chrome_trace(stem + ".json.gz")
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        ops = sorted((e for e in prof.key_averages() if not e.key.startswith("step ")), key=lambda e: getattr(e, key),
-                     reverse=True)  # ops and the model's own ranges, not the step ranges around them
+        averages = prof.key_averages()
         with open(stem + ".txt", "w") as f:
-            f.write(prof.key_averages().table(sort_by=key, row_limit=40))
-        self._stop_memory(stem + "-memory.pickle")
+            f.write(averages.table(sort_by=key, row_limit=40))
+        if self.cuda and self.p.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(stem + "-memory.pickle")
+        ops = sorted((e for e in averages if not e.key.startswith("step ")), key=lambda e: getattr(e, key),
+                     reverse=True)  # ops and the model's own ranges, not the step ranges around them
         top = ", ".join(f"{e.key} {getattr(e, key) / 1000:.1f} ms" for e in ops[:5])
         cut = f" (step {self.entered} cut short)" if self.done != self.entered else ""
         self.log(f"profile: steps {self.started}-{self.entered}{cut} of rank {self.rank} traced to {stem}.json.gz; "
                  f"longest ops by own {'GPU' if self.cuda else 'CPU'} time: {top}")
 
-    def _stop_memory(self, path: str) -> None:
-        if self.cuda and self.p.memory_snapshot:
-            torch.cuda.memory._dump_snapshot(path)
-            torch.cuda.memory._record_memory_history(enabled=None)
 
+def rank_log(info, is_main: bool, rank: int):
+    """The main rank's log (the tracker's `info`), or a line on this rank's stderr: a traced rank other than 0
+    reports its trace too."""
+    if is_main:
+        return info
+    return lambda msg: print(f"[rank {rank} longstride] {msg}", file=sys.stderr, flush=True)

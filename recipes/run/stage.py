@@ -43,7 +43,7 @@ from longstride.recipes.checkpoint.format import (BackgroundSave, CheckpointErro
                                                   remove_partial, step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan
 from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
-from longstride.recipes.run.profiling import StepProfiler
+from longstride.recipes.run.profiling import StepProfiler, rank_log
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import restore_stage, save_stage, settle_saves
 from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum
@@ -342,8 +342,9 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
     if run.val_start is None:  # a fresh stage, or a resume whose data started afresh (stage_state.restore_stage)
         run.val_start = validation_loss(ctx, run)
         ctx.tracker.log_values(run.step, {"val_loss": run.val_start})
-    profiler = StepProfiler(ctx.cfg.profile, run.plan.name, stage_dir, ctx.accelerator.process_index,
-                            ctx.accelerator.device, ctx.tracker.info)
+    acc = ctx.accelerator
+    profiler = StepProfiler(ctx.cfg.profile, run.plan.name, stage_dir, acc.process_index, acc.device,
+                            rank_log(ctx.tracker.info, acc.is_main_process, acc.process_index), stage.total_steps)
     try:
         while run.step < stage.total_steps:
             with profiler.step(run.step + 1):

@@ -214,6 +214,10 @@ def test_profiled_gpu_steps_hold_cuda_kernels_and_a_memory_snapshot(tmp_path):
     stem = tmp_path / "profile" / "rank0-steps1-2"
     events = json.load(gzip.open(f"{stem}.json.gz"))["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events), "CUDA kernels in the trace"
+    assert [e["name"] for e in events if e.get("name", "").startswith("step ")] == ["step 1", "step 2"]
+    recorded = sum(map(len, torch.cuda.memory._snapshot()["device_traces"]))
+    torch.randn(1024, 1024, device=CUDA).sum()
+    assert sum(map(len, torch.cuda.memory._snapshot()["device_traces"])) == recorded, "the history is off again"
     assert len(logged) == 1 and "own GPU time" in logged[0]
     with open(f"{stem}-memory.pickle", "rb") as f:  # written by this test's own run
         snapshot = pickle.load(f)
