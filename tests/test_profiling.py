@@ -90,6 +90,8 @@ def test_a_trace_that_cannot_be_written_is_a_warning_never_the_runs_end(tmp_path
     (["profile.start_step=-1"], r"must be >= 0"),
     (["profile.start_step=2", "profile.ranks=[]"], r"profile.ranks=\[\] traces nothing"),
     (["profile.start_step=2", "profile.stages=[]"], r"profile.stages=\[\] traces nothing"),
+    (["profile.start_step=2", "profile.tool=nsys"], r"profile.tool=nsys marks the window for Nsight Systems on CUDA "
+                                                    r".*this run is on cpu: use profile.tool=torch"),
     (["profile.start_step=2", "profile.stages=[s2_2k]", "stage=s1_256"],
      r"profile.stages=\['s2_2k'\] names none of the stages this command runs \(\['s1_256'\]\)"),
 ])
@@ -104,3 +106,12 @@ def test_profile_settings_and_async_save_may_change_on_a_resume():
     base = {"profile": {"start_step": 0, "ranks": None}, "train": {"async_save": False, "seed": 0}}
     changed = {"profile": {"start_step": 5, "ranks": [0]}, "train": {"async_save": True, "seed": 0}}
     assert identity(base) == identity(changed) == {"train.seed": 0}
+
+
+def test_nsys_takes_none_of_torch_profilers_options_on_a_gpu():
+    from longstride.recipes.config.schema import ProfileConfig
+    from longstride.recipes.run.profiling import check_profile
+
+    check_profile(ProfileConfig(tool="nsys", start_step=2, memory_snapshot=True), {"s1": 4}, ["s1"], 1, "cuda")
+    with pytest.raises(ValueError, match="profile.record_shapes and profile.with_stack are torch.profiler's"):
+        check_profile(ProfileConfig(tool="nsys", start_step=2, with_stack=True), {"s1": 4}, ["s1"], 1, "cuda")

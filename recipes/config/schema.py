@@ -107,10 +107,16 @@ class TrainConfig:
     trace_memory: str = "auto"
 
 
+class ProfileTool(Choice):
+    torch = "torch"  # torch.profiler: a Chrome trace and an op table per traced rank
+    nsys = "nsys"  # Nsight Systems: the window as its capture range, NVTX ranges per step (CUDA only)
+
+
 @dataclass
 class ProfileConfig:
-    """Steps start_step..end_step (1-based, of each stage's own count) traced by torch.profiler: a Chrome trace per
-    rank and the ops that took longest (recipes/run/profiling.py). 0 = off."""
+    """Steps start_step..end_step (1-based, of each stage's own count) traced by torch.profiler (a Chrome trace per
+    rank and the ops that took longest) or marked for nsys (recipes/run/profiling.py). 0 = off."""
+    tool: ProfileTool = ProfileTool.torch
     start_step: int = 0
     end_step: int = 0  # 0 = start_step (one step)
     stages: Optional[List[str]] = None  # null = every stage

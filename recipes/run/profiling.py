@@ -1,12 +1,14 @@
 """Traces of chosen training steps (profile.*): torch.profiler over steps start_step..end_step of each stage (its
-own count, 1-based), on the chosen ranks.
+own count, 1-based), on the chosen ranks; or, profile.tool=nsys, those steps as Nsight Systems' capture range
+(cudaProfilerStart/Stop, an NVTX range per step: `nsys profile --capture-range=cudaProfilerApi ...`), as
+Megatron-LM's --profile marks them.
 
 Each traced rank writes, under `<stage>/profile/`:
   rank<r>-steps<a>-<b>.json.gz   the Chrome trace (https://ui.perfetto.dev or chrome://tracing), each step a
                                  `step N` range; CUDA kernels too on a GPU
   rank<r>-steps<a>-<b>.txt       the ops by their own time (self CUDA time on a GPU, else self CPU time)
-  rank<r>-steps<a>-<b>-memory.pickle   with profile.memory_snapshot (CUDA only): the caching allocator's history
-                                 over the steps, for https://pytorch.org/memory_viz
+  rank<r>-steps<a>-<b>-memory.pickle   with profile.memory_snapshot (CUDA only; with nsys too): the caching
+                                 allocator's history over the steps, for https://pytorch.org/memory_viz
 and logs the five ops that took longest (each traced rank: rank 0 in the run's log, the others on their stderr). A
 stage resumed inside the window traces the steps it has left of it (a trace of the same steps already there is
 kept: the new one gets a -2, -3 suffix); a run stopped inside it (a stop signal, an error) writes what it traced,
@@ -62,6 +64,11 @@ def check_profile(p: ProfileConfig, stages: dict[str, int], runs: list[str], wor
     if all(first > steps for steps in traced.values()):
         raise ValueError(f"profile.start_step={first} is past the last step of every stage it traces "
                          f"({traced}); pick a step within them")
+    if str(p.tool) == "nsys" and (device_type != "cuda" or p.record_shapes or p.with_stack):
+        raise ValueError("profile.tool=nsys marks the window for Nsight Systems on CUDA (launch under `nsys profile "
+                         "--capture-range=cudaProfilerApi`); " + (f"this run is on {device_type}: use profile.tool="
+                         "torch" if device_type != "cuda" else "profile.record_shapes and profile.with_stack are "
+                         "torch.profiler's: drop them or use profile.tool=torch"))
     if p.memory_snapshot and device_type != "cuda":
         raise ValueError(f"profile.memory_snapshot=true records CUDA's caching allocator, and this run is on "
                          f"{device_type}; set profile.memory_snapshot=false (the Chrome trace is still written)")
@@ -79,6 +86,7 @@ class StepProfiler:
             log(f"profile: stage {stage} has {total_steps} steps; profile.start_step={self.first} is not reached in it")
         self.p, self.out, self.rank, self.cuda, self.log = p, os.path.join(stage_dir, "profile"), rank, \
             device.type == "cuda", log
+        self.nsys = str(p.tool) == "nsys"
         self.prof: Optional[torch.profiler.profile] = None
         self.started, self.entered, self.done = 0, 0, 0
 
@@ -90,22 +98,26 @@ class StepProfiler:
         if self.prof is None:
             self._start(n)
         self.entered = n
-        with torch.profiler.record_function(f"step {n}"):
+        with torch.cuda.nvtx.range(f"step {n}") if self.nsys else torch.profiler.record_function(f"step {n}"):
             yield
         self.done = n
         if n == self.last:
             self.close()
 
     def _start(self, n: int) -> None:
+        self.started = n
+        if self.cuda and self.p.memory_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+        if self.nsys:
+            torch.cuda.profiler.start()
+            self.prof = _NsysWindow()
+            return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            if self.p.memory_snapshot:
-                torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         self.prof = torch.profiler.profile(activities=activities, record_shapes=self.p.record_shapes,
                                            with_stack=self.p.with_stack)
         self.prof.start()
-        self.started = n
 
     def close(self) -> None:
         """Stops the trace (if one runs) and writes it, named by the steps it covered. A trace that cannot be
@@ -116,7 +128,10 @@ class StepProfiler:
         try:
             if self.cuda:
                 torch.cuda.synchronize()
-            prof.stop()
+            if self.nsys:
+                torch.cuda.profiler.stop()
+            else:
+                prof.stop()
             self._write(prof)
         except Exception as e:  # noqa: BLE001 - a diagnostic's failure
             self.log(f"profile: steps {self.started}-{self.entered} of rank {self.rank} not written ({e})")
@@ -128,22 +143,30 @@ class StepProfiler:
         os.makedirs(self.out, exist_ok=True)
         stem = base = os.path.join(self.out, f"rank{self.rank}-steps{self.started}-{self.entered}")
         again = 1
-        while os.path.exists(stem + ".json.gz"):  # a resumed stage tracing its window again keeps the first trace
-            again += 1
+        while any(os.path.exists(stem + end) for end in (".json.gz", "-memory.pickle")):  # a resumed stage tracing
+            again += 1  # its window again keeps the first trace
             stem = f"{base}-{again}"
+        if self.cuda and self.p.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(stem + "-memory.pickle")
+        cut = f" (step {self.entered} cut short)" if self.done != self.entered else ""
+        what = f"profile: steps {self.started}-{self.entered}{cut} of rank {self.rank}"
+        if self.nsys:
+            self.log(f"{what} were nsys's capture range" + (f"; memory snapshot {stem}-memory.pickle"
+                                                             if self.p.memory_snapshot else ""))
+            return
         prof.export_chrome_trace(stem + ".json.gz")
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         averages = prof.key_averages()
         with open(stem + ".txt", "w") as f:
             f.write(averages.table(sort_by=key, row_limit=40))
-        if self.cuda and self.p.memory_snapshot:
-            torch.cuda.memory._dump_snapshot(stem + "-memory.pickle")
         ops = sorted((e for e in averages if not e.key.startswith("step ")), key=lambda e: getattr(e, key),
                      reverse=True)  # ops and the model's own ranges, not the step ranges around them
         top = ", ".join(f"{e.key} {getattr(e, key) / 1000:.1f} ms" for e in ops[:5])
-        cut = f" (step {self.entered} cut short)" if self.done != self.entered else ""
-        self.log(f"profile: steps {self.started}-{self.entered}{cut} of rank {self.rank} traced to {stem}.json.gz; "
-                 f"longest ops by own {'GPU' if self.cuda else 'CPU'} time: {top}")
+        self.log(f"{what} traced to {stem}.json.gz; longest ops by own {'GPU' if self.cuda else 'CPU'} time: {top}")
+
+
+class _NsysWindow:
+    """Stands for the running profiler while nsys captures: the capture is stopped by cudaProfilerStop."""
 
 
 def rank_log(info, is_main: bool, rank: int):

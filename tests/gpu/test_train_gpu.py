@@ -222,3 +222,20 @@ def test_profiled_gpu_steps_hold_cuda_kernels_and_a_memory_snapshot(tmp_path):
     with open(f"{stem}-memory.pickle", "rb") as f:  # written by this test's own run
         snapshot = pickle.load(f)
     assert snapshot["segments"] and any(t for t in snapshot["device_traces"])
+
+
+def test_an_nsys_window_marks_its_steps_and_keeps_the_memory_snapshot(tmp_path):
+    """profile.tool=nsys: cudaProfilerStart/Stop around the window (a no-op without nsys attached), NVTX step ranges,
+    no torch.profiler files; the memory snapshot is still written."""
+    from longstride.recipes.config.schema import ProfileConfig
+    from longstride.recipes.run.profiling import StepProfiler
+
+    logged = []
+    prof = StepProfiler(ProfileConfig(tool="nsys", start_step=2, memory_snapshot=True), "s1", str(tmp_path), 0, CUDA,
+                        logged.append)
+    a = torch.randn(256, 256, device=CUDA)
+    for n in (1, 2, 3):
+        with prof.step(n):
+            a = torch.tanh(a @ a.T / 256)
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0-steps2-2-memory.pickle"]
+    assert len(logged) == 1 and "steps 2-2 of rank 0 were nsys's capture range" in logged[0]
