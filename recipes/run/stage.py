@@ -161,6 +161,11 @@ def log_memory_estimate(ctx: RunContext, plan: StagePlan, lm) -> None:
     need = est["total"]
     if acc.is_main_process and _trace_on(ctx.cfg.train.trace_memory, acc.device.type):
         need = max(need, log_traced_memory(ctx, plan, lm, est["total"]) or 0.0)
+    if ctx.cfg.train.async_save:  # the rank's state copied to host memory (FSDP2's shard twice while staging)
+        copy = (est["parameters"] + est["optimizer"]) * (2 if plan.fsdp else 1)
+        tracker.info("stage %s: a step checkpoint saved in the background holds about %.2f GiB more host memory per "
+                     "rank until it is written (train.async_save)", plan.name, copy)
+        need += copy if acc.device.type == "cpu" else 0.0
     if need > 0.9 * avail:
         tracker.warning("stage %s will likely not fit: about %.1f GiB per rank against %.1f GiB; raise its cp, set "
                         "model.activation_checkpointing=true (every layer: no checkpoint_layers) and mlp_tile_tokens, "
