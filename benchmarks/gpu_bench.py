@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from longstride.parallel.varlen import flash_attn_available
+from longstride.recipes.run.flops import peak_flops, train_flops as model_flops
 
 SHAPES = {  # LlamaConfig fields
     "smollm2_135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -32,17 +33,6 @@ SHAPES = {  # LlamaConfig fields
     "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
-# dense bf16 tensor-core peak, FLOP/s (vendor datasheets)
-PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK.items() if k in name), None)
-
-
 def systems(flex: bool = False) -> list[str]:
     return (["longstride", "hf_sdpa_packed", "hf_sdpa_causal"] + (["hf_flash_attention_2"] if flash_attn_available()
                                                                    else []) + (["hf_flex_packed"] if flex else []))
@@ -54,12 +44,12 @@ def doc_pairs(doc: torch.Tensor) -> int:
 
 
 def train_flops(shape: dict, tokens: int, pairs: int) -> float:
-    """Model FLOPs of one training step (forward + backward = 3x forward; recomputation not counted):
-    the matmuls per token, plus attention's QK^T and PV over the causal pairs the mask allows."""
+    """Model FLOPs of one training step of `shape` (recipes/run/flops.py, the loop's own count): its linear
+    layers' weights per token, and attention over the `pairs` (query, key) pairs the mask allows, in every layer."""
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    per_token = layers * 2 * (2 * h * h + 2 * h * kv + 3 * h * inter) + 2 * h * shape["vocab_size"]
-    return 3 * (per_token * tokens + layers * 4 * h * pairs)
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * shape["vocab_size"]
+    return model_flops(linear, h, tokens, layers * pairs)
 
 
 @dataclass

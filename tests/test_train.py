@@ -241,6 +241,9 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
             if key in a[s]:
                 assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-6), (s, key)
     assert all("grad_norm" in m for m in a.values() if "loss" in m), "every step logs its gradient norm"
+    for s in (s for s in a if "tflops" in a[s]):  # the same batches' model FLOPs (recipes/run/flops.py), per rank
+        assert 2 * b[s]["tflops"] / b[s]["tokens_per_s"] == pytest.approx(a[s]["tflops"] / a[s]["tokens_per_s"],
+                                                                           rel=1e-9), s
     assert sorted(p.name for p in (tmp_path / "two" / "tiny" / "s1_256" / "step_000003").glob("rank*.pt")) == \
         ["rank0.pt", "rank1.pt"]
 

@@ -43,6 +43,7 @@ from longstride.recipes.checkpoint.format import (BackgroundSave, CheckpointErro
                                                   remove_partial, step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan
 from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
+from longstride.recipes.run.flops import StepFlops, peak_flops
 from longstride.recipes.run.profiling import StepProfiler, rank_log
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import restore_stage, save_stage, settle_saves
@@ -109,6 +110,7 @@ class StageRun:
     pack_stats: dict
     built: Step  # the step's parts (recipes/run/step.py): its CP context and batch preparation
     data_id: str  # the data's fingerprint (stage_data), stored with each step checkpoint and checked on resume
+    flops: StepFlops  # the model's FLOPs per step, for the tflops and mfu metrics
     saves: Optional[BackgroundSave] = None  # train.async_save: the step checkpoint being written behind the steps
     step: int = 0
     tokens_seen: int = 0
@@ -264,7 +266,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
                                 stage.decay_fraction)
     loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
     return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
-                    pack_stats=pack_stats, built=built, data_id=data_id,
+                    pack_stats=pack_stats, built=built, data_id=data_id, flops=StepFlops(lm),
                     saves=BackgroundSave() if cfg.train.async_save else None)
 
 
@@ -305,8 +307,11 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     (recipes/run/faults.py). Returns the step's metrics."""
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
-    micro = [run.prep(next(run.loader)) for _ in range(run.plan.accum)]
-    count = all_reduce(torch.tensor(float(sum(label_count(m) for m in micro))))
+    batches = [next(run.loader) for _ in range(run.plan.accum)]
+    pairs = sum(run.flops.pairs(b["doc_ids"]) for b in batches) if run.flops.counted else 0  # whole rows, every rank
+    micro = [run.prep(b) for b in batches]
+    totals = all_reduce(torch.tensor([float(sum(label_count(m) for m in micro)), float(pairs)], dtype=torch.float64))
+    count = totals[0].float()
     summed = torch.zeros((), dtype=torch.float32, device=acc.device)  # on the device: no host sync per micro-batch
     for i, mb in enumerate(micro):
         with model.grad_sync(last=i == len(micro) - 1):
@@ -334,10 +339,18 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     seconds = time.perf_counter() - t0
     # tokens_per_s: every position of the step's batch, padding included (as torchtitan counts); loss_tokens_per_s:
     # the positions that carry a loss, over all ranks (no padding, no document's last token)
-    return {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / seconds,
-            "loss_tokens_per_s": count.item() / seconds, "tokens_seen": run.tokens_seen,
-            "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": grad_norm,
-            "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
+    metrics = {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / seconds,
+               "loss_tokens_per_s": count.item() / seconds, "tokens_seen": run.tokens_seen,
+               "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": grad_norm,
+               "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
+    if run.flops.counted:  # model FLOP/s per rank (recipes/run/flops.py): each CP rank counted its group's rows
+        per_rank = run.flops.step(stage.batch_tokens, int(totals[1].item()) // run.plan.dims.cp) / seconds / \
+            acc.num_processes
+        metrics["tflops"] = per_rank / 1e12
+        peak = peak_flops(acc.device) if acc.mixed_precision == "bf16" else None
+        if peak:
+            metrics["mfu"] = per_rank / peak
+    return metrics
 
 
 def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, last_good: Optional[str]) -> None:

@@ -156,8 +156,10 @@ class Tracker:
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
         elif step % self.cfg.logger.log_every == 0:
-            log.info("step %d loss %.4f lr %.2e tok/s %.0f", step, metrics["loss"], metrics["lr"],
-                     metrics["tokens_per_s"])
+            rate = "" if "tflops" not in metrics else f" TFLOP/s {metrics['tflops']:.3g}" + (
+                f" MFU {100 * metrics['mfu']:.1f}%" if "mfu" in metrics else "")
+            log.info("step %d loss %.4f lr %.2e tok/s %.0f%s", step, metrics["loss"], metrics["lr"],
+                     metrics["tokens_per_s"], rate)
 
     def log_values(self, step: int, values: dict) -> None:
         """Metrics outside the step loop (validation loss): file and wandb, no progress update."""

@@ -1,0 +1,66 @@
+"""The step's model FLOPs (recipes/run/flops.py): the linear layers' weights and the (query, key) pairs each layer's
+pattern lets the document mask keep, against hand counts; mixture-of-experts models not counted; the GPU
+benchmark's count the same; the loop's tflops metric within the bounds its batches allow."""
+from __future__ import annotations
+
+import json
+
+import torch
+import transformers as T
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+
+
+def test_linear_weights_and_attention_pairs_by_hand():
+    """Per layer q 32x32, k and v 32x16, o 32x32, MLP 3 x 32x48; the tied LM head 32x64. One row of two documents
+    (6 and 4 tokens): causal layers see 21 + 10 pairs; a 3-token window min(p + 1, 3): 1+2+3+3+3+3 + 1+2+3+3."""
+    from longstride.recipes.run.flops import StepFlops
+
+    per_layer = 32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48
+    doc = torch.tensor([[0] * 6 + [1] * 4])
+    llama = StepFlops(T.LlamaForCausalLM(T.LlamaConfig(**SMALL)))
+    assert llama.counted and llama.linear == 2 * per_layer + 32 * 64 and llama.width == 32
+    assert llama.pairs(doc) == 2 * (21 + 10)
+    mistral = StepFlops(T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=3)))
+    assert mistral.pairs(doc) == 2 * (15 + 9)
+    assert llama.step(10, 62) == 3 * (2 * llama.linear * 10 + 4 * 32 * 62)
+
+
+def test_a_mixture_of_experts_model_is_not_counted():
+    from longstride.recipes.run.flops import StepFlops
+
+    moe = T.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    assert not StepFlops(T.MixtralForCausalLM(moe)).counted
+
+
+def test_the_gpu_benchmarks_count_is_the_loops():
+    from benchmarks.gpu_bench import SHAPES, train_flops
+    from longstride.recipes.run.flops import StepFlops
+
+    shape = SHAPES["smoke"]
+    model = T.LlamaForCausalLM(T.LlamaConfig(**shape))
+    flops = StepFlops(model)
+    doc = torch.tensor([[0] * 40 + [1] * 24])
+    pairs = 40 * 41 // 2 + 24 * 25 // 2
+    assert train_flops(shape, 64, pairs) == flops.step(64, flops.pairs(doc)) == \
+        flops.step(64, shape["num_hidden_layers"] * pairs)
+
+
+def test_the_loops_tflops_lie_within_what_its_batches_allow(s1_reference):
+    """The micro recipe's stage (one process, CPU: no mfu): each step's FLOPs (tflops x seconds, seconds from
+    tokens_per_s) lie between the linear layers' alone plus one pair per token per layer and whole-row causal
+    attention over every row."""
+    from longstride.recipes.run.flops import StepFlops
+
+    lm = T.AutoModelForCausalLM.from_pretrained(s1_reference / "final")
+    flops, layers = StepFlops(lm), lm.config.num_hidden_layers
+    steps = [json.loads(line) for line in (s1_reference / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "tokens_per_s" in m]
+    assert steps and all("mfu" not in m for m in steps)
+    tokens, seq = 512, 64  # the micro recipe's batch_tokens and seq_len for s1_256
+    low = flops.step(tokens, layers * tokens)
+    high = flops.step(tokens, layers * (tokens // seq) * seq * (seq + 1) // 2)
+    for m in steps:
+        step_flops = m["tflops"] * 1e12 * tokens / m["tokens_per_s"]
+        assert low * (1 - 1e-9) <= step_flops <= high * (1 + 1e-9), m["step"]
