@@ -33,6 +33,8 @@ SHAPES = {  # LlamaConfig fields
     "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
 }
+
+
 def systems(flex: bool = False) -> list[str]:
     return (["longstride", "hf_sdpa_packed", "hf_sdpa_causal"] + (["hf_flash_attention_2"] if flash_attn_available()
                                                                    else []) + (["hf_flex_packed"] if flex else []))

@@ -100,7 +100,8 @@ def loss_curve(steps: list[dict], points: int = 24) -> list[list]:
 
 def stage_summary(records: list[dict]) -> dict | None:
     """One stage's metrics.jsonl records -> its length, base, steps, tokens, median tokens/s of the steps after
-    the first (the first carries warm-up; also counting only the tokens that carry a loss: no padding), last loss
+    the first (the first carries warm-up; also counting only the tokens that carry a loss: no padding), and their
+    median model TFLOP/s per rank and MFU (recipes/run/flops.py; None where not logged), last loss
     and the loss curve, validation losses (before, after) and peak memory with how it was measured; None for a stage
     cut short before its first step. The device window's --collect reads its runs' stages with it too."""
     steps = [r for r in records if "loss" in r]
@@ -110,12 +111,18 @@ def stage_summary(records: list[dict]) -> dict | None:
     method = next(iter(peaks), None)
     return {"seq_len": steps[-1]["seq_len"], "rope_theta": steps[-1]["rope_theta"], "steps": len(steps),
             "tokens": steps[-1]["tokens_seen"],
-            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps[1:] or steps),
-            "loss_tokens_per_s_median": statistics.median(counted) if (counted := [
-                r["loss_tokens_per_s"] for r in steps[1:] or steps if "loss_tokens_per_s" in r]) else None,
+            "tokens_per_s_median": _median(steps, "tokens_per_s"),
+            "loss_tokens_per_s_median": _median(steps, "loss_tokens_per_s"),
+            "tflops_median": _median(steps, "tflops"), "mfu_median": _median(steps, "mfu"),
             "final_loss": steps[-1]["loss"], "loss_curve": loss_curve(steps),
             "val_loss": [r["val_loss"] for r in records if "val_loss" in r][-2:],
             "peak_gib": max(r[f"peak_mem_gib_{method}"] for r in steps) if method else None, "peak_method": method}
+
+
+def _median(steps: list[dict], key: str):
+    """The median of `key` over the steps after the first (all of them if there is one), None where not logged."""
+    values = [r[key] for r in steps[1:] or steps if key in r]
+    return statistics.median(values) if values else None
 
 
 def stage_rows(run: str, log: str) -> list[dict]:

@@ -25,6 +25,21 @@ def test_linear_weights_and_attention_pairs_by_hand():
     mistral = StepFlops(T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=3)))
     assert mistral.pairs(doc) == 2 * (15 + 9)
     assert llama.step(10, 62) == 3 * (2 * llama.linear * 10 + 4 * 32 * 62)
+    assert llama.pairs(doc, masked=False) == 2 * 55, "data.doc_masking=false: the row attends as one document"
+
+
+def test_a_vision_language_model_counts_its_text_layers_and_head_only():
+    """Gemma 3 4B and up (Gemma3ForConditionalGeneration): the vision tower and projector beside the text decoder
+    run on no training token here."""
+    from longstride.model.loss import text_decoder
+    from longstride.recipes.run.flops import StepFlops
+    from tests.test_prefill_patterns import vision_gemma3
+
+    lm = vision_gemma3()
+    text = sum(m.weight.numel() for m in text_decoder(lm).modules() if isinstance(m, torch.nn.Linear))
+    every = sum(m.weight.numel() for m in lm.modules() if isinstance(m, torch.nn.Linear))
+    flops = StepFlops(lm)
+    assert flops.linear == text + lm.get_output_embeddings().weight.numel() < every
 
 
 def test_a_mixture_of_experts_model_is_not_counted():

@@ -334,7 +334,10 @@ def test_stage_summary_keeps_where_the_loss_fell():
     records = [{"step": 0, "val_loss": 5.0}] + [
         {"step": i, "loss": 3.0 if i < 450 else 0.3, "tokens_per_s": 1e5, "tokens_seen": 16384 * i, "seq_len": 4096,
          "rope_theta": 1e5} for i in range(1, 601)]
-    curve = stage_summary(records)["loss_curve"]
+    records[5]["tflops"], records[6]["tflops"], records[7]["tflops"] = 1.0, 3.0, 2.0
+    summary = stage_summary(records)
+    assert (summary["tflops_median"], summary["mfu_median"]) == (2.0, None), "the logged steps' median; no mfu"
+    curve = summary["loss_curve"]
     assert len(curve) == 24 and [c[0] for c in curve[:2]] == [25, 50] and curve[-1] == [600, 0.3]
     assert curve[16] == [425, 3.0] and curve[17] == [450, 3.0 - 2.7 / 25] and curve[18] == [475, 0.3]
 

@@ -6,7 +6,11 @@ included, the embedding lookup not), plus attention's QK^T and PV, 4 x heads x h
 pair that the document mask and each layer's pattern let a query see (parallel/balance.token_work: a windowed
 layer counts min(position + 1, window) keys, a chunked one its chunk's). Every position of the batch counts,
 padding included (as tokens_per_s does). Mixture-of-experts models are not counted (each token runs only some
-experts' weights): their steps log no tflops.
+experts' weights): their steps log no tflops. A vision tower beside the text layers is not counted.
+
+This counts less than torchtitan's or Megatron-LM's estimates on packed data, which count attention over the whole
+sequence (every position attending every earlier one): here only the pairs a document mask keeps, so a packed
+batch's TFLOP/s reads lower than theirs for the same step time. Padding positions count as a document of their own.
 """
 from __future__ import annotations
 
@@ -15,11 +19,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from longstride.model.loss import text_decoder
 from longstride.parallel.balance import token_work
 from longstride.parallel.pattern import config_patterns
 
 # dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets), by a part of torch.cuda.get_device_name
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+             "A100": 312e12}  # the first name found in the device's wins: the NVL and PCIe parts before the rest
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -44,7 +50,9 @@ class StepFlops:
     def __init__(self, lm: torch.nn.Module):
         cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         self.moe = next((a for a in EXPERTS if (getattr(cfg, a, 0) or 0) > 1), None)
-        self.linear = sum(m.weight.numel() for m in lm.modules() if isinstance(m, torch.nn.Linear))
+        head = lm.get_output_embeddings()  # the text layers and the LM head: not a vision tower beside them
+        self.linear = sum(m.weight.numel() for m in text_decoder(lm).modules() if isinstance(m, torch.nn.Linear)) + \
+            (head.weight.numel() if isinstance(head, torch.nn.Linear) else 0)
         heads = cfg.num_attention_heads
         self.width = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.patterns = config_patterns(cfg)
@@ -53,9 +61,11 @@ class StepFlops:
     def counted(self) -> bool:
         return self.moe is None
 
-    def pairs(self, doc_ids: torch.Tensor) -> int:
-        """(query, key) pairs over the layers of one batch's rows (B, L) of document ids."""
-        return int(token_work(np.asarray(doc_ids.cpu()), self.patterns).sum())
+    def pairs(self, doc_ids: torch.Tensor, masked: bool = True) -> int:
+        """(query, key) pairs over the layers of one batch's rows (B, L) of document ids; masked=False
+        (data.doc_masking=false): each row attends causally as one document."""
+        docs = np.asarray(doc_ids.cpu())
+        return int(token_work(docs if masked else np.zeros_like(docs), self.patterns).sum())
 
     def step(self, tokens: int, layer_pairs: int) -> float:
         return train_flops(self.linear, self.width, tokens, layer_pairs)

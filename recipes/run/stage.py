@@ -308,7 +308,8 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
     batches = [next(run.loader) for _ in range(run.plan.accum)]
-    pairs = sum(run.flops.pairs(b["doc_ids"]) for b in batches) if run.flops.counted else 0  # whole rows, every rank
+    masked = run.plan.step.doc_masking
+    pairs = sum(run.flops.pairs(b["doc_ids"], masked) for b in batches) if run.flops.counted else 0  # whole rows
     micro = [run.prep(b) for b in batches]
     totals = all_reduce(torch.tensor([float(sum(label_count(m) for m in micro)), float(pairs)], dtype=torch.float64))
     count = totals[0].float()
