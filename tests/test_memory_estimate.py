@@ -292,7 +292,7 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     messages = []
     tracker = NS(info=lambda *a: None, warning=lambda msg, *a: messages.append(msg % a))
     acc = NS(num_processes=1, mixed_precision="no", device=torch.device("cpu"), is_main_process=True)
-    ctx = NS(accelerator=acc, tracker=tracker, cfg=NS(train=NS(trace_memory="true")))
+    ctx = NS(accelerator=acc, tracker=tracker, cfg=NS(train=NS(trace_memory="true", async_save=False)))
     plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), degrees=CPDegrees(),
               step=StepSpec(), fsdp=False)
     stage.log_memory_estimate(ctx, plan, model.lm)
