@@ -30,6 +30,8 @@ def test_two_processes_trace_the_chosen_steps_on_the_chosen_rank(tmp_path, cache
            "longest ops by own CPU time: " in out, "the traced rank reports it, though it is not the main one"
     names = _events(folder / "rank1-steps2-3.json.gz")
     assert [n for n in names if n.startswith("step ")] == ["step 2", "step 3"], "exactly the window's steps"
+    assert [n for n in names if n.startswith("micro-batch ")] == ["micro-batch 1"] * 2 and \
+        names.count("gradient norm") == 2, "each step's micro-batch (accumulation 1 on 2 ranks) and gradient norm"
     assert names.count("aten::mm") > 0 and any("scaled_dot_product" in n for n in names)
     table = (folder / "rank1-steps2-3.txt").read_text()
     assert "Self CPU" in table and "aten::mm" in table

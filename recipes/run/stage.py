@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
@@ -314,8 +315,8 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     totals = all_reduce(torch.tensor([float(sum(label_count(m) for m in micro)), float(pairs)], dtype=torch.float64))
     count = totals[0].float()
     summed = torch.zeros((), dtype=torch.float32, device=acc.device)  # on the device: no host sync per micro-batch
-    for i, mb in enumerate(micro):
-        with model.grad_sync(last=i == len(micro) - 1):
+    for i, mb in enumerate(micro):  # each micro-batch a range of its own in a profile's trace
+        with model.grad_sync(last=i == len(micro) - 1), record_function(f"micro-batch {i + 1}"):
             part = loss_sum(model, mb, acc.device)
             # DDP and FSDP2 average gradients over all dp x cp ranks; each CP rank holds part of the sequence's
             # gradient (its tokens' loss, plus the dK/dV its ring received), so scaling by world makes the
@@ -323,7 +324,8 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
             model.backward(part * (acc.num_processes / count.clamp(min=1).item()))
         summed += part.detach().float()
     # the global norm (clipping to it when optim.grad_clip > 0): the non-finite check needs it
-    grad_norm = model.clip_grad_norm(ctx.cfg.optim.grad_clip if ctx.cfg.optim.grad_clip > 0 else math.inf)
+    with record_function("gradient norm"):
+        grad_norm = model.clip_grad_norm(ctx.cfg.optim.grad_clip if ctx.cfg.optim.grad_clip > 0 else math.inf)
     lr = run.optimizer.param_groups[0]["lr"]  # what this step's update applies
     loss = (all_reduce(summed) / count.clamp(min=1)).item()
     update = guard.step_ok(run.step + 1, loss, grad_norm, last_good)
@@ -371,7 +373,7 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
             last_good = after_step(ctx, run, stage_dir, stop, guard, metrics, last_good)
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
         settle_saves(ctx, run)
-        ctx.accelerator.wait_for_everyone()
+        acc.wait_for_everyone()
         raise
     except Stopped:
         raise

@@ -153,7 +153,9 @@ class Tracker:
             return
         self._record(step, metrics, to_wandb=step % self.cfg.logger.log_every == 0)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+            rate = {"tflops": f"{metrics['tflops']:.3g}"} if "tflops" in metrics else {}
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", **rate,
+                                 refresh=False)
             self.bar.update(1)
         elif step % self.cfg.logger.log_every == 0:
             rate = "" if "tflops" not in metrics else f" TFLOP/s {metrics['tflops']:.3g}" + (
