@@ -157,7 +157,7 @@ def _timed_worker(rank, world, fsdp, background, reps, root, out):
                                 world_size=world, keep_last=2, background=saves) as d:
             shards = model.save_state(d, opt, background=background)
             if background:
-                saves.track(shards)
+                saves.track(shards, t0)
             if rank == 0:
                 lm.config.save_pretrained(d)
         held, copy = time.perf_counter() - t0, rss_mib() - before

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -26,7 +27,7 @@ def _save(stage, step: int, background, shards: Future, keep_last: int = 0) -> s
     path = str(stage / step_name(step))
     with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": step},
                             rank_state={}, meta={}, keep_last=keep_last, background=background):
-        background.track(shards)
+        background.track(shards, time.perf_counter())
     return path
 
 
@@ -49,7 +50,7 @@ def test_the_save_returns_before_its_shards_are_written_and_is_sealed_after(tmp_
         ["rank0.pt", "stage.json", "trainer.pt"], "returned with the shards unwritten; nothing looks complete"
     assert latest_checkpoint(str(stage)) is None
     with pytest.raises(RuntimeError, match="another is in flight"):
-        background.track(Future())
+        background.track(Future(), 0.0)
     _shard_written(path, first)
     assert background.wait() == path and background.in_flight is None and background.wait() is None
     assert verify(path) is None and "__0_0.distcp" in os.listdir(path) and not (stage / ".tmp-step_000002").exists()
@@ -122,10 +123,10 @@ def test_a_failure_that_is_not_a_write_is_named_as_such_and_a_failed_save_frees_
     with pytest.raises(CheckpointError, match="No space left"):  # this rank's own files fail after the shards began
         with writing_checkpoint(str(stage / "step_000004"), rank=0, is_main=True, barrier=lambda: None,
                                 trainer_state={}, rank_state={}, meta={}, background=background):
-            background.track(done)
+            background.track(done, 0.0)
             raise OSError(28, "No space left on device")
     assert background.in_flight is None
-    background.track(Future())  # the failed save is not in flight: the next one starts
+    background.track(Future(), 0.0)  # the failed save is not in flight: the next one starts
 
 
 def _launch(args, env=None) -> subprocess.CompletedProcess:

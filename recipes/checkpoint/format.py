@@ -263,11 +263,12 @@ class BackgroundSave:
         """The checkpoint being written, until `wait` returns."""
         return self._path
 
-    def track(self, shards: Future) -> None:
-        """The future of the shards this rank started writing (Parallelized.save_state(..., background=True))."""
+    def track(self, shards: Future, started: float) -> None:
+        """The future of the shards this rank started writing (Parallelized.save_state(..., background=True)) in the
+        save that began at time.perf_counter() `started` (its copy of the state included in what it held)."""
         if self._path is not None or self._shards is not None:
             raise RuntimeError("a background save started while another is in flight: wait() for it first")
-        self._shards, self._started = shards, time.perf_counter()
+        self._shards, self._started = shards, started
 
     def abandon(self) -> None:
         """A save that failed before its thread started (writing_checkpoint): its shards are waited for (DCP's

@@ -6,6 +6,7 @@ recipes/checkpoint/format.py's, the shards parallel/shards.py's.
 from __future__ import annotations
 
 import os
+import time
 
 from longstride.data.stream_split import resplit
 from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
@@ -25,6 +26,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     are refused before anything is written."""
     acc, plan, model = ctx.accelerator, run.plan, run.model
     settle_saves(ctx, run)  # one save at a time: the one in flight is sealed first (a failure raised here)
+    started = time.perf_counter()
     background = run.saves if with_state else None  # train.async_save: a step checkpoint's shards written behind
     check_finite_parameters(model.parameters(), path)
     trainer = {"scheduler": run.scheduler.state_dict(), "step": run.step, "tokens_seen": run.tokens_seen,
@@ -45,7 +47,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
         if with_state:  # a step checkpoint: per-rank shards, and the config and tokenizer that make it an HF dir
             shards = model.save_state(directory, run.optimizer, background=background is not None)
             if background is not None:
-                background.track(shards)
+                background.track(shards, started)
         else:  # a final: the HF directory, its weights streamed from the shards under FSDP2
             model.save_weights(run.lm, directory, acc.is_main_process)
         if acc.is_main_process:
