@@ -40,7 +40,7 @@ def check_profile(p: ProfileConfig, stages: dict[str, int], runs: list[str], wor
                          "each stage, from 1; start_step=0 = off)")
     if not p.start_step:
         if p.end_step or p.stages is not None or p.ranks is not None or p.memory_snapshot or p.record_shapes \
-                or p.with_stack:
+                or p.with_stack or str(p.tool) != "torch":
             raise ValueError("profile.* is set but profile.start_step=0 (off); set profile.start_step to the first "
                              "step to trace (e.g. profile.start_step=5 profile.end_step=6)")
         return
