@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import functools
 import json
 import os
 from dataclasses import dataclass
@@ -17,9 +16,9 @@ from typing import Callable
 import datasets
 import numpy as np
 
-from longstride.data import synthetic
+from longstride.data import manual, synthetic
 from longstride.data.config import SourceConfig
-from longstride.data.files import STDLIB_SNAPSHOT, digest, list_files, stdlib_digest, stdlib_root, unreadable
+from longstride.data.files import digest, list_files, stdlib_digest, stdlib_root, unreadable
 from longstride.data.stream_split import first_row, keeps, split_rows
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -293,21 +292,6 @@ def _stream_hub(src, cache_dir, field, world):
     return _stream_table(_hub_dataset(src, streaming=True), src, field)
 
 
-@functools.lru_cache(maxsize=1)
-def manual_topics() -> tuple[str, ...]:
-    """The Python reference manual's topic texts, by topic name: CPython 3.11.7's `pydoc_data/topics.py` from the
-    shipped standard-library snapshot, as unpacked once (data/files.py stdlib_root), read as a literal and never
-    run, so the text is the same under every Python (each interpreter's own pydoc_data differs by version)."""
-    import ast
-
-    source = (stdlib_root() / "pydoc_data" / "topics.py").read_text(encoding="utf-8")
-    assign = [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
-              and getattr(n.targets[0], "id", None) == "topics"]
-    assert len(assign) == 1, "the shipped pydoc_data/topics.py assigns `topics` once"
-    topics = ast.literal_eval(assign[0].value)
-    return tuple(topics[k] for k in sorted(topics))
-
-
 def check_manual_held_out(sources: dict) -> None:
     """Refuses a stdlib source that reads pydoc_data/topics.py beside a pymanual source: the manual's documents are
     that file's text, so the topics the pymanual source holds out for validation would be trained on."""
@@ -321,25 +305,6 @@ def check_manual_held_out(sources: dict) -> None:
                              "(kind pymanual), whose held-out topics it would then train on; add it to "
                              f"data.sources.{name}.exclude (e.g. exclude=\"{src.exclude + ',' if src.exclude else ''}"
                              "pydoc_data/topics.py\")")
-
-
-def _check_pymanual(src: SourceConfig, field: str) -> None:
-    if not STDLIB_SNAPSHOT.is_file():
-        raise ValueError(f"{field}.kind=pymanual reads the manual's topics from {STDLIB_SNAPSHOT}, which is missing; "
-                         "reinstall longstride (pip install -e .) from a complete checkout")
-
-
-def _pymanual_rows(max_docs):
-    for text in manual_topics()[:max_docs]:
-        yield {"text": text, "skip": "" if text.strip() else "empty"}
-
-
-def _load_pymanual(src, cache_dir, num_proc, field):
-    return datasets.Dataset.from_list(list(_pymanual_rows(src.max_docs)))
-
-
-def _stream_pymanual(src, cache_dir, field, world):
-    return datasets.IterableDataset.from_generator(_pymanual_rows, gen_kwargs={"max_docs": src.max_docs})
 
 
 @dataclass(frozen=True)
@@ -367,7 +332,7 @@ KINDS = {  # data.sources.<name>.kind -> its Kind; a new kind is one entry here 
     "disk": Kind(_needs_path, _load_disk, _stream_disk, ("path", "split", "text_column")),
     "hub": Kind(_check_hub, _load_hub, _stream_hub, ("name", "subset", "split", "text_column")),
     "synthetic": Kind(synthetic.check_source, synthetic.load_synthetic, synthetic.stream_synthetic, ("synthetic",)),
-    "pymanual": Kind(_check_pymanual, _load_pymanual, _stream_pymanual),
+    "pymanual": Kind(manual.check_source, manual.load_manual, manual.stream_manual),
 }
 
 

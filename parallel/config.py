@@ -160,15 +160,24 @@ class WorldMesh:
         return self._layouts[key]
 
 
-def world_timeout(view) -> None:
-    """Every process group of a mesh view waits as long as the world's default group (train.collective_timeout_s,
-    given where the launcher made it): torch gives a new group its backend's default instead, 10 minutes for NCCL,
-    so a ring or Ulysses collective would abort sooner than the run was told."""
+def world_group_timeout():
+    """How long the world's default group waits (train.collective_timeout_s, given where the launcher made it), or
+    None for a fake process group (the memory trace, recipes/memory/trace.py): nothing waits there."""
     from torch.distributed import distributed_c10d as c10d
 
     world = c10d._get_default_group()
     options = getattr(world._get_backend(world._device_types[0]), "options", None)
-    if options is None:  # a fake process group (the memory trace, recipes/memory/trace.py): nothing waits
+    return None if options is None else options._timeout
+
+
+def world_timeout(view) -> None:
+    """Every process group of a mesh view waits as long as the world's default group (world_group_timeout): torch
+    gives a new group its backend's default instead, 10 minutes for NCCL, so a ring or Ulysses collective would
+    abort sooner than the run was told."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = world_group_timeout()
+    if timeout is None:
         return
     for name in view.mesh_dim_names:
-        c10d._set_pg_timeout(options._timeout, view.get_group(name))
+        c10d._set_pg_timeout(timeout, view.get_group(name))

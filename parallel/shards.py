@@ -150,15 +150,15 @@ def _failures_as_oserror(saving: Future) -> Future:
 def save_group():
     """The process group a background save's collectives run on (None: one process, none to run): gloo, so they
     run beside training's own collectives (NCCL or gloo) without sharing a queue with them, waiting as long as the
-    world's group. Collective the first time: every rank's first background save makes it."""
+    world's group (parallel/config.world_group_timeout). Collective the first time: every rank's first background
+    save makes it."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+
+    from longstride.parallel.config import world_group_timeout
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    world = c10d._get_default_group()
-    options = getattr(world._get_backend(world._device_types[0]), "options", None)
-    return dist.new_group(backend="gloo", timeout=None if options is None else options._timeout)
+    return dist.new_group(backend="gloo", timeout=world_group_timeout())
 
 
 def load_shards(directory: str, module: torch.nn.Module, optimizer) -> None:

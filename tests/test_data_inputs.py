@@ -161,7 +161,7 @@ def test_pymanual_source_is_the_manuals_topics(cache_dir, monkeypatch):
     same text: an interpreter's own pydoc_data is never read."""
     import sys
 
-    from longstride.data.sources import manual_topics
+    from longstride.data.manual import manual_topics
 
     manual_topics.cache_clear()
     monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # importing it would raise

@@ -311,7 +311,7 @@ def test_gpu_recipe_gpu_command_composes_and_validates_for_one_gpu():
     from benchmarks.gpu_recipe import RECIPE, stages, train_command
     from longstride.recipes.config.plan import validate
     from longstride.recipes.config.compose import compose_training
-    from longstride.recipes.run.stage import _trace_on
+    from longstride.recipes.memory.fit import _trace_on
 
     cmd = train_command(argparse.Namespace(out="/o", rehearsal=False, tiny=False, overrides=[]), cuda=True)
     assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/gpu1.yaml"]

@@ -283,11 +283,11 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     from types import SimpleNamespace as NS
 
     from longstride.parallel.config import CPDegrees
-    from longstride.recipes.run import stage
+    from longstride.recipes.memory import fit
     from longstride.recipes.run.step import StepSpec
 
-    monkeypatch.setattr(stage, "device_memory_gib", lambda device, local_ranks: (10.0, "test"))
-    monkeypatch.setattr(stage, "log_traced_memory", lambda ctx, plan, lm, gib: traced_gib)
+    monkeypatch.setattr(fit, "device_memory_gib", lambda device, local_ranks: (10.0, "test"))
+    monkeypatch.setattr(fit, "log_traced_memory", lambda ctx, plan, lm, gib: traced_gib)
     model = tiny_model()
     messages = []
     tracker = NS(info=lambda *a: None, warning=lambda msg, *a: messages.append(msg % a))
@@ -295,7 +295,7 @@ def test_the_fit_warning_takes_the_larger_of_estimate_and_trace(monkeypatch, tra
     ctx = NS(accelerator=acc, tracker=tracker, cfg=NS(train=NS(trace_memory="true", async_save=False)))
     plan = NS(name="s", stage=NS(micro_batch_size=1, seq_len=L), dims=NS(cp=1), degrees=CPDegrees(),
               step=StepSpec(), fsdp=False)
-    stage.log_memory_estimate(ctx, plan, model.lm)
+    fit.log_memory_estimate(ctx, plan, model.lm)
     assert bool(messages) == warns, messages
     if warns:
         assert "about 9.5 GiB per rank against 10.0 GiB" in messages[0]

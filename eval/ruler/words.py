@@ -56,7 +56,7 @@ def _with_compounds(size: int) -> tuple[str, ...]:
 
 def _default_prose() -> str:
     from longstride.data.files import STDLIB_SNAPSHOT
-    from longstride.data.sources import manual_topics
+    from longstride.data.manual import manual_topics
 
     if not STDLIB_SNAPSHOT.is_file():
         raise ValueError(f"no default haystack prose: {STDLIB_SNAPSHOT} is missing; reinstall longstride from a "

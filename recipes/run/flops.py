@@ -47,7 +47,8 @@ class StepFlops:
     """A model's FLOPs per step, from its linear layers, its config's attention shape and layer patterns, and each
     batch's documents."""
 
-    def __init__(self, lm: torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, peak: Optional[float] = None):
+        self.peak = peak  # FLOP/s the device could do (peak_flops), for mfu; None: no mfu
         cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         self.moe = next((a for a in EXPERTS if (getattr(cfg, a, 0) or 0) > 1), None)
         head = lm.get_output_embeddings()  # the text layers and the LM head: not a vision tower beside them
