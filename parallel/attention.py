@@ -303,8 +303,14 @@ def check_mask(where: str, mask, doc_layout, pattern: Pattern, longest: int) -> 
             "them. Make the config consistent, or run the model's own attention")
 
 
+# torch.compile (train.compile, model/compile.py) leaves longstride's attention out of its graphs: the function's Python
+# picks the kernel, the collectives and the document layout per call (parallel/attention_call.py holds the call for the
+# op), which a graph would freeze. Dynamo splits a compiled module around it; nothing changes without compile.
+_OUTSIDE_GRAPHS = torch.compiler.disable(longstride_attention)
+
+
 def register() -> str:
-    AttentionInterface.register(NAME, longstride_attention)
+    AttentionInterface.register(NAME, _OUTSIDE_GRAPHS)
     AttentionMaskInterface.register(NAME, no_mask)
     return NAME
 

@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 from longstride.choices import check_wandb
 from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
+from longstride.model.compile import check_compile
 from longstride.model.model_dir import check_checkpoint_dir, check_checkpoint_weights
 from longstride.model.config import ModelConfig, check_layers
 from longstride.model.rope import YARN_ORIGINAL_RULE, apply_yarn, rope_targets, yarn_original_ok
@@ -376,6 +377,7 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
                          f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step}")
     ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
     ac_layers = _checkpoint_layers(cfg, name, ac, layers, device_type)
+    check_compile(cfg.train.compile, m.checkpoint_mode if ac else "none")
     half = device_type == "cuda" and resolve_precision(str(cfg.train.precision), assume_gpu) == "bf16"
     kernel = resolve_kernel(str(par.kernel), device_type, ring=s.cp > 1, half=half, assume_available=assume_gpu,
                             head_dim=head_dim, softcap=softcap)
@@ -389,7 +391,7 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
                       offload=bool(ac and m.offload_activations and device_type == "cuda"),
                       mlp_tile=m.mlp_tile_tokens if s.mlp_tile_tokens is None else s.mlp_tile_tokens,
                       lean_norms=m.lean_rms_norm, loss_tile=m.loss_tile_tokens, doc_masking=cfg.data.doc_masking,
-                      checkpoint_layers=ac_layers),
+                      checkpoint_layers=ac_layers, compile=cfg.train.compile),
         balance=str(par.balance if s.balance is None else s.balance), accum=s.batch_tokens // per_step)
 
 

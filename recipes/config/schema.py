@@ -94,6 +94,9 @@ class TrainConfig:
     # true: a step checkpoint blocks training only while each rank copies its state to host memory; the files are
     # written and sealed behind the next steps (recipes/checkpoint/format.py: BackgroundSave)
     async_save: bool = False
+    # torch.compile of each decoder layer's parts, longstride's attention left out of the graphs (model/compile.py);
+    # each stage's first step, and its first validation, compile them. Not with model.checkpoint_mode=selective
+    compile: bool = False
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck rank) fails the run
     resume: bool = True  # false: move a previous run of this directory aside and start afresh
     resume_from: Optional[str] = None  # a step_NNNNNN or final dir of this run: continue from it (config changes allowed)

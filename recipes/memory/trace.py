@@ -87,8 +87,9 @@ class StepProgram:
         return replace(self, step=replace(self.step, **changes))
 
     def spec(self) -> StepSpec:
-        """The step as recipes/run/step.py builds it, documents masked, offload counted without a device."""
-        return replace(self.step, doc_masking=True, simulate_offload=True)
+        """The step as recipes/run/step.py builds it, documents masked, offload counted without a device, and not
+        compiled (the trace runs on fake tensors: a compiled step's memory is the uncompiled one's, estimated)."""
+        return replace(self.step, doc_masking=True, simulate_offload=True, compile=False)
 
 
 def stage_program(cfg, plan, world: int, docs: int, config, gpu: bool = True, bf16: bool = True) -> StepProgram:

@@ -33,6 +33,7 @@ from longstride.data.sources import walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
+from longstride.model.compile import report_compiled
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import kv_heads
 from longstride.model.rope import rope_placement
@@ -226,9 +227,11 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
         f" (the first {spec.checkpoint_layers} of {len(decoder_layers(run.lm))} layers)"
     offload = "" if not (ac and cfg.model.offload_activations) else \
         (", offloaded to host" if spec.offload else ", offload ignored on CPU")
+    compiled = f"; torch.compile on {run.built.compiled} parts of the decoder layers (the first step compiles " \
+        "them)" if run.built.compiled else ""
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
                      f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
-                     f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}; attention kernel {plan.kernel}")
+                     f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}; attention kernel {plan.kernel}{compiled}")
     cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 \
         else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
@@ -302,7 +305,7 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
 def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, last_good: Optional[str]) -> None:
     """The first validation loss (unless resumed), then steps to the budget, each followed by after_step; the steps
     of profile.*'s window traced (recipes/run/profiling.py)."""
-    guard, stage = NonFiniteGuard(ctx.cfg.train.max_nonfinite_steps), run.plan.stage
+    guard, stage, compile_reported = NonFiniteGuard(ctx.cfg.train.max_nonfinite_steps), run.plan.stage, False
     if run.val_start is None:  # a fresh stage, or a resume whose data started afresh (stage_state.restore_stage)
         run.val_start = validation_loss(ctx, run)
         ctx.tracker.log_values(run.step, {"val_loss": run.val_start})
@@ -313,6 +316,8 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
         while run.step < stage.total_steps:
             with profiler.step(run.step + 1):
                 metrics = train_step(ctx, run, guard, last_good)
+            if run.built.compiled and not compile_reported:
+                compile_reported = report_compiled(ctx.tracker, metrics)
             last_good = after_step(ctx, run, stage_dir, stop, guard, metrics, last_good)
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
         settle_saves(ctx, run)

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from longstride.model.compile import compile_layers
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
@@ -33,7 +34,8 @@ class StepSpec:
     """How a stage's step is built (recipes/config/plan.StagePlan resolves these per stage): activation checkpointing
     mode, offload of checkpointed inputs, MLP tile tokens (0: off), the lean RMSNorm backward, the loss's tile
     tokens, document masking; simulate_offload: count offloaded bytes without a device (the tracer);
-    checkpoint_layers: the decoder layers checkpointed, the first N (None: every one)."""
+    checkpoint_layers: the decoder layers checkpointed, the first N (None: every one); compile: torch.compile of each
+    decoder layer's parts (model/compile.py)."""
 
     checkpointing: str = "none"
     offload: bool = False
@@ -43,18 +45,21 @@ class StepSpec:
     doc_masking: bool = True
     simulate_offload: bool = False
     checkpoint_layers: Optional[int] = None  # checkpoint the first N decoder layers only; None: every layer
+    compile: bool = False
 
 
 @dataclass
 class Step:
     """A built step: the transformers model, the module whose forward returns the summed token loss, this
-    rank's CP context (with the model's layer patterns) and the offloader of checkpointed inputs (or None)."""
+    rank's CP context (with the model's layer patterns), the offloader of checkpointed inputs (or None) and how many
+    modules torch.compile compiles (0: none)."""
 
     lm: torch.nn.Module
     module: ChunkedLossLM
     cp: CPContext
     spec: StepSpec
     offloader: Optional[object] = None
+    compiled: int = 0
 
     def prep(self, batch: dict) -> tuple[dict, DocLayout]:
         """A full PackedBatch -> this rank's share of it and its attention layout."""
@@ -62,14 +67,15 @@ class Step:
 
 
 def build_step(lm: torch.nn.Module, spec: StepSpec, cp: Optional[CPContext] = None) -> Step:
-    """Patches `lm` as the spec says (model/prepare.py), switches on longstride's attention and wraps the chunked
-    loss; cp: this rank's CPContext (one device when None), completed with the model's layer patterns (what the
+    """Patches `lm` as the spec says (model/prepare.py), switches on longstride's attention, compiles the layers'
+    parts if the spec says so (model/compile.py) and wraps the chunked loss; cp: this rank's CPContext (one device when None), completed with the model's layer patterns (what the
     document balancer weighs)."""
     offloader = patch_model(lm, spec.checkpointing, spec.offload, spec.mlp_tile, spec.lean_norms,
                             simulate_offload=spec.simulate_offload, checkpoint_layers=spec.checkpoint_layers).offloader
     use_longstride_attention(lm)
+    compiled = compile_layers(lm, spec.checkpointing) if spec.compile else 0
     cp = dataclasses.replace(cp or CPContext(), patterns=model_patterns(lm))
-    return Step(lm, ChunkedLossLM(lm, spec.loss_tile), cp, spec, offloader)
+    return Step(lm, ChunkedLossLM(lm, spec.loss_tile), cp, spec, offloader, compiled)
 
 
 def loss_sum(module, local: tuple[dict, DocLayout], device) -> torch.Tensor:
