@@ -74,9 +74,9 @@ def _checkpoint_layers(mode: str, layers: int):
     return layers // 2 if mode == "full_half" else None
 
 
-def build(mode: str, layers: int, length: int, device: str, cp=None):
+def build(mode: str, layers: int, length: int, device: str, cp=None, compile_: bool = False):
     """(step module, its local batch) for `mode`, as recipes/run/step.py builds a stage's step; cp: this rank's
-    CPContext (ring attention), None on one process."""
+    CPContext (ring attention), None on one process; compile_: train.compile (benchmarks/bench_compile.py)."""
     from longstride.data.batch import collate, packed_item
     from longstride.model.build import build_model
     from longstride.parallel.cp import CPContext
@@ -90,8 +90,8 @@ def build(mode: str, layers: int, length: int, device: str, cp=None):
     try:
         # the kernel a one-device stage takes: torch's flash attention on CUDA (bf16 under autocast), sdpa on CPU
         kernel = resolve_kernel("auto", device, ring=False, half=device == "cuda", head_dim=cfg.hidden_size // 9)
-        step = build_step(lm, StepSpec(_ac(mode), loss_tile=1024, checkpoint_layers=_checkpoint_layers(mode, layers)),
-                          cp or CPContext(kernel=kernel))
+        step = build_step(lm, StepSpec(_ac(mode), loss_tile=1024, checkpoint_layers=_checkpoint_layers(mode, layers),
+                                       compile=compile_), cp or CPContext(kernel=kernel))
     finally:
         checkpointing._selective_policy = _POLICY
     ids = torch.randint(2, 49152, (1, length), generator=torch.Generator().manual_seed(0))

@@ -90,7 +90,7 @@ def steps(work: str) -> list[Step]:
                      "tests/gpu/test_train_gpu.py", f"--junitxml={work}/gpu_train_tests.xml")
     figures = py("-m", "benchmarks.gpu_kernel_figures", "--out", f"{work}/kernels")
     throughput = py("-m", "benchmarks.gpu_check", "--only", "throughput", "--shapes", "smollm2_135m",
-                    "--lengths", "16384,32768", "--out", f"{work}/throughput")
+                    "--lengths", "16384,32768", "--compile", "16384", "--out", f"{work}/throughput")
     run = f"{work}/runs"
     launch = py("-m", "accelerate.commands.launch")  # the launcher of this interpreter, PATH or not
     train = [*launch, "--config_file", "configs/accelerate/gpu1.yaml", "-m", "longstride.recipes.train",
@@ -113,7 +113,9 @@ def steps(work: str) -> list[Step]:
         # none / full / selective (matmuls' and attention's outputs) / selective_matmuls: step time, measured peak, 16K
         Step("checkpointing", 90, 40, ckpt, [*ckpt, "--smoke"]),
         Step("recipe_step", 150, 60, probe, probe_smoke),
-        Step("train_throughput", 120, 45, throughput, [*throughput[:5], "--smoke", "--out", f"{work}/throughput"]),
+        # with the compiled step at 16K (train.compile; its compilation falls in the warm-up steps)
+        Step("train_throughput", 180, 60, throughput, [*throughput[:5], "--smoke", "--compile", "1",
+                                                       "--out", f"{work}/throughput"]),
         Step("main_job", 170, 60, main_job, main_smoke),
         Step("gpu_train_tests", 200, 40, train_tests, train_tests),
         # the recipe at real scale (benchmarks/gpu_recipe.py): about 9 minutes, a window of its own

@@ -5,6 +5,9 @@ attention against dense causal and the ideal sum(d^2)/L^2.
 Systems, each a real bf16 AdamW step (fp32 master weights, bf16 autocast, as `longstride train` runs):
   longstride       the model with longstride attention (torch_flash, documents masked) and the chunked loss;
                    for the longest context also tiled layers, full activation checkpointing and offload
+  longstride_compiled  the same step with train.compile (model/compile.py: each layer's parts compiled, attention
+                   outside the graphs); only at the lengths asked for (gpu_check --compile): each length compiles anew,
+                   in the warm-up steps
   hf_sdpa_packed   plain transformers, SDPA, position ids reset per document: transformers builds the
                    document mask itself (its packed-sequence path)
   hf_sdpa_causal   plain transformers, SDPA, one causal sequence (documents not masked: the fast, wrong baseline)
@@ -35,9 +38,9 @@ SHAPES = {  # LlamaConfig fields
 }
 
 
-def systems(flex: bool = False) -> list[str]:
-    return (["longstride", "hf_sdpa_packed", "hf_sdpa_causal"] + (["hf_flash_attention_2"] if flash_attn_available()
-                                                                   else []) + (["hf_flex_packed"] if flex else []))
+def systems(flex: bool = False, compiled: bool = False) -> list[str]:
+    return (["longstride"] + (["longstride_compiled"] if compiled else []) + ["hf_sdpa_packed", "hf_sdpa_causal"] +
+            (["hf_flash_attention_2"] if flash_attn_available() else []) + (["hf_flex_packed"] if flex else []))
 
 
 def doc_pairs(doc: torch.Tensor) -> int:
@@ -66,7 +69,7 @@ class Step:
 
     def run(self) -> None:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            if self.system == "longstride":
+            if self.system.startswith("longstride"):
                 loss = self.model(self.batch["input_ids"], self.batch["labels"], self.batch["position_ids"],
                                   doc_layout=self.batch["layout"])
             else:
@@ -101,9 +104,9 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     pos = torch.arange(L) if system == "hf_sdpa_causal" else torch.arange(L) - starts
     batch = {"input_ids": ids.to(device), "position_ids": pos[None].to(device)}
     model = lm
-    if system == "longstride":  # the training step (recipes/run/step.py), its batch from data.batch.packed_item
+    if system.startswith("longstride"):  # the training step (recipes/run/step.py), its batch from data.batch.packed_item
         spec = StepSpec("full" if lean else "none", offload=lean and device.type == "cuda",
-                        mlp_tile=4096 if lean else 0, loss_tile=8192)
+                        mlp_tile=4096 if lean else 0, loss_tile=8192, compile=system == "longstride_compiled")
         step = build_longstride_step(lm, spec, CPContext(kernel="torch_flash" if device.type == "cuda" else "sdpa"))
         model = step.module
         item = packed_item([ids[0, a:a + n].numpy() for a, n in zip((lens.cumsum(0) - lens).tolist(), lens.tolist())],
@@ -152,8 +155,9 @@ def peak_gib(device: torch.device) -> float | None:
 
 
 def throughput(shapes: list[str], lengths: list[int], device: torch.device, warmup: int = 2, reps: int = 5,
-               flex: bool = False) -> list:
-    """tokens/s and MFU of one training step per (shape, length, system), on the same packed batch."""
+               flex: bool = False, compile_lengths: tuple = ()) -> list:
+    """tokens/s and MFU of one training step per (shape, length, system), on the same packed batch; the compiled
+    longstride step at `compile_lengths` only."""
     from benchmarks.bench_ring import packed_doc_ids
 
     rows, peak = [], peak_flops(device)
@@ -161,7 +165,7 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
         doc = packed_doc_ids(length, 1)[0]
         for shape_name in shapes:
             shape = SHAPES[shape_name]
-            for system in systems(flex):
+            for system in systems(flex, compiled=length in compile_lengths):
                 row = {"shape": shape_name, "seq_len": length, "system": system, "docs": int(doc.max()) + 1}
                 try:
                     free(device)

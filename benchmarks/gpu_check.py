@@ -75,7 +75,11 @@ def run_throughput(args, device) -> None:
 
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
     lengths = [256, 512] if args.smoke else [int(x) for x in args.lengths.split(",")]
-    rows = throughput(shapes, lengths, device, *((1, 1) if args.smoke else (2, 5)), flex=args.flex)
+    compiled = tuple(int(x) for x in args.compile.split(",") if x)
+    if args.smoke and compiled:
+        compiled = (lengths[0],)
+    rows = throughput(shapes, lengths, device, *((1, 1) if args.smoke else (2, 5)), flex=args.flex,
+                      compile_lengths=compiled)
     print_table(rows, ["shape", "seq_len", "system", "docs", "tokens_per_s", "mfu", "tflops", "peak_gib", "error"])
     write("throughput", rows, {"what": "one bf16 AdamW training step on one packed sequence; median of 5 after 2 "
                                        "warm-up steps; MFU from model FLOPs (3x forward, no recompute) over "
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--longest-budget-s", type=float, default=120.0, help="search time per system")
     p.add_argument("--flex", action="store_true", help="throughput: also transformers' FlexAttention on the packed "
                                                         "sequence (compiled per shape: minutes more)")
+    p.add_argument("--compile", default="", help="throughput: also the compiled longstride step (train.compile) at "
+                   "these lengths (comma list; each compiles anew); --smoke: at its first length")
     p.add_argument("--shapes", default="smollm2_135m,llama_1b", help="throughput: model shapes (gpu_bench.SHAPES)")
     p.add_argument("--lengths", default="8192,32768", help="throughput: sequence lengths")
     p.add_argument("--out", default=OUT)

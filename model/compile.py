@@ -41,24 +41,41 @@ def compile_layers(lm: torch.nn.Module, checkpointing: str = "none") -> int:
     return len(parts)
 
 
-def compiled_graphs() -> int:
-    """How many graphs dynamo has compiled in this process so far (0 where its counters are not found): a compiled
-    step that made none ran eagerly."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # torch moved its counters: report none rather than fail the run
-        return 0
-    return int(counters["stats"]["unique_graphs"])
+def fresh_start() -> None:
+    """Dynamo's in-process caches and counters cleared (Inductor's disk cache stays): a stage's model and shapes are
+    new, and the previous stage's graphs would only count towards dynamo's recompile limit (8 a function: past it,
+    a function runs eagerly, which three micro stages in one process reached)."""
+    torch.compiler.reset()
+    _counters().clear()
+
+
+def _counters():
+    from torch._dynamo.utils import counters  # dynamo's own tally (no public form); compile_status reads it
+
+    return counters
+
+
+def compile_status() -> tuple[int, int, list[str]]:
+    """Since fresh_start: (graphs dynamo compiled, frames it gave up on and ran eagerly, why: the first line of each
+    reason it recorded)."""
+    c = _counters()
+    eager = c["frames"]["total"] - c["frames"]["ok"]
+    return int(c["stats"]["unique_graphs"]), int(eager), sorted({r.split("\n")[0] for r in c["unimplemented"]})
 
 
 def report_compiled(tracker, metrics: dict) -> bool:
     """After a compiled stage's first step (`metrics`: its metrics, with its tokens_per_s), logs how many graphs this
-    process compiled and what the step cost; warns when there are none (every part ran eagerly). Returns True."""
-    graphs = compiled_graphs()
-    if graphs:
-        tracker.info(f"torch.compile: {graphs} graphs compiled so far (the first step ran at "
-                     f"{metrics['tokens_per_s']:.0f} tokens/s, compiling included)")
-    else:
+    process compiled for the stage and what the step cost; warns when none were, or when dynamo ran some of the
+    parts eagerly (a recompile limit, an unsupported op). Returns True."""
+    graphs, eager, why = compile_status()
+    if not graphs:
         tracker.warning("train.compile=true compiled no graph in the first step: the layers' parts ran eagerly "
                         "(torch.compile fell back without an error); the run goes on uncompiled")
+    elif eager:
+        tracker.warning(f"torch.compile: {graphs} graphs compiled for this stage, and {eager} of the parts' functions "
+                        f"ran eagerly ({'; '.join(why) or 'no reason recorded'}); TORCH_LOGS=recompiles,graph_breaks "
+                        "says where")
+    else:
+        tracker.info(f"torch.compile: {graphs} graphs compiled for this stage (the first step ran at "
+                     f"{metrics['tokens_per_s']:.0f} tokens/s, compiling included)")
     return True

@@ -35,13 +35,14 @@ def _loss_and_grads(step, local):
 def test_the_compiled_step_runs_compiled_graphs_and_matches_the_eager_step(checkpointing):
     from torch._dynamo.utils import counters
 
+    from longstride.model.compile import fresh_start
+
     rng = np.random.default_rng(0)
     docs = [rng.integers(2, 512, n) for n in (90, 60, 106)]  # three documents in one packed row of 256
     batch = collate([packed_item(docs, 256, pad_id=1)])
     eager, compiled = _step(False, checkpointing), _step(True, checkpointing)
     assert compiled.compiled == 8  # 2 layers x (attention block, MLP, two norms)
-    torch._dynamo.reset()
-    counters.clear()
+    fresh_start()
     want = _loss_and_grads(eager, eager.prep(batch))
     assert not counters["stats"], "the eager step compiles nothing"
     local = compiled.prep(batch)
@@ -81,7 +82,7 @@ def test_a_compiled_fsdp2_ring_of_two_trains_to_the_eager_one_process_losses(tmp
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
                                                             *(extra if two else [])],
                           ["model FSDPChunkedLossLM", "torch.compile on 8 parts of the decoder layers", "dp 1, cp 2",
-                           "graphs compiled so far"],  # not the warning of a step that compiled nothing
+                           "graphs compiled for this stage"],  # not a warning of parts run eagerly
                           one=s1_reference)
 
 
@@ -89,33 +90,57 @@ def test_a_compiled_step_that_compiled_nothing_is_reported():
     """The real fall-back: whole checkpointed layers compiled as one (torchtitan's granularity) give dynamo a
     checkpoint region with longstride's attention inside, which it cannot compile whole, so it runs the layers eagerly
     without an error. The stage's first-step report says so instead of claiming compiled graphs."""
-    from torch._dynamo.utils import counters
-
-    from longstride.model.compile import report_compiled
+    from longstride.model.compile import fresh_start, report_compiled
     from longstride.model.loss import decoder_layers
 
     step = _step(False, "full")
     for layer in decoder_layers(step.lm):
         layer.compile()
-    torch._dynamo.reset()
-    counters.clear()
+    fresh_start()
     batch = collate([packed_item([np.arange(2, 200), np.arange(2, 58)], 256, pad_id=1)])
     _loss_and_grads(step, step.prep(batch))
-
-    class Log:
-        def __init__(self):
-            self.lines = []
-
-        def info(self, msg, *args):
-            self.lines.append(("info", msg % args))
-
-        def warning(self, msg, *args):
-            self.lines.append(("warning", msg % args))
-
-    log = Log()
+    log = _Log()
     report_compiled(log, {"tokens_per_s": 100.0})
     assert log.lines[0][0] == "warning" and "compiled no graph" in log.lines[0][1]
+    fresh_start()
     compiled = _step(True, "full")
     _loss_and_grads(compiled, compiled.prep(batch))
     report_compiled(log, {"tokens_per_s": 100.0})
-    assert log.lines[1][0] == "info" and "graphs compiled so far" in log.lines[1][1]
+    assert log.lines[1][0] == "info" and "graphs compiled for this stage" in log.lines[1][1]
+
+
+def test_parts_that_hit_the_recompile_limit_are_reported():
+    """The other silent fall-back: past dynamo's recompile limit a function runs eagerly, with a log line of torch's
+    own. Three micro stages in one process reached the limit of 8 (hence a fresh start per stage); here the limit is
+    1, and the RoPE and NoPE layers' attention blocks need two graphs."""
+    from longstride.model.compile import fresh_start, report_compiled
+
+    batch = collate([packed_item([np.arange(2, 200), np.arange(2, 58)], 256, pad_id=1)])
+    fresh_start()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = _step(True, "none")
+        _loss_and_grads(compiled, compiled.prep(batch))
+    log = _Log()
+    report_compiled(log, {"tokens_per_s": 100.0})
+    assert log.lines[0][0] == "warning" and "ran eagerly (Dynamo recompile limit exceeded)" in log.lines[0][1]
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg, *args):
+        self.lines.append(("info", msg % args))
+
+    def warning(self, msg, *args):
+        self.lines.append(("warning", msg % args))
+
+
+def test_the_compile_benchmark_runs(tmp_path):
+    """benchmarks/bench_compile.py --smoke: every build measured, the compiled ones compiling in their first step."""
+    from benchmarks import bench_compile
+
+    result = bench_compile.main(["--smoke", "--out", str(tmp_path / "compile.json")])
+    assert [r["build"] for r in result["rows"]] == ["none", "none compiled", "full", "full compiled"]
+    assert all(r["step_s_median"] > 0 and r["vs_eager_paired"] > 0 for r in result["rows"])
+    assert (tmp_path / "compile.json").exists()

@@ -33,7 +33,7 @@ from longstride.data.sources import walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
-from longstride.model.compile import report_compiled
+from longstride.model.compile import fresh_start, report_compiled
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import kv_heads
 from longstride.model.rope import rope_placement
@@ -201,6 +201,8 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, device_type=acc.device.type, kernel=plan.kernel,
                     balance=plan.balance, balance_chunks=cfg.parallel.balance_chunks, mesh=mesh)
+    if plan.step.compile:
+        fresh_start()
     built = build_step(lm, plan.step, cp)
     if plan.kernel == "torch_flash":
         activate_flash_impl(str(cfg.parallel.flash_impl))

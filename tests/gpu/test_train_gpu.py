@@ -1,7 +1,7 @@
 """Training on one GPU: the micro recipe in bf16 on torch's flash kernel (loss falls, step checkpoints written in
 the background verify, a killed run resumes from its checkpoint, finals reload), an FSDP2 bf16 step and resume
-through torch.distributed.checkpoint's optimizer state on one rank, and the side-stream activation offload (same
-gradients, lower peak memory)."""
+through torch.distributed.checkpoint's optimizer state on one rank, the side-stream activation offload (same
+gradients, lower peak memory), and a compiled bf16 step (train.compile: the eager step's gradients)."""
 from __future__ import annotations
 
 import tempfile
@@ -239,3 +239,37 @@ def test_an_nsys_window_marks_its_steps_and_keeps_the_memory_snapshot(tmp_path):
             a = torch.tanh(a @ a.T / 256)
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0-steps2-2-memory.pickle"]
     assert len(logged) == 1 and "steps 2-2 of rank 0 were nsys's capture range" in logged[0]
+
+
+def test_a_compiled_bf16_step_on_the_flash_kernel_matches_the_eager_step():
+    """train.compile on a GPU (model/compile.py): each layer's parts compiled by Inductor (Triton kernels), full
+    checkpointing, torch's flash kernel outside the graphs, bf16 autocast: graphs are compiled and reused by the next
+    step, and the loss and gradients equal the eager step's to bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    from longstride.model.compile import compile_layers
+
+    b = packed(2048, docs=4)
+    layout = DocLayout(b["doc_ids"], cp=CPContext(kernel="torch_flash"))
+    results = {}
+    for compiled in (False, True):
+        m = tiny(hidden=128, layers=2, heads=4, kv=2, seq=2048).to(CUDA)
+        enable_checkpointing(m.lm, "full")
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            assert compile_layers(m.lm, "full") == 8
+        graphs = []
+        for _ in range(2):
+            m.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(b["input_ids"], b["labels"], b["position_ids"], doc_layout=layout)
+            loss.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+        results[compiled] = (loss.item(), {n: p.grad.float().clone() for n, p in m.named_parameters()})
+    assert graphs[0] >= 4 and graphs[1] == graphs[0], graphs
+    (l0, g0), (l1, g1) = results[False], results[True]
+    assert l1 == pytest.approx(l0, rel=2e-3)
+    for n, g in g0.items():
+        err = ((g1[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+        assert err <= 2e-2, f"{n}: {err:.2e}"
