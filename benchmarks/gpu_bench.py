@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstride.model.compile import compile_status, fresh_start
 from longstride.parallel.varlen import flash_attn_available
 from longstride.recipes.run.flops import peak_flops, train_flops as model_flops
 
@@ -104,7 +105,9 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
     pos = torch.arange(L) if system == "hf_sdpa_causal" else torch.arange(L) - starts
     batch = {"input_ids": ids.to(device), "position_ids": pos[None].to(device)}
     model = lm
-    if system.startswith("longstride"):  # the training step (recipes/run/step.py), its batch from data.batch.packed_item
+    if system.startswith("longstride"):  # the training step (recipes/run/step.py), its batch: data.batch.packed_item
+        if system == "longstride_compiled":  # as a stage starts (model/compile.py): its counts are this row's
+            fresh_start()
         spec = StepSpec("full" if lean else "none", offload=lean and device.type == "cuda",
                         mlp_tile=4096 if lean else 0, loss_tile=8192, compile=system == "longstride_compiled")
         step = build_longstride_step(lm, spec, CPContext(kernel="torch_flash" if device.type == "cuda" else "sdpa"))
@@ -175,6 +178,8 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
                     flops = train_flops(shape, length, pairs)
                     row.update(step_s=sec, tokens_per_s=length / sec, peak_gib=peak_gib(device),
                                tflops=flops / sec / 1e12, mfu=flops / sec / peak if peak else None)
+                    if system == "longstride_compiled":  # a fall-back to eager would be no compiled figure
+                        row.update(zip(("graphs", "eager_frames", "eager_why", "other_breaks"), compile_status()))
                 except Exception as e:  # recorded per row: the other systems and lengths still run
                     row["error"] = "out of memory" if out_of_memory(e) else f"{type(e).__name__}: {e}"[:300]
                 finally:

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from longstride.model.checkpointing import disable_checkpointing, enable_checkpointing
+from longstride.model.compile import compile_tile
 from longstride.model.loss import decoder_layers
 from longstride.model.offload import ActivationOffload
 from longstride.model.rmsnorm import lean_forwards
@@ -54,15 +55,17 @@ class Patched:
 
 
 def patch_model(lm: torch.nn.Module, checkpointing: str, offload: bool, mlp_tile: int, lean_norms: bool,
-                simulate_offload: bool = False, checkpoint_layers: Optional[int] = None) -> Patched:
+                simulate_offload: bool = False, checkpoint_layers: Optional[int] = None,
+                compile_tiles: bool = False) -> Patched:
     """checkpointing: none | full | selective; offload: checkpointed inputs to pinned host memory (CUDA);
     simulate_offload: the same bookkeeping on CPU tensors (tests, a traced step); mlp_tile: tokens per tile,
     0 = off; lean_norms: model.lean_rms_norm; checkpoint_layers: checkpoint the first N decoder layers only (None:
-    all). A model is patched once: undo() before patching it again."""
+    all); compile_tiles: each tile's function through torch.compile (train.compile, model/compile.py). A model is
+    patched once: undo() before patching it again."""
     if vars(lm).get(_PATCHED):
         raise ValueError(f"{type(lm).__name__} is already patched; call .undo() on its Patched first")
     lean = lean_forwards(lm) if lean_norms else {}
-    tiled = tiled_forwards(lm, mlp_tile, lambda m: lean.get(m, m.forward))
+    tiled = tiled_forwards(lm, mlp_tile, lambda m: lean.get(m, m.forward), compile_tile if compile_tiles else None)
     forwards = {**lean, **tiled}
     done = Patched(lm, lean_norms=len(lean), tiled_layers=len(decoder_layers(lm)) if tiled else 0,
                    checkpointing=checkpointing)

@@ -99,33 +99,47 @@ def folded_into_tiles(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _tiled(module: torch.nn.Module, call, norm: torch.nn.Module | None, norm_call, tile: int):
+def _tiled(module: torch.nn.Module, call, norm: torch.nn.Module | None, norm_call, tile: int, wrap=None):
     """The forward module(norm(x)) tiled, from the two modules' forwards before tiling (`call`, `norm_call`:
-    callables of x). Parameters are read at call time: FSDP2 swaps them in and out around each forward."""
+    callables of x); wrap: what each tile's function goes through (None: nothing). Parameters are read at call
+    time: FSDP2 swaps them in and out around each forward."""
     def fn(x):
         return call(norm_call(x) if norm is not None else x)
 
+    fn = wrap(fn) if wrap is not None else fn
+
+    # never traced by torch.compile (a compiled part around it breaks its graph here): _Tiled's backward calls
+    # autograd.grad, and the closure would be guarded per module; under train.compile each tile's fn is compiled
+    @torch.compiler.disable
     def forward(x):
         params = [*(norm.parameters() if norm is not None else ()), *module.parameters()]
         return tiled_apply(fn, x, params, tile)
 
+    forward.tiled = True
     return forward
 
 
-def tiled_forwards(model: torch.nn.Module, tile: int, forward_of) -> dict:
+def runs_tiled(module: torch.nn.Module) -> bool:
+    """Whether `module`'s forward is a tiled one (tiled_forwards) or a norm folded into the tiles after it."""
+    forward = vars(module).get("forward")
+    return forward is folded_into_tiles or getattr(forward, "tiled", False)
+
+
+def tiled_forwards(model: torch.nn.Module, tile: int, forward_of, wrap=None) -> dict:
     """module -> its tiled forward, for the position-wise parts of every decoder layer of a transformers
     causal LM (see the module docstring); `forward_of(module)` is the forward each tile calls (the module's
-    own, or the lean norm's). Changes nothing: model/prepare.patch_model sets them. tile <= 0: none."""
+    own, or the lean norm's); wrap: what each tile's function goes through (train.compile: model/compile.py
+    compile_tile), None: nothing. Changes nothing: model/prepare.patch_model sets them. tile <= 0: none."""
     if tile <= 0:
         return {}
     out = {}
     for layer in decoder_layers(model):
         if not pre_norm(layer):
-            out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), None, None, tile)
+            out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), None, None, tile, wrap)
             continue
         attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-        out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), norm2, forward_of(norm2), tile)
+        out[layer.mlp] = _tiled(layer.mlp, forward_of(layer.mlp), norm2, forward_of(norm2), tile, wrap)
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            out[proj] = _tiled(proj, forward_of(proj), norm1, forward_of(norm1), tile)
+            out[proj] = _tiled(proj, forward_of(proj), norm1, forward_of(norm1), tile, wrap)
         out[norm1] = out[norm2] = folded_into_tiles
     return out

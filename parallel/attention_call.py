@@ -14,8 +14,8 @@ that recompute, so none waits for another). The call object reaches the op throu
 the op's call only (an op takes tensors and numbers). A dispatch mode sees the op, not what runs inside it: one that
 must see the kernels and buffers inside (the memory trace, the flash kernels' contract check) runs it with
 `run_inside`.
-Never traced by torch.compile or export, which would take the call's key for a constant: the attention function that
-makes the call is registered outside compiled graphs (parallel/attention.py).
+Not for torch.compile or export, which would take the call's key for a constant: the attention function that makes
+the call for training is registered outside compiled graphs (parallel/attention.py); nothing compiles eval's.
 """
 from __future__ import annotations
 

@@ -17,11 +17,11 @@ from longstride.recipes.run.step import StepSpec, build_step, loss_sum
 from tests.conftest import compose_cfg
 
 
-def _step(compile_: bool, checkpointing: str):
+def _step(compile_: bool, checkpointing: str, tile: int = 0):
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, nope_interval=2)
     lm = build_model(cfg, rope_theta=1e4, seq_len=256, vocab_size=512, eos_id=0, pad_id=1, seed=0)
-    return build_step(lm, StepSpec(checkpointing, mlp_tile=64, loss_tile=100, compile=compile_))
+    return build_step(lm, StepSpec(checkpointing, mlp_tile=tile, loss_tile=100, compile=compile_))
 
 
 def _loss_and_grads(step, local):
@@ -31,57 +31,92 @@ def _loss_and_grads(step, local):
     return loss.item(), {n: p.grad.clone() for n, p in step.lm.named_parameters()}
 
 
-@pytest.mark.parametrize("checkpointing", ["full", "none"])
-def test_the_compiled_step_runs_compiled_graphs_and_matches_the_eager_step(checkpointing):
+def _batch(seed: int):
+    rng = np.random.default_rng(seed)
+    cuts = sorted(rng.choice(np.arange(20, 236), 2, replace=False))
+    return collate([packed_item([rng.integers(2, 512, n) for n in np.diff([0, *cuts, 256])], 256, pad_id=1)])
+
+
+@pytest.mark.parametrize("checkpointing, tile", [("none", 0), ("full", 0), ("full", 100)])
+def test_the_compiled_step_runs_compiled_graphs_and_matches_the_eager_step(checkpointing, tile):
+    """Two steps on batches of three documents each (100-token tiles: two full tiles and a shorter one)."""
     from torch._dynamo.utils import counters
 
-    from longstride.model.compile import fresh_start
+    from longstride.model.compile import compile_status, fresh_start
 
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(2, 512, n) for n in (90, 60, 106)]  # three documents in one packed row of 256
-    batch = collate([packed_item(docs, 256, pad_id=1)])
-    eager, compiled = _step(False, checkpointing), _step(True, checkpointing)
-    assert compiled.compiled == 8  # 2 layers x (attention block, MLP, two norms)
+    eager, compiled = _step(False, checkpointing, tile), _step(True, checkpointing, tile)
+    # 2 layers x (attention block, MLP, two norms); tiled, the MLP and the norms run tiled and their tiles compile
+    assert compiled.compiled == (8 if not tile else 2)
     fresh_start()
-    want = _loss_and_grads(eager, eager.prep(batch))
-    assert not counters["stats"], "the eager step compiles nothing"
-    local = compiled.prep(batch)
-    for _ in range(2):
-        loss, grads = _loss_and_grads(compiled, local)
-        graphs = counters["stats"]["unique_graphs"]
+    graphs = []
+    for seed in range(2):
+        batch = _batch(seed)
+        want = _loss_and_grads(eager, eager.prep(batch))
+        assert seed or not counters["stats"], "the eager step compiles nothing"
+        loss, grads = _loss_and_grads(compiled, compiled.prep(batch))
+        graphs.append(compile_status()[0])
         assert loss == pytest.approx(want[0], rel=1e-5)
         assert grads.keys() == want[1].keys()  # plain transformers names, no _orig_mod
-        for name, g in grads.items():
-            assert torch.allclose(g, want[1][name], rtol=1e-4, atol=1e-6), name
-    # the graphs are real (a layer dynamo gave up on would run eagerly and compile nothing), the second step reused
-    # them, and longstride's attention stayed out of every one of them
-    assert graphs >= 4 and counters["stats"]["unique_graphs"] == graphs
-    assert counters["aot_autograd"]["ok"] >= 4
+        for name, g in grads.items():  # to fp32 reassociation (measured: under 1e-6 of the largest entry)
+            err = ((g - want[1][name]).abs().max() / want[1][name].abs().max()).item()
+            assert err < 2e-5, (name, err)
+    # the graphs are real (a part dynamo gave up on would run eagerly and compile nothing), the second step on
+    # another batch reused them, nothing ran eagerly, and dynamo broke graphs only where compile does on purpose
+    assert graphs[0] >= 4 and graphs[1] == graphs[0], graphs
+    assert compile_status()[1:] == (0, [], 0)
     assert any("longstride_attention" in reason for reason in counters["graph_break"])
+
+
+def test_tiles_are_compiled_in_forward_and_in_backward_s_recompute(monkeypatch):
+    """With tiles, each tile's function is what compiles (model/compile.compile_tile): dynamo traces the MLP's tile
+    (its SiLU gating) both where the tiles run without gradients (forward, validation) and in backward's recompute."""
+    import operator
+
+    from longstride.model import prepare
+
+    modes = []
+
+    def spying(gm, inputs):  # a dynamo backend that records each graph and runs it as traced
+        ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        if torch.nn.functional.silu in ops and operator.mul in ops:
+            modes.append(torch.is_grad_enabled())
+        return gm.forward
+
+    monkeypatch.setattr(prepare, "compile_tile", lambda fn: torch.compile(fn, dynamic=True, backend=spying))
+    from longstride.model.compile import fresh_start
+
+    fresh_start()
+    step = _step(True, "full", 100)
+    _loss_and_grads(step, step.prep(_batch(0)))
+    assert sorted(set(modes)) == [False, True], modes
 
 
 def test_compile_with_selective_checkpointing_is_refused_before_anything_is_built():
     cfg = compose_cfg(["recipe=tiny_extend", "train.compile=true", "model.activation_checkpointing=true",
                        "model.checkpoint_mode=selective"])
-    with pytest.raises(ValueError, match=r"train.compile=true with model.checkpoint_mode=selective.*"
-                                         r"model.checkpoint_mode=full"):
+    with pytest.raises(NotImplementedError, match=r"train.compile=true with model.checkpoint_mode=selective.*"
+                                                  r"model.checkpoint_mode=full"):
         validate(cfg, world=2, check_data=False)
-    with pytest.raises(ValueError, match="train.compile=true with model.checkpoint_mode=selective"):
+    with pytest.raises(NotImplementedError, match="train.compile=true with model.checkpoint_mode=selective"):
         _step(True, "selective")
     plans = validate(compose_cfg(["recipe=tiny_extend", "train.compile=true"]), world=2, check_data=False)
     assert all(p.step.compile for p in plans.values())
 
 
-def test_a_compiled_fsdp2_ring_of_two_trains_to_the_eager_one_process_losses(tmp_path, cache_dir, s1_reference):
-    """cp=2 ring, FSDP2 over both ranks, full activation checkpointing and 16-token MLP tiles, compiled: the losses,
-    validation losses and gradient norms of 6 AdamW steps equal the eager one-process run's (rel 1e-5)."""
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_a_compiled_ring_of_two_trains_to_the_eager_one_process_losses(tmp_path, cache_dir, s1_reference, fsdp):
+    """cp=2 ring, compiled, under FSDP2 (full activation checkpointing, 24-token MLP tiles: two full tiles and a
+    shorter one of a rank's 64 tokens) and under DDP (whose gradient buckets dynamo splits its graphs for): the
+    losses, validation losses and gradient norms of 6 AdamW steps equal the eager one-process run's (rel 1e-5)."""
     from tests.test_train import _one_vs_two_processes
 
-    extra = ["train.compile=true", "parallel.fsdp=true", "model.activation_checkpointing=true",
-             "model.mlp_tile_tokens=16"]
+    extra = ["train.compile=true", f"parallel.fsdp={str(fsdp).lower()}"] + (
+        ["model.activation_checkpointing=true", "model.mlp_tile_tokens=24"] if fsdp else [])
+    # tiled: the attention blocks compile (their q/k/v run tiled), the MLPs and norms run tiled with compiled tiles
+    parts, model = ("2 parts", "FSDPChunkedLossLM") if fsdp else ("8 parts", "DistributedDataParallel")
     _one_vs_two_processes(tmp_path, cache_dir, lambda two: [f"recipe.stages.s1_256.cp={2 if two else 1}",
                                                             *(extra if two else [])],
-                          ["model FSDPChunkedLossLM", "torch.compile on 8 parts of the decoder layers", "dp 1, cp 2",
+                          [f"model {model}", f"torch.compile on {parts} of the decoder layers", "dp 1, cp 2",
                            "graphs compiled for this stage"],  # not a warning of parts run eagerly
                           one=s1_reference)
 
@@ -117,12 +152,14 @@ def test_parts_that_hit_the_recompile_limit_are_reported():
 
     batch = collate([packed_item([np.arange(2, 200), np.arange(2, 58)], 256, pad_id=1)])
     fresh_start()
-    with torch._dynamo.config.patch(recompile_limit=1):
+    with torch._dynamo.config.patch(recompile_limit=1):  # fresh_start raised it: lowered here
         compiled = _step(True, "none")
         _loss_and_grads(compiled, compiled.prep(batch))
     log = _Log()
     report_compiled(log, {"tokens_per_s": 100.0})
     assert log.lines[0][0] == "warning" and "ran eagerly (Dynamo recompile limit exceeded)" in log.lines[0][1]
+    fresh_start()
+    assert torch._dynamo.config.recompile_limit >= 64  # a stage's own limit (model/compile.py RECOMPILE_LIMIT)
 
 
 class _Log:
@@ -143,4 +180,6 @@ def test_the_compile_benchmark_runs(tmp_path):
     result = bench_compile.main(["--smoke", "--out", str(tmp_path / "compile.json")])
     assert [r["build"] for r in result["rows"]] == ["none", "none compiled", "full", "full compiled"]
     assert all(r["step_s_median"] > 0 and r["vs_eager_paired"] > 0 for r in result["rows"])
+    assert [r["graphs_so_far"] > 0 for r in result["rows"]] == [False, True, False, True]
+    assert not any(r["eager_frames"] for r in result["rows"])
     assert (tmp_path / "compile.json").exists()

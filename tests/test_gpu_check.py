@@ -24,6 +24,7 @@ def assert_throughput_rows(tp: dict) -> None:
     assert {r["system"] for r in tp["rows"]} >= {"longstride", "longstride_compiled", "hf_sdpa_packed",
                                                  "hf_sdpa_causal"}
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in tp["rows"])
+    assert all(r["graphs"] > 0 and not r["eager_frames"] for r in tp["rows"] if r["system"] == "longstride_compiled")
 
 
 def test_gpu_check_smoke_writes_every_part(tmp_path):

@@ -318,8 +318,9 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
         while run.step < stage.total_steps:
             with profiler.step(run.step + 1):
                 metrics = train_step(ctx, run, guard, last_good)
-            if run.built.compiled and not compile_reported:
-                compile_reported = report_compiled(ctx.tracker, metrics)
+            if run.built.compiled and not compile_reported:  # rank 0's, after its validation and first step
+                report_compiled(ctx.tracker, metrics)
+                compile_reported = True
             last_good = after_step(ctx, run, stage_dir, stop, guard, metrics, last_good)
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
         settle_saves(ctx, run)

@@ -68,10 +68,11 @@ class Step:
 
 def build_step(lm: torch.nn.Module, spec: StepSpec, cp: Optional[CPContext] = None) -> Step:
     """Patches `lm` as the spec says (model/prepare.py), switches on longstride's attention, compiles the layers'
-    parts if the spec says so (model/compile.py) and wraps the chunked loss; cp: this rank's CPContext (one device when None), completed with the model's layer patterns (what the
-    document balancer weighs)."""
+    parts and tiles if the spec says so (model/compile.py) and wraps the chunked loss; cp: this rank's CPContext (one
+    device when None), completed with the model's layer patterns (what the document balancer weighs)."""
     offloader = patch_model(lm, spec.checkpointing, spec.offload, spec.mlp_tile, spec.lean_norms,
-                            simulate_offload=spec.simulate_offload, checkpoint_layers=spec.checkpoint_layers).offloader
+                            simulate_offload=spec.simulate_offload, checkpoint_layers=spec.checkpoint_layers,
+                            compile_tiles=spec.compile).offloader
     use_longstride_attention(lm)
     compiled = compile_layers(lm, spec.checkpointing) if spec.compile else 0
     cp = dataclasses.replace(cp or CPContext(), patterns=model_patterns(lm))
