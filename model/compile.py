@@ -1,4 +1,4 @@
-"""torch.compile of a training step's decoder layers (train.compile), part by part.
+"""torch.compile of a training step's decoder layers (train.compile), part by part, and of its loss's tile.
 
 Each decoder layer's parts (its attention block, its MLP, its norms: the layer's child modules) is compiled on its
 own with `module.compile()`, which keeps parameter names and checkpoints plain transformers. Inductor fuses what runs
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from longstride.model.loss import decoder_layers
+from longstride.model.loss import decoder_layers, tile_loss_sum
 from longstride.model.tiling import runs_tiled
 
 
@@ -41,6 +41,13 @@ def compile_tile(fn):
     every tiled part (the MLP and the q, k and v projections differ in width, the last tile is shorter), and static
     ones would take a graph each, past dynamo's recompile limit of 8 a function."""
     return torch.compile(fn, dynamic=True)
+
+
+def compiled_loss_tile():
+    """The chunked loss's tile (model/loss.tile_loss_sum: the output head's logits and their cross-entropy sum)
+    through torch.compile: the logits' cast to fp32, the log-sum-exp and, in backward's recompute, the softmax
+    gradient fuse around the head's matmul (torchtitan compiles its loss too)."""
+    return torch.compile(tile_loss_sum)
 
 
 def compile_layers(lm: torch.nn.Module, checkpointing: str = "none") -> int:

@@ -143,7 +143,7 @@ def _head_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
     return logits
 
 
-def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
+def tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
                    scale: float, softcap: Optional[float]) -> torch.Tensor:
     # hidden: (T, D), weight: (V, D), labels: (T,) -> scalar fp32 sum over labelled tokens
     logits = _head_logits(hidden, Head(weight, bias, scale, softcap))
@@ -151,10 +151,11 @@ def _tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 
 def chunked_cross_entropy_sum(
-    hidden: torch.Tensor, head: Head | torch.Tensor, labels: torch.Tensor, tile: int = 1024
+    hidden: torch.Tensor, head: Head | torch.Tensor, labels: torch.Tensor, tile: int = 1024, tile_fn=None
 ) -> torch.Tensor:
     """hidden: (B, L, D); head: the output head (output_head), or an lm-head weight (V, D) alone; labels: (B, L)
-    already aligned (label[t] is the target of position t; IGNORE_INDEX where there is none). Returns the fp32
+    already aligned (label[t] is the target of position t; IGNORE_INDEX where there is none); tile_fn: what computes
+    a tile's loss sum (None: tile_loss_sum; train.compile: its compiled form, model/compile.py). Returns the fp32
     loss sum."""
     if tile <= 0:
         raise ValueError(f"model.loss_tile_tokens={tile} must be positive")
@@ -162,6 +163,7 @@ def chunked_cross_entropy_sum(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
+    tile_fn = tile_fn or tile_loss_sum
     trainable = any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
     # every tile runs, also one without a target (its sum is 0): skipping it would read the labels on the host,
     # a device sync per tile on a GPU, and a traced step (recipes/memory/trace.py) has no values to read
@@ -169,9 +171,9 @@ def chunked_cross_entropy_sum(
         h, y = hidden[start:start + tile], labels[start:start + tile]
         args = (h, head.weight, y, head.bias, head.scale, head.softcap)
         if torch.is_grad_enabled() and trainable:
-            total = total + checkpoint(_tile_loss_sum, *args, use_reentrant=False)
+            total = total + checkpoint(tile_fn, *args, use_reentrant=False)
         else:
-            total = total + _tile_loss_sum(*args)
+            total = total + tile_fn(*args)
     return total
 
 
@@ -183,9 +185,9 @@ class ChunkedLossLM(torch.nn.Module):
     hands them to every attention call.
     """
 
-    def __init__(self, lm: torch.nn.Module, tile: int = 1024):
+    def __init__(self, lm: torch.nn.Module, tile: int = 1024, tile_fn=None):
         super().__init__()
-        self.lm, self.tile = lm, tile
+        self.lm, self.tile, self.tile_fn = lm, tile, tile_fn  # tile_fn: chunked_cross_entropy_sum's
         # read (and a head the loss cannot compute refused) here, before any step and before DDP / FSDP2 wrap lm
         self.terms = head_terms(lm)
         self.body = decoder_name(lm)  # model (Llama, Qwen...), gpt_neox, transformer (GPT-2)
@@ -195,4 +197,5 @@ class ChunkedLossLM(torch.nn.Module):
                                              **attn_kwargs).last_hidden_state
         # the weight and bias read at each forward: FSDP2 swaps them for their gathered copies around it
         head = self.lm.get_output_embeddings()
-        return chunked_cross_entropy_sum(hidden, Head(head.weight, head.bias, *self.terms), labels, self.tile)
+        return chunked_cross_entropy_sum(hidden, Head(head.weight, head.bias, *self.terms), labels, self.tile,
+                                         self.tile_fn)

@@ -67,28 +67,35 @@ def test_the_compiled_step_runs_compiled_graphs_and_matches_the_eager_step(check
     assert any("longstride_attention" in reason for reason in counters["graph_break"])
 
 
-def test_tiles_are_compiled_in_forward_and_in_backward_s_recompute(monkeypatch):
+def test_tiles_and_the_loss_tile_are_compiled(monkeypatch):
     """With tiles, each tile's function is what compiles (model/compile.compile_tile): dynamo traces the MLP's tile
-    (its SiLU gating) both where the tiles run without gradients (forward, validation) and in backward's recompute."""
+    (its SiLU gating) both where the tiles run without gradients (forward, validation) and in backward's recompute.
+    The chunked loss's tile compiles too (compiled_loss_tile): the head's matmul and the cross-entropy, one graph."""
     import operator
 
-    from longstride.model import prepare
+    import torch.nn.functional as F
 
-    modes = []
+    from longstride.model import prepare
+    from longstride.model.compile import fresh_start
+    from longstride.model.loss import tile_loss_sum
+    from longstride.recipes.run import step as step_module
+
+    seen = []
 
     def spying(gm, inputs):  # a dynamo backend that records each graph and runs it as traced
         ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-        if torch.nn.functional.silu in ops and operator.mul in ops:
-            modes.append(torch.is_grad_enabled())
+        if F.silu in ops and operator.mul in ops:
+            seen.append(("mlp tile", torch.is_grad_enabled()))
+        if F.linear in ops and F.cross_entropy in ops:
+            seen.append(("loss tile", torch.is_grad_enabled()))
         return gm.forward
 
     monkeypatch.setattr(prepare, "compile_tile", lambda fn: torch.compile(fn, dynamic=True, backend=spying))
-    from longstride.model.compile import fresh_start
-
+    monkeypatch.setattr(step_module, "compiled_loss_tile", lambda: torch.compile(tile_loss_sum, backend=spying))
     fresh_start()
     step = _step(True, "full", 100)
     _loss_and_grads(step, step.prep(_batch(0)))
-    assert sorted(set(modes)) == [False, True], modes
+    assert set(seen) == {("mlp tile", False), ("mlp tile", True), ("loss tile", True)}, seen
 
 
 def test_compile_with_selective_checkpointing_is_refused_before_anything_is_built():

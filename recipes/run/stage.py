@@ -208,7 +208,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
         activate_flash_impl(str(cfg.parallel.flash_impl))
     log_memory_estimate(ctx, plan, lm)
     model = parallelize(built.module, decoder_layers(lm), plan.fsdp, acc, mesh)
-    optimizer = build_optimizer(lm, cfg.optim, stage.lr)
+    optimizer = build_optimizer(lm, cfg.optim, stage.lr, acc.device.type)
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
                                 stage.decay_fraction)
     loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
@@ -229,8 +229,9 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
         f" (the first {spec.checkpoint_layers} of {len(decoder_layers(run.lm))} layers)"
     offload = "" if not (ac and cfg.model.offload_activations) else \
         (", offloaded to host" if spec.offload else ", offload ignored on CPU")
-    compiled = f"; torch.compile on {run.built.compiled} parts of the decoder layers (the first step compiles " \
-        "them)" if run.built.compiled else ""
+    compiled = f"; torch.compile on {run.built.compiled} parts of the decoder layers" \
+        f"{', their tiles' if spec.mlp_tile else ''} and the loss's tile (the first step compiles them)" \
+        if run.built.compiled else ""
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
                      f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
                      f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}; attention kernel {plan.kernel}{compiled}")

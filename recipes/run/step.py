@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from longstride.model.compile import compile_layers
+from longstride.model.compile import compile_layers, compiled_loss_tile
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
@@ -68,15 +68,17 @@ class Step:
 
 def build_step(lm: torch.nn.Module, spec: StepSpec, cp: Optional[CPContext] = None) -> Step:
     """Patches `lm` as the spec says (model/prepare.py), switches on longstride's attention, compiles the layers'
-    parts and tiles if the spec says so (model/compile.py) and wraps the chunked loss; cp: this rank's CPContext (one
-    device when None), completed with the model's layer patterns (what the document balancer weighs)."""
+    parts, tiles and loss tile if the spec says so (model/compile.py) and wraps the chunked loss; cp: this rank's
+    CPContext (one device when None), completed with the model's layer patterns (what the document balancer
+    weighs)."""
     offloader = patch_model(lm, spec.checkpointing, spec.offload, spec.mlp_tile, spec.lean_norms,
                             simulate_offload=spec.simulate_offload, checkpoint_layers=spec.checkpoint_layers,
                             compile_tiles=spec.compile).offloader
     use_longstride_attention(lm)
     compiled = compile_layers(lm, spec.checkpointing) if spec.compile else 0
     cp = dataclasses.replace(cp or CPContext(), patterns=model_patterns(lm))
-    return Step(lm, ChunkedLossLM(lm, spec.loss_tile), cp, spec, offloader, compiled)
+    loss = ChunkedLossLM(lm, spec.loss_tile, compiled_loss_tile() if spec.compile else None)
+    return Step(lm, loss, cp, spec, offloader, compiled)
 
 
 def loss_sum(module, local: tuple[dict, DocLayout], device) -> torch.Tensor:
@@ -97,8 +99,19 @@ def group_summary(optimizer: torch.optim.Optimizer) -> list[dict]:
              **{k: v for k, v in g.items() if k in ("weight_decay", "betas", "eps")}} for g in optimizer.param_groups]
 
 
-def build_optimizer(model: torch.nn.Module, optim, lr: float, **kw) -> torch.optim.AdamW:
+def adamw_implementation(name: str, device_type: Optional[str]) -> dict:
+    """AdamW's `fused` / `foreach` options for optim.implementation `name` on `device_type` (None: not known, as for
+    the memory trace: torch's own choice). auto: fused on CUDA, torch's choice elsewhere."""
+    if name == "auto":
+        return {"fused": True} if device_type == "cuda" else {}
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[name]
+
+
+def build_optimizer(model: torch.nn.Module, optim, lr: float, device_type: Optional[str] = None,
+                    **kw) -> torch.optim.AdamW:
     """AdamW over the run's parameter groups (recipes/run/schedule.param_groups: no decay on norms, biases and
-    embeddings); optim: recipes.config.schema.OptimConfig; kw: AdamW's own options (fused=...)."""
+    embeddings); optim: recipes.config.schema.OptimConfig, its implementation resolved for `device_type`
+    (adamw_implementation); kw: AdamW's own options."""
+    impl = adamw_implementation(str(getattr(optim, "implementation", "auto")), device_type)
     return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=lr, betas=tuple(optim.betas),
-                             eps=optim.eps, **kw)
+                             eps=optim.eps, **{**impl, **kw})
