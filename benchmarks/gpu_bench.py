@@ -116,7 +116,7 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
                            L, pad_id=0)
         local, layout = step.prep({k: torch.from_numpy(v)[None] for k, v in item.items()})
         batch.update(labels=local["labels"].to(device), layout=layout)
-    optimizer = build_optimizer(lm, OptimConfig(), lr=1e-5, fused=device.type == "cuda")
+    optimizer = build_optimizer(lm, OptimConfig(), lr=1e-5, device_type=device.type)  # as a stage builds it
     return Step(system, model, optimizer, batch, device)
 
 

@@ -63,12 +63,22 @@ class RecipeConfig:
     stages: Dict[str, StageConfig] = field(default_factory=dict)
 
 
+class OptimImpl(Choice):
+    """optim.implementation: how AdamW's update runs (recipes/run/step.py adamw_implementation)."""
+
+    auto = "auto"  # fused on GPUs (torchtitan's default), torch's own choice elsewhere (a loop over tensors on CPU)
+    fused = "fused"  # one kernel for every tensor's update
+    foreach = "foreach"  # torch's multi-tensor ops (torch's own choice on GPUs)
+    for_loop = "for_loop"  # one tensor at a time
+
+
 @dataclass
 class OptimConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    implementation: OptimImpl = OptimImpl.auto
 
 
 @dataclass

@@ -126,20 +126,26 @@ def streamed_position(ctx, path: str, written_dp: int, dims) -> tuple[dict, str]
                   + "".join(f"; {n}" for n in notes))
 
 
+# what a parameter group takes from the config over a restored checkpoint: its hyperparameters and how AdamW's update
+# runs (optim.implementation: a CPU checkpoint resumed on GPUs runs fused there)
+CONFIGURED = ("initial_lr", "betas", "eps", "weight_decay", "fused", "foreach")
+
+
 def keep_configured_hyperparameters(run, scheduler_state: dict, configured: list[dict]) -> str:
-    """The config's peak lr, betas, eps and weight decay over a restored optimizer and schedule. The shards bring
-    back the checkpoint's in each parameter group and the schedule's state its peak lr (LambdaLR.base_lrs), so a
-    rerun that changed them (a lower lr after non-finite steps, as NonFiniteError advises) would train at the old
-    ones; the config wins, as with Megatron-LM's override_opt_param_scheduler. The step's lr is the config's peak
-    times the schedule at the restored step. Returns what changed, for the log ("" when nothing did)."""
+    """The config's peak lr, betas, eps, weight decay and AdamW implementation over a restored optimizer and
+    schedule. The shards bring back the checkpoint's in each parameter group and the schedule's state its peak lr
+    (LambdaLR.base_lrs), so a rerun that changed them (a lower lr after non-finite steps, as NonFiniteError advises)
+    would train at the old ones; the config wins, as with Megatron-LM's override_opt_param_scheduler. The step's lr
+    is the config's peak times the schedule at the restored step. Returns what changed, for the log ("" when nothing
+    did)."""
     groups = run.optimizer.param_groups
     peaks = [g["initial_lr"] for g in configured]
     step = scheduler_state["last_epoch"]
     lrs = [peak * f(step) for peak, f in zip(peaks, run.scheduler.lr_lambdas)]
     changed = sorted({f"{k} {old[k]} (now {new[k]})" for old, new in zip(groups, configured)
-                      for k in ("initial_lr", "betas", "eps", "weight_decay") if old.get(k) != new.get(k)})
+                      for k in CONFIGURED if old.get(k) != new.get(k)})
     for g, new, lr in zip(groups, configured, lrs):
-        g.update({k: new[k] for k in ("initial_lr", "betas", "eps", "weight_decay") if k in new}, lr=lr)
+        g.update({k: new[k] for k in CONFIGURED if k in new}, lr=lr)
     run.scheduler.load_state_dict({**scheduler_state, "base_lrs": peaks, "_last_lr": lrs})
     return ", ".join(changed).replace("initial_lr", "peak lr")
 

@@ -1,0 +1,42 @@
+"""optim.implementation: how AdamW's update runs (recipes/run/step.py adamw_implementation). auto is fused on GPUs
+(torchtitan's default; the GPU benchmark's step already ran fused) and torch's own choice elsewhere, so a CPU run is
+unchanged; a resumed run takes the configured implementation over the checkpoint's, with the same losses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from longstride.recipes.config.schema import OptimConfig
+from longstride.recipes.run.step import adamw_implementation, build_optimizer
+from tests.conftest import run_cli
+
+
+def test_each_implementation_sets_adamw_s_own_options():
+    assert adamw_implementation("auto", "cuda") == {"fused": True}
+    assert adamw_implementation("auto", "cpu") == adamw_implementation("auto", None) == {}
+    assert adamw_implementation("fused", "cpu") == {"fused": True}
+    assert adamw_implementation("foreach", "cuda") == {"foreach": True}
+    assert adamw_implementation("for_loop", "cuda") == {"foreach": False}
+    model = torch.nn.Linear(4, 4)
+    groups = build_optimizer(model, OptimConfig(implementation="fused"), 1e-3, "cpu").param_groups
+    assert all(g["fused"] is True for g in groups)
+    groups = build_optimizer(model, OptimConfig(), 1e-3, "cpu").param_groups
+    assert all(not g["fused"] and not g["foreach"] for g in groups)
+
+
+def test_a_run_resumed_with_the_fused_update_takes_it_and_keeps_the_losses(micro, tmp_path):
+    """A checkpoint written by the CPU default (a loop over tensors) resumed with optim.implementation=fused: the
+    groups run fused (logged as changed), and the resumed steps' losses equal the first run's (rel 1e-5)."""
+    first = run_cli(micro + ["stage=s1_256"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    s1 = tmp_path / "out" / "tiny" / "s1_256"
+    want = {r["step"]: r["loss"] for r in map(json.loads, (s1 / "metrics.jsonl").open()) if "loss" in r}
+    again = run_cli(micro + ["stage=s1_256", "optim.implementation=fused", f"train.resume_from={s1}/step_000003"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "fused None (now True)" in again.stderr, again.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in map(json.loads, (s1 / "metrics.jsonl").open()) if "loss" in r}
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in range(4, 7):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
