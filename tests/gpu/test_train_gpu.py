@@ -1,7 +1,8 @@
 """Training on one GPU: the micro recipe in bf16 on torch's flash kernel (loss falls, step checkpoints written in
 the background verify, a killed run resumes from its checkpoint, finals reload), an FSDP2 bf16 step and resume
 through torch.distributed.checkpoint's optimizer state on one rank, the side-stream activation offload (same
-gradients, lower peak memory), and a compiled bf16 step (train.compile: the eager step's gradients)."""
+gradients, lower peak memory), and a compiled bf16 step (train.compile: the eager step's gradients). AdamW runs
+fused, as a stage runs it on a GPU."""
 from __future__ import annotations
 
 import tempfile
@@ -20,6 +21,8 @@ from longstride.parallel.attention import use_longstride_attention
 from longstride.parallel.cp import CPContext, DocLayout
 from longstride.parallel.parallelize import parallelize
 from longstride.recipes.config.plan import validate
+from longstride.recipes.config.schema import OptimConfig
+from longstride.recipes.run.step import build_optimizer
 from longstride.recipes.train import run
 from tests.conftest import compose_cfg, crash_after, micro_overrides, read_metrics, run_cli
 
@@ -99,10 +102,12 @@ def test_fsdp2_bf16_step_and_resume_on_one_rank(tmp_path):
         b = packed(96)
         layout = DocLayout(b["doc_ids"], cp=CPContext(kernel="torch_flash"))
 
-        def build():
+        def build():  # AdamW as a stage builds it on a GPU: fused (optim.implementation=auto), over DTensors
             m = tiny()
             par = parallelize(m, m.lm.model.layers, True, acc)
-            return par, torch.optim.AdamW(par.parameters(), lr=1e-3)
+            opt = build_optimizer(m.lm, OptimConfig(), 1e-3, "cuda")
+            assert all(g["fused"] for g in opt.param_groups)
+            return par, opt
 
         def step(par, opt) -> float:
             loss = par(b["input_ids"], b["labels"], b["position_ids"], doc_layout=layout)
