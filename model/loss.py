@@ -144,7 +144,7 @@ def _head_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
 
 
 def tile_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
-                   scale: float, softcap: Optional[float]) -> torch.Tensor:
+                  scale: float, softcap: Optional[float]) -> torch.Tensor:
     # hidden: (T, D), weight: (V, D), labels: (T,) -> scalar fp32 sum over labelled tokens
     logits = _head_logits(hidden, Head(weight, bias, scale, softcap))
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

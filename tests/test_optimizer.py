@@ -19,6 +19,9 @@ def test_each_implementation_sets_adamw_s_own_options():
     assert adamw_implementation("fused", "cpu") == {"fused": True}
     assert adamw_implementation("foreach", "cuda") == {"foreach": True}
     assert adamw_implementation("for_loop", "cuda") == {"foreach": False}
+    assert adamw_implementation("fused", None) == {}  # the memory trace: fake or meta tensors have no fused kernel
+    with pytest.raises(ValueError, match="optim.implementation='fast': use auto or one of"):
+        adamw_implementation("fast", "cuda")
     model = torch.nn.Linear(4, 4)
     groups = build_optimizer(model, OptimConfig(implementation="fused"), 1e-3, "cpu").param_groups
     assert all(g["fused"] is True for g in groups)

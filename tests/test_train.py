@@ -200,10 +200,11 @@ def test_checkpoint_dir_that_does_not_exist(micro):
 
 
 def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_at: int | None = None,
-                          one: Path | None = None) -> None:
+                          one: Path | None = None, absent: tuple = ()) -> None:
     """Runs stage s1 in one process (or reads `one`, a stage folder of that run: the suite's s1_reference) and under
     accelerate launch with the 2-process CPU config (gloo); the losses must agree up to reduction order. crash_at:
-    the 2-process run is first SIGKILLed after that step, then rerun, and resumes from its last checkpoint."""
+    the 2-process run is first SIGKILLed after that step, then rerun, and resumes from its last checkpoint. expect:
+    texts its output holds; absent: texts it must not."""
     import subprocess
 
     from tests.conftest import REPO, accelerate_launch, micro_overrides
@@ -233,6 +234,8 @@ def _one_vs_two_processes(tmp_path, cache_dir, extra, expect: str | list, crash_
         assert "resuming from" in two.stderr + two.stdout
     for text in [expect] if isinstance(expect, str) else expect:
         assert text in two.stderr + two.stdout, text
+    for text in absent:
+        assert text not in two.stderr + two.stdout, text
     a, b = read_metrics(one), read_metrics(tmp_path / "two" / "tiny" / "s1_256")
     assert sorted(a) == sorted(b)
     for s in a:

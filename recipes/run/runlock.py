@@ -65,9 +65,9 @@ class RunLock:
 # a key matches its own pattern and everything under it). A resumed run may checkpoint at another interval: the
 # loader and the schedule resume from the step, whichever steps were saved.
 NOT_IDENTITY = ("logger", "paths", "stage", "profile", "train.keep_last", "train.async_save", "train.compile",
-                "optim.implementation", "train.max_nonfinite_steps", "train.trace_memory", "train.resume", "train.resume_from",
-                "train.resume_data", "train.collective_timeout_s", "data.num_workers", "data.num_proc",
-                "recipe.stages.*.save_every")
+                "optim.implementation", "train.max_nonfinite_steps", "train.trace_memory", "train.resume",
+                "train.resume_from", "train.resume_data", "train.collective_timeout_s", "data.num_workers",
+                "data.num_proc", "recipe.stages.*.save_every")
 
 
 def check_shared(directory: str, lock: Optional[RunLock], wait_s: float = 30.0) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 from longstride.data.stream_split import resplit
 from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
 from longstride.model.model_dir import has_tokenizer
@@ -142,10 +144,18 @@ def keep_configured_hyperparameters(run, scheduler_state: dict, configured: list
     peaks = [g["initial_lr"] for g in configured]
     step = scheduler_state["last_epoch"]
     lrs = [peak * f(step) for peak, f in zip(peaks, run.scheduler.lr_lambdas)]
-    changed = sorted({f"{k} {old[k]} (now {new[k]})" for old, new in zip(groups, configured)
-                      for k in CONFIGURED if old.get(k) != new.get(k)})
+    changed = sorted({f"{k} {old.get(k)} (now {new[k]})" for old, new in zip(groups, configured)
+                      for k in CONFIGURED if k in new and old.get(k) != new[k]})
     for g, new, lr in zip(groups, configured, lrs):
         g.update({k: new[k] for k in CONFIGURED if k in new}, lr=lr)
+        # a restored `step` sits where the checkpoint's implementation kept it (fused: on the parameter's device);
+        # the configured one reads it there: on the device fused, else on the host (a device `step` under the
+        # foreach and loop updates is read with .item(), a device sync per tensor per step)
+        home = None if g.get("fused") or g.get("capturable") else torch.device("cpu")
+        for p in g["params"]:
+            state = run.optimizer.state.get(p, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(home or p.device)
     run.scheduler.load_state_dict({**scheduler_state, "base_lrs": peaks, "_last_lr": lrs})
     return ", ".join(changed).replace("initial_lr", "peak lr")
 

@@ -99,12 +99,20 @@ def group_summary(optimizer: torch.optim.Optimizer) -> list[dict]:
              **{k: v for k, v in g.items() if k in ("weight_decay", "betas", "eps")}} for g in optimizer.param_groups]
 
 
+IMPLEMENTATIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+
+
 def adamw_implementation(name: str, device_type: Optional[str]) -> dict:
-    """AdamW's `fused` / `foreach` options for optim.implementation `name` on `device_type` (None: not known, as for
-    the memory trace: torch's own choice). auto: fused on CUDA, torch's choice elsewhere."""
+    """AdamW's `fused` / `foreach` options for optim.implementation `name` on `device_type`; None: not known (the
+    memory trace, on fake or meta tensors that have no fused kernel), torch's own choice whatever the name. auto:
+    fused on CUDA, torch's choice elsewhere."""
+    if name != "auto" and name not in IMPLEMENTATIONS:
+        raise ValueError(f"optim.implementation={name!r}: use auto or one of {sorted(IMPLEMENTATIONS)}")
+    if device_type is None:
+        return {}
     if name == "auto":
         return {"fused": True} if device_type == "cuda" else {}
-    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[name]
+    return IMPLEMENTATIONS[name]
 
 
 def build_optimizer(model: torch.nn.Module, optim, lr: float, device_type: Optional[str] = None,
@@ -112,6 +120,6 @@ def build_optimizer(model: torch.nn.Module, optim, lr: float, device_type: Optio
     """AdamW over the run's parameter groups (recipes/run/schedule.param_groups: no decay on norms, biases and
     embeddings); optim: recipes.config.schema.OptimConfig, its implementation resolved for `device_type`
     (adamw_implementation); kw: AdamW's own options."""
-    impl = adamw_implementation(str(getattr(optim, "implementation", "auto")), device_type)
+    impl = adamw_implementation(str(optim.implementation), device_type)
     return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=lr, betas=tuple(optim.betas),
                              eps=optim.eps, **{**impl, **kw})
