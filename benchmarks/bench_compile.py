@@ -26,6 +26,7 @@ import time
 import torch
 
 from benchmarks.bench_checkpointing import build, run_step
+from benchmarks.common import print_table
 from longstride.model.compile import compile_status, fresh_start
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "bench_compile.json")
@@ -78,9 +79,7 @@ def main(argv=None) -> dict:
               "torch": torch.__version__, "python": platform.python_version(), "length": args.length,
               "layers": args.layers, "reps": args.reps, "precision": "bf16 autocast" if gpu else "fp32",
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    print(f"{'build':<15}{'first step s':>14}{'median s':>10}{'vs eager':>10}")
-    for r in rows:
-        print(f"{r['build']:<15}{r['first_step_s']:>14}{r['step_s_median']:>10}{r['vs_eager_paired']:>10}")
+    print_table(rows, ["build", "first_step_s", "step_s_median", "vs_eager_paired", "new_graphs", "eager_frames"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
