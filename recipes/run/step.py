@@ -35,7 +35,7 @@ class StepSpec:
     mode, offload of checkpointed inputs, MLP tile tokens (0: off), the lean RMSNorm backward, the loss's tile
     tokens, document masking; simulate_offload: count offloaded bytes without a device (the tracer);
     checkpoint_layers: the decoder layers checkpointed, the first N (None: every one); compile: torch.compile of each
-    decoder layer's parts (model/compile.py)."""
+    decoder layer's parts, their tiles and the loss's tile (model/compile.py)."""
 
     checkpointing: str = "none"
     offload: bool = False
