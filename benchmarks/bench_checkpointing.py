@@ -33,7 +33,6 @@ and backward, measured in its warm-up step).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -43,6 +42,7 @@ import time
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from benchmarks.common import write_json
 from longstride.model import checkpointing, selective
 from longstride.model.config import ModelConfig
 
@@ -296,9 +296,7 @@ def main(argv=None) -> dict:
               "rows": rows}
     for r in rows:
         print(r)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

@@ -17,16 +17,14 @@ shared machine). On a GPU the step runs under bf16 autocast on torch's flash ker
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import time
 
 import torch
 
 from benchmarks.bench_checkpointing import build, run_step
-from benchmarks.common import print_table
+from benchmarks.common import machine, print_table, write_json
 from longstride.model.compile import compile_status, fresh_start
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "bench_compile.json")
@@ -53,11 +51,11 @@ def main(argv=None) -> dict:
     built, first, status = {}, {}, {}
     fresh_start()  # as a stage starts (model/compile.py)
     for ac, compiled in BUILDS:
+        before = compile_status()  # since fresh_start: this build's first step compiles the difference
         step, local, lm = built[name(ac, compiled)] = build(ac, args.layers, args.length, device, compile_=compiled)
-        first[name(ac, compiled)] = run_step(step, local, ac, device)[0]  # compiles a compiled build's graphs
-        before = status.get("total", (0, 0))
-        status["total"] = compile_status()[:2]  # since fresh_start: this build's first step is the difference
-        status[name(ac, compiled)] = tuple(now - was for now, was in zip(status["total"], before))
+        first[name(ac, compiled)] = run_step(step, local, ac, device)[0]
+        after = compile_status()
+        status[name(ac, compiled)] = (after.graphs - before.graphs, after.eager_frames - before.eager_frames)
         lm.zero_grad(set_to_none=False)
     times = {k: [] for k in built}
     for _ in range(args.reps):
@@ -75,14 +73,11 @@ def main(argv=None) -> dict:
                      "step_s": [round(x, 3) for x in t]})
     result = {"what": "one forward + backward (no optimizer) of SmolLM2-135M's layer shape, eager against "
                       "train.compile, medians of interleaved rounds; first_step_s includes compiling",
-              "device": torch.cuda.get_device_name(0) if gpu else f"cpu ({os.cpu_count()} cores)",
-              "torch": torch.__version__, "python": platform.python_version(), "length": args.length,
+              "machine": machine(), "python": platform.python_version(), "length": args.length,
               "layers": args.layers, "reps": args.reps, "precision": "bf16 autocast" if gpu else "fp32",
-              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+              "rows": rows}
     print_table(rows, ["build", "first_step_s", "step_s_median", "vs_eager_paired", "new_graphs", "eager_frames"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

@@ -33,6 +33,13 @@ def write_results(name: str, rows: list[dict], extra: dict | None = None) -> str
     return path
 
 
+def write_json(path: str, data: dict) -> None:
+    """`data` as indented JSON at `path` (a benchmark's --out), its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]

@@ -179,7 +179,7 @@ def throughput(shapes: list[str], lengths: list[int], device: torch.device, warm
                     row.update(step_s=sec, tokens_per_s=length / sec, peak_gib=peak_gib(device),
                                tflops=flops / sec / 1e12, mfu=flops / sec / peak if peak else None)
                     if system == "longstride_compiled":  # a fall-back to eager would be no compiled figure
-                        row.update(zip(("graphs", "eager_frames", "eager_why", "other_breaks"), compile_status()))
+                        row.update(compile_status()._asdict())
                 except Exception as e:  # recorded per row: the other systems and lengths still run
                     row["error"] = "out of memory" if out_of_memory(e) else f"{type(e).__name__}: {e}"[:300]
                 finally:

@@ -19,6 +19,8 @@ graph's own buffers, so it would recompute them all: full checkpointing's cost w
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from longstride.model.loss import decoder_layers, tile_loss_sum
@@ -88,14 +90,21 @@ def _counters():
 _OWN_BREAK = "Skip calling `torch.compiler.disable()`d function"
 
 
-def compile_status() -> tuple[int, int, list[str], int]:
-    """Since fresh_start: (graphs dynamo compiled, frames it gave up on and ran eagerly, why: the first line of each
-    reason it recorded, graph breaks other than the ones compile makes on purpose)."""
+class CompileStatus(NamedTuple):
+    """Since fresh_start: graphs dynamo compiled, frames it gave up on and ran eagerly, why (the first line of each
+    reason it recorded), graph breaks other than the ones compile makes on purpose."""
+
+    graphs: int
+    eager_frames: int
+    eager_why: list
+    other_breaks: int
+
+
+def compile_status() -> CompileStatus:
     c = _counters()
-    eager = c["frames"]["total"] - c["frames"]["ok"]
     other = sum(n for reason, n in c["graph_break"].items() if not reason.startswith(_OWN_BREAK))
-    return (int(c["stats"]["unique_graphs"]), int(eager), sorted({r.split("\n")[0] for r in c["unimplemented"]}),
-            int(other))
+    return CompileStatus(int(c["stats"]["unique_graphs"]), int(c["frames"]["total"] - c["frames"]["ok"]),
+                         sorted({r.split("\n")[0] for r in c["unimplemented"]}), int(other))
 
 
 def report_compiled(tracker, metrics: dict) -> None:

@@ -3,14 +3,12 @@
 unchanged; a resumed run takes the configured implementation over the checkpoint's, with the same losses."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from longstride.recipes.config.schema import OptimConfig
 from longstride.recipes.run.step import adamw_implementation, build_optimizer
-from tests.conftest import run_cli
+from tests.conftest import read_metrics, run_cli
 
 
 def test_each_implementation_sets_adamw_s_own_options():
@@ -35,11 +33,11 @@ def test_a_run_resumed_with_the_fused_update_takes_it_and_keeps_the_losses(micro
     first = run_cli(micro + ["stage=s1_256"])
     assert first.returncode == 0, first.stderr[-3000:]
     s1 = tmp_path / "out" / "tiny" / "s1_256"
-    want = {r["step"]: r["loss"] for r in map(json.loads, (s1 / "metrics.jsonl").open()) if "loss" in r}
+    want = {s: m["loss"] for s, m in read_metrics(s1).items() if "loss" in m}
     again = run_cli(micro + ["stage=s1_256", "optim.implementation=fused", f"train.resume_from={s1}/step_000003"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "fused None (now True)" in again.stderr, again.stderr[-3000:]
-    got = {r["step"]: r["loss"] for r in map(json.loads, (s1 / "metrics.jsonl").open()) if "loss" in r}
+    got = {s: m["loss"] for s, m in read_metrics(s1).items() if "loss" in m}
     assert sorted(got) == sorted(want) == list(range(1, 7))
     for step in range(4, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step

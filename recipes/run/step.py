@@ -115,11 +115,9 @@ def adamw_implementation(name: str, device_type: Optional[str]) -> dict:
     return IMPLEMENTATIONS[name]
 
 
-def build_optimizer(model: torch.nn.Module, optim, lr: float, device_type: Optional[str] = None,
-                    **kw) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, optim, lr: float, device_type: Optional[str] = None) -> torch.optim.AdamW:
     """AdamW over the run's parameter groups (recipes/run/schedule.param_groups: no decay on norms, biases and
     embeddings); optim: recipes.config.schema.OptimConfig, its implementation resolved for `device_type`
-    (adamw_implementation); kw: AdamW's own options."""
-    impl = adamw_implementation(str(optim.implementation), device_type)
+    (adamw_implementation)."""
     return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=lr, betas=tuple(optim.betas),
-                             eps=optim.eps, **{**impl, **kw})
+                             eps=optim.eps, **adamw_implementation(str(optim.implementation), device_type))
