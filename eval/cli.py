@@ -83,7 +83,9 @@ class CompareConfig:
     checkpoints: List[str] = field(default_factory=list)  # or these HF model dirs, in order (the first is the base)
     tasks: List[str] = field(default_factory=lambda: ["niah_single_1", "synth_kv"])
     lengths: List[int] = field(default_factory=list)  # empty: 256 and powers of 2 up to 2x the last trained length
-    yarn: List[float] = field(default_factory=lambda: [2.0, 4.0])  # YaRN factors at eval time, on the last checkpoint
+    # YaRN factors at eval time, on the last checkpoint; null: [2, 4] where its RoPE takes YaRN, else none (a note:
+    # Llama 3.1's llama3 scaling, say); []: no YaRN rows
+    yarn: Optional[List[float]] = None
     yarn_lengths: List[int] = field(default_factory=list)  # empty: 2x and 4x the last checkpoint's trained length
     rope_layer_types: Optional[List[str]] = None  # YaRN's layer types where RoPE is per type (model/rope.py)
     plain_rows: bool = True  # false: only the YaRN rows (the checkpoints without YaRN are measured elsewhere)
@@ -194,9 +196,9 @@ def parse_compare(argv: list[str]) -> CompareConfig:
         check_checkpoint_dir(ckpt, field_name)
         check_checkpoint_weights(ckpt, field_name)
         require_tokenizer(ckpt, field_name)
-    if not cfg.plain_rows and not cfg.yarn:
+    if not cfg.plain_rows and cfg.yarn == []:
         raise ValueError("plain_rows=false leaves only the YaRN rows: give yarn=[2,...] too")
-    if any(L < 16 for L in cfg.lengths + cfg.yarn_lengths) or any(f <= 1 for f in cfg.yarn):
+    if any(L < 16 for L in cfg.lengths + cfg.yarn_lengths) or any(f <= 1 for f in cfg.yarn or []):
         raise ValueError("lengths and yarn_lengths are token counts >= 16; yarn factors are > 1, e.g. yarn=[2,4]")
     check_generation(cfg)
     writable_dir(compare_out(cfg, named))

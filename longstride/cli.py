@@ -13,6 +13,7 @@
 Several processes run the module behind a command, e.g.
     accelerate launch --config_file configs/accelerate/cpu.yaml -m longstride.recipes.train recipe=tiny
     torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR prefill=cp
+    torchrun --nproc-per-node 8 -m longstride.eval.ruler.compare run=outputs/RUN
     torchrun --nproc-per-node 4 -m longstride.recipes.check checkpoint=DIR cp=4
 """
 from __future__ import annotations

@@ -100,11 +100,14 @@ def parse(schema: type, argv: list[str], command: str, doc: str = ""):
         sys.exit(0)
     name = f"{schema.__module__}.{schema.__qualname__}"
     ConfigStore.instance().store(name=name, node=schema)
+    hint = _shape_hint(schema, argv)
+    if " is a list here" in hint:  # before compose: OmegaConf asserts on a dotted key into a list left null
+        raise ValueError(hint[2:] + f" (see {command} --help)")
     try:
         with initialize(version_base="1.3", config_path=None):
             cfg = OmegaConf.to_object(compose(config_name=name, overrides=list(argv)))
     except (HydraException, OmegaConfBaseException, ValueError) as e:  # ValueError: a list index that is a name
-        raise ValueError(_reason(e) + _shape_hint(schema, argv) + f" (see {command} --help)") from None
+        raise ValueError(_reason(e) + hint + f" (see {command} --help)") from None
     threads = getattr(cfg, "threads", None)  # the eval commands' torch.set_num_threads
     if threads is not None and threads < 1:
         raise ValueError(f"threads={threads} must be >= 1 (null = torch's default)")
@@ -121,8 +124,10 @@ def _shape_hint(schema: type, argv: list[str]) -> str:
         kind = hints.get(top)
         if kind is None:
             continue
+        if typing.get_origin(kind) is typing.Union:  # Optional[X]: X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
         if dotted and typing.get_origin(kind) in (list, typing.List):
-            return f"; {top} is a list here: {top}=[{value}]"
+            return f"; {key}: {top} is a list here: {top}=[{value}]"
         if not dotted and dataclasses.is_dataclass(kind) and not value.startswith("{"):
             names = [f.name for f in dataclasses.fields(kind)]
             return f"; {top} is a group here: {top}.{names[0]}={value} (its fields: {', '.join(names)})"

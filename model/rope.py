@@ -152,6 +152,18 @@ def rope_base(config: PretrainedConfig) -> Optional[float]:
     return params.get("rope_theta")
 
 
+def written_base(config: PretrainedConfig, layer_types: Optional[list[str]] = None) -> Optional[float]:
+    """The lowest RoPE base among the entries that a stage's bump writes (rope_targets), as `config` has them
+    before the bump; None where it keeps none."""
+    text = config.get_text_config(decoder=True)
+    if not has_rope(text):
+        return None
+    targets = rope_targets(text, layer_types)
+    entries = [text.rope_parameters or {}] if targets is None else [text.rope_parameters[t] or {} for t in targets]
+    bases = [float(e["rope_theta"]) for e in entries if e.get("rope_theta") is not None]
+    return min(bases, default=None)
+
+
 def record_trained_length(config: PretrainedConfig, seq_len: int) -> None:
     """Writes the length a stage trains at into its config (trained_length reads it)."""
     setattr(config.get_text_config(decoder=True), TRAINED, int(seq_len))
@@ -225,6 +237,15 @@ def apply_yarn(config: PretrainedConfig, factor: float, original_max_position_em
     return config
 
 
+class YarnRefused(ValueError):
+    """A RoPE that YaRN cannot be applied to (scaled otherwise, or yarn with an attention factor of its own):
+    `why` without the field and the fix, for a command that offers its own fix."""
+
+    def __init__(self, field: str, why: str, fix: str):
+        super().__init__(f"{field}{why}; {fix}")
+        self.why = why
+
+
 def _yarn_plan(name: str, key: Optional[str], entry: dict, factor: float, original: Optional[int], max_positions: int,
                stretch: bool, yarn_field: str) -> tuple[float, int]:
     """(the YaRN factor, the original window) that one rope_parameters entry gets; a ValueError naming `yarn_field`
@@ -234,10 +255,11 @@ def _yarn_plan(name: str, key: Optional[str], entry: dict, factor: float, origin
     if kind == "default":
         return factor, int(original or max_positions)
     if kind != "yarn":
-        raise ValueError(
-            f"{yarn_field}.factor={factor:g}: {where} is already scaled (rope_type={kind}, factor "
+        raise YarnRefused(
+            f"{yarn_field}.factor={factor:g}: ", f"{where} is already scaled (rope_type={kind}, factor "
             f"{entry.get('factor')}), and YaRN would replace that scaling rather than extend it; longstride applies "
-            f"YaRN to plain RoPE (rope_type default) or extends a RoPE that is already yarn. Drop {yarn_field}.factor")
+            "YaRN to plain RoPE (rope_type default) or extends a RoPE that is already yarn",
+            f"drop {yarn_field}.factor")
     old_factor, saved = float(entry.get("factor") or 1.0), int(entry.get("original_max_position_embeddings")
                                                                or max_positions)
     if original and int(original) != saved:
@@ -246,9 +268,9 @@ def _yarn_plan(name: str, key: Optional[str], entry: dict, factor: float, origin
     default_attention = 0.1 * math.log(old_factor) + 1.0 if old_factor > 1 else 1.0
     attention = entry.get("attention_factor")
     if attention is not None and abs(float(attention) - default_attention) > 1e-4:
-        raise ValueError(f"{yarn_field}.factor={factor:g}: {where} is yarn with its own attention_factor {attention} "
-                         f"(not YaRN's 0.1 ln(factor) + 1 = {default_attention:.4f}), which cannot be carried to a new "
-                         f"factor; drop {yarn_field}.factor")
+        raise YarnRefused(f"{yarn_field}.factor={factor:g}: ", f"{where} is yarn with its own attention_factor "
+                          f"{attention} (not YaRN's 0.1 ln(factor) + 1 = {default_attention:.4f}), which cannot be "
+                          "carried to a new factor", f"drop {yarn_field}.factor")
     if not stretch and old_factor != factor:
         raise ValueError(f"{yarn_field}.factor={factor:g}: {where} is already yarn x{old_factor:g} over {saved} "
                          f"positions; a stage keeps it (set {yarn_field}.factor={old_factor:g}) or drops "

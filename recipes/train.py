@@ -199,20 +199,21 @@ def entry() -> None:
     composition error (a mistyped key or choice, a stage added on the command line: schema.added_stage_hint) is one
     line and exit 2, as every other bad input, not Hydra's traceback hint and exit 1; then Hydra's main. Hydra's own
     flags (--cfg, --help, --multirun, ...) and hydra.mode=MULTIRUN sweeps go to it untouched."""
-    from longstride.recipes.config.compose import compose_training
+    from longstride.recipes.config.compose import compose_training, config_dirs
 
     argv = sys.argv[1:]
     dirs = ("--config-dir", "-cd")
     flags = [a for i, a in enumerate(argv) if a.startswith("-") and a not in dirs and not a.startswith("--config-dir=")
              and not (i and argv[i - 1] in dirs)]
     sweep = any(a.split("=", 1)[0].lstrip("+") == "hydra.mode" for a in argv)  # multirun: sweeps Hydra expands
-    if not flags and not sweep:
-        try:
+    try:
+        config_dirs(argv)  # a --config-dir that is no folder, or whose files Hydra would not read, also with --cfg
+        if not flags and not sweep:
             compose_training(argv, "longstride train")
-        except ValueError as e:
-            print(f"longstride: {e}", file=sys.stderr)
-            sys.exit(2)
-    elif {"--cfg", "-c"} & set(flags):
+    except ValueError as e:
+        print(f"longstride: {e}", file=sys.stderr)
+        sys.exit(2)
+    if {"--cfg", "-c"} & set(flags):
         note_replaced_weights(argv, flags)
     main()
 

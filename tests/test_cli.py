@@ -176,6 +176,17 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
         assert compose_training(argv).recipe.name == "mine"
     with pytest.raises(ValueError, match="--config-dir '/no/such' is not a directory"):
         compose_training(["--config-dir", "/no/such", "recipe=mine"])
+    shadow = tmp_path / "shadow" / "recipe"  # a copy under a shipped name, edited: Hydra would read the shipped one
+    shadow.mkdir(parents=True)
+    (shadow / "tiny.yaml").write_text(text)
+    assert compose_training(["hydra.searchpath=[file://" + str(shadow.parent) + "]", "recipe=tiny"]).recipe.name \
+        == "tiny"  # what Hydra does on its own: the edit is ignored
+    with pytest.raises(ValueError, match=r"recipe/tiny.yaml has the path of longstride's own configs/recipe/tiny.yaml"
+                                         r".*rename yours \(say recipe/my_tiny.yaml\)"):
+        compose_training(["--config-dir", str(shadow.parent), "recipe=tiny"])
+    r = _run([shutil.which("longstride"), "train", "--config-dir", str(shadow.parent), "recipe=tiny", "--cfg", "job"],
+             tmp_path)
+    assert r.returncode == 2 and "rename yours" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = _run([shutil.which("longstride"), "train", "--config-dir", mine, "recipe=mine", "--cfg", "job"], tmp_path)
     assert r.returncode == 0 and "name: mine" in r.stdout, r.stderr
     for added in ("+recipe.stages.s4={seq_len:8192}", "recipe.stages.s4.seq_len=8192"):

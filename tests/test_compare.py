@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from longstride.eval.cli import checkpoint_label, run_checkpoints
-from longstride.eval.ruler.compare import main
+from longstride.eval.cli import checkpoint_label, parse_compare, run_checkpoints
+from longstride.eval.ruler.compare import main, plan_rows
 from longstride.eval.ruler.fit import make_sample
 from longstride.eval.ruler.generate import batches, greedy_generate
 from longstride.eval.ruler.tasks import ALL_TASKS, NOISE
@@ -97,6 +97,36 @@ def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, caps
     assert [r["label"] for r in only_yarn["rows"]] == ["stage + YaRN x2"] and len(only_yarn["records"]) == 1
 
 
+def _compare_worker(rank, world, args, out):
+    """`longstride eval compare ARGS out=OUT` on a gloo rank of run_gloo (as under torchrun)."""
+    import os
+
+    os.environ["WORLD_SIZE"] = str(world)  # what torchrun sets; the process group exists already
+    torch.set_num_threads(1)
+    got = main([*args, f"out={out}"])
+    assert (got is None) == (rank > 0), "rank 0 returns (and writes) the result"
+
+
+def test_two_processes_split_the_samples_and_save_what_one_process_does(two, tmp_path):
+    """Launched on 2 processes (3 samples: 2 on rank 0, 1 on rank 1), every row's records, scores and sample
+    counts are one process's; at 128 tokens, where no task fits, both skip the same tasks."""
+    from longstride.parallel.spawn import run_gloo
+
+    base, stage = two
+    args = [f"checkpoints=[{base},{stage}]", "tasks=[niah_single_1,synth_kv]", "lengths=[128,512]", "yarn=[2]",
+            "yarn_lengths=[1024]", "num_samples=3", "threads=1"]
+    one = json.loads(json.dumps(main(args + [f"out={tmp_path / 'one'}"])))
+    run_gloo(_compare_worker, 2, args, str(tmp_path / "two"))
+    two_ranks = json.loads((tmp_path / "two" / "compare.json").read_text())
+    assert two_ranks["complete"] and len(two_ranks["records"]) == len(one["records"]) > 0
+    assert two_ranks["records"] == one["records"]
+    assert [(r["label"], r["scores"], r["samples"]) for r in two_ranks["rows"]] == \
+        [(r["label"], r["scores"], r["samples"]) for r in one["rows"]]
+    # each rank names what does not fit with its own first sample's size: the same tasks and lengths skipped
+    assert {m.split(":")[0] for m in two_ranks["skipped"]} == {m.split(":")[0] for m in one["skipped"]} == \
+        {"niah_single_1 does not fit in 128 tokens", "synth_kv does not fit in 128 tokens"}
+
+
 def test_compare_cut_short_keeps_the_rows_it_scored(two, tmp_path, monkeypatch):
     """The second checkpoint runs out of memory as it loads (a device window's cap would kill it likewise): the
     first row's scores are already on disk, marked incomplete."""
@@ -137,7 +167,7 @@ def test_run_folder_gives_base_then_stages_and_names_a_missing_stage(two, tmp_pa
     assert checkpoint_label(str(run / "s2_2k" / "final")) == "s2_2k" and checkpoint_label(f"{base}/") == "base"
 
 
-def test_bad_input_is_named(two, tmp_path):
+def test_bad_input_is_named(two, tmp_path, capsys):
     with pytest.raises(ValueError, match="give run=DIR"):
         main([])
     with pytest.raises(ValueError, match="has no config.yaml"):
@@ -159,10 +189,24 @@ def test_bad_input_is_named(two, tmp_path):
     cfg = json.loads((linear / "config.json").read_text())
     cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "linear", "factor": 2.0}
     (linear / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="yarn.factor=2: .* already scaled"):
+    with pytest.raises(ValueError, match=r"^yarn=\[2.0\]: .*linear: .*already scaled \(rope_type=linear, factor 2.0\)"
+                                         r".*; yarn=\[\] compares without YaRN rows$"):
         main([f"checkpoints=[{two[0]},{linear}]", "yarn=[2]", "tasks=[niah_single_1]", "num_samples=1",
               f"out={tmp_path}/linear_out"])
     assert not (tmp_path / "linear_out").exists()
+    # left at its default, yarn gives no rows to a RoPE that takes none (Llama 3.1's llama3), with a note; YaRN rows
+    # where it does
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+    (linear / "config.json").write_text(json.dumps(cfg))
+    for last, factors in ((linear, []), (two[1], [2.0, 4.0])):
+        rows = plan_rows(parse_compare([f"checkpoints=[{two[0]},{last}]", f"out={tmp_path}/plan"]),
+                         [("base", str(two[0])), ("last", str(last))])
+        assert [r.yarn for r in rows] == [None, None] + factors
+    assert "no YaRN rows (the default yarn=[2.0, 4.0] left out): " in capsys.readouterr().err
+    with pytest.raises(ValueError, match="plain_rows=false leaves only the YaRN rows, and .* takes none"):
+        plan_rows(parse_compare([f"checkpoints=[{linear}]", "plain_rows=false", f"out={tmp_path}/plan"]),
+                  [("last", str(linear))])
 
 
 def test_answers_end_once_scored_with_the_same_scores(two):

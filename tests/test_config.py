@@ -410,3 +410,24 @@ def test_a_held_out_stdlib_file_that_synthetic_filler_would_train_on_is_refused(
                                          r"filler of data.sources.\{copy_short,.*retrieval_32k.*\} .*set their "
                                          r"synthetic.corpus_share=0 or hold out"):
         _check_data(compose_cfg(over + ["data.sources.stdlib.exclude=_pydecimal.py"]))
+
+
+def test_the_extend_recipes_header_overrides_plan_on_one_gpu_and_on_a_node(tmp_path):
+    """configs/recipe/extend_pretrained.yaml's header says how to run it from a longer-trained checkpoint and on 8
+    GPUs: its defaults plan on one process and are refused on 8 naming the value to set; the header's overrides
+    plan there, as written."""
+    import re
+
+    from tests.conftest import REPO, micro_checkpoint
+
+    micro_checkpoint(tmp_path / "ckpt", 384, 1024)
+    text = (REPO / "configs" / "recipe" / "extend_pretrained.yaml").read_text().split("# Launch:")[0]
+    longer, node = (re.findall(r"recipe\.stages\.\S+=\S+", part) for part in text.split("# Hardware:"))
+    assert len(longer) == 6 and len(node) == 2, (longer, node)
+    base = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'ckpt'}", f"data.tokenizer={tmp_path / 'ckpt'}"]
+    validate(compose_cfg(base), 1)
+    with pytest.raises(ValueError, match=r"x2.batch_tokens=8192 is not a multiple of dp 8 .* = 16384 .*; set "
+                                         r"recipe.stages.x2.batch_tokens=16384, or raise recipe.stages.x2.cp"):
+        validate(compose_cfg(base), 8, "cuda", assume_gpu=True)
+    validate(compose_cfg(base + node), 8, "cuda", assume_gpu=True)
+    validate(compose_cfg(base + longer), 1, "cuda", assume_gpu=True)

@@ -332,3 +332,27 @@ def test_checkpoints_with_another_chat_template_do_not_share_prompts(tmp_path):
         (tmp_path / name / "tokenizer.json").write_text("{}")
         (tmp_path / name / "chat_template.jinja").write_text(template)
     assert tokenizer_digest(str(tmp_path / "a")) != tokenizer_digest(str(tmp_path / "b"))
+
+
+def test_the_base_a_bump_writes_over_is_read_from_the_entries_it_writes(gemma, llama):
+    from transformers import AutoConfig
+
+    from longstride.model.rope import written_base
+
+    assert written_base(AutoConfig.from_pretrained(llama)) == 1e4
+    assert written_base(AutoConfig.from_pretrained(gemma)) == 1e6  # full_attention only, by default
+    assert written_base(AutoConfig.from_pretrained(gemma), ["sliding_attention"]) == 1e4
+    assert written_base(AutoConfig.from_pretrained(gemma), ["full_attention", "sliding_attention"]) == 1e4
+
+
+def test_a_stage_that_lowers_the_rope_base_it_starts_from_says_so(micro):
+    """A recipe copied for a checkpoint trained at a higher base (Llama 3's 5e5 under a from-scratch recipe's 5e4)
+    would lower it without a word: the stage warns, naming the field and both bases; a bump stays silent."""
+    from tests.conftest import run_cli
+
+    r = run_cli(micro + ["recipe.stages.s2_2k.rope_theta=5000"])  # s1_256 trained at 1e4, s3_4k bumps to 1e6
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stage s2_2k: recipe.stages.s2_2k.rope_theta=5000 is below the RoPE base of the model it starts from " \
+           "(10000, " in r.stderr and "set recipe.stages.s2_2k.rope_theta to 10000 or more" in r.stderr, r.stderr
+    assert "stage s3_4k: recipe.stages.s3_4k.rope_theta" not in r.stderr and \
+        "stage s1_256: recipe.stages.s1_256.rope_theta" not in r.stderr

@@ -266,7 +266,7 @@ def test_cp_prefill_refuses_a_model_that_reads_positions_from_a_rank_s_own_token
                                            "long_factor": [1.0] * 4, "original_max_position_embeddings": 64})
     T.Phi3ForCausalLM(config).save_pretrained(tmp_path / "phi3")
     T.AutoTokenizer.from_pretrained(f"{SHIPPED}/tiny_base_256").save_pretrained(tmp_path / "phi3")
-    monkeypatch.setattr(ruler_run, "_dist", lambda: (0, 2))  # as under torchrun with 2 processes
+    monkeypatch.setattr(ruler_run, "launched_ranks", lambda: (0, 2))  # as under torchrun with 2 processes
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"prefill=cp: .*rope_type=longrope .* use prefill=local"):
         main([f"checkpoint={tmp_path / 'phi3'}", "lengths=[2048]", "num_samples=1", "tasks=[niah_single_1]",
@@ -287,5 +287,5 @@ def test_a_launched_eval_puts_each_rank_on_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: calls.append(("init", backend)))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    assert ruler_run._dist() == (1, 2)
+    assert ruler_run.launched_ranks() == (1, 2)
     assert calls == [("set_device", 1), ("init", "nccl")]

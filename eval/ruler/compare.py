@@ -3,12 +3,14 @@ samples, with YaRN at eval time on the last stage: one table (checkpoint x lengt
 
     longstride eval compare run=outputs/tiny_extend          # the run's base model and every stage's final/
     longstride eval compare checkpoints=[BASE,STAGE1,STAGE2] lengths=[1024,2048,4096,8192] yarn=[2]
+    torchrun --nproc-per-node 8 -m longstride.eval.ruler.compare run=outputs/RUN   # samples split over 8 GPUs
 
 Every checkpoint is scored on the same samples (they are made once per tokenizer), lengths past a
 checkpoint's trained length included (that is the point: the drop beyond it). Rows: each checkpoint
 without YaRN at `lengths`, then the last one with each YaRN factor at `yarn_lengths`. Writes
 <out>/compare.json (scores, sample counts, every prediction) and <out>/compare.png after each row, the rows
-scored so far (`"complete": false` until the last).
+scored so far (`"complete": false` until the last). Launched on several processes, each loads every row's model
+and scores sample i on rank i mod N: the same records as one process (rank 0 writes them).
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ import torch
 
 from longstride.eval.cli import CompareConfig, compare_name, compare_out, compared_checkpoints, parse_compare
 from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
-from longstride.eval.ruler.run import make_groups, note, runnable_tasks, score_group
+from longstride.eval.ruler.run import (common_groups, launched_ranks, make_groups, note, runnable_tasks,
+                                       score_group)
 from longstride.model.config import YarnConfig
 from longstride.model.model_dir import TOKENIZER_FILES
-from longstride.model.rope import rope_base
+from longstride.model.rope import YarnRefused, rope_base
+
+DEFAULT_YARN = [2.0, 4.0]  # yarn=null: these factors where the last checkpoint's RoPE takes YaRN
 
 
 @dataclass
@@ -63,11 +68,22 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
         r.lengths = lengths
     yarn_lengths = sorted(cfg.yarn_lengths) or [2 * last, 4 * last]
     base = rows[-1]
-    for f in cfg.yarn:  # a scaling YaRN may not stretch, or bad rope_layer_types: refused before any row is scored
-        eval_config(base.checkpoint, YarnConfig(factor=f), cfg.rope_layer_types)
+    factors = DEFAULT_YARN if cfg.yarn is None else cfg.yarn
+    try:  # a scaling YaRN may not stretch, or bad rope_layer_types: refused before any row is scored
+        for f in factors:
+            eval_config(base.checkpoint, YarnConfig(factor=f), cfg.rope_layer_types)
+    except YarnRefused as e:
+        if cfg.yarn is not None:
+            raise ValueError(f"yarn={list(cfg.yarn)}: {base.checkpoint}: {e.why}; yarn=[] compares without YaRN "
+                             "rows") from None
+        if not cfg.plain_rows:
+            raise ValueError(f"plain_rows=false leaves only the YaRN rows, and {base.checkpoint} takes none: "
+                             f"{e.why}") from None
+        note(f"no YaRN rows (the default yarn={DEFAULT_YARN} left out): {e.why}")
+        factors = []
     rows = rows if cfg.plain_rows else []
     rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)
-             for f in cfg.yarn]
+             for f in factors]
     return rows
 
 
@@ -136,10 +152,11 @@ class Scored:
 
 
 def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, skipped: list[str],
-               t0: float, out: Scored) -> Iterator[int]:
+               t0: float, out: Scored, rank: int = 0, world: int = 1) -> Iterator[int]:
     """Each row's checkpoint loaded in turn and scored into `out` on the samples of its tokenizer (made once per
     tokenizer, at every length of every row; a task too long for a length is noted in `skipped`); yields each
-    row's index once it is scored."""
+    row's index once it is scored. Launched on `world` processes, each scores its share of the samples (sample i
+    on rank i mod world) and every rank ends a row with every rank's records."""
     all_lengths = sorted({L for r in rows for L in r.lengths})
     groups_by_tok: dict[str, dict] = {}  # tokenizer digest -> {"tok": tokenizer, "groups": {(task, length): samples}}
     digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
@@ -147,7 +164,10 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
         digest = digests[r.checkpoint]
         if digest not in groups_by_tok:  # the samples before the weights: what fits no length fails first
             tok = eval_tokenizer(r.checkpoint)
-            made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(cfg.num_samples), qa=qa, skipped=skipped)
+            made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(rank, cfg.num_samples, world), qa=qa,
+                               skipped=skipped)
+            if world > 1:
+                made = common_groups(made, skipped, world)
             if not made:
                 raise ValueError(f"nothing to run: no task fits any of lengths {all_lengths} in {r.checkpoint}'s "
                                  "tokenizer (see the messages above); give longer lengths")
@@ -155,18 +175,26 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
         tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
         model, _, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
                                       dtype=DTYPES[cfg.dtype], tokenizer=tok)
+        records = []
+        for task in tasks:
+            for L in r.lengths:
+                if (task, L) in groups:
+                    records += score_group(model, tok, groups[task, L], cfg)
+        if world > 1:
+            gathered = [None] * world
+            torch.distributed.all_gather_object(gathered, records)
+            records = sorted((x for part in gathered for x in part),
+                             key=lambda x: (tasks.index(x["task"]), x["length"], x["index"]))  # one process's order
         out.scores[i], out.counts[i] = {}, {}
         for task in tasks:
             for L in r.lengths:
-                if (task, L) not in groups:
-                    continue
-                part = score_group(model, tok, groups[task, L], cfg)
-                for rec in part:
-                    rec.update(checkpoint=r.label, yarn=r.yarn)
-                out.records += part
-                out.scores[i].setdefault(task, {})[L] = 100 * sum(x["score"] for x in part) / len(part)
-                out.counts[i].setdefault(task, {})[L] = len(part)
-        print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                part = [x for x in records if x["task"] == task and x["length"] == L]
+                if part:
+                    out.scores[i].setdefault(task, {})[L] = 100 * sum(x["score"] for x in part) / len(part)
+                    out.counts[i].setdefault(task, {})[L] = len(part)
+        out.records += [{**x, "checkpoint": r.label, "yarn": r.yarn} for x in records]
+        if rank == 0:
+            print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         del model
         yield i
 
@@ -179,12 +207,12 @@ def save(out: str, result: dict, rows: list[Row], scores: dict, tasks: list[str]
     plot(os.path.join(out, "compare.png"), rows, scores, tasks, title)
 
 
-def main(argv: list[str]) -> dict:
+def main(argv: list[str]) -> Optional[dict]:
     return execute(parse_compare(argv))
 
 
-def execute(cfg: CompareConfig) -> dict:
-    """The command on parsed options (eval/cli.parse_compare)."""
+def execute(cfg: CompareConfig) -> Optional[dict]:
+    """The command on parsed options (eval/cli.parse_compare); what it saved on rank 0, None on the other ranks."""
     from transformers.utils import logging as hf_logging
 
     named = compared_checkpoints(cfg)
@@ -201,8 +229,12 @@ def execute(cfg: CompareConfig) -> dict:
     hf_logging.set_verbosity_error()  # lengths past a checkpoint's positions are asked for on purpose: no warning
     hf_logging.disable_progress_bar()
     title = f"{name}: RULER score vs context length, {cfg.num_samples} samples per cell"
+    owned = not torch.distributed.is_initialized()  # a group launched_ranks makes is ours to close
+    rank, world = launched_ranks()
     t0, scored = time.perf_counter(), Scored()
-    for i in score_rows(cfg, rows, tasks, qa, skipped, t0, scored):
+    for i in score_rows(cfg, rows, tasks, qa, skipped, t0, scored, rank, world):
+        if rank:
+            continue
         # saved after every row: a run cut short (a device window's cap) keeps the rows it scored
         done = rows[:i + 1]
         result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
@@ -211,7 +243,19 @@ def execute(cfg: CompareConfig) -> dict:
                            for j, r in enumerate(done)],
                   "records": scored.records}
         save(out, result, done, scored.scores, tasks, title)
+    if world > 1:  # every rank leaves together (eval ruler's reason)
+        torch.distributed.barrier()
+        if owned:
+            torch.distributed.destroy_process_group()
+    if rank:
+        return None
     print(format_tables(rows, scored.scores, scored.counts, tasks))
     print(f"eval.compare: {len(scored.records)} samples in {result['seconds']:.0f} s; results in {out}/compare.json "
           f"and compare.png")
     return result
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m longstride.eval.ruler.compare ... (samples split)
+    from longstride.overrides import run
+
+    run("eval.compare", main)

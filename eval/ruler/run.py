@@ -75,8 +75,9 @@ def reachable_lengths(cfg: RulerConfig, max_positions: int, unit: int,
     return ok, skipped
 
 
-def _dist():
-    """(rank, world) when launched with several processes (torchrun / accelerate launch)."""
+def launched_ranks():
+    """(rank, world) when launched with several processes (torchrun / accelerate launch), the process group started
+    (each rank on its own GPU); (0, 1) in one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():  # each rank its own GPU (eval_device() reads the current one), before NCCL
@@ -156,8 +157,8 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
     if not tasks or not lengths:
         raise ValueError("nothing to run: " + ("no runnable task" if not tasks else "no reachable length")
                          + " (see the messages above)")
-    owned = not torch.distributed.is_initialized()  # a group _dist makes is ours to close
-    rank, world = _dist()
+    owned = not torch.distributed.is_initialized()  # a group launched_ranks makes is ours to close
+    rank, world = launched_ranks()
     cp = cfg.prefill == "cp"
     share = range(cfg.num_samples) if cp else range(rank, cfg.num_samples, world)  # cp: every rank, every sample
     if cp and world > 1:  # each prompt split over the ranks: what reads positions from a rank's own tokens is refused

@@ -38,7 +38,8 @@ def compose_training(overrides: list[str], command: str = ""):
 
 def config_dirs(argv: list[str]) -> list[str]:
     """Hydra's `--config-dir DIR` (also `--config-dir=DIR`, `-cd DIR`: a folder of your own config groups, e.g.
-    DIR/recipe/NAME.yaml, searched before longstride's) as the override that compose() takes."""
+    DIR/recipe/NAME.yaml, whose names must differ from longstride's own: check_not_shadowing) as the override that
+    compose() takes."""
     out, dirs, args = [], [], iter(argv)
     for arg in args:
         if arg in ("--config-dir", "-cd"):
@@ -50,5 +51,20 @@ def config_dirs(argv: list[str]) -> list[str]:
     for d in dirs:
         if not os.path.isdir(d):
             raise ValueError(f"--config-dir {d!r} is not a directory; name the folder that holds your recipe/NAME.yaml")
+        check_not_shadowing(d)
     paths = ",".join(f"file://{os.path.abspath(d)}" for d in dirs)
     return out + [f"hydra.searchpath=[{paths}]"] if dirs else out
+
+
+def check_not_shadowing(folder: str) -> None:
+    """A ValueError for a file in `folder` (a --config-dir) with the path of one of longstride's own configs
+    (recipe/tiny.yaml): Hydra searches longstride's folder first, so that file would be read in place of yours."""
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if name.endswith(".yaml") and os.path.isfile(os.path.join(CONFIGS, rel)):
+                group, stem = os.path.split(rel)
+                mine = os.path.join(group, "my_" + stem)
+                raise ValueError(f"--config-dir {folder}: {rel} has the path of longstride's own configs/{rel}, and "
+                                 f"Hydra reads longstride's in its place; rename yours (say {mine}) and select it "
+                                 "by its new name")

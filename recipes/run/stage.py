@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 from torch.profiler import record_function
+from transformers import AutoConfig
 
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
@@ -36,7 +37,7 @@ from longstride.model.build import build_model
 from longstride.model.compile import fresh_start, report_compiled
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import kv_heads
-from longstride.model.rope import rope_placement
+from longstride.model.rope import rope_placement, written_base
 from longstride.parallel.collectives import all_reduce, from_main
 from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
@@ -245,6 +246,14 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
         ctx.tracker.info("stage %s: %s", plan.name, placement)
+    source = init_from or (cfg.model.checkpoint if cfg.model.arch == "checkpoint" else None)
+    before = None if resumed or source is None else \
+        written_base(AutoConfig.from_pretrained(source), cfg.model.rope_layer_types)
+    if before and s.rope_theta < before:
+        ctx.tracker.warning(f"stage {plan.name}: recipe.stages.{plan.name}.rope_theta={s.rope_theta:g} is below the "
+                            f"RoPE base of the model it starts from ({before:g}, {source}), so this stage lowers it; "
+                            "context extension raises the base at each stage. If that is not what you meant, set "
+                            f"recipe.stages.{plan.name}.rope_theta to {before:g} or more")
     for name, share in run.pack_stats.get("qa_docs_cut", {}).items():
         if share > 0.05:
             ctx.tracker.warning("stage %s: %.0f%% of source %s's documents are longer than seq_len %d, so packing "
