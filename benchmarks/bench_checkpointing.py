@@ -40,9 +40,8 @@ import tempfile
 import time
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
 
-from benchmarks.common import write_json
+from benchmarks.common import KeptOutputs, write_json
 from longstride.model import checkpointing, selective
 from longstride.model.config import ModelConfig
 
@@ -55,13 +54,12 @@ _RECORDED: list = []  # storage -> bytes of the outputs selective's cache keeps,
 _POLICY = checkpointing._selective_policy
 
 
-def _recording(ctx, op, *args, **kwargs):
-    decision = _POLICY(ctx, op, *args, **kwargs)
-    if _RECORDED and decision == CheckpointPolicy.PREFER_SAVE:
-        outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-        _RECORDED[0].update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # a storage once
-                             for t in outs if isinstance(t, torch.Tensor)})
-    return decision
+def _record(op, outs: list) -> None:
+    if _RECORDED:
+        _RECORDED[0].update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outs})  # once
+
+
+_recording = KeptOutputs(_POLICY, _record)
 
 
 def _ac(mode: str) -> str:

@@ -8,6 +8,7 @@ import re
 import time
 
 import torch
+import torch.utils.checkpoint
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,3 +61,53 @@ def deadline_left(default: float) -> float:
     device_window.run_step), else `default`."""
     at = os.environ.get("LONGSTRIDE_DEADLINE")
     return float(at) - time.time() if at else default
+
+
+class KeptOutputs:
+    """A selective-checkpointing policy that decides as `policy` does and hands on_kept(op, tensors) the output
+    tensors of each op it keeps (PREFER_SAVE or MUST_SAVE): what selective's cache holds, for
+    bench_checkpointing.py and the tests that measure it. torch >= 2.13 asks a policy after the op, with its output
+    (ctx.op_output); torch 2.10-2.12 (the GPU machine's 2.11) ask before the op runs, so there the output is taken
+    as the op returns, from torch's caching dispatch mode (torch.utils.checkpoint._CachingTorchDispatchMode, private),
+    wrapped once per process when the first KeptOutputs is made."""
+
+    def __init__(self, policy, on_kept):
+        self.policy, self.on_kept = policy, on_kept
+        if not _POLICY_SEES_OUTPUT:
+            _wrap_caching_mode()
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        decision = self.policy(ctx, op, *args, **kwargs)
+        if decision in (CheckpointPolicy.PREFER_SAVE, CheckpointPolicy.MUST_SAVE):
+            if _POLICY_SEES_OUTPUT:
+                self.on_kept(op, _tensors(ctx.op_output))
+            else:
+                _PENDING.append((self, op))
+        return decision
+
+
+def _tensors(out) -> list:
+    return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+
+
+_POLICY_SEES_OUTPUT = "op_output" in torch.utils.checkpoint.SelectiveCheckpointContext.__init__.__code__.co_varnames
+_PENDING: list = []  # (KeptOutputs, op) between a policy's decision and the op's return (torch < 2.13)
+
+
+def _wrap_caching_mode() -> None:
+    mode = torch.utils.checkpoint._CachingTorchDispatchMode
+    if getattr(mode.__torch_dispatch__, "hands_kept_outputs", False):
+        return
+    original = mode.__torch_dispatch__
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        out = original(self, func, types, args, kwargs)  # the policy, then the op (which dispatches no further here)
+        while _PENDING:
+            owner, op = _PENDING.pop()
+            owner.on_kept(op, _tensors(out))
+        return out
+
+    dispatch.hands_kept_outputs = True
+    mode.__torch_dispatch__ = dispatch

@@ -45,20 +45,21 @@ def packed_batch(lengths: list[int] = LENGTHS["every_rank_several_docs"]) -> dic
 class SelectiveCache:
     """A selective-checkpointing policy that records what model/selective.policy keeps, bytes per storage, under the
     key `layer` holds when the op runs (None: not recorded); wanted(op, tensor) filters. Passed to patch_model through
-    `recording`, since checkpointing binds its policy when switched on. Reads ctx.op_output (torch >= 2.13)."""
+    `recording`, since checkpointing binds its policy when switched on (benchmarks.common.KeptOutputs: each kept op's
+    outputs, on the torch releases that ask the policy before the op too)."""
 
     def __init__(self, wanted=lambda op, t: True):
+        from benchmarks.common import KeptOutputs
+
         self.layer, self.kept, self.wanted = 0, {}, wanted
+        self.policy = KeptOutputs(selective_policy, self._kept)
 
     def __call__(self, ctx, op, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy
+        return self.policy(ctx, op, *args, **kwargs)
 
-        decision = selective_policy(ctx, op, *args, **kwargs)
-        if decision == CheckpointPolicy.PREFER_SAVE and self.layer is not None:
-            out = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-            for t in (t for t in out if isinstance(t, torch.Tensor) and self.wanted(op, t)):
-                self.kept.setdefault(self.layer, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return decision
+    def _kept(self, op, outs: list) -> None:
+        for t in (t for t in outs if self.layer is not None and self.wanted(op, t)):
+            self.kept.setdefault(self.layer, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
     @contextmanager
     def recording(self):

@@ -60,9 +60,11 @@ def _worker(rank, world, out):
         assert moments == {torch.float32}, (name, moments)  # an fp32 AdamW in every regime
         if fsdp:
             assert next(iter(inner.parameters())).dtype == torch.float32, "FSDP2 keeps fp32 master weights"
-            # FSDP2 gathers bf16 copies and reduce-scatters in fp32 (its private state: no public accessor)
-            policies = {(g.mp_policy.param_dtype, g.mp_policy.reduce_dtype) for layer in inner.lm.model.layers
-                        for g in layer._get_fsdp_state()._fsdp_param_groups}
+            # FSDP2 gathers bf16 copies and reduce-scatters in fp32 (its private state: no public accessor; torch
+            # 2.13 keeps a list of groups, 2.11 one group)
+            states = [layer._get_fsdp_state() for layer in inner.lm.model.layers]
+            groups = [g for st in states for g in (getattr(st, "_fsdp_param_groups", None) or [st._fsdp_param_group])]
+            policies = {(g.mp_policy.param_dtype, g.mp_policy.reduce_dtype) for g in groups}
             assert policies == {(torch.bfloat16, torch.float32)}, policies
     if rank == 0:
         torch.save(runs, out)

@@ -209,7 +209,7 @@ def test_offloaded_activations_same_gradients_and_prefetched_in_order():
     for mode in ("full", "selective"):
         model = tiny_model()
         offloader = enable_checkpointing(model.lm, mode, simulate_offload=True)
-        offloader.min_bytes = 0
+        offloader.min_bytes = 1  # torch 2.11 saves an empty placeholder per checkpointed layer: left on device
         assert_same(loss_and_grads(model), plain, f"{mode} checkpointing with offload")
         trace = offloader.trace
         packs = [i for op, i in trace if op == "pack"]
