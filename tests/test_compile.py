@@ -144,7 +144,12 @@ def test_a_compiled_step_that_compiled_nothing_is_reported():
     _loss_and_grads(step, step.prep(batch))
     log = _Log()
     report_compiled(log, {"tokens_per_s": 100.0})
-    assert log.lines[0][0] == "warning" and "compiled no graph" in log.lines[0][1]
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if "__call__" not in vars(GradientCheckpointingLayer):  # transformers 5.24 checkpoints the layer's forward
+        assert log.lines[0][0] == "warning" and "compiled no graph" in log.lines[0][1]
+    else:  # 5.17 (the GPU machine's) checkpoints its __call__, inside which the compiled whole compiles: no fall-back
+        assert log.lines[0][0] == "info" and "graphs compiled for this stage" in log.lines[0][1]
     fresh_start()
     compiled = _step(True, "full")
     _loss_and_grads(compiled, compiled.prep(batch))

@@ -45,12 +45,22 @@ def saved_per_layer(model, shared: bool = True, autocast: bool = False, weights:
         return t
 
     layers = decoder_layers(model.lm)
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
-        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
+    index = {id(layer): i for i, layer in enumerate(layers)}
+
+    def entered(call):  # the layer's whole call: transformers 5.17 checkpoints __call__, the layer's hooks inside
+        def whole(self, *args, **kwargs):
+            current[0] = index.get(id(self))
+            try:
+                return call(self, *args, **kwargs)
+            finally:
+                current[0] = None
+        return whole
+
     b = packed_batch()
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), bf16:
+    with pytest.MonkeyPatch.context() as mp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), bf16:
+        for cls in {type(layer) for layer in layers}:
+            mp.setattr(cls, "__call__", entered(cls.__call__))
         model(b["input_ids"], b["labels"], b["position_ids"], doc_layout=DocLayout(b["doc_ids"]))
     per_layer = [saved.get(i, {}) for i in range(len(layers))]
     if not shared:
