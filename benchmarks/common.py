@@ -80,7 +80,8 @@ class KeptOutputs:
         from torch.utils.checkpoint import CheckpointPolicy
 
         decision = self.policy(ctx, op, *args, **kwargs)
-        if decision in (CheckpointPolicy.PREFER_SAVE, CheckpointPolicy.MUST_SAVE):
+        # torch 2.11 asks the policy again when backward recomputes, where the kept outputs are read, not made
+        if decision in (CheckpointPolicy.PREFER_SAVE, CheckpointPolicy.MUST_SAVE) and not ctx.is_recompute:
             if _POLICY_SEES_OUTPUT:
                 self.on_kept(op, _tensors(ctx.op_output))
             else:
@@ -103,10 +104,15 @@ def _wrap_caching_mode() -> None:
     original = mode.__torch_dispatch__
 
     def dispatch(self, func, types, args=(), kwargs=None):
-        out = original(self, func, types, args, kwargs)  # the policy, then the op (which dispatches no further here)
-        while _PENDING:
-            owner, op = _PENDING.pop()
-            owner.on_kept(op, _tensors(out))
+        _PENDING.clear()
+        try:
+            out = original(self, func, types, args, kwargs)  # the policy, then the op (dispatching no further here)
+        finally:
+            pending = list(_PENDING)
+            _PENDING.clear()
+        for owner, op in pending:
+            if op is func:
+                owner.on_kept(op, _tensors(out))
         return out
 
     dispatch.hands_kept_outputs = True

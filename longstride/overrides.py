@@ -126,7 +126,7 @@ def _shape_hint(schema: type, argv: list[str]) -> str:
             continue
         if typing.get_origin(kind) is typing.Union:  # Optional[X]: X
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        if dotted and typing.get_origin(kind) in (list, typing.List):
+        if dotted and typing.get_origin(kind) in (list, typing.List) and not key.split(".", 1)[1].isdigit():
             return f"; {key}: {top} is a list here: {top}=[{value}]"
         if not dotted and dataclasses.is_dataclass(kind) and not value.startswith("{"):
             names = [f.name for f in dataclasses.fields(kind)]

@@ -153,15 +153,15 @@ def rope_base(config: PretrainedConfig) -> Optional[float]:
 
 
 def written_base(config: PretrainedConfig, layer_types: Optional[list[str]] = None) -> Optional[float]:
-    """The lowest RoPE base among the entries that a stage's bump writes (rope_targets), as `config` has them
-    before the bump; None where it keeps none."""
+    """The highest RoPE base among the entries that a stage's bump writes (rope_targets), as `config` has them
+    before the bump (a base below it lowers that entry); None where it keeps none."""
     text = config.get_text_config(decoder=True)
     if not has_rope(text):
         return None
     targets = rope_targets(text, layer_types)
     entries = [text.rope_parameters or {}] if targets is None else [text.rope_parameters[t] or {} for t in targets]
     bases = [float(e["rope_theta"]) for e in entries if e.get("rope_theta") is not None]
-    return min(bases, default=None)
+    return max(bases, default=None)
 
 
 def record_trained_length(config: PretrainedConfig, seq_len: int) -> None:

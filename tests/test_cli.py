@@ -187,6 +187,11 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
     r = _run([shutil.which("longstride"), "train", "--config-dir", str(shadow.parent), "recipe=tiny", "--cfg", "job"],
              tmp_path)
     assert r.returncode == 2 and "rename yours" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # what Hydra does not search is not checked: your own accelerate/ and hardware/ files beside recipe/
+    (tmp_path / "mine" / "accelerate").mkdir()
+    (tmp_path / "mine" / "accelerate" / "gpu8.yaml").write_text("num_processes: 8\n")
+    assert compose_training(["--config-dir", mine, "recipe=mine"]).recipe.name == "mine"
+    assert compose_training(["--config-dir", str(REPO / "configs"), "recipe=tiny"]).recipe.name == "tiny"
     r = _run([shutil.which("longstride"), "train", "--config-dir", mine, "recipe=mine", "--cfg", "job"], tmp_path)
     assert r.returncode == 0 and "name: mine" in r.stdout, r.stderr
     for added in ("+recipe.stages.s4={seq_len:8192}", "recipe.stages.s4.seq_len=8192"):
@@ -215,6 +220,7 @@ def test_a_list_or_a_group_given_the_other_shape_says_how_the_command_spells_it(
         parse(CompareConfig, ["yarn.factor=2"], "longstride eval compare")
     with pytest.raises(ValueError, match=r"yarn is a group here: yarn.factor=2 \(its fields: factor, "):
         parse(RulerConfig, ["yarn=2"], "longstride eval ruler")
+    assert parse(CompareConfig, ["tasks.0=vt"], "longstride eval compare").tasks[0] == "vt"  # an index is no key
 
 
 def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):

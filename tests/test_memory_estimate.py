@@ -392,3 +392,30 @@ def test_checkpoint_layers_is_checked_before_anything_is_built():
             (["model.checkpoint_layers=2", "model.offload_activations=true"], "cuda", "needs all of them")):
         with pytest.raises(ValueError, match=match):
             plan(*extra, device=device)
+
+
+def test_kept_outputs_hands_each_kept_op_its_own_output_on_every_pass():
+    """benchmarks.common.KeptOutputs, which the selective measurements read, on this torch (2.13: ctx.op_output;
+    2.11, the GPU machine's: the caching mode's output): each forward hands the kept matmuls' outputs, the same
+    on a second pass after a backward (2.11 asks the policy again while recomputing: nothing is handed then)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from benchmarks.common import KeptOutputs
+
+    got = []
+    policy = KeptOutputs(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_SAVE if op == torch.ops.aten.mm.default
+                         else CheckpointPolicy.PREFER_RECOMPUTE, lambda op, outs: got.append((op, outs)))
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        got.clear()
+        y = checkpoint(lambda a: (a @ w).exp() @ w.t(), x, use_reentrant=False,
+                       context_fn=partial(create_selective_checkpoint_contexts, policy))
+        assert [op for op, _ in got] == [torch.ops.aten.mm.default] * 2
+        first, second = got[0][1][0], got[1][1][0]
+        torch.testing.assert_close(first, x @ w)
+        torch.testing.assert_close(second, y)
+        y.sum().backward()
+    assert len(got) == 2, "nothing handed while backward recomputed"

@@ -342,7 +342,7 @@ def test_the_base_a_bump_writes_over_is_read_from_the_entries_it_writes(gemma, l
     assert written_base(AutoConfig.from_pretrained(llama)) == 1e4
     assert written_base(AutoConfig.from_pretrained(gemma)) == 1e6  # full_attention only, by default
     assert written_base(AutoConfig.from_pretrained(gemma), ["sliding_attention"]) == 1e4
-    assert written_base(AutoConfig.from_pretrained(gemma), ["full_attention", "sliding_attention"]) == 1e4
+    assert written_base(AutoConfig.from_pretrained(gemma), ["full_attention", "sliding_attention"]) == 1e6  # 1e5 lowers
 
 
 def test_a_stage_that_lowers_the_rope_base_it_starts_from_says_so(micro):

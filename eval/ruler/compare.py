@@ -10,7 +10,8 @@ checkpoint's trained length included (that is the point: the drop beyond it). Ro
 without YaRN at `lengths`, then the last one with each YaRN factor at `yarn_lengths`. Writes
 <out>/compare.json (scores, sample counts, every prediction) and <out>/compare.png after each row, the rows
 scored so far (`"complete": false` until the last). Launched on several processes, each loads every row's model
-and scores sample i on rank i mod N: the same records as one process (rank 0 writes them).
+and scores sample i on rank i mod N: the same records and scores as one process (rank 0 writes them; a task
+too long for a length is named by each rank from its own samples).
 """
 from __future__ import annotations
 
@@ -74,12 +75,13 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
             eval_config(base.checkpoint, YarnConfig(factor=f), cfg.rope_layer_types)
     except YarnRefused as e:
         if cfg.yarn is not None:
-            raise ValueError(f"yarn={list(cfg.yarn)}: {base.checkpoint}: {e.why}; yarn=[] compares without YaRN "
-                             "rows") from None
+            fix = "yarn=[] compares without YaRN rows" + ("" if cfg.plain_rows else ", with plain_rows=true")
+            raise ValueError(f"yarn={list(cfg.yarn)}: {base.checkpoint}: {e.why}; {fix}") from None
         if not cfg.plain_rows:
             raise ValueError(f"plain_rows=false leaves only the YaRN rows, and {base.checkpoint} takes none: "
                              f"{e.why}") from None
-        note(f"no YaRN rows (the default yarn={DEFAULT_YARN} left out): {e.why}")
+        if os.environ.get("RANK", "0") == "0":  # launched: said once
+            note(f"no YaRN rows (the default yarn={DEFAULT_YARN} left out): {e.why}")
         factors = []
     rows = rows if cfg.plain_rows else []
     rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)

@@ -56,15 +56,28 @@ def config_dirs(argv: list[str]) -> list[str]:
     return out + [f"hydra.searchpath=[{paths}]"] if dirs else out
 
 
+def training_groups() -> list[str]:
+    """The config groups config.yaml's defaults name (model, data, ..., recipe): the folders Hydra searches."""
+    import yaml
+
+    with open(os.path.join(CONFIGS, "config.yaml"), encoding="utf-8") as f:
+        defaults = yaml.safe_load(f)["defaults"]
+    return [next(iter(d)) for d in defaults if isinstance(d, dict) and "/" not in next(iter(d))]
+
+
 def check_not_shadowing(folder: str) -> None:
-    """A ValueError for a file in `folder` (a --config-dir) with the path of one of longstride's own configs
-    (recipe/tiny.yaml): Hydra searches longstride's folder first, so that file would be read in place of yours."""
-    for root, _, files in os.walk(folder):
-        for name in sorted(files):
-            rel = os.path.relpath(os.path.join(root, name), folder)
-            if name.endswith(".yaml") and os.path.isfile(os.path.join(CONFIGS, rel)):
-                group, stem = os.path.split(rel)
-                mine = os.path.join(group, "my_" + stem)
+    """A ValueError for a file in `folder` (a --config-dir) with the path of one of longstride's own training
+    configs (recipe/tiny.yaml): Hydra searches longstride's folder first, so that file would be read in place of
+    yours. Other folders there (accelerate/, hardware/: not Hydra's) are not looked at."""
+    if os.path.realpath(folder) == os.path.realpath(CONFIGS):
+        return
+    for group in ["", *training_groups()]:
+        here = os.path.join(folder, group)
+        names = [f for f in (os.listdir(here) if os.path.isdir(here) else []) if f.endswith(".yaml")]
+        for name in sorted(names if group else [n for n in names if n == "config.yaml"]):
+            rel = os.path.join(group, name)
+            if os.path.isfile(os.path.join(CONFIGS, rel)):
+                mine = os.path.join(group, "my_" + name)
                 raise ValueError(f"--config-dir {folder}: {rel} has the path of longstride's own configs/{rel}, and "
                                  f"Hydra reads longstride's in its place; rename yours (say {mine}) and select it "
                                  "by its new name")

@@ -376,7 +376,8 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
         raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
                          f"micro_batch_size {s.micro_batch_size} x seq_len {s.seq_len} = {per_step} (the tokens of "
                          f"one micro-batch on every data-parallel rank); set {f}.batch_tokens="
-                         f"{-(-s.batch_tokens // per_step) * per_step}, or raise {f}.cp (fewer data-parallel ranks)")
+                         f"{-(-s.batch_tokens // per_step) * per_step}"
+                         + (f", or raise {f}.cp (fewer data-parallel ranks)" if dims.dp > 1 else ""))
     ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
     ac_layers = _checkpoint_layers(cfg, name, ac, layers, device_type)
     check_compile(cfg.train.compile, m.checkpoint_mode if ac else "none")
