@@ -204,7 +204,8 @@ def test_bad_input_is_named(two, tmp_path, capsys):
                          [("base", str(two[0])), ("last", str(last))])
         assert [r.yarn for r in rows] == [None, None] + factors
     assert "no YaRN rows (the default yarn=[2.0, 4.0] left out): " in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"yarn=\[2.0\]: .*; yarn=\[\] compares without YaRN rows, with plain_rows=true$"):
+    with pytest.raises(ValueError, match=r"yarn=\[2.0\]: .*; yarn=\[\] compares without YaRN rows, with "
+                                         r"plain_rows=true$"):
         plan_rows(parse_compare([f"checkpoints=[{linear}]", "plain_rows=false", "yarn=[2]", f"out={tmp_path}/plan"]),
                   [("last", str(linear))])
     with pytest.raises(ValueError, match="plain_rows=false leaves only the YaRN rows, and .* takes none"):
