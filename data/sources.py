@@ -22,6 +22,22 @@ from longstride.data.files import digest, list_files, stdlib_digest, stdlib_root
 from longstride.data.stream_split import first_row, keeps, split_rows
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these by extension (text formats: corpus.jsonl.gz)
+
+
+def _extension(path: str) -> str:
+    """A file's format extension, a compression suffix after it skipped: .jsonl for corpus.jsonl.gz."""
+    suffixes = [x.lower() for x in Path(path).suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED and suffixes[-2] in set(FILE_BUILDERS) - {".parquet"}:
+        return suffixes[-2]
+    return suffixes[-1] if suffixes else ""
+
+
+def _open_bytes(path: str):
+    """A data file opened for reading bytes, decompressed when its name ends in a compression suffix."""
+    import fsspec
+
+    return fsspec.open(path, "rb", compression="infer").open()
 
 
 def _read_files(paths: list[str]):
@@ -82,14 +98,17 @@ def walk_files(src: SourceConfig, field: str) -> list[str]:
 
 
 def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
-    """(datasets builder, files) of a `files` source."""
-    files = sorted(glob.glob(src.path)) if any(ch in src.path for ch in "*?[") else [src.path]
+    """(datasets builder, files) of a `files` source: a path, or a glob (`**` matches folders at any depth, as
+    in a local_dir source's glob)."""
+    pattern = any(ch in src.path for ch in "*?[")
+    files = sorted(f for f in glob.glob(src.path, recursive=True) if os.path.isfile(f)) if pattern else [src.path]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
         raise ValueError(f"{field}.path={src.path!r}: file not found ({missing or 'no match'}); check the path")
-    ext = Path(files[0]).suffix.lower()
+    ext = _extension(files[0])
     if ext not in FILE_BUILDERS:
-        raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+        raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}, "
+                         f"text formats also compressed ({', '.join(COMPRESSED)})")
     # datasets' json reader fails on an empty file (a bare StopIteration, "no data", a cast error beside others);
     # its text reader counts blank lines as skipped documents
     blank = [f for f in files if FILE_BUILDERS[ext] == "json" and _blank(f, field)]
@@ -103,7 +122,7 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
 def _blank(path: str, field: str) -> bool:
     """A file of whitespace only (read until its first other byte, a byte-order mark aside)."""
     try:
-        with open(path, "rb") as f:
+        with _open_bytes(path) as f:
             while chunk := f.read(1 << 16):
                 if chunk.lstrip(b"\xef\xbb\xbf").strip():
                     return False
@@ -131,7 +150,7 @@ def first_bad_record(files: list[str], builder: str) -> str:
         return ""
     for path in files:
         keys = None
-        with open(path, "rb") as f:
+        with _open_bytes(path) as f:
             for number, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
@@ -187,6 +206,17 @@ def _stream_table(ds: datasets.IterableDataset, src: SourceConfig, field: str) -
 def _needs_path(src: SourceConfig, field: str) -> None:
     if not src.path:
         raise ValueError(f"{field}.path is not set; {field}.path=... ({src.kind} sources read local paths)")
+
+
+def _check_files(src: SourceConfig, field: str) -> None:
+    """Before anything is built: the path names files of a format read here, and the first one's first record
+    has the text column."""
+    _needs_path(src, field)
+    builder, files = _data_files(src, field)
+    with read_errors(files[:1], builder, field):
+        first = next(iter(datasets.load_dataset(builder, data_files=files[:1], split="train", streaming=True)), None)
+    if first is not None:
+        _check_text_column(src, list(first), field)
 
 
 def _check_hub(src: SourceConfig, field: str) -> None:
@@ -328,7 +358,7 @@ OPTIONAL = ("path", "glob", "exclude", "name", "subset", "split", "text_column",
 KINDS = {  # data.sources.<name>.kind -> its Kind; a new kind is one entry here and its functions above
     "stdlib": Kind(_no_check, _load_walked, _stream_walked, ("exclude",)),
     "local_dir": Kind(_needs_path, _load_walked, _stream_walked, ("path", "glob", "exclude")),
-    "files": Kind(_needs_path, _load_files, _stream_files, ("path", "text_column")),
+    "files": Kind(_check_files, _load_files, _stream_files, ("path", "text_column")),
     "disk": Kind(_needs_path, _load_disk, _stream_disk, ("path", "split", "text_column")),
     "hub": Kind(_check_hub, _load_hub, _stream_hub, ("name", "subset", "split", "text_column")),
     "synthetic": Kind(synthetic.check_source, synthetic.load_synthetic, synthetic.stream_synthetic, ("synthetic",)),

@@ -36,7 +36,8 @@ def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None
 
 
 def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, seq_len: int,
-                   rope_theta: float) -> SmolLM3Config:
+                   rope_theta: float, bos_id: Optional[int] = None) -> SmolLM3Config:
+    """A from-scratch model's config; bos_id: the tokenizer's BOS (None: one without, EOS named in its place)."""
     return SmolLM3Config(
         vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
@@ -52,7 +53,7 @@ def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, 
         no_rope_layer_interval=max(cfg.nope_interval, 1),
         rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
         max_position_embeddings=seq_len,
-        bos_token_id=eos_id,
+        bos_token_id=eos_id if bos_id is None else bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         use_cache=False,
@@ -78,7 +79,7 @@ def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Option
 
 
 def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: int, eos_id: int, pad_id: int,
-                 init_from: Optional[str] = None) -> PretrainedConfig:
+                 init_from: Optional[str] = None, bos_id: Optional[int] = None) -> PretrainedConfig:
     """The config a stage's model has (build_model's, and a traced step's: recipes/memory/trace.py): from `init_from`
     or `cfg.checkpoint`, else the model group's sizes; the stage's RoPE base and length set, YaRN applied when
     configured (both on the layer types `cfg.rope_layer_types` selects, model/rope.py), no KV cache."""
@@ -95,8 +96,8 @@ def stage_config(cfg: ModelConfig, rope_theta: float, seq_len: int, vocab_size: 
     elif cfg.arch != "smollm3":
         raise ValueError(f"model.arch={cfg.arch!r} is unknown; use 'smollm3' or 'checkpoint'")
     else:
-        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta), rope_theta,
-                               seq_len, cfg.rope_layer_types)
+        config = set_rope_base(smollm3_config(cfg, vocab_size, eos_id, pad_id, seq_len, rope_theta, bos_id),
+                               rope_theta, seq_len, cfg.rope_layer_types)
     if cfg.yarn.factor is not None:  # YaRN x factor over the window before this stage (the paper's L; the stage: L')
         apply_yarn(config, cfg.yarn.factor, cfg.yarn.original_max_position_embeddings, cfg.rope_layer_types,
                    default_original=before)
@@ -114,18 +115,20 @@ def build_model(
     init_from: Optional[str] = None,
     seed: int = 0,
     resume: Optional[str] = None,
+    bos_id: Optional[int] = None,
 ) -> torch.nn.Module:
     """The model for one stage, in fp32: from `init_from` (a previous stage's checkpoint), else from
     `cfg.checkpoint`, else freshly initialised from `seed`. The stage's RoPE base is written into
     the config before the rotary embedding is built, so its inverse frequencies are right. `resume`: a step
-    checkpoint to resume, whose model is built from its saved config (no weights read: the shards fill them)."""
+    checkpoint to resume, whose model is built from its saved config (no weights read: the shards fill them).
+    bos_id: the tokenizer's BOS, which a from-scratch config names (None: EOS in its place)."""
     source = init_from or (cfg.checkpoint if cfg.arch == "checkpoint" else None)
     if resume is not None:  # a step checkpoint: its config is the stage's; its weights come from its shards
         config = AutoConfig.from_pretrained(resume)
         # a step checkpoint written before stages recorded their length: record it, so the stage's final has it
         record_trained_length(config, seq_len)
         if source is None or os.path.isfile(os.path.join(source, "config.json")):  # else: nothing to compare with
-            planned = stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from)
+            planned = stage_config(cfg, rope_theta, seq_len, vocab_size, eos_id, pad_id, init_from, bos_id)
             check_resumed_architecture(config, planned, resume)
             check_resumed_rope(config, planned, resume)
         text = config.get_text_config(decoder=True)  # resumed at a longer seq_len: max positions as set_rope_base sets
@@ -135,7 +138,7 @@ def build_model(
             torch.manual_seed(seed)
             return from_saved_config(resume, config)
     config = stage_config(cfg, rope_theta, seq_len, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
-                          init_from=init_from)
+                          init_from=init_from, bos_id=bos_id)
     if source is not None:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
     else:

@@ -200,6 +200,10 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
         assert "--config-dir DIR recipe=NAME" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(ValueError, match=r"recipe.stages.s4 is not a stage of this recipe"):
         compose_training(["recipe=tiny", "+recipe.stages.s4={seq_len:8192}"], "longstride plan")
+    for added in ("+data.sources.long={kind:files,path:/x.jsonl}", "data.sources.long.path=/x.jsonl"):
+        with pytest.raises(ValueError, match=r"data.sources.long is not a source of this data config, and a source "
+                                             r"cannot be added on the command line.* --config-dir DIR data=NAME"):
+            compose_training(["data=files", added], "longstride train")
     r = _run([shutil.which("longstride"), "train", "recipe=tiny", "recipe.stages.s2_2k.steps=-1", "--cfg", "job"],
              tmp_path)
     # an existing stage's field is not the hint's case: it composes (the range is checked when training starts)

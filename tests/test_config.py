@@ -431,3 +431,22 @@ def test_the_extend_recipes_header_overrides_plan_on_one_gpu_and_on_a_node(tmp_p
         validate(compose_cfg(base), 8, "cuda", assume_gpu=True)
     validate(compose_cfg(base + node), 8, "cuda", assume_gpu=True)
     validate(compose_cfg(base + longer), 1, "cuda", assume_gpu=True)
+
+
+def test_the_real_recipes_streaming_launch_validates_as_its_header_writes_it(tmp_path):
+    """smollm3_3b_64k's header names the two overrides a corpus larger than memory needs (it was refused twice
+    over: long-document upsampling, and data=files' two loader workers)."""
+    import json
+    import re
+
+    from tests.conftest import REPO, micro_checkpoint
+
+    micro_checkpoint(tmp_path / "tok", 384, 64)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text(json.dumps({"text": "one document"}) + "\n")
+    header = (REPO / "configs" / "recipe" / "smollm3_3b_64k.yaml").read_text().split("defaults:")[0]
+    streaming = re.search(r"add (data\.streaming=true .*?) \(", header).group(1).split()
+    cfg = compose_cfg(["recipe=smollm3_3b_64k", f"data.tokenizer={tmp_path / 'tok'}",
+                       f"data.sources.main.path={tmp_path / 'corpus' / '*.jsonl'}", *streaming])
+    assert cfg.data.streaming and streaming == ["data.streaming=true", "data.long_docs.min_tokens=0"]
+    validate(cfg, 8, "cuda", assume_gpu=True)

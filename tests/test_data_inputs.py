@@ -292,3 +292,63 @@ def test_a_checkpoints_tokenizer_says_the_models_max_positions(tmp_path):
     tok.model_max_length = 64
     assert len(tokenize_fn(tok)({"text": ["word " * 500]})["input_ids"][0]) > 64
     assert not tok.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum")
+
+
+def test_files_globs_reach_nested_folders_and_compressed_text_formats(tmp_path, cache_dir):
+    """`**` in a files source's path matches folders at any depth, as a local_dir glob does (it matched exactly one
+    level: the other files' documents were left out without a word), in memory and streamed; corpus.jsonl.gz reads
+    as jsonl (it was refused as an unknown extension '.gz')."""
+    import gzip
+
+    from longstride.data.sources import stream_source
+
+    for rel in ("top.jsonl", "a/x.jsonl", "a/b/y.jsonl"):
+        f = tmp_path / "nested" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"text": rel}) + "\n")
+    src = SourceConfig(kind="files", path=str(tmp_path / "nested" / "**" / "*.jsonl"))
+    want = ["a/b/y.jsonl", "a/x.jsonl", "top.jsonl"]
+    assert sorted(load_source(src, str(cache_dir))["text"]) == want
+    assert sorted(row["text"] for row in stream_source(src, str(cache_dir))) == want
+    gz = tmp_path / "c.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(3)))
+    assert load_source(SourceConfig(kind="files", path=str(gz)), str(cache_dir))["text"] == ["doc 0", "doc 1", "doc 2"]
+    with pytest.raises(ValueError, match=r"unsupported extension '.gz'"):
+        (tmp_path / "c.parquet.gz").write_bytes(b"x")
+        load_source(SourceConfig(kind="files", path=str(tmp_path / "c.parquet.gz")), str(cache_dir))
+
+
+def test_a_files_source_is_checked_before_anything_is_built(tmp_path):
+    """A files source whose path matches nothing, or whose first record lacks the text column, fails validation
+    (training's checks before the model and the data are built), streamed or not; the data=files group streams
+    without further overrides (it set two loader workers, which streaming refuses)."""
+    from longstride.recipes.config.plan import validate
+    from tests.conftest import compose_cfg
+
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps({"content": f"doc {i}"}) for i in range(3)))
+    base = ["data=files", f"paths.output_root={tmp_path / 'out'}", "recipe.stages.s2_2k.cp=1",
+            "recipe.stages.s3_4k.cp=1"]
+    for streaming in ("false", "true"):
+        with pytest.raises(ValueError, match=r"data.sources.main.path='/no/such/\*.parquet': file not found"):
+            validate(compose_cfg(base + ["data.sources.main.path=/no/such/*.parquet",
+                                         f"data.streaming={streaming}"]), 1)
+        with pytest.raises(ValueError, match=r"data.sources.main.text_column='text' is not a column; the columns are "
+                                             r"\['content'\]"):
+            validate(compose_cfg(base + [f"data.sources.main.path={f}", f"data.streaming={streaming}"]), 1)
+        validate(compose_cfg(base + [f"data.sources.main.path={f}", "data.sources.main.text_column=content",
+                                     f"data.streaming={streaming}"]), 1)
+
+
+def test_a_from_scratch_model_names_the_tokenizers_bos():
+    """Documents open with the tokenizer's BOS where it has one (Llama-style); the model config a stage builds from
+    scratch names that id as its BOS (it named EOS, so generate() from an empty prompt began with EOS), and EOS
+    where the tokenizer has no BOS."""
+    from longstride.model.build import stage_config
+    from longstride.model.config import ModelConfig
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    assert stage_config(cfg, 1e4, 64, vocab_size=100, eos_id=1, pad_id=0, bos_id=2).bos_token_id == 2
+    assert stage_config(cfg, 1e4, 64, vocab_size=100, eos_id=1, pad_id=0).bos_token_id == 1

@@ -257,8 +257,9 @@ class AddedStageError(ValueError):
 
 
 def added_stage_hint(overrides: list[str], error: str) -> str:
-    """How to add a stage, when `error` is Hydra failing on an override that adds one: OmegaConf cannot build a
-    typed stage from the command line (`+recipe.stages.NEW={...}`, `recipe.stages.NEW.seq_len=...`). "" if not."""
+    """How to add a stage (or a data source), when `error` is Hydra failing on an override that adds one: OmegaConf
+    cannot build a typed stage or source from the command line (`+recipe.stages.NEW={...}`,
+    `recipe.stages.NEW.seq_len=...`, `+data.sources.NEW={...}`). "" if not."""
     for arg in overrides:
         m = re.match(r"\+{0,2}recipe\.stages\.([^.=]+)", arg)
         if m and ("subclass of StageConfig" in error or f"Key '{m.group(1)}' is not in struct" in error):
@@ -267,6 +268,13 @@ def added_stage_hint(overrides: list[str], error: str) -> str:
                     "file: copy one of longstride's configs/recipe/*.yaml to DIR/recipe/NAME.yaml, add the stage "
                     "under recipe.stages there, and run with --config-dir DIR recipe=NAME (docs/recipes.md, "
                     "\"Your own recipe\")")
+        m = re.match(r"\+{0,2}data\.sources\.([^.=]+)", arg)
+        if m and ("subclass of SourceConfig" in error or f"Key '{m.group(1)}' is not in struct" in error):
+            return (f"{arg}: data.sources.{m.group(1)} is not a source of this data config, and a source cannot be "
+                    "added on the command line (Hydra cannot build a typed source from an override). Add it in a "
+                    "data file: copy one of longstride's configs/data/*.yaml to DIR/data/NAME.yaml, add the source "
+                    "under sources there, and run with --config-dir DIR data=NAME (docs/recipes.md, \"Your own "
+                    "recipe\")")
     return ""
 
 

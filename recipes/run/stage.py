@@ -198,7 +198,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     with stage_input(plan.name):  # a resume whose config no longer fits its checkpoint: exit 2, naming the stage
         lm = build_model(cfg.model, stage.rope_theta, stage.seq_len, len(tok), tok.eos_token_id, pad_id,
-                         init_from=init_from, seed=cfg.train.seed, resume=resume)
+                         init_from=init_from, seed=cfg.train.seed, resume=resume, bos_id=tok.bos_token_id)
     mesh = ctx.world_mesh() if plan.dims.cp > 1 or plan.fsdp else None
     cp = cp_context(cfg.parallel.cp_impl, plan.dims, plan.degrees, device_type=acc.device.type, kernel=plan.kernel,
                     balance=plan.balance, balance_chunks=cfg.parallel.balance_chunks, mesh=mesh)
