@@ -137,10 +137,23 @@ def read_errors(files: list[str], builder: str, field: str):
     try:
         yield
     except Exception as e:
-        where = first_bad_record(files, builder) or ", ".join(files)
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise ValueError(f"{field}.path: {where} could not be read ({type(e).__name__}: {first}); fix or remove "
-                         "that record") from e
+        raise _unreadable(files, builder, field, e) from e
+
+
+def _unreadable(files: list[str], builder: str, field: str, e: Exception) -> ValueError:
+    where = first_bad_record(files, builder) or ", ".join(files)
+    first = str(e).splitlines()[0] if str(e) else ""
+    return ValueError(f"{field}.path: {where} could not be read ({type(e).__name__}: {first}); fix or remove "
+                      "that record")
+
+
+def stream_read_error(src: SourceConfig, field: str, e: Exception) -> Exception:
+    """What a streamed source's reader raised while it was read (a bad record meets the reader mid-stream), as
+    read_errors words it for a files source (file:line for jsonl); other kinds' errors as they are."""
+    if src.kind != "files":
+        return e
+    builder, files = _data_files(src, field)
+    return _unreadable(files, builder, field, e)
 
 
 def first_bad_record(files: list[str], builder: str) -> str:

@@ -29,8 +29,8 @@ from longstride.data.config import DataConfig
 from longstride.data.loader import stateful_loader
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
-from longstride.data.sources import (filler_prefix, stream_rows_identity, stream_source, stream_split_by_rows,
-                                     walk_files, walked)
+from longstride.data.sources import (filler_prefix, stream_read_error, stream_rows_identity, stream_source,
+                                     stream_split_by_rows, walk_files, walked)
 from longstride.data.synthetic import FILLER_FILES, filler_sources
 from longstride.data.tokenizer import tokenize_fn
 
@@ -48,7 +48,7 @@ class StreamPacker(torch.utils.data.IterableDataset):
 
     def __init__(self, factories: dict[str, Callable[..., datasets.IterableDataset]], weights: dict[str, float],
                  seq_len: int, pad_id: int, method: str = "best_fit", open_seqs: int = 64, held_rows=None,
-                 share: tuple[int, int] = (0, 1), by_rows=None):
+                 share: tuple[int, int] = (0, 1), by_rows=None, read_error=None):
         # factories[name](epoch, split=None): the source's rows of this rank in that epoch (split: a re-split's
         # share, stream_split.py)
         self.factories, self.seq_len, self.pad_id = factories, seq_len, pad_id
@@ -58,6 +58,7 @@ class StreamPacker(torch.utils.data.IterableDataset):
         total = sum(weights.get(n, 0.0) for n in factories)
         self.weights = {n: weights.get(n, 0.0) / total for n in factories if weights.get(n, 0.0) > 0}
         self.held_rows = held_rows or {}  # rows of each source skipped because they are held out (for errors)
+        self.read_error = read_error  # read_error(name, exception): a reader's failure as the error to raise
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:
@@ -100,7 +101,12 @@ class StreamPacker(torch.utils.data.IterableDataset):
             it = self._its.get(name)
             if it is None:
                 it = self._its[name] = iter(self._ds[name])
-            row = next(it, None)
+            try:
+                row = next(it, None)
+            except Exception as e:  # a record the reader cannot decode, met mid-stream
+                if self.read_error is None:
+                    raise
+                raise self.read_error(name, e) from e
             if row is None:  # the source is exhausted: its next epoch
                 if not c["epoch_docs"][name]:
                     held, (rank, ranks) = self.held_rows.get(name, 0), self.share
@@ -181,6 +187,9 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
                              f"data.sources.{n}.max_docs more files, set their synthetic.corpus_share=0 or "
                              "data.eval_sequences=0")
 
+    def read_error(name: str, e: Exception) -> Exception:
+        return stream_read_error(cfg.sources[name], f"data.sources.{name}", e)
+
     def factories(rank: int, world: int, leave_out: dict) -> dict:
         return {n: (lambda epoch=0, split=None, n=n, s=s: tokenized(stream_source(
                     s, cache_dir, f"data.sources.{n}", rank, world, leave_out.get(n, range(0)), paths.get(n), split,
@@ -189,7 +198,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
 
     def head(length: int, mix) -> tuple[list, StreamPacker]:
         packer = StreamPacker(factories(0, 1, {n: range(k) for n, k in first.items()}), mixture_weights(cfg, mix),
-                              length, pad_id, cfg.packing)
+                              length, pad_id, cfg.packing, read_error=read_error)
         docs, total = [], 0
         while total < cfg.eval_sequences * length:
             docs.append(packer.next_document())
@@ -219,7 +228,8 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
     by_rows = {n: stream_split_by_rows(s, cache_dir, f"data.sources.{n}", dp, held.get(n, range(0)))
                for n, s in cfg.sources.items()}
     train = StreamPacker(factories(dp_rank, dp, held), mixture_weights(cfg, mixture), seq_len, pad_id, cfg.packing,
-                         cfg.stream_open_seqs, held_rows=rows, share=(dp_rank, dp), by_rows=by_rows)
+                         cfg.stream_open_seqs, held_rows=rows, share=(dp_rank, dp), by_rows=by_rows,
+                         read_error=read_error)
     identity = {n: stream_rows_identity(s, f"data.sources.{n}", paths.get(n)) for n, s in cfg.sources.items()}
     return StreamLoader(train, micro_batch_size), held_out, {
         **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()},

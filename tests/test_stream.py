@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -243,3 +244,21 @@ def test_a_walked_source_s_ranks_each_open_only_their_own_files(tmp_path, monkey
         assert sum(opened.values()) == len(rows) in (9, 10), (rank, len(rows), sum(opened.values()))
         seen += rows
     assert sorted(seen) == sorted(f"document {i}" for i in range(2, 40))
+
+
+@pytest.mark.parametrize("bad_line, problem", [(b'{"text": "broken\n', "not JSON"),
+                                               (b'{"text": "bad \xff bytes"}\n', "not UTF-8")])
+def test_a_bad_record_met_mid_stream_names_the_file_and_line(tmp_path, setup, bad_line, problem):
+    """A record the reader cannot decode, met while the stream is read (past the first record, which validation
+    reads), fails naming the file and line as the in-memory read does (it was datasets' bare "Trailing data")."""
+    _, tok, d = setup
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n"
+                                              for i in range(40)))
+    f = tmp_path / "b.jsonl"  # the second file: validation reads the first file's first record only
+    f.write_bytes(b'{"text": "one"}\n{"text": "two"}\n' + bad_line + b'{"text": "after"}\n')
+    cfg = DataConfig(sources={"bad": SourceConfig(kind="files", path=str(tmp_path / "*.jsonl"))}, streaming=True,
+                     eval_sequences=1)
+    with pytest.raises(ValueError, match=re.escape(f"data.sources.bad.path: {f}:3: {problem}")):
+        loader, _, _ = streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, 0, 1, d)  # its held-out head
+        for _ in range(200):  # or training
+            next(loader)

@@ -267,7 +267,8 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     (recipes/run/faults.py). Returns the step's metrics."""
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
-    batches = [next(run.loader) for _ in range(run.plan.accum)]
+    with stage_input(run.plan.name):  # a streamed record the reader cannot decode, met mid-stage: exit 2
+        batches = [next(run.loader) for _ in range(run.plan.accum)]
     masked = run.plan.step.doc_masking
     pairs = sum(run.flops.pairs(b["doc_ids"], masked) for b in batches) if run.flops.counted else 0  # whole rows
     micro = [run.prep(b) for b in batches]
