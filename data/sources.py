@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import datasets
 import numpy as np
@@ -31,6 +31,11 @@ def _extension(path: str) -> str:
     if len(suffixes) > 1 and suffixes[-1] in COMPRESSED and suffixes[-2] in set(FILE_BUILDERS) - {".parquet"}:
         return suffixes[-2]
     return suffixes[-1] if suffixes else ""
+
+
+def _literal(files: list[str]) -> list[str]:
+    """File names as datasets takes them: it expands globs, so a [ ] in a name is escaped."""
+    return [glob.escape(f) for f in files]
 
 
 def _open_bytes(path: str):
@@ -100,7 +105,7 @@ def walk_files(src: SourceConfig, field: str) -> list[str]:
 def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     """(datasets builder, files) of a `files` source: a path, or a glob (`**` matches folders at any depth, as
     in a local_dir source's glob)."""
-    pattern = any(ch in src.path for ch in "*?[")
+    pattern = any(ch in src.path for ch in "*?[") and not os.path.isfile(src.path)  # a file may be named a[1].jsonl
     files = sorted(f for f in glob.glob(src.path, recursive=True) if os.path.isfile(f)) if pattern else [src.path]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
@@ -109,6 +114,12 @@ def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
     if ext not in FILE_BUILDERS:
         raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}, "
                          f"text formats also compressed ({', '.join(COMPRESSED)})")
+    from fsspec.utils import infer_compression
+
+    unread = sorted({Path(f).suffix for f in files
+                     if Path(f).suffix.lower() in COMPRESSED and not infer_compression(f)})
+    if unread:  # fsspec knows .zst only with the zstandard package installed
+        raise ValueError(f"{field}.path: {', '.join(unread)} files cannot be decompressed here; pip install zstandard")
     # datasets' json reader fails on an empty file (a bare StopIteration, "no data", a cast error beside others);
     # its text reader counts blank lines as skipped documents
     blank = [f for f in files if FILE_BUILDERS[ext] == "json" and _blank(f, field)]
@@ -140,29 +151,38 @@ def read_errors(files: list[str], builder: str, field: str):
         raise _unreadable(files, builder, field, e) from e
 
 
-def _unreadable(files: list[str], builder: str, field: str, e: Exception) -> ValueError:
-    where = first_bad_record(files, builder) or ", ".join(files)
+class UnreadableRecord(ValueError):
+    """A data file's record its reader cannot decode."""
+
+
+def _unreadable(files: list[str], builder: str, field: str, e: Exception) -> UnreadableRecord:
     first = str(e).splitlines()[0] if str(e) else ""
-    return ValueError(f"{field}.path: {where} could not be read ({type(e).__name__}: {first}); fix or remove "
-                      "that record")
+    where = first_bad_record(files, builder)
+    if where:
+        return UnreadableRecord(f"{field}.path: {where} could not be read ({type(e).__name__}: {first}); fix or "
+                                "remove that record")
+    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return UnreadableRecord(f"{field}.path: {named} could not be read ({type(e).__name__}: {first})")
 
 
-def stream_read_error(src: SourceConfig, field: str, e: Exception) -> Exception:
-    """What a streamed source's reader raised while it was read (a bad record meets the reader mid-stream), as
-    read_errors words it for a files source (file:line for jsonl); other kinds' errors as they are."""
-    if src.kind != "files":
-        return e
+def stream_read_error(src: SourceConfig, field: str, e: Exception) -> Optional[UnreadableRecord]:
+    """What a streamed files source's reader raised on a record it cannot decode (met mid-stream), as read_errors
+    words it (file:line for jsonl, from a scan of the source's files); None for other errors and other kinds."""
+    decode = isinstance(e, ValueError) or type(e).__name__ == "DatasetGenerationError"  # pyarrow's ArrowInvalid too
+    if src.kind != "files" or not decode:
+        return None
     builder, files = _data_files(src, field)
     return _unreadable(files, builder, field, e)
 
 
 def first_bad_record(files: list[str], builder: str) -> str:
     """'file:line: problem' of the first line of a jsonl / json-lines file that is not UTF-8, not a JSON
-    object, or gives a key another type than the first line does; '' when none is found (or not jsonl)."""
+    object, or gives a key another type than where it first appears, in any of the files; '' when none is found
+    (or not jsonl)."""
     if builder != "json":
         return ""
+    keys: dict = {}  # each key's type where it first appears (one schema over every file, as datasets reads them)
     for path in files:
-        keys = None
         with _open_bytes(path) as f:
             for number, raw in enumerate(f, 1):
                 if not raw.strip():
@@ -175,12 +195,14 @@ def first_bad_record(files: list[str], builder: str) -> str:
                     return f"{path}:{number}: not JSON ({e})"
                 if not isinstance(record, dict):
                     return f"{path}:{number}: not a JSON object"
-                kinds = {k: type(v).__name__ for k, v in record.items() if v is not None}
-                if keys is None:
-                    keys = kinds
-                for k in set(kinds) & set(keys):
-                    if kinds[k] != keys[k]:
-                        return f"{path}:{number}: {k!r} is a {kinds[k]}, on the first line a {keys[k]}"
+                for k, v in record.items():
+                    if v is None:
+                        continue
+                    kind = "number" if type(v) in (int, float) else type(v).__name__  # an int column takes floats
+                    first_kind, first_path, first_line = keys.setdefault(k, (kind, path, number))
+                    if kind != first_kind:
+                        at = f"line {first_line}" if first_path == path else f"{first_path}:{first_line}"
+                        return f"{path}:{number}: {k!r} is a {kind}, on {at} a {first_kind}"
     return ""
 
 
@@ -227,7 +249,8 @@ def _check_files(src: SourceConfig, field: str) -> None:
     _needs_path(src, field)
     builder, files = _data_files(src, field)
     with read_errors(files[:1], builder, field):
-        first = next(iter(datasets.load_dataset(builder, data_files=files[:1], split="train", streaming=True)), None)
+        head = datasets.load_dataset(builder, data_files=_literal(files[:1]), split="train", streaming=True)
+        first = next(iter(head), None)
     if first is not None:
         _check_text_column(src, list(first), field)
 
@@ -301,7 +324,7 @@ def filler_prefix(src: SourceConfig, sources: dict, field: str, paths=None) -> i
 def _load_files(src, cache_dir, num_proc, field):
     builder, files = _data_files(src, field)
     with read_errors(files, builder, field):
-        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir)
+        ds = datasets.load_dataset(builder, data_files=_literal(files), split="train", cache_dir=cache_dir)
     _check_text_column(src, ds.column_names, field)  # outside read_errors: a wrong column is not a bad record
     with read_errors(files, builder, field):  # arrow decodes the text here: bad bytes surface now
         return _first_docs_marked(ds, src, num_proc)
@@ -309,7 +332,8 @@ def _load_files(src, cache_dir, num_proc, field):
 
 def _stream_files(src, cache_dir, field, world):
     builder, files = _data_files(src, field)
-    return _stream_table(datasets.load_dataset(builder, data_files=files, split="train", streaming=True), src, field)
+    ds = datasets.load_dataset(builder, data_files=_literal(files), split="train", streaming=True)
+    return _stream_table(ds, src, field)
 
 
 def _load_disk(src, cache_dir, num_proc, field):

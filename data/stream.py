@@ -58,7 +58,7 @@ class StreamPacker(torch.utils.data.IterableDataset):
         total = sum(weights.get(n, 0.0) for n in factories)
         self.weights = {n: weights.get(n, 0.0) / total for n in factories if weights.get(n, 0.0) > 0}
         self.held_rows = held_rows or {}  # rows of each source skipped because they are held out (for errors)
-        self.read_error = read_error  # read_error(name, exception): a reader's failure as the error to raise
+        self.read_error = read_error  # read_error(name, exception): a record the reader cannot decode, worded
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:
@@ -104,9 +104,10 @@ class StreamPacker(torch.utils.data.IterableDataset):
             try:
                 row = next(it, None)
             except Exception as e:  # a record the reader cannot decode, met mid-stream
-                if self.read_error is None:
+                reworded = self.read_error(name, e) if self.read_error is not None else None
+                if reworded is None:
                     raise
-                raise self.read_error(name, e) from e
+                raise reworded from e
             if row is None:  # the source is exhausted: its next epoch
                 if not c["epoch_docs"][name]:
                     held, (rank, ranks) = self.held_rows.get(name, 0), self.share
@@ -187,7 +188,7 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
                              f"data.sources.{n}.max_docs more files, set their synthetic.corpus_share=0 or "
                              "data.eval_sequences=0")
 
-    def read_error(name: str, e: Exception) -> Exception:
+    def read_error(name: str, e: Exception):
         return stream_read_error(cfg.sources[name], f"data.sources.{name}", e)
 
     def factories(rank: int, world: int, leave_out: dict) -> dict:

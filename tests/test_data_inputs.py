@@ -135,7 +135,7 @@ def test_links_fifos_and_loops_are_skipped_and_counted(tmp_path, cache_dir):
 @pytest.mark.parametrize("bad_line, problem", [
     (b'{"text": "broken\n', "3: not JSON"),
     (b'{"text": "bad \xff bytes"}\n', "3: not UTF-8"),
-    (b'{"text": {"nested": 1}}\n', "3: 'text' is a dict, on the first line a str"),
+    (b'{"text": {"nested": 1}}\n', "3: 'text' is a dict, on line 1 a str"),
 ])
 def test_broken_jsonl_names_the_file_and_line(tmp_path, cache_dir, bad_line, problem):
     f = tmp_path / "c.jsonl"
@@ -352,3 +352,27 @@ def test_a_from_scratch_model_names_the_tokenizers_bos():
                       num_key_value_heads=2)
     assert stage_config(cfg, 1e4, 64, vocab_size=100, eos_id=1, pad_id=0, bos_id=2).bos_token_id == 2
     assert stage_config(cfg, 1e4, 64, vocab_size=100, eos_id=1, pad_id=0).bos_token_id == 1
+
+
+def test_a_record_is_named_only_where_the_reader_fails_and_across_files(tmp_path, cache_dir):
+    """A key that holds ints and floats reads (one number column) and is not blamed; a key whose type changes in a
+    later file is named with both places; a .zst file without the zstandard package says what to install; a file
+    named with [ ] is a path, not a glob."""
+    from longstride.data.sources import first_bad_record
+
+    (tmp_path / "kt").mkdir()
+    (tmp_path / "kt" / "1.jsonl").write_text('{"text": "a", "score": 1}\n{"text": "b", "score": 1.5}\n')
+    (tmp_path / "kt" / "2.jsonl").write_text('{"text": "c", "score": "high"}\n')
+    files = [str(tmp_path / "kt" / "1.jsonl"), str(tmp_path / "kt" / "2.jsonl")]
+    assert first_bad_record(files[:1], "json") == ""
+    assert first_bad_record(files, "json") == f"{files[1]}:1: 'score' is a str, on {files[0]}:1 a number"
+    with pytest.raises(ValueError, match=re.escape(f"{files[1]}:1: 'score' is a str")):
+        load_source(SourceConfig(kind="files", path=str(tmp_path / "kt" / "*.jsonl")), str(cache_dir))
+    import importlib.util
+    if importlib.util.find_spec("zstandard") is None:
+        (tmp_path / "d.jsonl.zst").write_bytes(b"(\xb5/\xfd")
+        with pytest.raises(ValueError, match=r"\.zst files cannot be decompressed here; pip install zstandard"):
+            load_source(SourceConfig(kind="files", path=str(tmp_path / "d.jsonl.zst")), str(cache_dir))
+    odd = tmp_path / "part[1].jsonl"
+    odd.write_text('{"text": "bracketed"}\n')
+    assert load_source(SourceConfig(kind="files", path=str(odd)), str(cache_dir))["text"] == ["bracketed"]

@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
                                       stage_sequences, validation_sequences)
-from longstride.data.sources import walked
+from longstride.data.sources import UnreadableRecord, walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
@@ -47,7 +47,8 @@ from longstride.recipes.checkpoint.format import (BackgroundSave, CheckpointErro
                                                   remove_partial, step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan
 from longstride.recipes.memory.fit import log_memory_estimate
-from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, StopSignals, Stopped, stage_input, test_kill
+from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StageInputError, StopSignals, Stopped,
+                                             stage_input, test_kill)
 from longstride.recipes.run.flops import StepFlops, peak_flops
 from longstride.recipes.run.profiling import StepProfiler, rank_log
 from longstride.recipes.run.schedule import build_scheduler
@@ -267,8 +268,10 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     (recipes/run/faults.py). Returns the step's metrics."""
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
-    with stage_input(run.plan.name):  # a streamed record the reader cannot decode, met mid-stage: exit 2
+    try:
         batches = [next(run.loader) for _ in range(run.plan.accum)]
+    except UnreadableRecord as e:  # a streamed record the reader cannot decode, met mid-stage: exit 2
+        raise StageInputError(f"stage {run.plan.name}: {e}") from e
     masked = run.plan.step.doc_masking
     pairs = sum(run.flops.pairs(b["doc_ids"], masked) for b in batches) if run.flops.counted else 0  # whole rows
     micro = [run.prep(b) for b in batches]
