@@ -256,25 +256,26 @@ class AddedStageError(ValueError):
     """A stage added on the command line, with how to add one instead (added_stage_hint)."""
 
 
+# what cannot be added on the command line: (the override's prefix, its config class, what it is, its group, where
+# it lives in that group's file)
+_TYPED_ENTRIES = (("recipe.stages", "StageConfig", "a stage of this recipe", "recipe", "recipe.stages"),
+                  ("data.sources", "SourceConfig", "a source of this data config", "data", "sources"))
+
+
 def added_stage_hint(overrides: list[str], error: str) -> str:
     """How to add a stage (or a data source), when `error` is Hydra failing on an override that adds one: OmegaConf
     cannot build a typed stage or source from the command line (`+recipe.stages.NEW={...}`,
     `recipe.stages.NEW.seq_len=...`, `+data.sources.NEW={...}`). "" if not."""
     for arg in overrides:
-        m = re.match(r"\+{0,2}recipe\.stages\.([^.=]+)", arg)
-        if m and ("subclass of StageConfig" in error or f"Key '{m.group(1)}' is not in struct" in error):
-            return (f"{arg}: recipe.stages.{m.group(1)} is not a stage of this recipe, and a stage cannot be added "
-                    "on the command line (Hydra cannot build a typed stage from an override). Add it in a recipe "
-                    "file: copy one of longstride's configs/recipe/*.yaml to DIR/recipe/NAME.yaml, add the stage "
-                    "under recipe.stages there, and run with --config-dir DIR recipe=NAME (docs/recipes.md, "
-                    "\"Your own recipe\")")
-        m = re.match(r"\+{0,2}data\.sources\.([^.=]+)", arg)
-        if m and ("subclass of SourceConfig" in error or f"Key '{m.group(1)}' is not in struct" in error):
-            return (f"{arg}: data.sources.{m.group(1)} is not a source of this data config, and a source cannot be "
-                    "added on the command line (Hydra cannot build a typed source from an override). Add it in a "
-                    "data file: copy one of longstride's configs/data/*.yaml to DIR/data/NAME.yaml, add the source "
-                    "under sources there, and run with --config-dir DIR data=NAME (docs/recipes.md, \"Your own "
-                    "recipe\")")
+        for prefix, cls, what, group, under in _TYPED_ENTRIES:
+            m = re.match(r"\+{0,2}" + re.escape(prefix) + r"\.([^.=]+)", arg)
+            if m and (f"subclass of {cls}" in error or f"Key '{m.group(1)}' is not in struct" in error):
+                kind = what.split()[1]
+                return (f"{arg}: {prefix}.{m.group(1)} is not {what}, and a {kind} cannot be added on the command "
+                        f"line (Hydra cannot build a typed {kind} from an override). Add it in a {group} file: copy "
+                        f"one of longstride's configs/{group}/*.yaml to DIR/{group}/NAME.yaml, add the {kind} under "
+                        f"{under} there, and run with --config-dir DIR {group}=NAME (docs/recipes.md, \"Your own "
+                        "recipe\")")
     return ""
 
 
