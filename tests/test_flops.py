@@ -28,6 +28,16 @@ def test_linear_weights_and_attention_pairs_by_hand():
     assert llama.pairs(doc, masked=False) == 2 * 55, "data.doc_masking=false: the row attends as one document"
 
 
+def test_gpt2s_conv1d_projections_are_counted_as_linear_layers():
+    """GPT-2 keeps its projections in transformers' Conv1D (a transposed Linear): per layer c_attn 32x96, c_proj
+    32x32, c_fc 32x48 and its c_proj 48x32, and the tied head 32x64 (only the head was counted)."""
+    from longstride.recipes.run.flops import StepFlops
+
+    config = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=48, vocab_size=64, n_positions=64, bos_token_id=0,
+                          eos_token_id=0)
+    assert StepFlops(T.GPT2LMHeadModel(config)).linear == 2 * (32 * 96 + 32 * 32 + 32 * 48 + 48 * 32) + 32 * 64
+
+
 def test_a_vision_language_model_counts_its_text_layers_and_head_only():
     """Gemma 3 4B and up (Gemma3ForConditionalGeneration): the vision tower and projector beside the text decoder
     run on no training token here."""

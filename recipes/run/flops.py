@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from longstride.model.loss import text_decoder
 from longstride.parallel.balance import token_work
@@ -27,6 +28,7 @@ from longstride.parallel.pattern import config_patterns
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12,
              "A100": 312e12}  # the first name found in the device's wins: the NVL and PCIe parts before the rest
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+LINEAR = (torch.nn.Linear, Conv1D)  # GPT-2's projections are transformers' Conv1D, a linear layer stored transposed
 
 
 def peak_flops(device: torch.device) -> Optional[float]:
@@ -52,8 +54,8 @@ class StepFlops:
         cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         self.moe = next((a for a in EXPERTS if (getattr(cfg, a, 0) or 0) > 1), None)
         head = lm.get_output_embeddings()  # the text layers and the LM head: not a vision tower beside them
-        self.linear = sum(m.weight.numel() for m in text_decoder(lm).modules() if isinstance(m, torch.nn.Linear)) + \
-            (head.weight.numel() if isinstance(head, torch.nn.Linear) else 0)
+        self.linear = sum(m.weight.numel() for m in text_decoder(lm).modules() if isinstance(m, LINEAR)) + \
+            (head.weight.numel() if isinstance(head, LINEAR) else 0)
         heads = cfg.num_attention_heads
         self.width = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.patterns = config_patterns(cfg)
