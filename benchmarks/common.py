@@ -67,9 +67,9 @@ class KeptOutputs:
     """A selective-checkpointing policy that decides as `policy` does and hands on_kept(op, tensors) the output
     tensors of each op it keeps (PREFER_SAVE or MUST_SAVE): what selective's cache holds, for
     bench_checkpointing.py and the tests that measure it. torch >= 2.13 asks a policy after the op, with its output
-    (ctx.op_output); torch 2.10-2.12 (the GPU machine's 2.11) ask before the op runs, so there the output is taken
-    as the op returns, from torch's caching dispatch mode (torch.utils.checkpoint._CachingTorchDispatchMode, private),
-    wrapped once per process when the first KeptOutputs is made."""
+    (ctx.op_output); torch 2.11 and 2.12 (the GPU machine has 2.11) ask before the op runs, so there the output is
+    taken as the op returns, from torch's caching dispatch mode (torch.utils.checkpoint._CachingTorchDispatchMode,
+    private), wrapped once per process when the first KeptOutputs is made."""
 
     def __init__(self, policy, on_kept):
         self.policy, self.on_kept = policy, on_kept
