@@ -104,6 +104,19 @@ def s1_reference(tmp_path_factory, cache_dir) -> Path:
     return root / "tiny" / "s1_256"
 
 
+def rerun_from_step_3(micro: list[str], root: Path, key: str, first: list[str], again: list[str]):
+    """Stage s1 of the micro recipe (`micro` writing under `root`/out) run with `first`, then resumed from its
+    step_000003 with `again`: (the metric `key` by step after the first run, after the resumed run, the resumed
+    run's process). Each run's exit status is asserted 0."""
+    s1 = root / "out" / "tiny" / "s1_256"
+    r = run_cli(micro + ["stage=s1_256", *first])
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = {step: m[key] for step, m in read_metrics(s1).items() if key in m}
+    r = run_cli(micro + ["stage=s1_256", *again, f"train.resume_from={s1}/step_000003"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return before, {step: m[key] for step, m in read_metrics(s1).items() if key in m}, r
+
+
 def crash_after(step: int) -> dict:
     """The environment of recipes/run/stage.py's test hook: SIGKILL after optimizer step `step` of a stage."""
     return {"LONGSTRIDE_TEST_CRASH_AT_STEP": str(step)}

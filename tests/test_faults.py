@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, check_finite_parameters
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import rerun_from_step_3, run_cli
 
 
 def test_guard_skips_non_finite_steps_and_stops_after_the_limit():
@@ -67,14 +67,9 @@ def test_exploding_stage_stops_naming_the_last_good_checkpoint_and_saves_nothing
 def test_a_resume_from_a_step_checkpoint_trains_at_the_configs_lr_not_the_checkpoints(micro, tmp_path):
     """The rerun NonFiniteError advises, from a step checkpoint: a lower lr. The optimizer's shards and the
     schedule's state carry the checkpoint's peak lr; the resumed steps apply the new one on the same schedule."""
-    first = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.lr=2e-3"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    s1 = tmp_path / "out" / "tiny" / "s1_256"
-    logged = {step: r["lr"] for step, r in read_metrics(s1).items() if "lr" in r}
-    again = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.lr=1e-3", f"train.resume_from={s1}/step_000003"])
-    assert again.returncode == 0, again.stderr[-3000:]
+    logged, resumed, again = rerun_from_step_3(micro, tmp_path, "lr", ["recipe.stages.s1_256.lr=2e-3"],
+                                               ["recipe.stages.s1_256.lr=1e-3"])
     assert "the checkpoint's peak lr 0.002 (now 0.001)" in again.stderr, again.stderr[-3000:]
-    resumed = {step: r["lr"] for step, r in read_metrics(s1).items() if "lr" in r}
     assert sorted(resumed) == sorted(logged) == list(range(1, 7))
     for step in range(1, 7):  # steps 1-3 kept from the first run, 4-6 trained again at half the peak
         assert resumed[step] == pytest.approx(logged[step] * (0.5 if step > 3 else 1.0), rel=1e-9), step

@@ -8,7 +8,7 @@ import torch
 
 from longstride.recipes.config.schema import OptimConfig
 from longstride.recipes.run.step import adamw_implementation, build_optimizer
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import rerun_from_step_3
 
 
 def test_each_implementation_sets_adamw_s_own_options():
@@ -30,14 +30,8 @@ def test_each_implementation_sets_adamw_s_own_options():
 def test_a_run_resumed_with_the_fused_update_takes_it_and_keeps_the_losses(micro, tmp_path):
     """A checkpoint written by the CPU default (a loop over tensors) resumed with optim.implementation=fused: the
     groups run fused (logged as changed), and the resumed steps' losses equal the first run's (rel 1e-5)."""
-    first = run_cli(micro + ["stage=s1_256"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    s1 = tmp_path / "out" / "tiny" / "s1_256"
-    want = {s: m["loss"] for s, m in read_metrics(s1).items() if "loss" in m}
-    again = run_cli(micro + ["stage=s1_256", "optim.implementation=fused", f"train.resume_from={s1}/step_000003"])
-    assert again.returncode == 0, again.stderr[-3000:]
+    want, got, again = rerun_from_step_3(micro, tmp_path, "loss", [], ["optim.implementation=fused"])
     assert "fused None (now True)" in again.stderr, again.stderr[-3000:]
-    got = {s: m["loss"] for s, m in read_metrics(s1).items() if "loss" in m}
     assert sorted(got) == sorted(want) == list(range(1, 7))
     for step in range(4, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
