@@ -5,9 +5,6 @@ is cached by fingerprint and reused by later stages and later runs.
 """
 from __future__ import annotations
 
-import contextlib
-import glob
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,32 +15,9 @@ import numpy as np
 
 from longstride.data import manual, synthetic
 from longstride.data.config import SourceConfig
+from longstride.data.file_records import UnreadableRecord, data_files, literal_paths, read_errors, unreadable_record
 from longstride.data.files import digest, list_files, stdlib_digest, stdlib_root, unreadable
 from longstride.data.stream_split import first_row, keeps, split_rows
-
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these by extension (text formats: corpus.jsonl.gz)
-
-
-def _extension(path: str) -> str:
-    """A file's format extension, a compression suffix after it skipped: .jsonl for corpus.jsonl.gz."""
-    suffixes = [x.lower() for x in Path(path).suffixes]
-    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED and suffixes[-2] in set(FILE_BUILDERS) - {".parquet"}:
-        return suffixes[-2]
-    return suffixes[-1] if suffixes else ""
-
-
-def _literal(files: list[str]) -> list[str]:
-    """File names as datasets takes them: it expands globs, so a [ ] in a name is escaped."""
-    return [glob.escape(f) for f in files]
-
-
-def _open_bytes(path: str):
-    """A data file opened for reading bytes, decompressed when its name ends in a compression suffix."""
-    import fsspec
-
-    return fsspec.open(path, "rb", compression="infer").open()
-
 
 def _read_files(paths: list[str]):
     """Yields one row per file; undecodable or empty files are kept as rows with a `skip` reason so
@@ -102,108 +76,14 @@ def walk_files(src: SourceConfig, field: str) -> list[str]:
     return paths
 
 
-def _data_files(src: SourceConfig, field: str) -> tuple[str, list[str]]:
-    """(datasets builder, files) of a `files` source: a path, or a glob (`**` matches folders at any depth, as
-    in a local_dir source's glob)."""
-    pattern = any(ch in src.path for ch in "*?[") and not os.path.isfile(src.path)  # a file may be named a[1].jsonl
-    files = sorted(f for f in glob.glob(src.path, recursive=True) if os.path.isfile(f)) if pattern else [src.path]
-    missing = [f for f in files if not os.path.isfile(f)]
-    if not files or missing:
-        raise ValueError(f"{field}.path={src.path!r}: file not found ({missing or 'no match'}); check the path")
-    ext = _extension(files[0])
-    if ext not in FILE_BUILDERS:
-        raise ValueError(f"{field}.path: unsupported extension {ext!r}; use one of {sorted(FILE_BUILDERS)}, "
-                         f"text formats also compressed ({', '.join(COMPRESSED)})")
-    from fsspec.utils import infer_compression
-
-    unread = sorted({Path(f).suffix for f in files
-                     if Path(f).suffix.lower() in COMPRESSED and not infer_compression(f)})
-    if unread:  # fsspec knows .zst only with the zstandard package installed
-        raise ValueError(f"{field}.path: {', '.join(unread)} files cannot be decompressed here; pip install zstandard")
-    # datasets' json reader fails on an empty file (a bare StopIteration, "no data", a cast error beside others);
-    # its text reader counts blank lines as skipped documents
-    blank = [f for f in files if FILE_BUILDERS[ext] == "json" and _blank(f, field)]
-    if blank:
-        raise ValueError(f"{field}.path={src.path!r}: {', '.join(blank[:3])}{' ...' if len(blank) > 3 else ''} "
-                         f"{'is' if len(blank) == 1 else 'are'} empty (no record); remove "
-                         f"{'it' if len(blank) == 1 else 'them'} or point the path at files with data")
-    return FILE_BUILDERS[ext], files
-
-
-def _blank(path: str, field: str) -> bool:
-    """A file of whitespace only (read until its first other byte, a byte-order mark aside)."""
-    try:
-        with _open_bytes(path) as f:
-            while chunk := f.read(1 << 16):
-                if chunk.lstrip(b"\xef\xbb\xbf").strip():
-                    return False
-    except OSError as e:
-        raise ValueError(f"{field}.path: {path} cannot be read ({e.strerror}); check its permissions") from None
-    return True
-
-
-@contextlib.contextmanager
-def read_errors(files: list[str], builder: str, field: str):
-    """A reader's failure inside datasets as a ValueError naming the file and line (jsonl) or the files."""
-    try:
-        yield
-    except Exception as e:
-        raise _unreadable(files, builder, field, e) from e
-
-
-class UnreadableRecord(ValueError):
-    """A data file's record its reader cannot decode."""
-
-
-def _unreadable(files: list[str], builder: str, field: str, e: Exception) -> UnreadableRecord:
-    first = str(e).splitlines()[0] if str(e) else ""
-    where = first_bad_record(files, builder)
-    if where:
-        return UnreadableRecord(f"{field}.path: {where} could not be read ({type(e).__name__}: {first}); fix or "
-                                "remove that record")
-    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-    return UnreadableRecord(f"{field}.path: {named} could not be read ({type(e).__name__}: {first})")
-
-
 def stream_read_error(src: SourceConfig, field: str, e: Exception) -> Optional[UnreadableRecord]:
     """What a streamed files source's reader raised on a record it cannot decode (met mid-stream), as read_errors
     words it (file:line for jsonl, from a scan of the source's files); None for other errors and other kinds."""
     decode = isinstance(e, ValueError) or type(e).__name__ == "DatasetGenerationError"  # pyarrow's ArrowInvalid too
     if src.kind != "files" or not decode:
         return None
-    builder, files = _data_files(src, field)
-    return _unreadable(files, builder, field, e)
-
-
-def first_bad_record(files: list[str], builder: str) -> str:
-    """'file:line: problem' of the first line of a jsonl / json-lines file that is not UTF-8, not a JSON
-    object, or gives a key another type than where it first appears, in any of the files; '' when none is found
-    (or not jsonl)."""
-    if builder != "json":
-        return ""
-    keys: dict = {}  # each key's type where it first appears (one schema over every file, as datasets reads them)
-    for path in files:
-        with _open_bytes(path) as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    return f"{path}:{number}: not UTF-8"
-                except ValueError as e:
-                    return f"{path}:{number}: not JSON ({e})"
-                if not isinstance(record, dict):
-                    return f"{path}:{number}: not a JSON object"
-                for k, v in record.items():
-                    if v is None:
-                        continue
-                    kind = "number" if type(v) in (int, float) else type(v).__name__  # an int column takes floats
-                    first_kind, first_path, first_line = keys.setdefault(k, (kind, path, number))
-                    if kind != first_kind:
-                        at = f"line {first_line}" if first_path == path else f"{first_path}:{first_line}"
-                        return f"{path}:{number}: {k!r} is a {kind}, on {at} a {first_kind}"
-    return ""
+    builder, files = data_files(src.path, field)
+    return unreadable_record(files, builder, field, e)
 
 
 def _hub_dataset(src: SourceConfig, **kw):
@@ -247,9 +127,9 @@ def _check_files(src: SourceConfig, field: str) -> None:
     """Before anything is built: the path names files of a format read here, and the first one's first record
     has the text column."""
     _needs_path(src, field)
-    builder, files = _data_files(src, field)
+    builder, files = data_files(src.path, field)
     with read_errors(files[:1], builder, field):
-        head = datasets.load_dataset(builder, data_files=_literal(files[:1]), split="train", streaming=True)
+        head = datasets.load_dataset(builder, data_files=literal_paths(files[:1]), split="train", streaming=True)
         first = next(iter(head), None)
     if first is not None:
         _check_text_column(src, list(first), field)
@@ -306,7 +186,7 @@ def stream_rows_identity(src: SourceConfig, field: str, paths=None):
         root = stdlib_root() if src.kind == "stdlib" else src.path
         return digest([[os.path.relpath(p, root), _size(p)] for p in _listed(src, field, paths)])
     if src.kind == "files":
-        files = _data_files(src, field)[1]
+        files = data_files(src.path, field)[1]
         return digest([[f, os.path.getsize(f)] for f in files])
     return None
 
@@ -322,17 +202,17 @@ def filler_prefix(src: SourceConfig, sources: dict, field: str, paths=None) -> i
 
 
 def _load_files(src, cache_dir, num_proc, field):
-    builder, files = _data_files(src, field)
+    builder, files = data_files(src.path, field)
     with read_errors(files, builder, field):
-        ds = datasets.load_dataset(builder, data_files=_literal(files), split="train", cache_dir=cache_dir)
+        ds = datasets.load_dataset(builder, data_files=literal_paths(files), split="train", cache_dir=cache_dir)
     _check_text_column(src, ds.column_names, field)  # outside read_errors: a wrong column is not a bad record
     with read_errors(files, builder, field):  # arrow decodes the text here: bad bytes surface now
         return _first_docs_marked(ds, src, num_proc)
 
 
 def _stream_files(src, cache_dir, field, world):
-    builder, files = _data_files(src, field)
-    ds = datasets.load_dataset(builder, data_files=_literal(files), split="train", streaming=True)
+    builder, files = data_files(src.path, field)
+    ds = datasets.load_dataset(builder, data_files=literal_paths(files), split="train", streaming=True)
     return _stream_table(ds, src, field)
 
 

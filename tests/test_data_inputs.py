@@ -358,7 +358,7 @@ def test_a_record_is_named_only_where_the_reader_fails_and_across_files(tmp_path
     """A key that holds ints and floats reads (one number column) and is not blamed; a key whose type changes in a
     later file is named with both places; a .zst file without the zstandard package says what to install; a file
     named with [ ] is a path, not a glob."""
-    from longstride.data.sources import first_bad_record
+    from longstride.data.file_records import first_bad_record
 
     (tmp_path / "kt").mkdir()
     (tmp_path / "kt" / "1.jsonl").write_text('{"text": "a", "score": 1}\n{"text": "b", "score": 1.5}\n')

@@ -30,7 +30,8 @@ from transformers import AutoConfig
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
                                       stage_sequences, validation_sequences)
-from longstride.data.sources import UnreadableRecord, walked
+from longstride.data.file_records import UnreadableRecord
+from longstride.data.sources import walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
 from longstride.model.build import build_model
