@@ -18,6 +18,7 @@ on what another validates on.
 from __future__ import annotations
 
 import copy
+from dataclasses import asdict
 from typing import Callable
 
 import datasets
@@ -26,6 +27,7 @@ import torch
 
 from longstride.data.batch import PackedSequences, collate, packed_item
 from longstride.data.config import DataConfig
+from longstride.data.files import digest
 from longstride.data.loader import stateful_loader
 from longstride.data.packing import OnlinePacker, pack
 from longstride.data.pipeline import mixture_weights
@@ -88,6 +90,27 @@ class StreamPacker(torch.utils.data.IterableDataset):
                 ds.load_state_dict(state["sources"][n])
             self._ds[n] = ds
 
+    def carry_over(self, state: dict, sources, pending: bool = True) -> int:
+        """A new stage's streams go on where a previous stage's `state` (its final position: this data-parallel rank's,
+        or a re-split's, data/stream_split.py) stopped, for the sources named in `sources`; the others start at their
+        beginning. Token counts start at zero (the stage's mixture is its own); with `pending`, the documents the
+        previous stage had drawn but not trained on (its packers' open and ready sequences) are packed first. Returns
+        how many such pieces it carried."""
+        c, names = state["counters"], [n for n in self.weights if n in sources and n in state["counters"]["epoch"]]
+        counters = {"tokens": {}, "rows": {}, "skipped": {}, "epoch": {}, "epoch_docs": {}, "epoch_rows": {}}
+        for n in self.weights:
+            counters["tokens"][n], counters["rows"][n], counters["skipped"][n] = 0, 0, {}
+            for key in ("epoch", "epoch_docs", "epoch_rows"):
+                counters[key][n] = c[key].get(n) if n in names else 0
+        self.load_state_dict({"counters": counters, "packer": None,
+                              "sources": {n: state["sources"][n] if n in names else None for n in self.weights},
+                              "splits": {n: state["splits"][n] for n in names if state["splits"].get(n)}})
+        packers = state["packer"] if isinstance(state["packer"], list) else [state["packer"]]
+        pieces = [p for s in packers if s and pending for seq in s["ready"] + s["open"] for p in seq]
+        for p in pieces:
+            self.packer.add(p.numpy() if isinstance(p, torch.Tensor) else np.asarray(p, dtype=np.int32))
+        return len(pieces)
+
     def report(self) -> dict:
         return {**self.packer.stats(), "streaming": True, "skipped": self.counters["skipped"],
                 "rows": dict(self.counters["rows"])}
@@ -146,9 +169,13 @@ class StreamPacker(torch.utils.data.IterableDataset):
 class StreamLoader:
     """Micro-batches from a StreamPacker through torchdata's StatefulDataLoader (one process)."""
 
-    def __init__(self, packer: StreamPacker, micro_batch_size: int):
+    def __init__(self, packer: StreamPacker, micro_batch_size: int, origin: dict | None = None):
         self.loader = stateful_loader(packer, batch_size=micro_batch_size, collate_fn=collate, num_workers=0)
         self._it = None
+        self.packer = packer
+        # per source, what numbers its rows (config, files, held-out rows): a later stage's streams go on from this
+        # stage's positions only where it is the same (recipes/run/stage_state.carry_streams)
+        self.origin = origin or {}
 
     def __next__(self) -> dict:
         if self._it is None:
@@ -232,6 +259,8 @@ def streaming_stage(cfg: DataConfig, tokenizer, seq_len: int, pad_id: int, mixtu
                          cfg.stream_open_seqs, held_rows=rows, share=(dp_rank, dp), by_rows=by_rows,
                          read_error=read_error)
     identity = {n: stream_rows_identity(s, f"data.sources.{n}", paths.get(n)) for n, s in cfg.sources.items()}
-    return StreamLoader(train, micro_batch_size), held_out, {
+    origin = {n: digest([{k: v for k, v in asdict(s).items() if k != "weight"}, identity[n],
+                         [held[n].start, held[n].stop] if n in held else None]) for n, s in cfg.sources.items()}
+    return StreamLoader(train, micro_batch_size, origin), held_out, {
         **report, "skipped": mine.counters["skipped"], "held_out_rows": {n: [r.start, r.stop] for n, r in held.items()},
         "rows_identity": identity}

@@ -39,10 +39,12 @@ def setup(tmp_path_factory, request):
     return cfg, tok, str(d)
 
 
-def loaders(setup, world: int, packing: str) -> list:
+def loaders(setup, world: int, packing: str, seq_len: int = L, stages=None) -> list:
+    """Each rank's loader of a stage at `seq_len` (`stages`: every stage of the run, for the held-out rows)."""
     cfg, tok, d = setup
     cfg = DataConfig(**{**cfg.__dict__, "packing": packing})
-    return [streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, r, world, d)[0] for r in range(world)]
+    return [streaming_stage(cfg, tok, seq_len, tok.pad_token_id, None, MB, r, world, d, stages)[0]
+            for r in range(world)]
 
 
 def recorded(loader, drawn: list) -> None:
@@ -76,9 +78,9 @@ def through_a_file(state: dict) -> dict:
     return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
 
 
-def epoch_rows(setup, name: str) -> Counter:
+def epoch_rows(setup, name: str, stages=None) -> Counter:
     """The documents of one epoch of source `name` past its held-out rows, as one rank reads them."""
-    (one,), drawn = loaders(setup, 1, "best_fit"), []
+    (one,), drawn = loaders(setup, 1, "best_fit", stages=stages), []
     recorded(one, drawn)
     while one.loader.dataset.counters["epoch"][name] == 0:
         next(one)
@@ -130,6 +132,78 @@ def test_a_re_split_reads_every_row_of_the_epoch_once_and_trains_every_drawn_doc
     else:  # concat cuts documents at sequence ends: the tokens are conserved
         tokens = lambda c: sum(len(k) * v for k, v in c.items())  # noqa: E731
         assert tokens(seen) + tokens(pending) == sum(len(doc) for _, _, doc in drawn)
+
+
+def pending_pieces(ranks) -> Counter:
+    out = Counter()
+    for r in ranks:
+        packer = r.loader.dataset.packer
+        for seq in packer.open + packer.ready:
+            out.update(tuple(p.tolist()) for p in seq)
+    return out
+
+
+STAGES = [(L, None), (2 * L, None)]  # a run of two stages: the rows held out are the same for both
+
+
+@pytest.mark.parametrize("layouts", [(1, 1), (2, 2), (2, 1), (1, 3)])
+def test_the_next_stage_goes_on_reading_where_the_stage_before_stopped(setup, layouts):
+    """A stage at 128 tokens on layouts[0] ranks takes 7 steps; the next stage, at 256 tokens on layouts[1] ranks,
+    starts from its ranks' positions (the own rank's, or re-split: recipes/run/stage_state.carry_streams) and reads
+    until each source is past the epoch the first stage was in. Each source's rows of that epoch, over both stages,
+    are the whole epoch once (no document the first stage read is read again while the epoch lasts), and every
+    document drawn is trained or still pending: the first stage's pending pieces went into the next stage's packer."""
+    pad, (old, new) = setup[1].pad_token_id, layouts
+    drawn, seen = [], Counter()
+    ranks = loaders(setup, old, "best_fit", stages=STAGES)
+    for r in ranks:
+        recorded(r, drawn)
+    for _ in range(7):
+        for r in ranks:
+            seen += trained(next(r), pad)
+    states = [through_a_file(r.state_dict()) for r in ranks]
+    epochs = {n: max(s["dataset_state"]["counters"]["epoch"][n] for s in states) for n in ("a", "b")}
+    assert all(s["dataset_state"]["counters"]["epoch_rows"]["a"] for s in states), "the first stage read rows of a"
+    nxt, carried = loaders(setup, new, "best_fit", 2 * L, STAGES), 0
+    for way, r in enumerate(nxt):
+        state = states[way]["dataset_state"] if new == old else \
+            resplit(states, way, new, {"a": "data.sources.a", "b": "data.sources.b"})[0]["dataset_state"]
+        carried += r.loader.dataset.carry_over(state, {"a", "b"})
+        assert r.loader.dataset.counters["tokens"] == {"a": 0, "b": 0}, "the next stage's mixture starts afresh"
+        recorded(r, drawn)
+    packers = [s["dataset_state"]["packer"] for s in states]
+    assert carried == sum(len(seq) for p in packers for seq in p["open"] + p["ready"]) > 0, \
+        "the first stage's drawn but untrained pieces, each packed first in the next stage"
+    while any(r.loader.dataset.counters["epoch"][n] <= epochs[n] for r in nxt for n in epochs):
+        for r in nxt:
+            seen += trained(next(r), pad)
+    for n, epoch in epochs.items():
+        got = Counter(doc for m, e, doc in drawn if m == n and e == epoch)
+        assert got == epoch_rows(setup, n, STAGES), (n, epoch, sum(got.values()))
+    assert seen + pending_pieces(nxt) == Counter(doc for _, _, doc in drawn)
+
+
+def test_a_source_left_out_of_carry_over_starts_from_its_beginning(setup):
+    """carry_over for source a only (b's rows numbered otherwise now: carry_streams' check): a goes on with the rows
+    the first stage would have read next, b starts from its first row as a fresh stage's b does."""
+    (first,) = loaders(setup, 1, "best_fit", stages=STAGES)
+    for _ in range(5):
+        next(first)
+    state = through_a_file(first.state_dict())["dataset_state"]
+    (fresh,), (nxt,) = (loaders(setup, 1, "best_fit", 2 * L, STAGES) for _ in range(2))
+    nxt.loader.dataset.carry_over(state, {"a"})
+    assert nxt.loader.dataset.counters["epoch_rows"] == {"a": state["counters"]["epoch_rows"]["a"], "b": 0}
+    assert state["counters"]["epoch_rows"]["b"] > 0
+
+    def docs(loader) -> dict:
+        """The first 6 documents of each source the loader's packer draws."""
+        drawn = []
+        recorded(loader, drawn)
+        while min(sum(n == m for n, _, _ in drawn) for m in ("a", "b")) < 6:
+            loader.loader.dataset.next_document()
+        return {m: [doc for n, _, doc in drawn if n == m][:6] for m in ("a", "b")}
+    got, on, afresh = docs(nxt), docs(first), docs(fresh)
+    assert got["a"] == on["a"] != afresh["a"] and got["b"] == afresh["b"] != on["b"]
 
 
 def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):

@@ -348,6 +348,37 @@ def test_a_streaming_stage_killed_as_a_ring_of_two_resumes_on_one_process_with_t
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5), s
 
 
+def test_a_streamed_stage_goes_on_from_where_the_stage_before_stopped(tmp_path, cache_dir):
+    """data.streaming=true: s1_256 on 2 data-parallel processes, then s2_2k on one. s2_2k's streams start at s1_256's
+    final positions re-split from 2 ranks to 1 (the rows past what s1 read, s1's pending pieces packed first: the
+    rows are checked in tests/test_stream_split.py). Rerun from s1_256's final with the stdlib source's files
+    changed (train.resume_from: s2_2k and s3_4k again), its stream starts from the beginning, the log says why."""
+    from tests.conftest import micro_overrides
+    from tests.test_faults import start
+
+    args = micro_overrides(tmp_path, cache_dir) + ["data.streaming=true"]
+    first = start(args + ["stage=s1_256"], launcher=True)
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-3000:]
+    final = tmp_path / "tiny" / "s1_256" / "final"
+    s1 = [torch.load(final / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [s["dp"] for s in s1] == [2, 2] and s1[0]["origin"] == s1[1]["origin"]
+    second = run_cli(args + ["stage=s2_2k"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    pending = sum(len(seq) for s in s1 for seq in s["data"]["dataset_state"]["packer"]["open"] +
+                  s["data"]["dataset_state"]["packer"]["ready"])
+    assert pending and (f"stage s2_2k: from {final}; its streams go on from {final}'s positions, {pending} pending "
+                        "document pieces packed first") in second.stderr
+    s2 = torch.load(tmp_path / "tiny" / "s2_2k" / "final" / "rank0.pt", weights_only=True)["data"]["dataset_state"]
+    split = s2["splits"]["stdlib"]  # the re-split share s2 reads: past every row either rank of s1 read
+    read = [s["data"]["dataset_state"]["counters"]["epoch_rows"]["stdlib"] for s in s1]
+    assert split["ways"] == 1 and split["tail"] + len(split["gaps"]) >= 2 * min(read) > 0
+    again = run_cli(args + [f"train.resume_from={final}", "data.sources.stdlib.max_docs=50",
+                            "recipe.stages.s3_4k.steps=2"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"its streams from their beginning (the sources of {final}'s positions changed since)" in again.stderr
+
+
 def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir):
     """data.streaming=true: the stage reads the stdlib files lazily and packs online; killed after step
     4 (checkpoint at step 3) and rerun, its losses equal an uninterrupted streaming run's bitwise."""

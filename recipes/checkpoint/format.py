@@ -5,7 +5,8 @@ Layout of a stage dir (every rank computes the same paths):
   outputs/<recipe>/<stage>/step_000020/   __<r>_0.distcp per rank + .metadata (model and optimizer, DCP:
                                           parallel/shards.py) + trainer.pt + rank<r>.pt + config and tokenizer
                                           + stage.json + manifest.json
-  outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json + manifest.json
+  outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json + manifest.json (+ rank<r>.pt: each
+                                          rank's stream positions, streamed, for the next stage to go on from)
 A step checkpoint becomes an HF dir with `longstride export-hf` (recipes/checkpoint/export.py).
 A checkpoint is written under `.tmp-<name>`: every rank writes and fsyncs its files, then the main
 rank writes manifest.json last (each file's size and SHA-256, the world size), fsyncs the directory

@@ -53,7 +53,7 @@ from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, Stage
 from longstride.recipes.run.flops import StepFlops, peak_flops
 from longstride.recipes.run.profiling import StepProfiler, rank_log
 from longstride.recipes.run.schedule import build_scheduler
-from longstride.recipes.run.stage_state import restore_stage, save_stage, settle_saves
+from longstride.recipes.run.stage_state import carry_streams, restore_stage, save_stage, settle_saves
 from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum
 from longstride.recipes.run.tracking import peak_memory_gib, reset_peak_memory
 
@@ -221,11 +221,11 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
                     saves=BackgroundSave() if cfg.train.async_save else None)
 
 
-def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool) -> None:
+def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], resumed: bool, carried: str = "") -> None:
     cfg, acc, plan, s = ctx.cfg, ctx.accelerator, run.plan, run.plan.stage
     if not resumed:
-        ctx.tracker.info("stage %s: from %s", plan.name,
-                         init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"))
+        ctx.tracker.info("stage %s: from %s%s", plan.name,
+                         init_from or ("model.checkpoint" if cfg.model.checkpoint else "scratch"), carried)
     spec = plan.step
     ac = spec.checkpointing != "none"
     layers = "" if not ac or spec.checkpoint_layers is None else \
@@ -397,7 +397,8 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
     run = build_stage(ctx, plan, init_from, resume)
     if resume:
         restore_stage(ctx, run, resume)
-    log_stage_start(ctx, run, init_from, resumed=bool(resume))
+    carried = "" if resume else carry_streams(ctx, run, init_from)  # streamed: on from where the last stage stopped
+    log_stage_start(ctx, run, init_from, resumed=bool(resume), carried=carried)
     tracker.start_stage(plan.name, stage_dir, plan.stage.total_steps, run.step,
                         {"stage": plan.name, **asdict(plan.stage), "packing": run.pack_stats, "config": ctx.cfg_dict})
     try:  # a stop signal during the final validation or save waits for them, as during the steps

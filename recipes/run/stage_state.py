@@ -1,12 +1,14 @@
 """A stage's checkpoints: what a save writes (a step checkpoint: the model and optimizer as per-rank
 shards, the scheduler and loop counters, each rank's data position and RNG, the config and tokenizer; a
-final: the HF model) and how a resume puts it back. The file format, the manifest and verification are
+final: the HF model, streamed also each rank's stream positions) and how a resume, or the next stage's streams, put it
+back. The file format, the manifest and verification are
 recipes/checkpoint/format.py's, the shards parallel/shards.py's.
 """
 from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import torch
 
@@ -37,7 +39,9 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     with writing_checkpoint(
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
         trainer_state=trainer,
-        rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else None,
+        rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else
+        # a streamed stage's final: where each rank's streams stopped, for the next stage to go on from
+        {"data": run.loader.state_dict(), "origin": run.loader.origin, "dp": plan.dims.dp} if streamed(run) else None,
         meta={"recipe": ctx.cfg.recipe.name, "stage": plan.name, "step": run.step, "seq_len": plan.stage.seq_len,
               "rope_theta": plan.stage.rope_theta, "tokens_seen": run.tokens_seen, "packing": run.pack_stats,
               **(extra_meta or {})},
@@ -111,6 +115,38 @@ def restore_stage(ctx, run, path: str) -> None:
                      f"; its data from the start of the epoch (train.resume_data=false: {problem})" if problem else
                      note or ("" if data.get("world", dims.dp) == dims.dp else
                               f"; its data position re-split from {data['world']} to {dims.dp} data-parallel ranks"))
+
+
+def streamed(run) -> bool:
+    return hasattr(run.loader, "origin")  # data.stream.StreamLoader
+
+
+def carry_streams(ctx, run, final: Optional[str]) -> str:
+    """A stage that starts from the previous stage's `final` (not resumed) goes on with each streamed source where
+    that stage's ranks stopped (their positions, re-split when the number of data-parallel ranks changed; the
+    documents they had drawn but not trained on packed first: StreamPacker.carry_over), so a later stage reads past
+    what an earlier one trained on instead of rereading it. A source whose rows are numbered otherwise now (its
+    config, files or held-out rows changed), or a final that holds no positions (an in-memory stage's, or one
+    written before they were kept), starts from its beginning. Returns a note for the log."""
+    if not streamed(run) or final is None:
+        return ""
+    if not os.path.isfile(os.path.join(final, "rank0.pt")):
+        return f"; its streams from their beginning ({final} holds no stream positions)"
+    mine = load_rank_state(final, 0)
+    same = {n for n, d in mine["origin"].items() if run.loader.origin.get(n) == d}
+    if not same:
+        return f"; its streams from their beginning (the sources of {final}'s positions changed since)"
+    try:
+        data, _ = streamed_position(ctx, final, mine["dp"], run.plan.dims)
+    except ValueError as e:  # whole shards per rank, on another number of data-parallel ranks
+        return f"; its streams from their beginning (those of {final} cannot be re-split: {e})"
+    changed = sorted(set(run.loader.origin) - same)
+    # its documents drawn but not trained on come from sources of the time: packed first only if none changed
+    carried = run.loader.packer.carry_over(data["dataset_state"], same, pending=not changed)
+    return (f"; its streams go on from {final}'s positions" + (f" but for {changed} (changed since: from their "
+                                                                "beginning; its pending documents left out)"
+                                                                if changed else "")
+            + (f", {carried} pending document pieces packed first" if carried else ""))
 
 
 def streamed_position(ctx, path: str, written_dp: int, dims) -> tuple[dict, str]:
