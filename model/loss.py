@@ -177,6 +177,20 @@ def chunked_cross_entropy_sum(
     return total
 
 
+def router_aux_loss(config) -> str | None:
+    """Why a model's loss would hold more than cross-entropy that longstride's loss leaves out, or None: a mixture
+    of experts set to add its router's load-balancing loss (config.output_router_logits with a nonzero
+    router_aux_loss_coef), which neither the recipe's chunked loss nor the HF Trainer path computes as the model
+    would (the Trainer scales the whole loss by the process count for the token mean)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(text, "router_aux_loss_coef", None)
+    if getattr(text, "output_router_logits", False) and coef:
+        return (f"its config sets output_router_logits=true (router_aux_loss_coef={coef}): a load-balancing loss "
+                "longstride does not compute; set output_router_logits to false in its config.json (the experts "
+                "train without the balancing term), refused rather than dropped")
+    return None
+
+
 class ChunkedLossLM(torch.nn.Module):
     """Wraps a transformers causal LM so that forward returns the summed chunked loss.
 

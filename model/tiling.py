@@ -125,6 +125,19 @@ def runs_tiled(module: torch.nn.Module) -> bool:
     return forward is folded_into_tiles or getattr(forward, "tiled", False)
 
 
+def untileable(model: torch.nn.Module) -> str | None:
+    """Why model.mlp_tile_tokens cannot tile `model`'s MLPs, or None: a decoder layer without an `mlp` (Llama 4's
+    feed_forward) or one whose `mlp` is a mixture of experts (GPT-OSS's returns its router scores beside the
+    output, and a router's logits feed its load-balancing loss), which tiles would not carry."""
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            return f"{type(layer).__name__} has no `mlp` to tile"
+        if hasattr(mlp, "experts"):
+            return f"{type(layer).__name__}'s mlp is a mixture of experts ({type(mlp).__name__}), which is not tiled"
+    return None
+
+
 def tiled_forwards(model: torch.nn.Module, tile: int, forward_of, wrap=None) -> dict:
     """module -> its tiled forward, for the position-wise parts of every decoder layer of a transformers
     causal LM (see the module docstring); `forward_of(module)` is the forward each tile calls (the module's
@@ -132,6 +145,9 @@ def tiled_forwards(model: torch.nn.Module, tile: int, forward_of, wrap=None) -> 
     compile_tile), None: nothing. Changes nothing: model/prepare.patch_model sets them. tile <= 0: none."""
     if tile <= 0:
         return {}
+    why = untileable(model)
+    if why:
+        raise NotImplementedError(f"model.mlp_tile_tokens={tile}: {why}; set model.mlp_tile_tokens=0")
     out = {}
     for layer in decoder_layers(model):
         if not pre_norm(layer):

@@ -14,7 +14,7 @@ is computed for local positions only) and every attention call runs the stage's 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -163,7 +163,7 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
             f"{where}: {query.shape[2]} query positions against {key.shape[2]} key positions (a forward with a KV "
             "cache: model.generate, or past_key_values/cache). longstride's attention computes whole packed "
             "sequences, for training and evaluation; decode with the model's own attention: "
-            "model.set_attn_implementation('sdpa')")
+            "model.set_attn_implementation('sdpa'), or 'eager' for a model without SDPA (Gemma 2, GPT-OSS)")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"{where}: value heads of size {value.shape[-1]} against query heads of size "
                                   f"{query.shape[-1]}; longstride's kernels take one head size")
@@ -172,6 +172,10 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
     longest = key.shape[2] * (layout.cp.degrees.cp if layout.cp.method else 1)
     pattern = layer_pattern(module, kwargs.get("sliding_window", ABSENT), kwargs.get("softcap")).within(longest)
     check_mask(where, attention_mask, doc_layout, pattern, longest)
+    if pattern.softcap and doc_layout is None:  # a plain call (no layout, so no kernel chosen): one that caps
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        layout = DocLayout(None, cp=replace(layout.cp, kernel=resolve_kernel(
+            "auto", query.device.type, half=half, head_dim=query.shape[-1], softcap=True)))
     if pattern.softcap and layout.cp.kernel not in SOFTCAP_KERNELS:
         raise NotImplementedError(f"{where} soft-caps its attention scores (softcap={pattern.softcap}) and "
                                   f"parallel.kernel={layout.cp.kernel} does not; use parallel.kernel=auto (it picks "

@@ -17,7 +17,7 @@ import torch
 import transformers as T
 
 from longstride.parallel.attention import MaskNote, longstride_attention, unsupported_attention, use_longstride_attention
-from longstride.parallel.cp import CPContext
+from longstride.parallel.cp import CPContext, DocLayout
 from tests.forked_cli import run_module
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -93,7 +93,10 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     once; a window or chunk of at least the sequence is plain causal."""
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(NotImplementedError, match=r"\(softcap=30.0\) and parallel.kernel=sdpa does not"):
-        longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
+        longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0, doc_layout=DocLayout(None))
+    capped, _ = longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)  # no layout: a kernel that caps
+    plain, _ = longstride_attention(torch.nn.Module(), 20 * q, k, v, None)
+    assert not torch.allclose(longstride_attention(torch.nn.Module(), 20 * q, k, v, None, softcap=1.0)[0], plain)
     with pytest.raises(NotImplementedError, match="bidirectional"):
         longstride_attention(torch.nn.Module(), q, k, v, None, is_causal=False)
     bidirectional = torch.nn.Module()
@@ -112,24 +115,37 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     assert torch.equal(plain, wide) and not torch.allclose(plain, narrow)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
 def test_a_cached_decoding_step_is_refused_and_the_model_s_own_attention_decodes_it(name):
     """A forward with a KV cache hands attention fewer queries than keys; longstride's attention, which takes
     document and window bounds from one sequence, would compute the step wrongly (a Mistral window of 4 gave
     logits off by 0.2), so it refuses, naming the switch back to the model's own attention, which then decodes the
-    step as the full forward scores it. The uncached forward, and the prefill that fills the cache, are computed."""
+    step as the full forward scores it ('eager' for Gemma 2, which has no SDPA: 'sdpa' raised there). The uncached
+    forward, and the prefill that fills the cache, are computed (Gemma 2's soft-capped scores without a doc_layout
+    on the kernel auto picks for them: before, refused naming a parallel.kernel no such call has)."""
     torch.manual_seed(0)
-    model = (T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=4)) if name == "mistral"
-             else COMPUTED["llama"]()).eval()
+    model = {"mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SMALL, sliding_window=4)),
+             "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**SMALL, sliding_window=4,
+                                                                  attn_logit_softcapping=2.0)),
+             "llama": COMPUTED["llama"]}[name]().eval()
+    own = "eager" if name == "gemma2" else "sdpa"
+    if name == "gemma2":
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            reference = model(torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))).logits
     use_longstride_attention(model)
     ids = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
         full = model(ids).logits
+        if name == "gemma2":
+            got = model(torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))).logits
+            torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
         prefill = model(ids[:, :-1], use_cache=True)
         torch.testing.assert_close(prefill.logits, full[:, :-1])
-        with pytest.raises(NotImplementedError, match=re.escape("model.set_attn_implementation('sdpa')")):
+        with pytest.raises(NotImplementedError, match=re.escape(
+                "model.set_attn_implementation('sdpa'), or 'eager' for a model without SDPA (Gemma 2, GPT-OSS)")):
             model(ids[:, -1:], past_key_values=prefill.past_key_values)
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(own)
         step = model(ids[:, -1:], past_key_values=model(ids[:, :-1], use_cache=True).past_key_values).logits
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
 

@@ -253,6 +253,9 @@ def test_setup_cp_reads_the_precision_from_the_training_arguments(monkeypatch):
         trainer.setup_cp(1, 4, device_type="cpu", args=T.TrainingArguments("unused", report_to=[], use_cpu=True))
         with pytest.raises(ValueError, match="setup_cp: pass args=<your TrainingArguments>"):
             trainer.setup_cp(1, 4, device_type="cuda")
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch sets it whenever it is not given
+        with pytest.raises(ValueError, match="setup_cp: pass args=<your TrainingArguments>"):
+            trainer.setup_cp(1, 4, device_type="cuda")
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
         trainer.setup_cp(1, 4, device_type="cpu", args=T.TrainingArguments("unused", report_to=[], use_cpu=True))
     finally:

@@ -124,3 +124,47 @@ def test_a_decoder_without_one_stack_of_its_layers_is_named():
     with pytest.raises(ValueError, match=r"LM: longstride trains a decoder with one stack of "
                                          r"config.num_hidden_layers=4 layers, and Body holds 0 such lists"):
         decoder_layers(LM(3, 4))
+
+
+def test_a_router_load_balancing_loss_is_refused_rather_than_dropped(tmp_path):
+    """A mixture of experts with output_router_logits=true adds its router's load-balancing term to its own loss
+    (measured: GPT-OSS's loss differs with it); longstride's chunked loss computes cross-entropy only and the HF
+    Trainer would scale the term by the process count, so a recipe's validation and the Trainer path refuse it,
+    naming the config field; with the field false (transformers' default) both accept the model. NEFTune under CP
+    (noise scaled by the rank's share of the row) is refused too."""
+    import re
+
+    import transformers as T
+
+    from longstride.recipes.config.model_checks import model_shape
+    from longstride.recipes.hf.trainer import check_loss_setup
+    from tests.conftest import compose_cfg
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = T.GptOssForCausalLM(T.GptOssConfig(**small, output_router_logits=True, router_aux_loss_coef=0.5))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        balanced = model(ids, labels=ids).loss
+        model.config.output_router_logits = False
+        plain = model(ids, labels=ids).loss
+        model.config.output_router_logits = True
+    assert abs(balanced - plain) > 1e-3, "the term the refusal guards is a real part of the model's loss"
+    model.save_pretrained(tmp_path / "moe")
+    args = T.TrainingArguments("unused", report_to=[], use_cpu=True)
+    field = "its config sets output_router_logits=true (router_aux_loss_coef=0.5)"
+    with pytest.raises(NotImplementedError, match=re.escape(field)):
+        check_loss_setup(args, 1, True, None, model.config)
+    base = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'moe'}", "logger.wandb_mode=disabled",
+            "recipe.stages.x2.mlp_tile_tokens=0", "recipe.stages.x4.mlp_tile_tokens=0"]
+    with pytest.raises(ValueError, match=re.escape(f"model.checkpoint={tmp_path / 'moe'}: {field}")):
+        model_shape(compose_cfg(base))
+    model.config.output_router_logits = False
+    model.save_pretrained(tmp_path / "moe")
+    model_shape(compose_cfg(base))
+    check_loss_setup(args, 1, True, None, model.config)
+    noisy = T.TrainingArguments("unused", report_to=[], use_cpu=True, neftune_noise_alpha=5.0)
+    check_loss_setup(noisy, 2, True, None, model.config, cp=1)
+    with pytest.raises(NotImplementedError, match=re.escape("neftune_noise_alpha=5.0 under cp=2")):
+        check_loss_setup(noisy, 2, True, None, model.config, cp=2)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from transformers import SmolLM3Config
 
+from longstride.parallel.config import ParallelConfig
 from longstride.recipes.config.compose import compose_training
 from longstride.recipes.memory import memplan
 from longstride.recipes.memory.plan_options import hardware
@@ -61,7 +62,7 @@ def test_the_longest_length_is_found_on_the_trace():
 
 def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     prog = StepProgram(TINY, 4096, world=4, step=StepSpec("none", mlp_tile=0, loss_tile=256), docs=1)
-    changes = dict(memplan.fixes(prog, "s2_2k"))
+    changes = dict(memplan.fixes(prog, "s2_2k", ParallelConfig()))
     on = "model.activation_checkpointing=true model.checkpoint_mode="
     selective, full = f"{on}selective", f"{on}full"
     half = f"{full} recipe.stages.s2_2k.checkpoint_layers=1"  # the first of TINY's 2 layers
@@ -75,16 +76,26 @@ def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     assert trace_step(changes[full])["peak"] < trace_step(changes[half])["peak"] < before
     assert changes[half].step.checkpoint_layers == 1
     # from there: every layer, by its count (null would fall back to model.checkpoint_layers); offload only after
-    again = dict(memplan.fixes(changes[half], "s2_2k"))
+    again = dict(memplan.fixes(changes[half], "s2_2k", ParallelConfig()))
     assert f"{full} recipe.stages.s2_2k.checkpoint_layers=2" in again and not any("offload" in w for w in again)
     for what in again:
         compose_training(["recipe=tiny", *what.split()])
     wide = {**TINY.to_dict(), "num_hidden_layers": 4, "no_rope_layers": [1] * 4, "layer_types": None}
     four = replace(prog, config=SmolLM3Config(**wide))
-    layered = [(w, p.step.checkpoint_layers) for w, p in memplan.fixes(four, "s2_2k") if "checkpoint_layers" in w]
+    layered = [(w, p.step.checkpoint_layers) for w, p in memplan.fixes(four, "s2_2k", ParallelConfig())
+               if "checkpoint_layers" in w]
     assert layered == [(f"{full} recipe.stages.s2_2k.checkpoint_layers=2", 2),
                        (f"{full} recipe.stages.s2_2k.checkpoint_layers=3", 3)], "half, then three quarters"
     assert trace_step(changes["recipe.stages.s2_2k.cp=2"])["peak"] < before
+    # a model whose MLPs cannot be tiled gets no tile; a hybrid run's larger cp keeps its own Ulysses degree (the
+    # method alone, ulysses=0, was refused: no cp was ever proposed), a degree it cannot split is passed over
+    assert not any("mlp_tile" in w for w, _ in memplan.fixes(prog, "s2_2k", ParallelConfig(), tileable=False))
+    hybrid = replace(prog, cp_impl="hybrid")
+    grown = dict(memplan.fixes(hybrid, "s2_2k", ParallelConfig(cp_impl="hybrid", ulysses=2)))
+    assert [w for w in grown if ".cp=" in w] == ["recipe.stages.s2_2k.cp=2", "recipe.stages.s2_2k.cp=4"]
+    assert grown["recipe.stages.s2_2k.cp=4"].degrees.ulysses == 2
+    wide_ulysses = dict(memplan.fixes(hybrid, "s2_2k", ParallelConfig(cp_impl="hybrid", ulysses=4)))
+    assert [w for w in wide_ulysses if ".cp=" in w] == ["recipe.stages.s2_2k.cp=4"]
 
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import weakref
 
 import pytest
@@ -295,3 +296,39 @@ def test_selective_checkpointing_refuses_a_kept_output_changed_in_place():
     out = checkpoint(layer, x, True, use_reentrant=False, context_fn=context)
     with pytest.raises(RuntimeError, match="cached during selective activation checkpoint has been mutated"):
         out.sum().backward()
+
+
+def test_moe_and_feed_forward_layers_are_refused_tiles_where_they_would_crash(tmp_path):
+    """GPT-OSS's mlp (experts, returning its router scores beside its output) and Llama 4's feed_forward: tiling
+    them failed deep in the patch with an AttributeError. patch_model refuses them naming model.mlp_tile_tokens, a
+    recipe's validation does so for a checkpoint before any data is read (model or stage field), and
+    `longstride plan`'s fixes offer no tile for such a model."""
+    import transformers as T
+
+    from longstride.model.prepare import patch_model
+    from longstride.recipes.config.model_checks import model_shape
+    from longstride.recipes.memory.memplan import mlps_tile
+    from tests.conftest import compose_cfg
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    gpt_oss = T.GptOssForCausalLM(T.GptOssConfig(**small, num_local_experts=2, num_experts_per_tok=1))
+    llama4 = T.Llama4ForCausalLM(T.Llama4TextConfig(**small, intermediate_size_mlp=64, num_local_experts=1))
+    for model, why in ((gpt_oss, "GptOssDecoderLayer's mlp is a mixture of experts (GptOssMLP)"),
+                       (llama4, "Llama4TextDecoderLayer has no `mlp` to tile")):
+        with pytest.raises(NotImplementedError, match=re.escape(f"model.mlp_tile_tokens=4: {why}")):
+            patch_model(model, "none", False, 4, False)
+        assert not mlps_tile(model.config)
+    assert mlps_tile(T.LlamaConfig(**small))
+    gpt_oss.save_pretrained(tmp_path / "gpt_oss")
+    base = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'gpt_oss'}", "logger.wandb_mode=disabled"]
+    with pytest.raises(ValueError, match=re.escape(  # the recipe's own stage tiles
+            "recipe.stages.x2.mlp_tile_tokens=1024, recipe.stages.x4.mlp_tile_tokens=1024: ")):
+        model_shape(compose_cfg(base))
+    base += ["recipe.stages.x2.mlp_tile_tokens=0", "recipe.stages.x4.mlp_tile_tokens=0"]
+    model_shape(compose_cfg(base))  # untiled: accepted
+    for tile in ("model.mlp_tile_tokens=512", "recipe.stages.x2.mlp_tile_tokens=512"):
+        with pytest.raises(ValueError, match=re.escape(f"{tile}: {tmp_path / 'gpt_oss'}'s GptOssDecoderLayer's mlp "
+                                                       "is a mixture of experts (GptOssMLP), which is not tiled; set "
+                                                       "it to 0")):
+            model_shape(compose_cfg(base + [tile]))

@@ -241,8 +241,10 @@ def test_trainer_cp_reads_half_precision_from_training_arguments(cuda_kernels, m
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what TrainingArguments(bf16=True) sets
     assert setup_cp(1, 8, device_type="cuda").kernel == "torch_flash"
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
-    assert setup_cp(1, 8, device_type="cuda").kernel == "sdpa"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what accelerate launch sets when not told: no answer
+    with pytest.raises(ValueError, match="setup_cp: pass args=<your TrainingArguments>"):
+        setup_cp(1, 8, device_type="cuda")
+    assert setup_cp(1, 8, device_type="cuda", half=False).kernel == "sdpa"
 
 
 # ---- soft-capped scores (Gemma 2): math and flash-attn only ----

@@ -1,7 +1,7 @@
 """Every check of a run's config, then each stage resolved once into a frozen StagePlan.
 
-Nothing is built before `validate` passes: each user-facing check lives here (or in the one function of
-the package it calls: a data source kind's check, the CP method's degrees, the kernel's availability),
+Nothing is built before `validate` passes: each user-facing check lives here (the model group's in
+recipes/config/model_checks.py; or in the one function of the package it calls: a data source kind's check, the CP method's degrees, the kernel's availability),
 with the field and the fix in its message. The stage then consumes its plan and computes none of it
 again.
 """
@@ -10,21 +10,20 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields, is_dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from longstride.choices import check_wandb
 from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
 from longstride.model.compile import check_compile
-from longstride.model.model_dir import check_checkpoint_dir, check_checkpoint_weights
+from longstride.model.model_dir import check_checkpoint_weights
 from longstride.model.config import ModelConfig, check_layers
-from longstride.model.rope import YARN_ORIGINAL_RULE, apply_yarn, rope_targets, yarn_original_ok
-from longstride.parallel.attention import head_shape
+from longstride.model.rope import YARN_ORIGINAL_RULE, yarn_original_ok
 from longstride.parallel.config import CPDegrees, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
-from longstride.parallel.pattern import config_softcap
+from longstride.recipes.config.model_checks import _check_rope_layer_types, model_shape
 from longstride.recipes.config.schema import Config, StageConfig, selected_stages
 from longstride.recipes.run.profiling import check_profile
 from longstride.recipes.run.step import StepSpec
@@ -171,84 +170,6 @@ def _check_run(cfg: Config) -> None:
                          "run starts over (a later stage needs the earlier ones' checkpoints); drop stage=")
 
 
-def _check_attention_supported(checkpoint: str, split_longest: int) -> None:
-    """A checkpoint whose attention longstride does not implement (sliding windows, chunks, sinks...) is refused
-    here, before any data or weights are read: the model is built on the meta device, without memory."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from longstride.model.loss import decoder_layers
-    from longstride.parallel.attention import check_supported
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
-    try:
-        check_supported(skeleton, split_longest)
-        decoder_layers(skeleton)  # one stack of layers, which checkpointing, tiling and FSDP wrap
-    except (NotImplementedError, ValueError) as e:
-        raise ValueError(f"model.checkpoint={checkpoint}: {e}") from None
-
-
-# What only a new model (model.arch=smollm3) reads: a checkpoint keeps its own sizes and NoPE layers
-NEW_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
-                    "initializer_range", "nope_interval", "nope_layers")
-
-
-def _check_new_model_fields(m: ModelConfig) -> None:
-    """model.arch=checkpoint with a NEW_MODEL_FIELDS field set away from its default is refused, naming it: the
-    checkpoint's architecture is what trains, and the setting would be dropped."""
-    default = ModelConfig()
-    found = [f"model.{k}={getattr(m, k)}" for k in NEW_MODEL_FIELDS if getattr(m, k) != getattr(default, k)]
-    if found:
-        raise ValueError(f"{', '.join(found)}: read only for a new model (model.arch=smollm3), and model.arch="
-                         f"checkpoint keeps {m.checkpoint}'s architecture (its sizes and NoPE layers); drop "
-                         f"{'them' if len(found) > 1 else 'it'}, or change that checkpoint's config.json")
-
-
-class ModelShape(NamedTuple):
-    heads: int  # query heads
-    head_dim: int
-    layers: int  # decoder layers; 0 where a checkpoint's config does not say
-    softcap: bool  # its attention soft-caps scores (Gemma 2), which only some kernels compute
-
-
-def model_shape(cfg: Config, split_longest: Optional[int] = None) -> ModelShape:
-    """What the stages' plans read of the model (a checkpoint's from its config, read once), after the model
-    group's checks."""
-    m = cfg.model
-    if m.arch == "checkpoint":
-        from transformers import AutoConfig
-
-        if not m.checkpoint:
-            raise ValueError("model.arch=checkpoint needs model.checkpoint=<local HF model dir>")
-        _check_new_model_fields(m)
-        check_checkpoint_dir(m.checkpoint, "model.checkpoint")
-        if split_longest is None:  # the longest stage a recipe splits over CP ranks
-            split_longest = max((s.seq_len for s in cfg.recipe.stages.values() if s.cp > 1), default=0)
-        _check_attention_supported(m.checkpoint, split_longest)
-        config = AutoConfig.from_pretrained(m.checkpoint)
-        text = config.get_text_config()  # a multimodal config's decoder
-        layers = getattr(text, "num_hidden_layers", 0) or 0
-        return ModelShape(*head_shape(config), layers, bool(config_softcap(text)))
-    if m.num_attention_heads % m.num_key_value_heads:
-        raise ValueError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
-                         f"model.num_key_value_heads={m.num_key_value_heads}")
-    return ModelShape(m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads,
-                      m.num_hidden_layers, False)
-
-
-def _check_rope_layer_types(m: ModelConfig) -> None:
-    """model.rope_layer_types against the model's own config (model/rope.py's rules), before anything is built:
-    a layer type it has no RoPE entry for, or a per-type choice on a model with one rope_parameters, fails here."""
-    from transformers import AutoConfig, SmolLM3Config
-
-    config = AutoConfig.from_pretrained(m.checkpoint) if m.arch == "checkpoint" else SmolLM3Config()
-    rope_targets(config.get_text_config(decoder=True), m.rope_layer_types)
-    if m.yarn.factor is not None:  # YaRN over another scaling, or another factor than the checkpoint's: refused here
-        apply_yarn(config, m.yarn.factor, m.yarn.original_max_position_embeddings, m.rope_layer_types)
-
-
 def _check_data(cfg: Config) -> None:
     d, stages = cfg.data, cfg.recipe.stages.values()
     if not d.sources:
@@ -313,7 +234,7 @@ def check_model_and_data(cfg: Config, split_longest: Optional[int] = None) -> in
     model.rope_layer_types, the data sources), without a stage's training plan; returns the model's query head
     shape. For a command that runs one stage's step outside training (longstride check)."""
     _check_numbers(cfg)
-    shape = model_shape(cfg, split_longest)
+    shape = model_shape(cfg, split_longest, tiles=False)  # the check runs no tiled layer
     _check_rope_layer_types(cfg.model)
     _check_data(cfg)
     return shape

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from longstride.data.batch import PackedSequences, collate, context_only, packed_item
 from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
-from longstride.model.loss import IGNORE_INDEX
+from longstride.model.loss import IGNORE_INDEX, router_aux_loss
 from longstride.parallel.attention import head_shape, position_dependent
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
@@ -89,8 +89,10 @@ def setup_cp(cp: int, heads: int = 0, impl: str = "ring", ulysses: int = 0, upip
     if not heads:
         raise ValueError("setup_cp: pass config=model.config (or heads=, the model's query heads)")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch --mixed_precision, which the
-    if half is None and (args is not None or launcher is not None):  # Trainer's Accelerator takes too
+    # accelerate launch --mixed_precision, which the Trainer's Accelerator takes too; "no" is what the launcher sets
+    # whenever it is not given, which a TrainingArguments(bf16=True) overrides: it says nothing on its own
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if half is None and (args is not None or launcher in ("bf16", "fp16")):
         half = bool(args is not None and (args.bf16 or args.fp16)) or launcher in ("bf16", "fp16")
     if half is None:
         if device_type == "cuda":
@@ -217,12 +219,12 @@ class LongstrideTrainerMixin:
         collator = self._collator()
         self._refuse_cp_eval("evaluation", planned=True)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        check_loss_setup(self.args, world, getattr(self, "model_accepts_loss_kwargs", True),
-                         getattr(self, "compute_loss_func", None))
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        dims = ParallelDims.from_world(world, collator.cp.degrees.cp, where="LongstrideCollator")
         model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
         config = model.config
+        check_loss_setup(self.args, world, getattr(self, "model_accepts_loss_kwargs", True),
+                         getattr(self, "compute_loss_func", None), config, collator.cp.degrees.cp)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        dims = ParallelDims.from_world(world, collator.cp.degrees.cp, where="LongstrideCollator")
         collator.model_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         collator.drop_unused = bool(getattr(self.args, "remove_unused_columns", False))
         self._refuse_workers_under_cp()
@@ -332,9 +334,16 @@ class EpochDataLoader(torch.utils.data.DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
-def check_loss_setup(args, world: int, accepts_loss_kwargs: bool, compute_loss_func) -> None:
+def check_loss_setup(args, world: int, accepts_loss_kwargs: bool, compute_loss_func, config=None, cp: int = 1) -> None:
     """Refuses the Trainer settings under which its loss is not the token mean over the global batch (see the
-    module docstring): args is the TrainingArguments."""
+    module docstring), or which would differ under CP: args is the TrainingArguments, config the model's config."""
+    why = router_aux_loss(config) if config is not None else None
+    if why:  # the Trainer multiplies the model's whole loss, aux term included, by the process count
+        raise NotImplementedError(f"the model: {why}")
+    if cp > 1 and args.neftune_noise_alpha:
+        raise NotImplementedError(f"TrainingArguments.neftune_noise_alpha={args.neftune_noise_alpha} under cp={cp}: "
+                                  "NEFTune scales its noise by the sequence length each rank sees (1/cp of the row), "
+                                  "so it would be sqrt(cp) times larger; set it to None or train with cp=1")
     if args.n_gpu > 1:
         raise NotImplementedError(f"TrainingArguments.n_gpu={args.n_gpu}: one process driving several GPUs "
                                   "(torch.nn.DataParallel) would copy each batch's document layout whole to every "

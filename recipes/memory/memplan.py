@@ -84,15 +84,28 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     return 0, True, points
 
 
-def fixes(prog, stage: str):
-    """Single changes to `stage` in order of cost: tiling, selective checkpointing (backward recomputes the
+def mlps_tile(config) -> bool:
+    """Whether model.mlp_tile_tokens can tile the MLPs of a model of `config` (built on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longstride.model.tiling import untileable
+
+    with torch.device("meta"):
+        return untileable(AutoModelForCausalLM.from_config(config)) is None
+
+
+def fixes(prog, stage: str, parallel: ParallelConfig, tileable: bool = True):
+    """Single changes to `stage` in order of cost: tiling (where the model's MLPs can be: model/tiling.untileable),
+    selective checkpointing (backward recomputes the
     elementwise ops only), full checkpointing of the first half, then three quarters, of the layers (each
     recomputes its whole layer; the others keep everything), of every layer, offload, then each larger cp within
-    the world. Yields (the overrides that set it, the changed program)."""
+    the world under the run's `parallel` settings (its Ulysses degree, UPipe heads). Yields (the overrides that set
+    it, the changed program)."""
     step = prog.step
     on = "model.activation_checkpointing=true model.checkpoint_mode="
     layers, field = prog.config.num_hidden_layers, f"recipe.stages.{stage}.checkpoint_layers"
-    if not step.mlp_tile:
+    if not step.mlp_tile and tileable:
         tile = max(256, min(8192, prog.seq_len // prog.cp // 4))  # a few tiles per rank's tokens
         yield f"model.mlp_tile_tokens={tile}", prog.with_step(mlp_tile=tile)
     if step.checkpointing == "none":
@@ -108,10 +121,11 @@ def fixes(prog, stage: str):
         yield "model.offload_activations=true", prog.with_step(offload=True)
     cp = prog.cp * 2
     while cp <= prog.world and prog.world % cp == 0:
-        try:
-            degrees = cp_degrees(ParallelConfig(cp_impl=prog.cp_impl), cp, prog.config.num_attention_heads)
+        try:  # a degree the settings cannot split (hybrid's Ulysses degree, the heads): the next one may
+            degrees = cp_degrees(parallel, cp, prog.config.num_attention_heads)
         except ValueError:
-            break
+            cp *= 2
+            continue
         yield f"recipe.stages.{stage}.cp={cp}", replace(prog, cp=cp, degrees=degrees)
         cp *= 2
 
@@ -137,8 +151,9 @@ def plan_stage(cfg, plan, hw: Hardware, world: int, pc: PlanConfig) -> dict:
     if pc.search:
         row["longest"], row["longest_checked"], row["search"] = longest(prog, usable, r)
     if not row["fits"]:
-        row["fix"] = next((what for what, p in fixes(prog, plan.stage) if trace_step(p)["peak"] <= usable),
-                          "none found")
+        tileable = mlps_tile(prog.config)
+        row["fix"] = next((what for what, p in fixes(prog, plan.stage, cfg.parallel, tileable)
+                           if trace_step(p)["peak"] <= usable), "none found")
     row["seconds"] = time.perf_counter() - t0
     return row
 
