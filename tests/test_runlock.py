@@ -5,6 +5,7 @@ redone); the run's identity reads the same across schema versions and checkouts.
 from __future__ import annotations
 
 import json
+import time
 import os
 
 import pytest
@@ -134,6 +135,35 @@ def test_a_rewind_to_resume_from_killed_before_its_moves_is_done_again_by_the_sa
     assert moves == [1] and json.loads((run / "run.json").read_text())["resumed_from"] == back
     assert not check_identity(str(run), new, resume=True, resume_from=back, rewind=lambda: moves.append(2))
     assert moves == [1], "a requeued job resumes normally once the rewind is recorded"
+
+
+def test_resume_false_applies_once_per_slurm_job(tmp_path, monkeypatch, capsys):
+    """A job submitted with train.resume=false that SLURM requeues reruns the same command: it moved the old run
+    aside and started afresh the first time, and then resumes the run it started (before, every requeue moved the
+    partial run aside and trained from step 0). Another job with resume=false starts afresh again; outside SLURM
+    resume=false always does."""
+    from longstride.recipes.run.runlock import check_identity
+
+    run, config = tmp_path / "tiny", {"optim": {"lr": 1.0}}
+    run.mkdir()
+    check_identity(str(run), config, resume=True)
+    (run / "marker").write_text("the run before the job")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    check_identity(str(run), config, resume=False)
+    assert not (run / "marker").exists() and len(list(tmp_path.glob("tiny.prev-*"))) == 1
+    (run / "marker").write_text("the job's own run")
+    check_identity(str(run), config, resume=False)  # requeued
+    assert (run / "marker").read_text() == "the job's own run" and len(list(tmp_path.glob("tiny.prev-*"))) == 1
+    assert "train.resume=false was applied when SLURM job 41 first ran" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    time.sleep(1.1)  # the moved-aside name has a time to the second
+    check_identity(str(run), config, resume=False)
+    assert not (run / "marker").exists() and len(list(tmp_path.glob("tiny.prev-*"))) == 2
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert "fresh_start_job" in json.loads((run / "run.json").read_text())
+    time.sleep(1.1)
+    check_identity(str(run), config, resume=False)
+    assert len(list(tmp_path.glob("tiny.prev-*"))) == 3 and "fresh_start_job" not in (run / "run.json").read_text()
 
 
 def test_a_run_that_trained_nothing_gives_way_to_the_fixed_command(tmp_path, capsys):

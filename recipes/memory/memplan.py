@@ -39,6 +39,20 @@ def model_config(cfg, stage):
     return stage_config(cfg.model, stage.rope_theta, stage.seq_len, vocab, 0, 0)
 
 
+def vocabulary(cfg) -> str:
+    """The vocabulary the plan traces and where it comes from, for its header: without data.tokenizer or
+    model.vocab_size it is data.vocab_size's, the BPE a run would train, likely far smaller than the tokenizer the
+    recipe means (SmolLM3's has 128,256 tokens), and the embeddings and loss with it."""
+    if cfg.model.arch == "checkpoint":
+        return "vocabulary: the checkpoint's"
+    if cfg.model.vocab_size:
+        return f"vocabulary {cfg.model.vocab_size:,} (model.vocab_size)"
+    if cfg.data.tokenizer:
+        return f"vocabulary {_tokenizer_size(cfg.data):,} (data.tokenizer)"
+    return (f"vocabulary {cfg.data.vocab_size:,} (data.vocab_size: the BPE the run trains without data.tokenizer; "
+            "plan with yours: data.tokenizer=DIR or model.vocab_size=N)")
+
+
 def _tokenizer_size(data) -> int:
     if data.tokenizer:
         from transformers import AutoTokenizer
@@ -172,12 +186,12 @@ def _checkpointing(r: dict) -> str:
     return r["checkpointing"] + (f" {k}/{r['layers']}" if r["checkpointing"] != "none" and k is not None else "")
 
 
-def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str) -> None:
+def print_plan(rows: list[dict], hw: Hardware, world: int, recipe: str, vocab: str = "") -> None:
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     print(f"longstride plan: recipe {recipe} on {world} x {hw.name} ({hw.memory_gib:g} GiB; usable "
           f"{hw.usable_gib:.1f} GiB after a {hw.reserve_gib:g} GiB reserve and {hw.fragmentation:.0%} "
           "fragmentation). ESTIMATES by tracing one step per rank, not measured on a GPU; GiB per rank "
-          "(host: offloaded to host memory)")
+          "(host: offloaded to host memory)" + (f"; {vocab}" if vocab else ""))
     head = ["stage", "seq_len", "cp", "checkpointing", "kernel", "params", "grads", "optim", "activ", "peak",
             "analytic", "diff", "host", "fits", "longest seq_len", "to fit"]
     table = [[r["stage"], str(r["seq_len"]), f"{r['cp']} {r['cp_impl']}".strip(), _checkpointing(r), r["kernel"],
@@ -200,11 +214,13 @@ def execute(parsed: tuple) -> list[dict]:
     world = pc.gpus_per_node * pc.nodes
     plans = validate(cfg, world, "cuda", assume_gpu=True, check_data=False)
     rows = [plan_stage(cfg, p, hw, world, pc) for p in plans.values()]
-    print_plan(rows, hw, world, cfg.recipe.name)
+    vocab = vocabulary(cfg)
+    print_plan(rows, hw, world, cfg.recipe.name, vocab)
     if pc.out:
         os.makedirs(os.path.dirname(pc.out) or ".", exist_ok=True)
         with open(pc.out, "w") as fh:
             json.dump({"recipe": cfg.recipe.name, "hardware": dataclasses.asdict(hw), "world": world,
+                       "vocabulary": vocab,
                        "estimate": "traced, not measured on a GPU", "stages": rows}, fh, indent=1)
     return rows
 

@@ -200,6 +200,8 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh, or
     train.resume_from names the checkpoint to continue from under the new config (recorded as the run's), or the
     recorded run trained nothing (trained_nothing: it failed on a setting, and the fixed command takes its place).
+    train.resume=false applies once per SLURM job: run.json records the job that started afresh, and the same job
+    requeued (its SLURM_JOB_ID, the same command) resumes that run instead of moving it aside again.
     Returns whether resume_from was applied now: `rewind` (moving aside what is newer than it) runs before run.json
     records it, so the same command run again (a requeued job) finds it recorded only once the rewind is done, and
     then resumes normally instead of going back to that checkpoint again."""
@@ -211,6 +213,11 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
         theirs = {k: shipped_name(v, recorded=True) for k, v in recorded["config"].items()}
         diff = differences(theirs, mine)
         if resume_from and not diff and recorded.get("resumed_from") == os.path.normpath(resume_from):
+            return False
+        job = os.environ.get("SLURM_JOB_ID")
+        if not resume and not diff and job and recorded.get("fresh_start_job") == job:
+            print(f"longstride: train.resume=false was applied when SLURM job {job} first ran; resuming the run it "
+                  "started (a requeued job reruns the same command)", file=sys.stderr)
             return False
         if not resume:
             aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -235,8 +242,9 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     if resume_from:
         rewind()
     with open(path + ".tmp", "w") as f:
-        json.dump({"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {})}, f,
-                  indent=1)
+        fresh = {"fresh_start_job": os.environ["SLURM_JOB_ID"]} if not resume and "SLURM_JOB_ID" in os.environ else {}
+        json.dump({"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {}),
+                   **fresh}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())  # on disk before it replaces the old record, which a crash never leaves half-written
     os.replace(path + ".tmp", path)
