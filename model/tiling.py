@@ -20,7 +20,10 @@ can undo them): parameters, their names and the saved checkpoints stay plain tra
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
+import textwrap
 
 import torch
 
@@ -125,16 +128,27 @@ def runs_tiled(module: torch.nn.Module) -> bool:
     return forward is folded_into_tiles or getattr(forward, "tiled", False)
 
 
+def _returns_tuple(module: torch.nn.Module) -> bool:
+    """Whether the module's forward returns a tuple (`return out, scores`), read from its source: a mixture of
+    experts' output can only be known by running it, which the meta device of validation cannot (grouped matmuls)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple) for n in ast.walk(tree))
+
+
 def untileable(model: torch.nn.Module) -> str | None:
     """Why model.mlp_tile_tokens cannot tile `model`'s MLPs, or None: a decoder layer without an `mlp` (Llama 4's
-    feed_forward) or one whose `mlp` is a mixture of experts (GPT-OSS's returns its router scores beside the
-    output, and a router's logits feed its load-balancing loss), which tiles would not carry."""
+    feed_forward) or one whose `mlp` returns more than its output (GPT-OSS's router scores), which tiles would not
+    carry. A mixture of experts returning its output alone (Mixtral, Qwen2-MoE) routes each token by itself: tiled
+    exactly."""
     for layer in decoder_layers(model):
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             return f"{type(layer).__name__} has no `mlp` to tile"
-        if hasattr(mlp, "experts"):
-            return f"{type(layer).__name__}'s mlp is a mixture of experts ({type(mlp).__name__}), which is not tiled"
+        if _returns_tuple(mlp):
+            return f"{type(layer).__name__}'s mlp ({type(mlp).__name__}) returns more than its output"
     return None
 
 

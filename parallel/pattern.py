@@ -89,8 +89,16 @@ def config_patterns(config) -> tuple:
     return tuple(counts.items())
 
 
+# Text configs that carry attn_logit_softcapping but whose attention never applies it (transformers' Gemma 3 keeps
+# the field and passes no softcap to its attention call): a value set there caps nothing
+SOFTCAP_UNUSED = {"gemma3_text"}
+
+
 def config_softcap(cfg) -> Optional[float]:
-    """The attention scores' soft-cap of a text config (Gemma 2's attn_logit_softcapping), or None."""
+    """The attention scores' soft-cap of a text config (Gemma 2's attn_logit_softcapping), or None (also where the
+    model's attention ignores the field: SOFTCAP_UNUSED)."""
+    if getattr(cfg, "model_type", None) in SOFTCAP_UNUSED:
+        return None
     return float(getattr(cfg, "attn_logit_softcapping", None) or 0) or None
 
 

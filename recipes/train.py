@@ -129,6 +129,12 @@ def setup(cfg: Config, raw: DictConfig | None):
         if acc.is_main_process:
             record_run(cfg, raw, recipe_dir, resolved, tracker)
         cache_dir = os.path.abspath(cfg.paths.cache_dir)
+        if acc.num_processes > 1:  # the others wait in one collective: a corpus that takes longer ends the run there
+            streamed = cfg.data.streaming
+            tracker.info("tokenizer%s: built by rank 0 while the other %d ranks wait, at most "
+                         "train.collective_timeout_s=%d s (longer ends the run at that wait: raise it%s)",
+                         "" if streamed else " and corpus", acc.num_processes - 1, cfg.train.collective_timeout_s,
+                         "" if streamed else ", or stream: data.streaming=true")
         with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
             tokenizer = build_tokenizer(cfg.data, cache_dir)
             corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)

@@ -308,6 +308,27 @@ def test_a_recipe_trains_a_soft_capped_checkpoint_and_refuses_a_kernel_without_t
     assert log.count("attention kernel math") == 2, log[-3000:]
 
 
+def test_a_gemma3_config_s_soft_cap_is_not_taken_for_one_its_attention_applies():
+    """transformers' Gemma 3 keeps attn_logit_softcapping in its config but never passes it to attention: a config
+    that sets it (a converted checkpoint) is computed as the model computes it, uncapped, on any kernel (before:
+    auto picked the slow math kernel and sdpa was refused naming the field)."""
+    from longstride.parallel.pattern import config_softcap
+
+    config = T.Gemma3TextConfig(**SMALL, sliding_window=16, attn_logit_softcapping=0.5)
+    assert config_softcap(config) is None and config_softcap(T.Gemma2Config(**SMALL)) == 50.0
+    torch.manual_seed(0)
+    model = T.Gemma3ForCausalLM(config).eval()
+    for p in model.parameters():  # scores well past the field's cap, where a cap would change them
+        p.data.mul_(4)
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        use_longstride_attention(model)
+        got = model(input_ids=ids, doc_layout=DocLayout(None)).logits  # the sdpa kernel, which cannot cap
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_mla_value_heads_and_training_dropout_are_refused():
     """DeepSeek-V3's latent attention has value heads of another size than its query/key heads, which the kernels
     cannot take (it used to fail deep inside the CPU flash op); attention dropout is refused in a model being

@@ -83,14 +83,17 @@ def test_trl_packed_rows_keep_their_documents_and_loss_masks():
     padded = {**row, "input_ids": row["input_ids"] + [0, 0], "labels": row["labels"] + [-100, -100],
               "attention_mask": [1] * 6 + [0, 0]}
     assert collator([padded])["labels"].tolist() == b["labels"].tolist()
+    unlabelled = {k: v for k, v in row.items() if k != "labels"}
     with pytest.raises(ValueError, match=r"\['completion_mask'\] would be dropped \(build labels from them"):
-        collator([{**row, "completion_mask": [0, 1, 1, 0, 0, 1]}])
+        collator([{**unlabelled, "completion_mask": [0, 1, 1, 0, 0, 1]}])
+    # beside labels (TRL's completion_only_loss=False keeps the mask next to the labels it built): the labels decide
+    assert collator([{**row, "completion_mask": [0, 1, 1, 0, 0, 1]}])["labels"].tolist() == b["labels"].tolist()
     with pytest.raises(ValueError, match=r"\['text'\] would be dropped"):
         collator([{**row, "text": "raw"}])
     collator.drop_unused = True  # TrainingArguments.remove_unused_columns: the Trainer's own rule
     assert collator([{**row, "text": "raw"}])["labels"].tolist() == b["labels"].tolist()
     with pytest.raises(ValueError, match=r"\['completion_mask'\] would be dropped"):
-        collator([{**row, "completion_mask": [0, 1, 1, 0, 0, 1]}])
+        collator([{**unlabelled, "completion_mask": [0, 1, 1, 0, 0, 1]}])
     with pytest.raises(ValueError, match="labels must be its input_ids"):
         collator([{**row, "labels": [6, 7, -100, 9, 10, -100]}])  # shifted already: not TRL's
     with pytest.raises(ValueError, match="must be positive and sum to its 6 tokens"):

@@ -74,6 +74,29 @@ def test_the_longest_length_is_found_on_the_trace():
     assert trace_step(prog.at(length))["peak"] <= usable
 
 
+def test_the_longest_length_follows_the_phase_that_grows_fastest(monkeypatch):
+    """A step's peak is the largest of its phases': one with a large fixed part (a large vocabulary's logits tile)
+    can hold it at the stage's length while another, growing faster, takes over further out. Far out the line
+    through the traces at 2x and 4x the length is used where it is steeper (before: the first line's 900, here)."""
+    class Prog:
+        seq_len, cp = 10, 1
+
+        def at(self, length):
+            p = Prog()
+            p.seq_len = length
+            return p
+
+    def trace(prog):  # phase A: 100 + L, phase B: 4 L
+        peak = max(100 + prog.seq_len, 4 * prog.seq_len)
+        return {"peak": peak, "peak_backward": peak, "peak_optimizer": 0}
+
+    monkeypatch.setattr(memplan, "trace_step", trace)
+    length, checked, points = memplan.longest(Prog(), 1000, trace(Prog()))
+    assert [p for p, _ in points] == [10, 20, 40] and not checked
+    assert length == (1000 - 80) // 2 == 460, "the line through (20, 120) and (40, 160)"
+    assert trace(Prog().at(length))["peak"] > 1000 >= trace(Prog().at(250))["peak"], "still an upper bound"
+
+
 def test_a_stage_that_does_not_fit_gets_the_smallest_change():
     prog = StepProgram(TINY, 4096, world=4, step=StepSpec("none", mlp_tile=0, loss_tile=256), docs=1)
     changes = dict(memplan.fixes(prog, "s2_2k", ParallelConfig()))

@@ -42,6 +42,24 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
     RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
 
 
+def test_a_filesystem_without_file_locks_is_named(tmp_path, monkeypatch):
+    """flock failing with ENOSYS (Lustre mounted without -o flock; the call's own errno, as such a mount returns
+    it) was a traceback: now a one-line error naming the lock file and the fix; nothing is left open."""
+    import errno
+
+    from longstride.recipes.run import runlock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_locks)
+    with pytest.raises(ValueError, match=r"cannot lock .*\.tiny\.lock \(Function not implemented\): its "
+                                         r"filesystem takes no file locks"):
+        runlock.RunLock(str(tmp_path / "tiny")).acquire()
+    monkeypatch.undo()  # locks again: the directory takes a run
+    runlock.RunLock(str(tmp_path / "tiny")).acquire().release()
+
+
 def test_a_run_moving_its_directory_aside_keeps_the_lock_through_the_move(tmp_path, monkeypatch):
     """train.resume=false renames the run directory aside while its run holds the lock. A second run arriving just
     after the rename is refused: with the lock file inside the directory it moved away too, and that run locked a

@@ -302,7 +302,8 @@ def test_moe_and_feed_forward_layers_are_refused_tiles_where_they_would_crash(tm
     """GPT-OSS's mlp (experts, returning its router scores beside its output) and Llama 4's feed_forward: tiling
     them failed deep in the patch with an AttributeError. patch_model refuses them naming model.mlp_tile_tokens, a
     recipe's validation does so for a checkpoint before any data is read (model or stage field), and
-    `longstride plan`'s fixes offer no tile for such a model."""
+    `longstride plan`'s fixes offer no tile for such a model. A mixture of experts returning its output alone
+    (Mixtral; test_memory_estimate tiles it and Qwen2-MoE) is tiled."""
     import transformers as T
 
     from longstride.model.prepare import patch_model
@@ -314,12 +315,13 @@ def test_moe_and_feed_forward_layers_are_refused_tiles_where_they_would_crash(tm
                  num_key_value_heads=2, head_dim=8)
     gpt_oss = T.GptOssForCausalLM(T.GptOssConfig(**small, num_local_experts=2, num_experts_per_tok=1))
     llama4 = T.Llama4ForCausalLM(T.Llama4TextConfig(**small, intermediate_size_mlp=64, num_local_experts=1))
-    for model, why in ((gpt_oss, "GptOssDecoderLayer's mlp is a mixture of experts (GptOssMLP)"),
+    for model, why in ((gpt_oss, "GptOssDecoderLayer's mlp (GptOssMLP) returns more than its output"),
                        (llama4, "Llama4TextDecoderLayer has no `mlp` to tile")):
         with pytest.raises(NotImplementedError, match=re.escape(f"model.mlp_tile_tokens=4: {why}")):
             patch_model(model, "none", False, 4, False)
         assert not mlps_tile(model.config)
     assert mlps_tile(T.LlamaConfig(**small))
+    assert mlps_tile(T.MixtralConfig(**small, num_local_experts=2, num_experts_per_tok=1))
     gpt_oss.save_pretrained(tmp_path / "gpt_oss")
     base = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'gpt_oss'}", "logger.wandb_mode=disabled"]
     with pytest.raises(ValueError, match=re.escape(  # the recipe's own stage tiles
@@ -329,6 +331,5 @@ def test_moe_and_feed_forward_layers_are_refused_tiles_where_they_would_crash(tm
     model_shape(compose_cfg(base))  # untiled: accepted
     for tile in ("model.mlp_tile_tokens=512", "recipe.stages.x2.mlp_tile_tokens=512"):
         with pytest.raises(ValueError, match=re.escape(f"{tile}: {tmp_path / 'gpt_oss'}'s GptOssDecoderLayer's mlp "
-                                                       "is a mixture of experts (GptOssMLP), which is not tiled; set "
-                                                       "it to 0")):
+                                                       "(GptOssMLP) returns more than its output; set it to 0")):
             model_shape(compose_cfg(base + [tile]))

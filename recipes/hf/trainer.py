@@ -127,8 +127,11 @@ def _documents(row: dict, drop_unused: bool = False) -> list[np.ndarray]:
     them (the token itself where it is a loss target, -100 where not: prompts under completion_only_loss or
     assistant_only_loss), mark the tokens without loss; `attention_mask` zeros may only pad the row's end. Another
     key is dropped with `drop_unused` (TrainingArguments.remove_unused_columns, as the Trainer drops a dataset's
-    unused columns: text, id, ...), else refused; a loss-mask column is always refused."""
-    unread = sorted(k for k in set(row) - set(ROW_KEYS) if not drop_unused or k in LOSS_MASKS)
+    unused columns: text, id, ...), else refused; a loss-mask column is refused unless the row has `labels`, which
+    then decide the loss (TRL keeps completion_mask beside labels it built with completion_only_loss=False, and
+    its own collator then ignores the mask)."""
+    ignored = set(LOSS_MASKS) if "labels" in row else set()  # the labels decide the loss
+    unread = sorted(k for k in set(row) - set(ROW_KEYS) - ignored if not drop_unused or k in LOSS_MASKS)
     if unread:
         hint = " (build labels from them: -100 where a token is no loss target, as SFTTrainer's dataset " \
                "preparation does)" if set(LOSS_MASKS) & set(unread) else ""

@@ -75,9 +75,13 @@ CHECK_WITHIN = 8  # the line's answer is checked by a trace when it is at most t
 
 def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     """The longest seq_len whose traced peak fits `usable` bytes, from the line through traces at the stage's
-    length and twice it. When the answer is within CHECK_WITHIN x the stage's length a trace there checks it
-    (stepping down 5% while it does not fit); further out a trace would take minutes (its loss and MLP tiles
-    grow with the length), and the line stands. Returns (length or 0, checked, the traces made)."""
+    length and twice it. Past CHECK_WITHIN x the stage's length, the line through traces at twice and four times it
+    instead, where it is steeper: the peak is the largest of the step's phases, each growing at its own rate, so a
+    phase with a large fixed part (a large vocabulary's logits tile) can hold it at the stage's length and another
+    overtake it further out (SmolLM3-3B's 4K stage: 102,967 from the first line, against that of 2x and 4x). When the
+    answer is within CHECK_WITHIN x the stage's length a trace there checks it (stepping down 5% while it does not
+    fit); further out a trace would take minutes (its loss and MLP tiles grow with the length), and the line stands.
+    Returns (length or 0, checked, the traces made)."""
     unit = 1 if prog.cp == 1 else prog.degrees.seq_len_unit
     L1 = prog.seq_len
     fixed, slope, second = peak_line(prog, first, 2 * L1)
@@ -85,6 +89,15 @@ def longest(prog, usable: int, first: dict) -> tuple[int, bool, list]:
     if max(first["peak_optimizer"], second["peak_optimizer"]) > usable or slope <= 0:  # the update alone fails
         return 0, False, points
     guess = int((usable - fixed) / slope) // unit * unit
+    if guess > CHECK_WITHIN * L1:
+        third = trace_step(prog.at(4 * L1))
+        points.append((4 * L1, third["peak"]))
+        if third["peak_optimizer"] > usable:
+            return 0, False, points
+        steeper = (third["peak_backward"] - second["peak_backward"]) / (2 * L1)
+        if steeper > slope:
+            fixed, slope = second["peak_backward"] - steeper * 2 * L1, steeper
+            guess = int((usable - fixed) / slope) // unit * unit
     if guess > CHECK_WITHIN * L1:
         return guess, False, points
     for _ in range(4):

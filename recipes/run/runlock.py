@@ -45,6 +45,11 @@ class RunLock:
             os.close(fd)
             raise ValueError(f"{self.directory} is in use by another run ({holder}); wait for it to end or stop it, "
                              "or write this run elsewhere (paths.output_root=... or recipe.name=...)") from None
+        except OSError as e:  # a filesystem without file locks (Lustre mounted without flock, some NFS setups)
+            os.close(fd)
+            raise ValueError(f"cannot lock {self.path} ({e.strerror}): its filesystem takes no file locks, which keep "
+                             "a second run off this directory; put paths.output_root on one that does (a Lustre "
+                             "mount with -o flock, NFS with its lock service)") from None
         os.ftruncate(fd, 0)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(sys.argv)}
