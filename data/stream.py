@@ -90,23 +90,25 @@ class StreamPacker(torch.utils.data.IterableDataset):
                 ds.load_state_dict(state["sources"][n])
             self._ds[n] = ds
 
-    def carry_over(self, state: dict, sources, pending: bool = True) -> int:
-        """A new stage's streams go on where a previous stage's `state` (its final position: this data-parallel rank's,
-        or a re-split's, data/stream_split.py) stopped, for the sources named in `sources`; the others start at their
-        beginning. Token counts start at zero (the stage's mixture is its own); with `pending`, the documents the
-        previous stage had drawn but not trained on (its packers' open and ready sequences) are packed first. Returns
-        how many such pieces it carried."""
-        c, names = state["counters"], [n for n in self.weights if n in sources and n in state["counters"]["epoch"]]
+    def carry_over(self, positions: dict, pending=None) -> int:
+        """A new stage's streams go on where earlier stages stopped: `positions` maps a source to the stream state
+        (this data-parallel rank's, or a re-split's: data/stream_split.py) of the last final that read it; the other
+        sources start at their beginning. Token counts start at zero (the stage's mixture is its own); `pending`:
+        the state whose packers' open and ready sequences (documents drawn and not trained on) are packed first.
+        Returns how many such pieces it carried."""
         counters = {"tokens": {}, "rows": {}, "skipped": {}, "epoch": {}, "epoch_docs": {}, "epoch_rows": {}}
         for n in self.weights:
             counters["tokens"][n], counters["rows"][n], counters["skipped"][n] = 0, 0, {}
             for key in ("epoch", "epoch_docs", "epoch_rows"):
-                counters[key][n] = c[key].get(n) if n in names else 0
+                counters[key][n] = positions[n]["counters"][key].get(n) if n in positions else 0
         self.load_state_dict({"counters": counters, "packer": None,
-                              "sources": {n: state["sources"][n] if n in names else None for n in self.weights},
-                              "splits": {n: state["splits"][n] for n in names if state["splits"].get(n)}})
-        packers = state["packer"] if isinstance(state["packer"], list) else [state["packer"]]
-        pieces = [p for s in packers if s and pending for seq in s["ready"] + s["open"] for p in seq]
+                              "sources": {n: positions[n]["sources"][n] if n in positions else None
+                                          for n in self.weights},
+                              "splits": {n: positions[n]["splits"][n] for n in positions
+                                         if n in self.weights and positions[n]["splits"].get(n)}})
+        packers = [] if pending is None else pending["packer"] if isinstance(pending["packer"], list) else \
+            [pending["packer"]]
+        pieces = [p for s in packers if s for seq in s["ready"] + s["open"] for p in seq]
         for p in pieces:
             self.packer.add(p.numpy() if isinstance(p, torch.Tensor) else np.asarray(p, dtype=np.int32))
         return len(pieces)

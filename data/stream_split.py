@@ -61,13 +61,23 @@ def _rest(split: dict, read: list[int]) -> tuple[list[int], int]:
     return [_row(split, p) for p in unread] + list(gaps[end:]), split["tail"] + max(0, end - len(gaps))
 
 
-def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict, list[str]]:
+def splittable(states: list[dict]) -> set:
+    """The sources of `states` (every data-parallel rank's loader state) that resplit can share out."""
+    streams = [s["dataset_state"] for s in states]
+    return {n for n in streams[0]["counters"]["epoch"] if all(
+        s["counters"].get("epoch_rows", {}).get(n) is not None and s.get("by_rows", {}).get(n) for s in streams)}
+
+
+def resplit(states: list[dict], way: int, ways: int, names: dict, sources=None) -> tuple[dict, list[str]]:
     """(the stream loader state of data-parallel rank `way` of `ways`, notes for the log) from `states`, the loader
-    states of every data-parallel rank of the layout that wrote them (in rank order). `names`: each source's config
-    field, for errors. Raises ValueError naming the source when the states cannot be re-split."""
+    states of every data-parallel rank of the layout that wrote them (in rank order); `sources`: only those (default:
+    all of the states'). `names`: each source's config field, for errors. Raises ValueError naming the source when
+    the states cannot be re-split."""
     streams = [s["dataset_state"] for s in states]
     old, notes = len(streams), []
-    for n in streams[0]["counters"]["epoch"]:
+    sources = list(streams[0]["counters"]["epoch"]) if sources is None else list(sources)
+    names = {n: names.get(n, f"data.sources.{n}") for n in sources}  # a source since removed from the config too
+    for n in sources:
         # None: a rank resumed from such a checkpoint and has not started an epoch of the source since
         if any(s["counters"].get("epoch_rows", {}).get(n) is None or s.get("by_rows", {}).get(n) is None
                for s in streams):
@@ -80,7 +90,7 @@ def resplit(states: list[dict], way: int, ways: int, names: dict) -> tuple[dict,
     mine = [s for i, s in enumerate(streams) if i % ways == way]
     counters = {"epoch": {}, "epoch_rows": {}, "epoch_docs": {}, "tokens": {}, "rows": {}, "skipped": {}}
     splits = {}
-    for n in streams[0]["counters"]["epoch"]:
+    for n in sources:
         epochs = [s["counters"]["epoch"][n] for s in streams]
         epoch = max(epochs)
         at = [i for i, e in enumerate(epochs) if e == epoch]

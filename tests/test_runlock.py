@@ -170,18 +170,23 @@ def test_resume_false_applies_once_per_slurm_job(tmp_path, monkeypatch, capsys):
     check_identity(str(run), config, resume=False)
     assert not (run / "marker").exists() and len(list(tmp_path.glob("tiny.prev-*"))) == 1
     (run / "marker").write_text("the job's own run")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     check_identity(str(run), config, resume=False)  # requeued
     assert (run / "marker").read_text() == "the job's own run" and len(list(tmp_path.glob("tiny.prev-*"))) == 1
     assert "train.resume=false was applied when SLURM job 41 first ran" in capsys.readouterr().err
+    time.sleep(1.1)  # a second command inside the same allocation (same job, same restart count): afresh, as asked
+    check_identity(str(run), config, resume=False)
+    assert not (run / "marker").exists() and len(list(tmp_path.glob("tiny.prev-*"))) == 2
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     time.sleep(1.1)  # the moved-aside name has a time to the second
     check_identity(str(run), config, resume=False)
-    assert not (run / "marker").exists() and len(list(tmp_path.glob("tiny.prev-*"))) == 2
+    assert not (run / "marker").exists() and len(list(tmp_path.glob("tiny.prev-*"))) == 3
     monkeypatch.delenv("SLURM_JOB_ID")
-    assert "fresh_start_job" in json.loads((run / "run.json").read_text())
+    assert json.loads((run / "run.json").read_text())["fresh_start_job"] == ["42", 0]
     time.sleep(1.1)
     check_identity(str(run), config, resume=False)
-    assert len(list(tmp_path.glob("tiny.prev-*"))) == 3 and "fresh_start_job" not in (run / "run.json").read_text()
+    assert len(list(tmp_path.glob("tiny.prev-*"))) == 4 and "fresh_start_job" not in (run / "run.json").read_text()
 
 
 def test_a_run_that_trained_nothing_gives_way_to_the_fixed_command(tmp_path, capsys):

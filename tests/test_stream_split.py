@@ -39,11 +39,11 @@ def setup(tmp_path_factory, request):
     return cfg, tok, str(d)
 
 
-def loaders(setup, world: int, packing: str, seq_len: int = L, stages=None) -> list:
+def loaders(setup, world: int, packing: str, seq_len: int = L, stages=None, mixture=None) -> list:
     """Each rank's loader of a stage at `seq_len` (`stages`: every stage of the run, for the held-out rows)."""
     cfg, tok, d = setup
     cfg = DataConfig(**{**cfg.__dict__, "packing": packing})
-    return [streaming_stage(cfg, tok, seq_len, tok.pad_token_id, None, MB, r, world, d, stages)[0]
+    return [streaming_stage(cfg, tok, seq_len, tok.pad_token_id, mixture, MB, r, world, d, stages)[0]
             for r in range(world)]
 
 
@@ -168,7 +168,7 @@ def test_the_next_stage_goes_on_reading_where_the_stage_before_stopped(setup, la
     for way, r in enumerate(nxt):
         state = states[way]["dataset_state"] if new == old else \
             resplit(states, way, new, {"a": "data.sources.a", "b": "data.sources.b"})[0]["dataset_state"]
-        carried += r.loader.dataset.carry_over(state, {"a", "b"})
+        carried += r.loader.dataset.carry_over({"a": state, "b": state}, state)
         assert r.loader.dataset.counters["tokens"] == {"a": 0, "b": 0}, "the next stage's mixture starts afresh"
         recorded(r, drawn)
     packers = [s["dataset_state"]["packer"] for s in states]
@@ -191,7 +191,7 @@ def test_a_source_left_out_of_carry_over_starts_from_its_beginning(setup):
         next(first)
     state = through_a_file(first.state_dict())["dataset_state"]
     (fresh,), (nxt,) = (loaders(setup, 1, "best_fit", 2 * L, STAGES) for _ in range(2))
-    nxt.loader.dataset.carry_over(state, {"a"})
+    nxt.loader.dataset.carry_over({"a": state})
     assert nxt.loader.dataset.counters["epoch_rows"] == {"a": state["counters"]["epoch_rows"]["a"], "b": 0}
     assert state["counters"]["epoch_rows"]["b"] > 0
 
@@ -204,6 +204,47 @@ def test_a_source_left_out_of_carry_over_starts_from_its_beginning(setup):
         return {m: [doc for n, _, doc in drawn if n == m][:6] for m in ("a", "b")}
     got, on, afresh = docs(nxt), docs(first), docs(fresh)
     assert got["a"] == on["a"] != afresh["a"] and got["b"] == afresh["b"] != on["b"]
+
+
+def test_a_source_a_stage_leaves_out_goes_on_where_the_last_stage_that_read_it_stopped(setup, tmp_path):
+    """Stages s1 (a and b), s2 (b's weight 0: it reads only a), s3 (a and b), each starting from the final before it
+    as the recipe does (recipes/run/stage_state.carry_streams reading the finals' rank0.pt): s3 goes on with a where
+    s2 stopped and with b where s1 stopped (before, s2's final held no position of b and s3 read b from its first
+    row again); a final of another tokenizer carries no pending pieces."""
+    from types import SimpleNamespace
+
+    from longstride.parallel.config import ParallelDims
+    from longstride.recipes.run.stage_state import carry_streams
+
+    mix = {"a": 1.0, "b": 0.0}
+    stages = [(L, None), (L, mix), (2 * L, None)]
+    ctx = SimpleNamespace(cfg=SimpleNamespace(recipe=SimpleNamespace(stages={"s1": 0, "s2": 0, "s3": 0})),
+                          recipe_dir=str(tmp_path), accelerator=SimpleNamespace(process_index=0), tokenizer_id="t")
+
+    def stage(name, seq_len, mixture, steps, tokenizer="t"):
+        (loader,) = loaders(setup, 1, "best_fit", seq_len, stages, mixture)
+        run = SimpleNamespace(loader=loader, plan=SimpleNamespace(dims=ParallelDims.from_world(1, 1)))
+        before = list(stages[:["s1", "s2", "s3"].index(name)])
+        note = carry_streams(ctx, run, str(tmp_path / ["s1", "s2", "s3"][len(before) - 1] / "final")) if before \
+            else ""
+        counters = dict(loader.loader.dataset.counters["epoch_rows"])
+        for _ in range(steps):
+            next(loader)
+        final = tmp_path / name / "final"
+        final.mkdir(parents=True)
+        torch.save({"data": loader.state_dict(), "origin": loader.origin, "dp": 1, "tokenizer": tokenizer},
+                   final / "rank0.pt")
+        (final / "manifest.json").write_text('{"world_size": 1, "files": {}}')
+        return note, counters, through_a_file(loader.state_dict())["dataset_state"]["counters"]
+
+    _, _, s1 = stage("s1", L, None, 5)
+    note2, start2, s2 = stage("s2", L, mix, 5, tokenizer="other")
+    assert start2 == {"a": s1["epoch_rows"]["a"]} and "b" not in s2["epoch_rows"], "s2 reads a alone, from s1's"
+    note3, start3, _ = stage("s3", 2 * L, None, 1)
+    assert start3 == {"a": s2["epoch_rows"]["a"], "b": s1["epoch_rows"]["b"]} and s1["epoch_rows"]["b"] > 0
+    assert note3 == (f"; its streams go on from {tmp_path / 's2' / 'final'}'s positions; b from "
+                     f"{tmp_path / 's1' / 'final'}'s (not read since)"), note3
+    assert "pending" in note2 and "pending" not in note3, "s2's final was written under another tokenizer"
 
 
 def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 
 def test_metrics_rewind_to_the_resumed_step_and_drop_a_cut_line(tmp_path):
@@ -23,6 +24,24 @@ def test_wandb_run_id_is_new_per_run_and_kept_on_resume(tmp_path):
     first = wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False)
     assert first.startswith("tiny-s1_256-") and first == wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=True)
     assert wandb_run_id(str(tmp_path), "tiny/s1_256", resuming=False) != first
+
+
+def test_a_resume_from_under_a_changed_config_gets_a_new_wandb_run(tmp_path):
+    """train.resume_from=<step checkpoint> moves aside the stage's newer checkpoints and its wandb run id, so the
+    steps trained again under the new config (a lower lr after a blow-up) go to a new wandb run instead of over the
+    old run's curves at the same steps; a crash resume (no resume_from) keeps the run."""
+    from longstride.recipes.checkpoint.format import supersede_after
+    from longstride.recipes.run.tracking import wandb_run_id
+
+    stage = tmp_path / "tiny" / "s1_256"
+    for name in ("step_000002", "step_000004"):
+        (stage / name).mkdir(parents=True)
+    old = wandb_run_id(str(stage), "tiny-s1_256", resuming=False)
+    assert wandb_run_id(str(stage), "tiny-s1_256", resuming=True) == old, "a crash resume continues its run"
+    moved = supersede_after(str(stage / "step_000002"), str(tmp_path / "tiny"), ["s1_256", "s2_2k"])
+    assert sorted(os.path.basename(m).split(".superseded-")[0] for m in moved) == ["step_000004", "wandb_run_id"]
+    new = wandb_run_id(str(stage), "tiny-s1_256", resuming=True)
+    assert new != old and new.startswith("tiny-s1_256-")
 
 
 def test_wandb_takes_a_resumed_stages_steps_again(tmp_path, monkeypatch, capfd):

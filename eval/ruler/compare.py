@@ -80,8 +80,7 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
         if not cfg.plain_rows:
             raise ValueError(f"plain_rows=false leaves only the YaRN rows, and {base.checkpoint} takes none: "
                              f"{e.why}") from None
-        if os.environ.get("RANK", "0") == "0":  # launched: said once
-            note(f"no YaRN rows (the default yarn={DEFAULT_YARN} left out): {e.why}")
+        note(f"no YaRN rows (the default yarn={DEFAULT_YARN} left out): {e.why}")
         factors = []
     rows = rows if cfg.plain_rows else []
     rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)

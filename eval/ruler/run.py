@@ -35,7 +35,9 @@ from longstride.parallel.cp import CPContext
 
 
 def note(msg: str) -> None:
-    print(f"eval.ruler: {msg}", file=sys.stderr, flush=True)
+    """A line for the user, said once: under a launcher (eval compare over several ranks) by rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"eval.ruler: {msg}", file=sys.stderr, flush=True)
 
 
 def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:

@@ -423,7 +423,8 @@ def resume_from_stage(path: str, recipe_dir: str, stages: list[str]) -> str:
 
 def supersede_after(path: str, recipe_dir: str, stages: list[str]) -> list[str]:
     """Moves aside (never deletes) what a run resumed from `path` would otherwise pick up instead: the
-    stage's newer step checkpoints and its final (not `path` itself), and every later stage's directory.
+    stage's newer step checkpoints, its final (not `path` itself) and its wandb run id (the steps trained again
+    under the new config go to a new wandb run, not over the old curves), and every later stage's directory.
     Returns the new names."""
     path = os.path.normpath(path)
     stage_dir, name = os.path.split(path)
@@ -434,6 +435,8 @@ def supersede_after(path: str, recipe_dir: str, stages: list[str]) -> list[str]:
         step = int(STEP_RE.match(name).group(1))
         doomed += [p for s, p in step_checkpoints(stage_dir) if s > step]
         doomed += [final_dir(stage_dir)] if os.path.isdir(final_dir(stage_dir)) else []
+        wandb_id = os.path.join(stage_dir, "wandb_run_id")  # recipes/run/tracking.wandb_run_id
+        doomed += [wandb_id] if os.path.isfile(wandb_id) else []
     later = stages[stages.index(stage) + 1:]
     doomed += [d for d in (os.path.join(recipe_dir, s) for s in later) if os.path.isdir(d)]
     moved = []

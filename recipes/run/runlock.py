@@ -198,6 +198,19 @@ def differences(theirs: dict, mine: dict) -> list[str]:
     return [lines[k] for k in sorted(lines) if not any(k.startswith(w + ".") for w in whole)]  # once per entry
 
 
+def slurm_start() -> Optional[list]:
+    """[SLURM job id, its restart count] of this process's job, None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return [job, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)] if job else None
+
+
+def requeued(recorded: Optional[list]) -> bool:
+    """Whether this process is a requeue of the SLURM job start `recorded` (slurm_start's): the same job, restarted
+    since (a second command inside one allocation has the same restart count: not a requeue)."""
+    now = slurm_start()
+    return bool(now and isinstance(recorded, list) and recorded[0] == now[0] and now[1] > recorded[1])
+
+
 def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Optional[str] = None,
                    rewind: Callable[[], None] = lambda: None) -> bool:
     """Main process, under the lock, before anything is written. The first run of a directory records its
@@ -205,8 +218,9 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     train.resume=false, which moves the old run aside (nothing is deleted) and starts afresh, or
     train.resume_from names the checkpoint to continue from under the new config (recorded as the run's), or the
     recorded run trained nothing (trained_nothing: it failed on a setting, and the fixed command takes its place).
-    train.resume=false applies once per SLURM job: run.json records the job that started afresh, and the same job
-    requeued (its SLURM_JOB_ID, the same command) resumes that run instead of moving it aside again.
+    train.resume=false applies once per SLURM job: run.json records the job (and its restart count) that started
+    afresh, and the same job requeued (its SLURM_JOB_ID, a higher SLURM_RESTART_COUNT, the same command) resumes that
+    run instead of moving it aside again; another command inside the same allocation starts afresh as asked.
     Returns whether resume_from was applied now: `rewind` (moving aside what is newer than it) runs before run.json
     records it, so the same command run again (a requeued job) finds it recorded only once the rewind is done, and
     then resumes normally instead of going back to that checkpoint again."""
@@ -219,10 +233,10 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
         diff = differences(theirs, mine)
         if resume_from and not diff and recorded.get("resumed_from") == os.path.normpath(resume_from):
             return False
-        job = os.environ.get("SLURM_JOB_ID")
-        if not resume and not diff and job and recorded.get("fresh_start_job") == job:
-            print(f"longstride: train.resume=false was applied when SLURM job {job} first ran; resuming the run it "
-                  "started (a requeued job reruns the same command)", file=sys.stderr)
+        if not resume and not diff and requeued(recorded.get("fresh_start_job")):
+            print(f"longstride: train.resume=false was applied when SLURM job {os.environ['SLURM_JOB_ID']} first ran; "
+                  "resuming the run it started (a requeued job reruns the same command)", file=sys.stderr)
+            _write_json(path, {**recorded, "fresh_start_job": slurm_start()})  # a later command of this start: afresh
             return False
         if not resume:
             aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -246,12 +260,16 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
             return False
     if resume_from:
         rewind()
+    fresh = {"fresh_start_job": slurm_start()} if not resume and slurm_start() else {}
+    _write_json(path, {"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {}),
+                       **fresh})
+    return bool(resume_from)
+
+
+def _write_json(path: str, record: dict) -> None:
     with open(path + ".tmp", "w") as f:
-        fresh = {"fresh_start_job": os.environ["SLURM_JOB_ID"]} if not resume and "SLURM_JOB_ID" in os.environ else {}
-        json.dump({"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {}),
-                   **fresh}, f, indent=1)
+        json.dump(record, f, indent=1)
         f.flush()
         os.fsync(f.fileno())  # on disk before it replaces the old record, which a crash never leaves half-written
     os.replace(path + ".tmp", path)
-    fsync_path(directory)
-    return bool(resume_from)
+    fsync_path(os.path.dirname(path))

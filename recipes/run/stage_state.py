@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from longstride.data.stream_split import resplit
+from longstride.data.stream_split import resplit, splittable
 from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
 from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
@@ -40,8 +40,10 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
         path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
         trainer_state=trainer,
         rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else
-        # a streamed stage's final: where each rank's streams stopped, for the next stage to go on from
-        {"data": run.loader.state_dict(), "origin": run.loader.origin, "dp": plan.dims.dp} if streamed(run) else None,
+        # a streamed stage's final: where each data-parallel rank's streams stopped (its first CP rank's, as every
+        # CP rank of it holds the same), for later stages to go on from (carry_streams)
+        {"data": run.loader.state_dict(), "origin": run.loader.origin, "dp": plan.dims.dp,
+         "tokenizer": ctx.tokenizer_id} if streamed(run) and acc.process_index % plan.dims.cp == 0 else None,
         meta={"recipe": ctx.cfg.recipe.name, "stage": plan.name, "step": run.step, "seq_len": plan.stage.seq_len,
               "rope_theta": plan.stage.rope_theta, "tokens_seen": run.tokens_seen, "packing": run.pack_stats,
               **(extra_meta or {})},
@@ -122,31 +124,66 @@ def streamed(run) -> bool:
 
 
 def carry_streams(ctx, run, final: Optional[str]) -> str:
-    """A stage that starts from the previous stage's `final` (not resumed) goes on with each streamed source where
-    that stage's ranks stopped (their positions, re-split when the number of data-parallel ranks changed; the
-    documents they had drawn but not trained on packed first: StreamPacker.carry_over), so a later stage reads past
-    what an earlier one trained on instead of rereading it. A source whose rows are numbered otherwise now (its
-    config, files or held-out rows changed), or a final that holds no positions (an in-memory stage's, or one
-    written before they were kept), starts from its beginning. Returns a note for the log."""
+    """A stage that starts from a previous stage's `final` (not resumed) goes on with each streamed source where
+    the last stage that read it stopped (`final`'s, or, for a source an in-between stage left out, an earlier
+    final's: their positions, re-split when the number of data-parallel ranks changed), so a later stage reads past
+    what earlier ones trained on instead of rereading it; the documents `final`'s stage had drawn and not trained on
+    are packed first (StreamPacker.carry_over), unless a source or the tokenizer changed since. A source whose rows
+    are numbered otherwise now (its config, files or held-out rows changed: `origin`), one no earlier final holds
+    positions of, or one read as whole shards per rank that cannot be re-split, starts from its beginning. Returns
+    a note for the log."""
     if not streamed(run) or final is None:
         return ""
-    if not os.path.isfile(os.path.join(final, "rank0.pt")):
-        return f"; its streams from their beginning ({final} holds no stream positions)"
-    mine = load_rank_state(final, 0)
-    same = {n for n, d in mine["origin"].items() if run.loader.origin.get(n) == d}
-    if not same:
-        return f"; its streams from their beginning (the sources of {final}'s positions changed since)"
-    try:
-        data, _ = streamed_position(ctx, final, mine["dp"], run.plan.dims)
-    except ValueError as e:  # whole shards per rank, on another number of data-parallel ranks
-        return f"; its streams from their beginning (those of {final} cannot be re-split: {e})"
-    changed = sorted(set(run.loader.origin) - same)
-    # its documents drawn but not trained on come from sources of the time: packed first only if none changed
-    carried = run.loader.packer.carry_over(data["dataset_state"], same, pending=not changed)
-    return (f"; its streams go on from {final}'s positions" + (f" but for {changed} (changed since: from their "
-                                                                "beginning; its pending documents left out)"
-                                                                if changed else "")
-            + (f", {carried} pending document pieces packed first" if carried else ""))
+    packer, origin, dims = run.loader.packer, run.loader.origin, run.plan.dims
+    dp_rank = dims.dp_rank(ctx.accelerator.process_index)
+    positions, where, pending, notes = {}, {}, None, []
+    for i, f in enumerate(_finals_before(ctx, final)):
+        if not os.path.isfile(os.path.join(f, "rank0.pt")):  # an in-memory stage's, or written before positions
+            notes += [f"{f} holds no stream positions"] if i == 0 else []
+            break
+        head = load_rank_state(f, 0)
+        same = {n for n, d in head["origin"].items() if origin.get(n) == d}
+        read = set(head["data"]["dataset_state"]["counters"]["epoch"])  # the sources that stage read
+        changed = sorted(n for n in packer.weights if n in head["origin"] and n not in same)
+        if i == 0 and changed:
+            notes.append(f"{changed}: changed since {f}, from their beginning")
+        take = (set(packer.weights) - set(positions)) & same & read
+        if not take:
+            continue
+        cp = manifest_world(f) // head["dp"]
+        if head["dp"] == dims.dp:
+            state = load_rank_state(f, dp_rank * cp)["data"]["dataset_state"]
+        else:
+            states = [load_rank_state(f, r * cp)["data"] for r in range(head["dp"])]
+            whole = take - splittable(states)
+            if whole:
+                notes.append(f"{sorted(whole)}: from their beginning, {f}'s {head['dp']} data-parallel ranks read "
+                             f"whole shards of them, which cannot be re-split to {dims.dp}")
+            take -= whole
+            data, lagging = resplit(states, dp_rank, dims.dp, {}, sorted(take)) if take else (None, [])
+            state, notes = data and data["dataset_state"], notes + lagging
+        for n in take:
+            positions[n], where[n] = state, f
+        if i == 0 and state is not None and not changed and head.get("tokenizer") == ctx.tokenizer_id:
+            pending = state
+    carried = packer.carry_over(positions, pending)
+    if not positions:
+        return "; its streams from their beginning" + (f" ({'; '.join(notes)})" if notes else "")
+    older = sorted(n for n, f in where.items() if f != final)
+    return (f"; its streams go on from {final}'s positions"
+            + "".join(f"; {n} from {where[n]}'s (not read since)" for n in older)
+            + "".join(f"; {n}" for n in notes)
+            + (f"; {carried} pending document pieces packed first" if carried else ""))
+
+
+def _finals_before(ctx, final: str) -> list[str]:
+    """`final`, then the finals of this run's stages before its stage, newest first (only `final` when it is not a
+    stage's final of this run)."""
+    stage_dir = os.path.dirname(os.path.normpath(final))
+    names, name = list(ctx.cfg.recipe.stages), os.path.basename(stage_dir)
+    if name not in names or os.path.normpath(os.path.dirname(stage_dir)) != os.path.normpath(ctx.recipe_dir):
+        return [final]
+    return [final] + [os.path.join(ctx.recipe_dir, n, "final") for n in reversed(names[:names.index(name)])]
 
 
 def streamed_position(ctx, path: str, written_dp: int, dims) -> tuple[dict, str]:
