@@ -84,6 +84,29 @@ def list_files(root: Path, patterns: str, unreadable: bool = False) -> list[str]
     return sorted(found)
 
 
+def excluded_files(root: Path, patterns: str, field: str) -> set:
+    """The files comma-separated `exclude` patterns leave out under `root`: each file a pattern matches, and every
+    file under a folder it matches (`tests` or `tests/**`, for which Python's glob gives the folder alone). A pattern
+    that matches no file, or one that is not relative to the root, is refused naming `field`: an exclude that leaves
+    nothing out would train on what it was meant to hold out."""
+    out = set()
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        try:
+            hits = list(root.glob(pattern))
+        except (NotImplementedError, ValueError) as e:  # an absolute pattern, an empty one
+            raise ValueError(f"{field}={patterns!r}: {pattern!r} is no glob relative to {root} ({e}); give patterns "
+                             "under the source's root, e.g. tests/*.txt or a folder, tests") from None
+        found = {str(p) for h in hits for p in ([h] if not h.is_dir() else
+                                                [Path(f) for f in list_files(h, "**/*", unreadable=True)])
+                 if not SKIP_EXCLUDED_DIRS.intersection(p.relative_to(root).parts)}
+        if not found:
+            raise ValueError(f"{field}={patterns!r}: {pattern!r} matches no file under {root}, so it would leave "
+                             "nothing out; fix the pattern (relative to the source's root: tests/*.txt, or a folder, "
+                             "tests) or drop it")
+        out |= found
+    return out
+
+
 def unreadable(path: str) -> str:
     """Why `path` cannot be read as a text file, or "" (never opens it: opening a FIFO would block)."""
     try:

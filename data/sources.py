@@ -16,7 +16,7 @@ import numpy as np
 from longstride.data import manual, synthetic
 from longstride.data.config import SourceConfig
 from longstride.data.file_records import UnreadableRecord, data_files, literal_paths, read_errors, unreadable_record
-from longstride.data.files import digest, list_files, stdlib_digest, stdlib_root, unreadable
+from longstride.data.files import digest, excluded_files, list_files, stdlib_digest, stdlib_root, unreadable
 from longstride.data.stream_split import first_row, keeps, split_rows
 
 def _read_files(paths: list[str]):
@@ -68,7 +68,7 @@ def walk_files(src: SourceConfig, field: str) -> list[str]:
     if src.kind == "local_dir" and not root.is_dir():
         raise ValueError(f"{field}.path={src.path!r} is not a directory; point it at a local folder of text files")
     patterns = "**/*.py" if src.kind == "stdlib" else src.glob
-    left_out = set(list_files(root, src.exclude, unreadable=True)) if src.exclude else set()
+    left_out = excluded_files(root, src.exclude, f"{field}.exclude") if src.exclude else set()
     paths = [p for p in list_files(root, patterns, unreadable=True) if p not in left_out][: src.max_docs]
     if not paths:
         raise ValueError(f"{field}: no files match {patterns!r} under {root} (less {field}.exclude={src.exclude!r}); "
@@ -224,6 +224,9 @@ def _load_disk(src, cache_dir, num_proc, field):
         if src.split not in ds:
             raise ValueError(f"{field}.split={src.split!r} is not in {list(ds)}; pick one of those")
         ds = ds[src.split]
+    elif src.split != "train":  # one Dataset has no splits: the named one would be read as all of it
+        raise ValueError(f"{field}.split={src.split!r}: {src.path} holds one Dataset, not a DatasetDict of splits; "
+                         f"drop {field}.split (or save the splits with DatasetDict.save_to_disk)")
     return _table(ds, src, num_proc, field)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstride.data.config import LossOn, SourceConfig
-from longstride.data.files import digest, list_files, stdlib_digest, stdlib_root
+from longstride.data.files import digest, excluded_files, list_files, stdlib_digest, stdlib_root
 
 if TYPE_CHECKING:  # the RULER eval renders these documents without loading datasets (0.6 s of its start)
     import datasets
@@ -188,7 +188,7 @@ def check_filler_held_out(sources: dict) -> None:
         return
     filler = set(filler_files())
     for name, src in held.items():
-        back = sorted(set(list_files(stdlib_root(), src.exclude)) & filler)
+        back = sorted(excluded_files(stdlib_root(), src.exclude, f"data.sources.{name}.exclude") & filler)
         if back:
             shown = ", ".join(os.path.relpath(p, stdlib_root()) for p in back[:3]) + (" ..." if len(back) > 3 else "")
             raise ValueError(f"data.sources.{name}.exclude holds out {shown}, whose lines the filler of "

@@ -20,10 +20,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from longstride.process import skip_exit_collection
+from longstride.recipes.config.compose import set_long_docs, split_long_docs
 from longstride.recipes.config.schema import Config, selected_stages, to_schema
 
 # torch, transformers, accelerate and the checkpoint code are imported where they are used, after the command line
 # composed: a typo, --help and --cfg answer without loading them (recipes/config/compose.py)
+
+STAGE_LONG_DOCS: list = []  # entry(): the stage long_docs overrides Hydra cannot apply, set on main's config
 
 
 def write_hydra_files(recipe_dir: str) -> None:
@@ -179,6 +182,7 @@ def main(raw: DictConfig) -> None:
 
     skip_exit_collection()
     try:
+        raw = set_long_docs(raw, STAGE_LONG_DOCS)  # what entry() kept from Hydra: recipes/config/compose.py
         prepared = setup(to_schema(raw, HydraConfig.get().overrides.task), raw)
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
         print(f"longstride: {e}", file=sys.stderr)
@@ -221,6 +225,8 @@ def entry() -> None:
         sys.exit(2)
     if {"--cfg", "-c"} & set(flags):
         note_replaced_weights(argv, flags)
+    hydra_side, STAGE_LONG_DOCS[:] = split_long_docs(argv)  # a stage's long_docs, which Hydra cannot set: main's
+    sys.argv[1:] = hydra_side
     main()
 
 

@@ -9,7 +9,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from longstride.recipes.config.plan import validate
-from tests.conftest import CONFIGS, compose_cfg
+from tests.conftest import CONFIGS, compose_cfg, run_cli
 
 GROUPS = ["model", "data", "parallel", "optim", "logger", "paths", "train"]
 
@@ -267,6 +267,7 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("+recipe.stages.s2_2k.mixture={stdlib:-1.0}", "recipe.stages.s2_2k.mixture={'stdlib': -1.0} must be source "
                                                    "weights >= 0 with a positive sum"),
     ("+recipe.stages.s2_2k.mixture.stdlib=0.0", "must be source weights >= 0 with a positive sum"),
+    ("data.sources.stdlib.weight=-1", "data.sources.stdlib.weight=-1.0 must be >= 0"),  # refused after the BPE
     ("logger.log_every=0", "logger.log_every=0 must be >= 1"),
     ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
     ("data.vocab_size=10", "data.vocab_size=10 must be > 256"),
@@ -410,3 +411,27 @@ def test_a_held_out_stdlib_file_that_synthetic_filler_would_train_on_is_refused(
                                          r"filler of data.sources.\{copy_short,.*retrieval_32k.*\} .*set their "
                                          r"synthetic.corpus_share=0 or hold out"):
         _check_data(compose_cfg(over + ["data.sources.stdlib.exclude=_pydecimal.py"]))
+
+
+def test_a_stage_s_long_docs_can_be_set_from_the_command_line(tmp_path):
+    """recipe.stages.<s>.long_docs is null (it takes data.long_docs) and OmegaConf can set neither a field under it
+    nor a group on it (an AssertionError traceback, exit 1): a field or a {...} group now lands on the stage, the
+    fields it does not give taken from data.long_docs; an unknown field or stage is named."""
+    cfg = compose_cfg(["recipe=tiny", "data.long_docs.min_tokens=64", "recipe.stages.s2_2k.long_docs.min_share=0.25"])
+    assert (cfg.recipe.stages["s2_2k"].long_docs.min_tokens, cfg.recipe.stages["s2_2k"].long_docs.min_share) == \
+        (64, 0.25) and cfg.recipe.stages["s1_256"].long_docs is None
+    cfg = compose_cfg(["recipe=tiny", "recipe.stages.s2_2k.long_docs={min_tokens:100,min_share:0.5}"])
+    assert (cfg.recipe.stages["s2_2k"].long_docs.min_tokens, cfg.recipe.stages["s2_2k"].long_docs.min_share) == \
+        (100, 0.5)
+    with pytest.raises(ValueError, match=re.escape("recipe.stages.s2_2k.long_docs.share=0.5: long_docs takes "
+                                                   "['min_share', 'min_tokens']")):
+        compose_cfg(["recipe=tiny", "recipe.stages.s2_2k.long_docs.share=0.5"])
+    with pytest.raises(ValueError, match="recipe.stages.s9: no such stage in the recipe"):
+        compose_cfg(["recipe=tiny", "recipe.stages.s9.long_docs.min_share=0.5"])
+    # through `longstride train` (Hydra's own compose, then the stage's long_docs): its range checked before compute
+    r = run_cli(["recipe=tiny", "recipe.stages.s2_2k.long_docs.min_tokens=100", "logger.wandb_mode=disabled",
+                 "recipe.stages.s2_2k.long_docs.min_share=1.5", "recipe.stages.s2_2k.cp=1",
+                 "recipe.stages.s3_4k.cp=1", f"paths.output_root={tmp_path}"])
+    assert r.returncode == 2 and "recipe.stages.s2_2k.long_docs.min_share=1.5 must be in [0, 1)" in r.stderr, \
+        r.stderr[-2000:]
+    assert not (tmp_path / "tiny").exists(), "refused before anything is written"

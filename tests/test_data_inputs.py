@@ -376,3 +376,38 @@ def test_a_record_is_named_only_where_the_reader_fails_and_across_files(tmp_path
     odd = tmp_path / "part[1].jsonl"
     odd.write_text('{"text": "bracketed"}\n')
     assert load_source(SourceConfig(kind="files", path=str(odd)), str(cache_dir))["text"] == ["bracketed"]
+
+
+@pytest.mark.parametrize("pattern", ["tests", "tests/**", "tests/*"])
+def test_an_exclude_naming_a_folder_leaves_out_its_files_and_one_matching_nothing_is_refused(tmp_path, cache_dir,
+                                                                                             pattern):
+    """`exclude=tests/**` or `tests` gave Python's glob the folder alone, which the walk dropped: nothing was left out
+    and the held-out files were trained on. A folder's files are left out now; a pattern matching no file (a typo)
+    or an absolute one is refused, naming the field."""
+    d = tmp_path / "docs"
+    (d / "tests" / "deep").mkdir(parents=True)
+    (d / "a.txt").write_text("alpha text")
+    (d / "tests" / "t.txt").write_text("held out")
+    (d / "tests" / "deep" / "u.txt").write_text("held out too")
+    src = SourceConfig(kind="local_dir", path=str(d), glob="**/*.txt", exclude=pattern)
+    ds, _ = drop_skipped(load_source(src, str(cache_dir)))
+    assert list(ds["text"]) == ["alpha text"], "tests/* matches the folder deep too: its files are left out"
+    for bad, why in (("test/*", "matches no file under"), (f"{d}/tests/*", "is no glob relative to")):
+        with pytest.raises(ValueError, match=re.escape(f"data.sources.exclude='{bad}': '{bad}' {why}")):
+            load_source(SourceConfig(kind="local_dir", path=str(d), glob="**/*.txt", exclude=bad), str(cache_dir))
+
+
+def test_a_disk_source_split_is_refused_on_a_single_dataset(tmp_path, cache_dir):
+    """split=validation on a folder holding one Dataset (no splits) read the whole dataset as if it were that
+    split; now refused naming the field. A DatasetDict's split is read; one it lacks is named."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["alpha", "beta"]}).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t"]}),
+                          "validation": datasets.Dataset.from_dict({"text": ["v"]})}).save_to_disk(str(tmp_path / "two"))
+    one = SourceConfig(kind="disk", path=str(tmp_path / "one"))
+    assert sorted(drop_skipped(load_source(one, str(cache_dir)))[0]["text"]) == ["alpha", "beta"]
+    with pytest.raises(ValueError, match=r"data.sources.split='validation': .* holds one Dataset, not a DatasetDict"):
+        load_source(SourceConfig(kind="disk", path=str(tmp_path / "one"), split="validation"), str(cache_dir))
+    two = SourceConfig(kind="disk", path=str(tmp_path / "two"), split="validation")
+    assert list(drop_skipped(load_source(two, str(cache_dir)))[0]["text"]) == ["v"]

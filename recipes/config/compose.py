@@ -6,6 +6,7 @@ second instead of after torch and transformers load.
 from __future__ import annotations
 
 import os
+import re
 
 from longstride.recipes.config.schema import AddedStageError, added_stage_hint, to_schema
 
@@ -25,7 +26,8 @@ def compose_training(overrides: list[str], command: str = ""):
     overrides = config_dirs(overrides)
     try:
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-            return to_schema(compose("config", overrides=list(overrides)), overrides)
+            hydra_side, stage_docs = split_long_docs(overrides)
+            return to_schema(set_long_docs(compose("config", overrides=hydra_side), stage_docs), overrides)
     except (HydraException, OmegaConfBaseException) as e:
         if not command:
             raise
@@ -34,6 +36,46 @@ def compose_training(overrides: list[str], command: str = ""):
         if hint:
             raise AddedStageError(hint) from None
         raise ValueError(f"{reason} (see {command} --help)") from None
+
+
+LONG_DOCS = re.compile(r"^(recipe\.stages\.[^.=]+)\.long_docs(?:\.(\w+))?=(.*)$")
+
+
+def split_long_docs(overrides: list[str]) -> tuple[list[str], list]:
+    """(the overrides Hydra applies, those of a stage's long_docs it cannot). A stage's long_docs is null by default
+    (it takes data.long_docs), and OmegaConf can set neither a field under a null node nor a {...} group on it
+    (an AssertionError or an AttributeError inside Hydra's compose): set_long_docs applies these after."""
+    mine = [(m.group(1), m.group(2), m.group(3)) for o in overrides if (m := LONG_DOCS.match(o))]
+    return [o for o in overrides if not LONG_DOCS.match(o)], mine
+
+
+def set_long_docs(cfg, stage_docs: list):
+    """A stage's long_docs overrides on the composed config: a field, or a {...} group, over the stage's own
+    long_docs, or data.long_docs' where the stage has none (the fields it does not set are data.long_docs')."""
+    if not stage_docs:
+        return cfg
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from longstride.data.config import LongDocConfig
+
+    parser = OverridesParser.create()
+    for stage, name, text in stage_docs:
+        node = OmegaConf.select(cfg, stage)
+        if node is None:  # a stage the recipe does not have: Hydra's own error names it
+            raise ValueError(f"{stage}: no such stage in the recipe, so its long_docs cannot be set")
+        value = parser.parse_override(f"x={text}").value()
+        if name is None and value is None:
+            node.long_docs = None
+            continue
+        fields = OmegaConf.to_container(node.long_docs if node.long_docs is not None else cfg.data.long_docs)
+        given = {name: value} if name else dict(value) if isinstance(value, dict) else None
+        unknown = sorted(set(given or {"?": 0}) - set(fields))
+        if unknown:
+            raise ValueError(f"{stage}.long_docs{'.' + name if name else ''}={text}: long_docs takes "
+                             f"{sorted(fields)} (a field, or a {{...}} group of them, or null)")
+        node.long_docs = LongDocConfig(**{**fields, **given})
+    return cfg
 
 
 def config_dirs(argv: list[str]) -> list[str]:
