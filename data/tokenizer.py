@@ -62,14 +62,18 @@ def bos_prefix(tokenizer) -> list[int]:
 def tokenize_fn(tokenizer):
     """A batched `datasets.map` function: each document's token ids, after BOS where the tokenizer opens text with
     it (bos_prefix), with EOS appended. Rows with a `loss_from` column (synthetic sources) store the tokens that end
-    at or before that character as context only (`context_only`), so they are seen but never trained on."""
+    at or before that character as context only (`context_only`), so they are seen but never trained on. A special
+    token's text inside a document (`<|endoftext|>` in a code or web corpus) is tokenized as text
+    (split_special_tokens), never as the id itself: only packing writes EOS, BOS and padding."""
     eos, start = tokenizer.eos_token_id, bos_prefix(tokenizer)
 
     def tokenize(batch):
         if "loss_from" not in batch:  # verbose=False: documents longer than model_max_length are packed, not fed whole
-            ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+            ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True,
+                            verbose=False)["input_ids"]
             return {"input_ids": [start + x + [eos] for x in ids]}
-        enc = tokenizer(batch["text"], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        enc = tokenizer(batch["text"], add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True,
+                        verbose=False)
         out = []
         for x, offsets, begin in zip(enc["input_ids"], enc["offset_mapping"], batch["loss_from"]):
             out.append([context_only(t) for t in start]

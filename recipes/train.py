@@ -173,6 +173,23 @@ def run(cfg: Config, raw: DictConfig | None = None) -> list[str]:
     return train_stages(*setup(cfg, raw))
 
 
+def sweep_job_root(raw: DictConfig, hc) -> None:
+    """Under a multirun sweep (-m), each job's runs go under a folder of its own in paths.output_root, named by its
+    number and its swept overrides (`3-optim.lr=0.001`): one recipe directory for every job would make the second job of
+    a sweep find the first's run (the same config: "already complete", nothing trained; another: refused)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(
+        [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]) if o.is_sweep_override()}
+    job = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+    name = "-".join([str(hc.job.num), *job]).replace("/", "_")[:120]
+    raw.paths.output_root = os.path.join(raw.paths.output_root, name)
+    print(f"longstride: sweep job {hc.job.num}: writing under {raw.paths.output_root}", file=sys.stderr)
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(raw: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -183,6 +200,7 @@ def main(raw: DictConfig) -> None:
     skip_exit_collection()
     try:
         raw = set_long_docs(raw, STAGE_LONG_DOCS)  # what entry() kept from Hydra: recipes/config/compose.py
+        sweep_job_root(raw, HydraConfig.get())
         prepared = setup(to_schema(raw, HydraConfig.get().overrides.task), raw)
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
         print(f"longstride: {e}", file=sys.stderr)

@@ -411,3 +411,23 @@ def test_a_disk_source_split_is_refused_on_a_single_dataset(tmp_path, cache_dir)
         load_source(SourceConfig(kind="disk", path=str(tmp_path / "one"), split="validation"), str(cache_dir))
     two = SourceConfig(kind="disk", path=str(tmp_path / "two"), split="validation")
     assert list(drop_skipped(load_source(two, str(cache_dir)))[0]["text"]) == ["v"]
+
+
+def test_a_special_token_s_text_inside_a_document_stays_text():
+    """`<|endoftext|>` written inside a document (code and web corpora quote it) became the EOS id mid-document: a
+    document boundary the packer never made. It is tokenized as text now, in plain and in synthetic rows; only
+    packing writes EOS."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from longstride.data.tokenizer import tokenize_fn
+    from longstride.recipes.config.schema import SHIPPED
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(SHIPPED, "tiny_base_256"))
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    for batch in ({"text": ["foo <|endoftext|> bar <|pad|>"]},
+                  {"text": ["q: <|endoftext|> a: <|pad|>"], "loss_from": [3]}):
+        ids = tokenize_fn(tok)(batch)["input_ids"][0]
+        assert ids[-1] == eos and eos not in ids[:-1] and pad not in ids, ids
+        assert tok.decode([t if t >= 0 else -t - 1 for t in ids[:-1]]) == batch["text"][0]
