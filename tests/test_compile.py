@@ -128,6 +128,10 @@ def test_a_compiled_ring_of_two_trains_to_the_eager_one_process_losses(tmp_path,
                            "graphs compiled for this stage (the first step ran at"],
                           absent=("ran eagerly", "graph breaks in the layers' parts"),
                           one=s1_reference)
+    from tests.conftest import read_metrics
+
+    m = read_metrics(tmp_path / "two" / "tiny" / "s1_256")  # the first step's rates include compiling: flagged
+    assert m[1].get("compiling") == 1 and all("compiling" not in m[s] for s in range(2, 7))
 
 
 def test_a_compiled_step_that_compiled_nothing_is_reported():

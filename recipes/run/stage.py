@@ -245,6 +245,10 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
     ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
                      f"{s.batch_tokens} tokens{rounded} (accumulation {plan.accum}, dp {plan.dims.dp}, "
                      f"cp {plan.dims.cp}{cp_text}); packing {packing}")
+    if s.save_every >= s.total_steps > 1:  # as 0: no step checkpoint, so a crash restarts the stage
+        ctx.tracker.warning(f"stage {plan.name}: recipe.stages.{plan.name}.save_every={s.save_every} is not below its "
+                            f"{s.total_steps} steps, so no step checkpoint is written and a crash or preemption "
+                            "restarts the stage; lower it to resume mid-stage")
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
         ctx.tracker.info("stage %s: %s", plan.name, placement)
@@ -336,6 +340,7 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
             if run.built.compiled and not compile_reported:  # rank 0's, after its validation and first step
                 report_compiled(ctx.tracker, metrics)
                 compile_reported = True
+                metrics["compiling"] = 1  # its rates include compiling: flagged in metrics.jsonl and wandb
             last_good = after_step(ctx, run, stage_dir, stop, guard, metrics, last_good)
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
         settle_saves(ctx, run)
