@@ -49,7 +49,7 @@ def build_tokenizer(cfg: DataConfig, cache_dir: str):
             budget -= len(text)
             yield text
 
-    source = {k: v for k, v in vars(src).items() if k != "synthetic" or src.kind == "synthetic"}
+    source = {k: v for k, v in vars(src).items() if (k != "synthetic" or src.kind == "synthetic") and k != "weight"}
     # the texts themselves are in the key (at most tokenizer_train_bytes): an edited file or a new snapshot under the
     # same source config trains a new tokenizer instead of reusing the old one
     sampled = list(sample())

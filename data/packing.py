@@ -93,7 +93,8 @@ def pack_best_fit(starts: np.ndarray, lens: np.ndarray, seq_len: int) -> tuple[P
 
 
 def pack_concat(starts: np.ndarray, lens: np.ndarray, seq_len: int) -> tuple[PackPlan, int]:
-    """Documents back to back, cut every seq_len tokens; the last partial sequence is dropped."""
+    """Documents back to back, cut every seq_len tokens; the last partial sequence is dropped. Cut: a document that
+    crosses a sequence boundary or loses tokens to the dropped tail."""
     ends = np.cumsum(lens)
     begins = ends - lens
     n_seq = int(ends[-1] // seq_len) if len(ends) else 0
@@ -108,7 +109,7 @@ def pack_concat(starts: np.ndarray, lens: np.ndarray, seq_len: int) -> tuple[Pac
     counts = np.bincount(seq, minlength=n_seq)
     ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     spans = (np.searchsorted(bounds, begins, side="right") != np.searchsorted(bounds, ends - 1, side="right"))
-    cut = int(spans[begins < n_seq * seq_len].sum())
+    cut = int((spans | (ends > n_seq * seq_len)).sum())  # the dropped tail's documents lose their ends, or all
     return PackPlan(seq_len, seg_start.astype(np.int64), (seg_hi - seg_lo).astype(np.int64), ptr), cut
 
 

@@ -108,6 +108,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     import torch
 
     from longstride.data.corpus import build_corpus, build_tokenizer
+    from longstride.data.pipeline import check_long_docs
     from longstride.recipes.config.plan import validate
     from longstride.recipes.run.runlock import RunLock, check_shared
     from longstride.recipes.run.stage import RunContext
@@ -141,6 +142,8 @@ def setup(cfg: Config, raw: DictConfig | None):
         with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
             tokenizer = build_tokenizer(cfg.data, cache_dir)
             corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
+        if corpus is not None:  # every stage's long-document upsampling can draw, before the first one trains
+            check_long_docs(cfg.data, corpus, {n: cfg.recipe.stages[n] for n in stages})
         tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")
     except BaseException:
         if tracker:

@@ -71,7 +71,9 @@ def test_split_long_pieces():
 
 def test_concat_counts_cut_documents():
     plan, cut = pack_concat(np.array([0, 5, 11]), np.array([5, 6, 9]), 8)
-    assert len(plan) == 2 and cut == 1  # the doc at [5, 11) spans the boundary at 8
+    # the doc at [5, 11) spans the boundary at 8, and the one at [11, 20) loses 16-19 to the dropped tail
+    assert len(plan) == 2 and cut == 2
+    assert pack_concat(np.array([0, 5, 10]), np.array([5, 5, 5]), 4)[1] == 3  # the last one's tail dropped too
 
 
 def test_batch_fields_restart_per_document_and_labels_stay_inside():

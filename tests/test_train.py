@@ -399,3 +399,16 @@ def test_streaming_stage_sigkill_then_rerun_resumes_exactly(tmp_path, cache_dir)
     assert sorted(a) == sorted(b) and len(a) >= 6
     assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]
     assert a[max(a)]["val_loss"] == b[max(b)]["val_loss"]
+
+
+def test_a_later_stage_s_long_document_upsampling_is_checked_before_the_first_stage_trains(tmp_path, cache_dir):
+    """s3_4k's long_docs asks for documents longer than any the corpus holds: found when s3 built its data, after s1
+    and s2 had trained; now exit 2 at the start, naming the stage's field, nothing trained."""
+    from tests.conftest import micro_overrides
+
+    r = run_cli(micro_overrides(tmp_path, cache_dir) + ["recipe.stages.s3_4k.long_docs={min_tokens:10000000,"
+                                                        "min_share:0.3}"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("recipe.stages.s3_4k.long_docs.min_tokens=10000000 for stage s3_4k: no document of the sources it draws "
+            "(['stdlib']) is that long") in r.stderr
+    assert not (tmp_path / "tiny" / "s1_256" / "metrics.jsonl").exists()
