@@ -34,21 +34,28 @@ def stage_weights(cfg: DataConfig, mixture: Optional[dict]) -> dict[str, float]:
     return {name: w / total for name, w in weights.items() if w > 0}
 
 
-def check_long_docs(cfg: DataConfig, corpus: Corpus, stages: dict) -> None:
-    """Before any stage trains: each stage's long-document upsampling (its own long_docs, else data.long_docs) has
-    documents of at least min_tokens among the sources its mixture draws, naming the field; found only when that
-    stage built its data, a run learnt it after the stages before it had trained. `stages`: name -> StageConfig."""
+def check_long_docs(cfg: DataConfig, corpus: Corpus, stages: dict, run_stages) -> None:
+    """Before any stage trains: each stage's long-document upsampling (its own long_docs, else data.long_docs) finds
+    documents of at least min_tokens among those the stage draws (its mixture's draw of the documents no stage
+    validates on, as stage_sequences makes it), naming the field; found only when that stage built its data, a run
+    learnt it after the stages before it had trained. `stages`: name -> StageConfig of the stages to run;
+    `run_stages`: (seq_len, mixture) of every stage of the recipe, which the held-out documents are chosen for."""
+    keep = None
     for name, s in stages.items():
         field, ld = (f"recipe.stages.{name}.long_docs", s.long_docs) if s.long_docs else \
             ("data.long_docs", cfg.long_docs)
         if ld.min_tokens <= 0 or ld.min_share <= 0:
             continue
-        drawn = [corpus.sources.index(n) for n in stage_weights(cfg, s.mixture)]
-        lens = corpus.doc_len[np.isin(corpus.doc_source, drawn)]
-        if not len(lens) or lens.max() < ld.min_tokens:
-            raise ValueError(f"{field}.min_tokens={ld.min_tokens} for stage {name}: no document of the sources it "
-                             f"draws ({[corpus.sources[i] for i in drawn]}) is that long (the longest: "
-                             f"{int(lens.max()) if len(lens) else 0} tokens); lower it, or add longer documents")
+        if keep is None:
+            keep = np.ones(len(corpus.doc_len), dtype=bool)
+            held = list(holdout_documents(cfg, corpus, run_stages).values())
+            keep[np.concatenate(held).astype(np.int64) if held else []] = False
+        weights = stage_weights(cfg, s.mixture)
+        lens = corpus.doc_len[mixture_documents(corpus, weights, cfg.seed, keep)]
+        if not (lens >= ld.min_tokens).any():
+            raise ValueError(f"{field}.min_tokens={ld.min_tokens} for stage {name}: no document the stage draws from "
+                             f"{sorted(weights)} is that long (the longest: {int(lens.max()) if len(lens) else 0} "
+                             "tokens); lower it, or add longer documents or weight their source up")
 
 
 def _prefix_to(docs: np.ndarray, doc_len: np.ndarray, tokens: float) -> np.ndarray:

@@ -49,7 +49,8 @@ def long_documents(tokenizer, cfg: PplConfig, min_len: int) -> list[list[int]]:
             text = open(path, encoding="utf-8").read()
         except UnicodeDecodeError:
             continue
-        ids = start + tokenizer(text, add_special_tokens=False)["input_ids"]
+        # a special token's text inside a file stays text, as training tokenizes it (data/tokenizer.py tokenize_fn)
+        ids = start + tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if len(ids) >= min_len:
             docs.append(ids)
         if len(docs) >= cfg.max_docs:

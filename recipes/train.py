@@ -111,7 +111,7 @@ def setup(cfg: Config, raw: DictConfig | None):
     from longstride.data.pipeline import check_long_docs
     from longstride.recipes.config.plan import validate
     from longstride.recipes.run.runlock import RunLock, check_shared
-    from longstride.recipes.run.stage import RunContext
+    from longstride.recipes.run.stage import RunContext, run_stages
     from longstride.recipes.run.tracking import Tracker
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
@@ -143,7 +143,7 @@ def setup(cfg: Config, raw: DictConfig | None):
             tokenizer = build_tokenizer(cfg.data, cache_dir)
             corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
         if corpus is not None:  # every stage's long-document upsampling can draw, before the first one trains
-            check_long_docs(cfg.data, corpus, {n: cfg.recipe.stages[n] for n in stages})
+            check_long_docs(cfg.data, corpus, {n: cfg.recipe.stages[n] for n in stages}, run_stages(cfg))
         tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")
     except BaseException:
         if tracker:
@@ -178,7 +178,7 @@ def run(cfg: Config, raw: DictConfig | None = None) -> list[str]:
 
 def sweep_job_root(raw: DictConfig, hc) -> None:
     """Under a multirun sweep (-m), each job's runs go under a folder of its own in paths.output_root, named by its
-    number and its swept overrides (`3-optim.lr=0.001`): one recipe directory for every job would make the second job of
+    swept overrides (`optim.lr=0.001`): one recipe directory for every job would make the second job of
     a sweep find the first's run (the same config: "already complete", nothing trained; another: refused)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
@@ -188,7 +188,9 @@ def sweep_job_root(raw: DictConfig, hc) -> None:
     swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(
         [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]) if o.is_sweep_override()}
     job = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
-    name = "-".join([str(hc.job.num), *job]).replace("/", "_")[:120]
+    # by its swept values alone (a job keeps its folder when the sweep's lists change; a sweep whose values come
+    # from hydra.sweeper.params in a config file: by its number)
+    name = ("-".join(job) or f"job{hc.job.num}").replace("/", "_")[:120]
     raw.paths.output_root = os.path.join(raw.paths.output_root, name)
     print(f"longstride: sweep job {hc.job.num}: writing under {raw.paths.output_root}", file=sys.stderr)
 

@@ -275,13 +275,13 @@ def test_help_and_bad_options_answer_before_torch_is_imported(tmp_path):
 def test_a_multirun_sweep_gives_each_job_its_own_run_directory(tmp_path):
     """`-m optim.implementation=foreach,for_loop`: every job wrote to one recipe directory, so the second found the
     first's run ("already complete": nothing trained; a swept lr: refused, ending the sweep). Each job now writes
-    under paths.output_root/<job number>-<its swept overrides>, and both train."""
+    under paths.output_root/<its swept overrides>, and both train."""
     from tests.conftest import micro_overrides
 
     r = run_cli(["-m", *micro_overrides(tmp_path, tmp_path / "cache"), "stage=s1_256", "recipe.stages.s1_256.steps=2",
                  "optim.implementation=foreach,for_loop"])
     assert r.returncode == 0, r.stderr[-3000:]
-    for job in ("0-optim.implementation=foreach", "1-optim.implementation=for_loop"):
+    for job in ("optim.implementation=foreach", "optim.implementation=for_loop"):
         assert (tmp_path / job / "tiny" / "s1_256" / "final").is_dir(), sorted(p.name for p in tmp_path.iterdir())
     assert "already complete" not in r.stderr and (tmp_path / "multirun.yaml").is_file()
     assert not (REPO / "multirun.yaml").exists(), "nothing written where the command ran"

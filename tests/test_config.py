@@ -267,7 +267,8 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("+recipe.stages.s2_2k.mixture={stdlib:-1.0}", "recipe.stages.s2_2k.mixture={'stdlib': -1.0} must be source "
                                                    "weights >= 0 with a positive sum"),
     ("+recipe.stages.s2_2k.mixture.stdlib=0.0", "must be source weights >= 0 with a positive sum"),
-    ("data.sources.stdlib.weight=-1", "data.sources.stdlib.weight=-1.0 must be >= 0"),  # refused after the BPE
+    ("data.sources.stdlib.weight=0", "data.sources.stdlib.weight=0.0 must be > 0"),  # refused after the BPE before
+    ("data.streaming=true data.sources.stdlib.weight=-1", "data.sources.stdlib.weight=-1.0 must be >= 0"),
     ("logger.log_every=0", "logger.log_every=0 must be >= 1"),
     ("data.num_workers=-1", "data.num_workers=-1 must be >= 0"),
     ("data.vocab_size=10", "data.vocab_size=10 must be > 256"),

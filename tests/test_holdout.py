@@ -181,3 +181,25 @@ def test_no_held_out_file_is_one_whose_lines_the_filler_trains_on(cache_dir, std
                         None, 1, 0, 1, str(cache_dir))
     src = SourceConfig(kind="stdlib", max_docs=n)  # what the training stream reads: every row but the held-out
     assert [r["text"] for r in stream_source(src, str(cache_dir), leave_out=range(lo, hi))] == walked[:lo] + walked[hi:]
+
+
+def test_long_document_upsampling_is_checked_on_the_documents_the_stage_draws():
+    """Source a holds the corpus's one long document but weighs 0.05: the stage's draw of a (its seeded share of a's
+    documents) leaves it out, so upsampling would find no long document at that stage's start. The early check
+    (recipes/train.py setup, before any stage trains) draws as the stage does and refuses it; weighted up, a passes."""
+    from types import SimpleNamespace
+
+    from longstride.data.config import LongDocConfig
+    from longstride.data.pipeline import check_long_docs
+
+    lens = np.array([1000] + [10] * 550)
+    src = np.array([0] * 51 + [1] * 500, dtype=np.int16)
+    corpus = Corpus(np.zeros(lens.sum(), np.int32), np.concatenate([[0], np.cumsum(lens)[:-1]]), lens, src,
+                    ["a", "b"], {}, None)
+    stage = {"s": SimpleNamespace(long_docs=LongDocConfig(500, 0.3), mixture=None)}
+    light = DataConfig(sources={"a": SourceConfig(weight=0.05), "b": SourceConfig(weight=0.95)}, eval_sequences=0)
+    with pytest.raises(ValueError, match=r"recipe.stages.s.long_docs.min_tokens=500 for stage s: no document the "
+                                         r"stage draws from \['a', 'b'\] is that long \(the longest: 10 tokens\)"):
+        check_long_docs(light, corpus, stage, [(64, None)])
+    heavy = DataConfig(sources={"a": SourceConfig(weight=0.5), "b": SourceConfig(weight=0.5)}, eval_sequences=0)
+    check_long_docs(heavy, corpus, stage, [(64, None)])

@@ -409,6 +409,6 @@ def test_a_later_stage_s_long_document_upsampling_is_checked_before_the_first_st
     r = run_cli(micro_overrides(tmp_path, cache_dir) + ["recipe.stages.s3_4k.long_docs={min_tokens:10000000,"
                                                         "min_share:0.3}"])
     assert r.returncode == 2, r.stderr[-2000:]
-    assert ("recipe.stages.s3_4k.long_docs.min_tokens=10000000 for stage s3_4k: no document of the sources it draws "
-            "(['stdlib']) is that long") in r.stderr
+    assert ("recipe.stages.s3_4k.long_docs.min_tokens=10000000 for stage s3_4k: no document the stage draws from "
+            "['stdlib'] is that long") in r.stderr
     assert not (tmp_path / "tiny" / "s1_256" / "metrics.jsonl").exists()

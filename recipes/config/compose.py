@@ -38,7 +38,7 @@ def compose_training(overrides: list[str], command: str = ""):
         raise ValueError(f"{reason} (see {command} --help)") from None
 
 
-LONG_DOCS = re.compile(r"^(recipe\.stages\.[^.=]+)\.long_docs(?:\.(\w+))?=(.*)$")
+LONG_DOCS = re.compile(r"^\+{0,2}(recipe\.stages\.[^.=]+)\.long_docs(?:\.(\w+))?=(.*)$")
 
 
 def split_long_docs(overrides: list[str]) -> tuple[list[str], list]:
@@ -64,7 +64,11 @@ def set_long_docs(cfg, stage_docs: list):
         node = OmegaConf.select(cfg, stage)
         if node is None:  # a stage the recipe does not have: Hydra's own error names it
             raise ValueError(f"{stage}: no such stage in the recipe, so its long_docs cannot be set")
-        value = parser.parse_override(f"x={text}").value()
+        override = parser.parse_override(f"x={text}")
+        if override.is_sweep_override():
+            raise ValueError(f"{stage}.long_docs: a stage's long_docs cannot be swept (-m); give one value per "
+                             "command, or sweep data.long_docs")
+        value = override.value()
         if name is None and value is None:
             node.long_docs = None
             continue

@@ -121,8 +121,10 @@ def _range_rules(cfg: Config) -> list[tuple]:
                   ("model.vocab_size", m.vocab_size, m.vocab_size is None or m.vocab_size >= cfg.data.vocab_size
                    or bool(cfg.data.tokenizer), f"null (the tokenizer's size) or >= data.vocab_size "
                                                 f"{cfg.data.vocab_size}, the ids the tokenizer makes")]
-    rules += [(f"data.sources.{n}.weight", src.weight, src.weight >= 0, ">= 0 (a share of the tokens; 0 = only "
-               "where a stage's mixture names it)") for n, src in cfg.data.sources.items()]
+    streamed = cfg.data.streaming  # a streamed source of weight 0 is read only where a stage's mixture names it
+    rules += [(f"data.sources.{n}.weight", src.weight, src.weight >= 0 if streamed else src.weight > 0,
+               ">= 0 (a share of the tokens)" if streamed else "> 0 (a share of the tokens; a source no stage reads "
+               "is dropped from data.sources)") for n, src in cfg.data.sources.items()]
     for name, s in cfg.recipe.stages.items():
         f = f"recipe.stages.{name}"
         rules += [(f"{f}.seq_len", s.seq_len, s.seq_len >= 2, ">= 2 tokens (e.g. 4096)"),

@@ -247,8 +247,8 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
                      f"cp {plan.dims.cp}{cp_text}); packing {packing}")
     if s.save_every >= s.total_steps > 1:  # as 0: no step checkpoint, so a crash restarts the stage
         ctx.tracker.warning(f"stage {plan.name}: recipe.stages.{plan.name}.save_every={s.save_every} is not below its "
-                            f"{s.total_steps} steps, so no step checkpoint is written and a crash or preemption "
-                            "restarts the stage; lower it to resume mid-stage")
+                            f"{s.total_steps} steps, so no step checkpoint is written but at a stop signal, and a "
+                            "crash (a killed process, a node lost) restarts the stage; lower it to resume mid-stage")
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
         ctx.tracker.info("stage %s: %s", plan.name, placement)
