@@ -179,7 +179,8 @@ def probe_refusal(forward, device) -> Optional[str]:
 def check_prefill_chunk(config, chunk: int, longest: int) -> None:
     """Refuses a prefill_chunk under which a chunked prefill would rotate keys otherwise than one forward over the
     prompt: longrope takes its long factors only in forwards that reach past its window (so chunks must too, once
-    prompts do), dynamic NTK rescales by each forward's length (so a prompt past its window must be one chunk)."""
+    prompts do); dynamic NTK rescales by each forward's length and keeps the scale, which prefix caching across
+    prompts cannot reproduce: refused past its window."""
     from longstride.model.rope import length_dependent
 
     for key, kind, window in length_dependent(config):
@@ -188,7 +189,9 @@ def check_prefill_chunk(config, chunk: int, longest: int) -> None:
             raise ValueError(f"prefill_chunk={chunk}: the model's {where} picks its frequencies from each forward's "
                              f"largest position, long past {window} positions, and prompts of up to {longest} tokens "
                              f"would be prefilled in pieces that do not reach it; set prefill_chunk > {window}")
-        if kind == "dynamic" and longest > window and longest > chunk:
-            raise ValueError(f"prefill_chunk={chunk}: the model's {where} rescales its frequencies by each forward's "
-                             f"length past {window} positions, so a prompt of {longest} tokens must be prefilled in "
-                             f"one forward; set prefill_chunk >= {longest}")
+        if kind == "dynamic" and longest > window:
+            raise ValueError(f"lengths up to {longest}: the model's {where} rescales its frequencies by each forward's "
+                             f"length past {window} positions (and transformers keeps the scale for later forwards), "
+                             "while RULER's prompts are prefilled from keys cached by other prompts' forwards, so "
+                             f"scores would depend on the order of work; give lengths up to {window}, or measure it "
+                             "with eval ppl (one forward per document and length)")

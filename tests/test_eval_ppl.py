@@ -127,7 +127,7 @@ class _Tok:
     def __init__(self, bos_first: bool):
         self.bos_token_id, self.bos_first = 9, bos_first
 
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, split_special_tokens=False):
         return {"input_ids": ([9] if add_special_tokens and self.bos_first else []) + [10 + ord(c) % 50 for c in text]}
 
 

@@ -86,11 +86,12 @@ def test_prefix_cached_prefill_gives_the_full_forward_cache_and_logits(path, mon
 
 
 def test_command_line_runs_reports_and_skips(checkpoint, squad, tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"tasks: \['nope'\] is no task; known tasks: niah_single_1"):  # a typo
+        main([f"checkpoint={checkpoint}", "tasks=[niah_single_1,nope]", f"out={tmp_path}", "threads=1"])
     res = main([f"checkpoint={checkpoint}", "lengths=[1536,2048,4096]", "num_samples=2",
-                "tasks=[niah_single_1,niah_multikey_2,vt,cwe,fwe,qa_1,qa_2,nope]", f"qa.squad={squad}",
+                "tasks=[niah_single_1,niah_multikey_2,vt,cwe,fwe,qa_1,qa_2]", f"qa.squad={squad}",
                 f"out={tmp_path}", "threads=1"])
     err = capsys.readouterr().err
-    assert "unknown task 'nope'; known tasks: niah_single_1" in err
     assert "qa_2 skipped: it needs a local hotpotqa dev file (qa.hotpotqa=PATH)" in err
     assert "length 4096 skipped: the model's max positions are 2048; add yarn.factor=2" in err
     summary = res["summary"]
@@ -135,6 +136,8 @@ def test_bad_input(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="prefill=cp splits each prompt over several processes"):
         parse_ruler([f"checkpoint={checkpoint}", "prefill=cp"])
     with pytest.raises(ValueError, match="nothing to run: no runnable task"):
+        main([f"checkpoint={checkpoint}", "tasks=[qa_2]"])  # its dev file not given: skipped, and nothing is left
+    with pytest.raises(ValueError, match=r"tasks: \['nope'\] is no task"):
         main([f"checkpoint={checkpoint}", "tasks=[nope]"])
     with pytest.raises(ValueError, match="haystack="):
         main([f"checkpoint={checkpoint}", "tasks=[niah_single_2]", f"haystack={tmp_path}/none"])

@@ -314,3 +314,23 @@ def test_cwe_searches_within_its_word_list_first_and_past_it_only_when_the_list_
     assert long.units > n and len(long.prompt_ids) + long.max_new_tokens <= 80_000
     bigger = Sampler(TASKS["cwe"], 80_000, 42, 0).render(long.units + 1)
     assert len(prompt_ids(tok, bigger.content, bigger.answer_prefix, False)) + long.max_new_tokens > 80_000
+
+
+def test_a_chat_template_that_prints_the_date_gets_a_fixed_one(tok):
+    """A Llama 3.x template prints today's date where no `date_string` is given, so prompts (and the haystack that
+    fits) changed with the day: the prompt is made with a fixed one; a template that calls strftime_now without
+    reading date_string is named in the note, as is the chat template itself (RULER scores base models without)."""
+    import copy
+
+    from longstride.eval.ruler.fit import CHAT_DATE, chat_template_note
+
+    llama = copy.deepcopy(tok)
+    llama.chat_template = ("{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
+                           "{%- endif %}Today Date: {{ date_string }}\n{% for m in messages %}{{ m['content'] }}"
+                           "{% endfor %}")
+    assert llama.decode(prompt_ids(llama, "hi", "A:", True)).startswith(f"Today Date: {CHAT_DATE}\nhi")
+    assert chat_template_note(llama, True).startswith("chat=true: prompts go through the tokenizer's chat template")
+    assert "today's date" not in chat_template_note(llama, True) and chat_template_note(llama, False) == ""
+    undated = copy.deepcopy(tok)
+    undated.chat_template = "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert "it prints today's date, which no setting pins" in chat_template_note(undated, True)

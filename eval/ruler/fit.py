@@ -39,10 +39,26 @@ class Sample:
     metric: str
 
 
+# The date a chat template prints where it reads `date_string` (Llama 3.x: else today's, so the prompts, and even
+# the haystack that fits, would change with the day the evaluation runs)
+CHAT_DATE = "26 Jul 2024"
+
+
+def chat_template_note(tokenizer, chat: bool) -> str:
+    """What the prompts go through, for the log: "" without a chat template (or chat=false)."""
+    template = getattr(tokenizer, "chat_template", None) if chat else None
+    if not template:
+        return ""
+    dated = "strftime_now" in str(template) and "date_string" not in str(template)
+    return ("chat=true: prompts go through the tokenizer's chat template (RULER scores a base model without one: "
+            "chat=false)" + ("; it prints today's date, which no setting pins: prompts and scores can differ from "
+                             "one day to another" if dated else ""))
+
+
 def prompt_ids(tokenizer, content: str, answer_prefix: str, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, date_string=CHAT_DATE)
         return encode(tokenizer, text + answer_prefix, add_special_tokens=False)
     # BOS where training opens documents with it (bos_prefix), never a post-processor's EOS after the prefix
     return bos_prefix(tokenizer) + encode(tokenizer, content + answer_prefix, add_special_tokens=False)

@@ -23,7 +23,7 @@ import torch
 from longstride.eval.cli import RulerConfig, default_out, parse_ruler, results_stem
 from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
-from longstride.eval.ruler.fit import DoesNotFit, make_sample
+from longstride.eval.ruler.fit import DoesNotFit, chat_template_note, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
 from longstride.eval.ruler.score import sample_score, summarize
@@ -41,12 +41,14 @@ def note(msg: str) -> None:
 
 
 def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
-    """The tasks that can run, their QA data, and a message per task skipped."""
+    """The tasks that can run, their QA data, and a message per task skipped (a QA task without its dev file).
+    A name that is no task is refused (ValueError): a typo would run an evaluation without it."""
+    unknown = [n for n in dict.fromkeys(cfg.tasks) if n not in ALL_TASKS]
+    if unknown:
+        raise ValueError(f"tasks: {unknown} {'is no task' if len(unknown) == 1 else 'are no tasks'}; known tasks: "
+                         f"{', '.join(ALL_TASKS)}")
     tasks, qa, skipped = [], {}, []
     for name in dict.fromkeys(cfg.tasks):
-        if name not in ALL_TASKS:
-            skipped.append(f"unknown task {name!r}; known tasks: {', '.join(ALL_TASKS)}")
-            continue
         kind = ALL_TASKS[name].params.get("dataset")
         if kind:
             path = getattr(cfg.qa, kind)
@@ -93,6 +95,8 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     """(task, length, samples) for every task and length that fits; the indices in `share` only. A task
     too long for a length is noted in `skipped`."""
     groups = []
+    if chat_template_note(tok, cfg.chat):
+        note(chat_template_note(tok, cfg.chat))
     for name in tasks:
         for L in lengths:
             try:
