@@ -34,6 +34,14 @@ def stage_weights(cfg: DataConfig, mixture: Optional[dict]) -> dict[str, float]:
     return {name: w / total for name, w in weights.items() if w > 0}
 
 
+def trained_documents(corpus: Corpus, held: dict) -> np.ndarray:
+    """The mask of the corpus's documents a stage may train on: all but the `held` ones (holdout_documents)."""
+    keep = np.ones(len(corpus.doc_len), dtype=bool)
+    if held:
+        keep[np.concatenate(list(held.values())).astype(np.int64)] = False
+    return keep
+
+
 def check_long_docs(cfg: DataConfig, corpus: Corpus, stages: dict, run_stages) -> None:
     """Before any stage trains: each stage's long-document upsampling (its own long_docs, else data.long_docs) finds
     documents of at least min_tokens among those the stage draws (its mixture's draw of the documents no stage
@@ -47,9 +55,7 @@ def check_long_docs(cfg: DataConfig, corpus: Corpus, stages: dict, run_stages) -
         if ld.min_tokens <= 0 or ld.min_share <= 0:
             continue
         if keep is None:
-            keep = np.ones(len(corpus.doc_len), dtype=bool)
-            held = list(holdout_documents(cfg, corpus, run_stages).values())
-            keep[np.concatenate(held).astype(np.int64) if held else []] = False
+            keep = trained_documents(corpus, holdout_documents(cfg, corpus, run_stages))
         weights = stage_weights(cfg, s.mixture)
         lens = corpus.doc_len[mixture_documents(corpus, weights, cfg.seed, keep)]
         if not (lens >= ld.min_tokens).any():
@@ -104,10 +110,7 @@ def stage_sequences(cfg: DataConfig, corpus: Corpus, seq_len: int, pad_id: int,
                     mixture: Optional[dict] = None, long_docs=None,
                     held: Optional[dict] = None) -> tuple[PackedSequences, dict]:
     """One epoch of the stage packed, leaving out the `held` documents (holdout_documents)."""
-    keep = None
-    if held:
-        keep = np.ones(len(corpus.doc_len), dtype=bool)
-        keep[np.concatenate(list(held.values())).astype(np.int64)] = False
+    keep = trained_documents(corpus, held) if held else None
     docs = mixture_documents(corpus, stage_weights(cfg, mixture), cfg.seed, keep)
     docs = upsample_long(docs, corpus.doc_len, long_docs or cfg.long_docs, cfg.seed)
     plan, stats = pack(corpus.doc_start[docs], corpus.doc_len[docs], seq_len, cfg.packing)

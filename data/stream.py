@@ -174,10 +174,13 @@ class StreamLoader:
     def __init__(self, packer: StreamPacker, micro_batch_size: int, origin: dict | None = None):
         self.loader = stateful_loader(packer, batch_size=micro_batch_size, collate_fn=collate, num_workers=0)
         self._it = None
-        self.packer = packer
         # per source, what numbers its rows (config, files, held-out rows): a later stage's streams go on from this
         # stage's positions only where it is the same (recipes/run/stage_state.carry_streams)
         self.origin = origin or {}
+
+    @property
+    def packer(self) -> StreamPacker:
+        return self.loader.dataset
 
     def __next__(self) -> dict:
         if self._it is None:

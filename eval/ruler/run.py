@@ -95,8 +95,8 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
     """(task, length, samples) for every task and length that fits; the indices in `share` only. A task
     too long for a length is noted in `skipped`."""
     groups = []
-    if chat_template_note(tok, cfg.chat):
-        note(chat_template_note(tok, cfg.chat))
+    if said := chat_template_note(tok, cfg.chat):
+        note(said)
     for name in tasks:
         for L in lengths:
             try:

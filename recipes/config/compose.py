@@ -73,9 +73,8 @@ def set_long_docs(cfg, stage_docs: list):
             node.long_docs = None
             continue
         fields = OmegaConf.to_container(node.long_docs if node.long_docs is not None else cfg.data.long_docs)
-        given = {name: value} if name else dict(value) if isinstance(value, dict) else None
-        unknown = sorted(set(given or {"?": 0}) - set(fields))
-        if unknown:
+        given = {name: value} if name else value
+        if not isinstance(given, dict) or set(given) - set(fields):
             raise ValueError(f"{stage}.long_docs{'.' + name if name else ''}={text}: long_docs takes "
                              f"{sorted(fields)} (a field, or a {{...}} group of them, or null)")
         node.long_docs = LongDocConfig(**{**fields, **given})

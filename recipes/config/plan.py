@@ -1,8 +1,8 @@
 """Every check of a run's config, then each stage resolved once into a frozen StagePlan.
 
 Nothing is built before `validate` passes: each user-facing check lives here (the model group's in
-recipes/config/model_checks.py; or in the one function of the package it calls: a data source kind's check, the CP method's degrees, the kernel's availability),
-with the field and the fix in its message. The stage then consumes its plan and computes none of it
+recipes/config/model_checks.py; or in the one function of the package it calls: a data source kind's check, the CP
+method's degrees, the kernel's availability), with the field and the fix in its message. The stage then consumes its plan and computes none of it
 again.
 """
 from __future__ import annotations

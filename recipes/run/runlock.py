@@ -260,7 +260,8 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
             return False
     if resume_from:
         rewind()
-    fresh = {"fresh_start_job": slurm_start()} if not resume and slurm_start() else {}
+    start = None if resume else slurm_start()
+    fresh = {"fresh_start_job": start} if start else {}
     _write_json(path, {"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {}),
                        **fresh})
     return bool(resume_from)

@@ -150,11 +150,10 @@ def carry_streams(ctx, run, final: Optional[str]) -> str:
         take = (set(packer.weights) - set(positions)) & same & read
         if not take:
             continue
-        cp = manifest_world(f) // head["dp"]
         if head["dp"] == dims.dp:
-            state = load_rank_state(f, dp_rank * cp)["data"]["dataset_state"]
+            state = written_position(f, head["dp"], dp_rank, head)["dataset_state"]
         else:
-            states = [load_rank_state(f, r * cp)["data"] for r in range(head["dp"])]
+            states = [written_position(f, head["dp"], r, head) for r in range(head["dp"])]
             whole = take - splittable(states)
             if whole:
                 notes.append(f"{sorted(whole)}: from their beginning, {f}'s {head['dp']} data-parallel ranks read "
@@ -186,15 +185,21 @@ def _finals_before(ctx, final: str) -> list[str]:
     return [final] + [os.path.join(ctx.recipe_dir, n, "final") for n in reversed(names[:names.index(name)])]
 
 
+def written_position(path: str, written_dp: int, dp_rank: int, first: Optional[dict] = None) -> dict:
+    """The data position data-parallel rank `dp_rank` of the run that wrote checkpoint `path` saved (its first
+    process's: every process of one data-parallel rank held the same); `first`: rank0.pt's state, already read."""
+    rank = dp_rank * (manifest_world(path) // written_dp)
+    return (first if rank == 0 and first is not None else load_rank_state(path, rank))["data"]
+
+
 def streamed_position(ctx, path: str, written_dp: int, dims) -> tuple[dict, str]:
     """(this process's stream position, a note for the log): the state its data-parallel rank saved, or, written
     with another number of data-parallel ranks, every old rank's re-split (data/stream_split.py; ValueError naming
     the source when it cannot be). The old run's processes of one data-parallel rank held the same position."""
-    cp = manifest_world(path) // written_dp
     dp_rank = dims.dp_rank(ctx.accelerator.process_index)
     if written_dp == dims.dp:
-        return load_rank_state(path, dp_rank * cp)["data"], ""
-    states = [load_rank_state(path, i * cp)["data"] for i in range(written_dp)]
+        return written_position(path, written_dp, dp_rank), ""
+    states = [written_position(path, written_dp, i) for i in range(written_dp)]
     names = {n: f"data.sources.{n}" for n in ctx.cfg.data.sources}
     data, notes = resplit(states, dp_rank, dims.dp, names)
     return data, (f"; its stream positions re-split from {written_dp} to {dims.dp} data-parallel ranks"
