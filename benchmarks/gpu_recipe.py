@@ -308,7 +308,7 @@ def plot_ruler(out: str, rows: list[dict], samples: int, rest_samples: int) -> N
     from longstride.eval.ruler.compare import Row, plot
 
     tasks = [t for t in TASKS + [IN_FORMAT] if any(t in r["scores"] for r in rows)]
-    plot(os.path.join(out, "ruler.png"), [Row(**{k: r[k] for k in Row.__dataclass_fields__}) for r in rows],
+    plot(os.path.join(out, "ruler.png"), [Row(**{k: r[k] for k in Row.__dataclass_fields__ if k in r}) for r in rows],
          {i: r["scores"] for i, r in enumerate(rows)}, tasks, f"{RECIPE}: RULER score vs context length, "
          f"{samples} samples per cell ({TASKS[0]}), {rest_samples} (the others)")
 

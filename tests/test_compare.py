@@ -89,12 +89,28 @@ def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, caps
         by_key.setdefault((r["task"], r["length"], r["index"]), []).append((r["answers"], r["prompt_tokens"]))
     same = [v for (t, L, i), v in by_key.items() if L in (256, 512)]
     assert len(same) == 4 and all(len(v) == 2 and v[0] == v[1] for v in same), "one sample set for every checkpoint"
+    assert res["rows"][0]["sample_set"] == res["rows"][1]["sample_set"]
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert len(saved["records"]) == 2 * 2 * 2 + 2 and (tmp_path / "compare.png").stat().st_size > 0
     assert saved["rows"][2]["yarn"] == 2.0 and saved["complete"] is True
     only_yarn = main([f"checkpoints=[{base},{stage}]", "tasks=[synth_kv]", "yarn=[2]", "yarn_lengths=[2048]",
                       "plain_rows=false", "num_samples=1", f"out={tmp_path}/yarn", "threads=1"])
     assert [r["label"] for r in only_yarn["rows"]] == ["stage + YaRN x2"] and len(only_yarn["records"]) == 1
+
+
+def test_a_checkpoint_with_another_tokenizer_is_said_to_score_its_own_samples(two, tmp_path, capsys):
+    base, _ = two
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    (other / "chat_template.jinja").write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    res = main([f"checkpoints=[{base},{other}]", "tasks=[synth_kv]", "lengths=[512]", "yarn=[]", "num_samples=1",
+                f"out={tmp_path}/out", "threads=1"])
+    err = capsys.readouterr().err
+    assert "other's tokenizer (or chat template) differs from base's: its rows are scored on their own samples" in err
+    first, second = (r["sample_set"] for r in res["rows"])
+    assert len(first) == 12 and first != second
+    prompts = {r["checkpoint"]: r["prompt_tokens"] for r in res["records"]}
+    assert set(prompts) == {"base", "other"}
 
 
 def _compare_worker(rank, world, args, out):

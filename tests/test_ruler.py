@@ -3,6 +3,7 @@ checkpoint, bad input (its samples and metrics: tests/test_ruler_samples.py)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -252,6 +253,18 @@ def test_nothing_fitting_any_length_is_an_error_not_an_empty_table(checkpoint, t
         main([f"checkpoint={checkpoint}", "lengths=[64]", "num_samples=1", "tasks=[niah_single_1]",
               f"out={tmp_path}"])
     assert not list(tmp_path.iterdir()), "no empty results written"
+
+
+def test_a_task_whose_shortest_length_is_past_the_model_s_positions_says_how_to_reach_it(tmp_path, capsys):
+    """`use lengths >= N` alone sent a user to a length the model then skipped (past its max positions)."""
+    from longstride.recipes.config.schema import SHIPPED
+
+    with pytest.raises(ValueError, match="nothing to run: no task fits"):
+        main([f"checkpoint={SHIPPED}/tiny_base_256", "lengths=[128]", "num_samples=1", "tasks=[niah_single_1]",
+              f"out={tmp_path}", "threads=1"])
+    assert re.search(r"niah_single_1 does not fit in 128 tokens: .* use lengths >= \d+, past the model's max "
+                     r"positions \(256\): leave the task out, or reach that length with a larger yarn.factor",
+                     capsys.readouterr().err)
 
 
 def test_cp_prefill_refuses_a_model_that_reads_positions_from_a_rank_s_own_tokens(tmp_path, monkeypatch):

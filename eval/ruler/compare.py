@@ -5,7 +5,8 @@ samples, with YaRN at eval time on the last stage: one table (checkpoint x lengt
     longstride eval compare checkpoints=[BASE,STAGE1,STAGE2] lengths=[1024,2048,4096,8192] yarn=[2]
     torchrun --nproc-per-node 8 -m longstride.eval.ruler.compare run=outputs/RUN   # samples split over 8 GPUs
 
-Every checkpoint is scored on the same samples (they are made once per tokenizer), lengths past a
+Every checkpoint is scored on the same samples (they are made once per tokenizer: checkpoints whose tokenizers
+differ are scored on samples of the same seeds sized to each one's tokens, said in a note), lengths past a
 checkpoint's trained length included (that is the point: the drop beyond it). Rows: each checkpoint
 without YaRN at `lengths`, then the last one with each YaRN factor at `yarn_lengths`. Writes
 <out>/compare.json (scores, sample counts, every prediction) and <out>/compare.png after each row, the rows
@@ -44,6 +45,7 @@ class Row:
     trained: int  # the checkpoint's max positions: the length its last stage trained at
     rope_theta: Optional[float]
     lengths: list
+    sample_set: str = ""  # the digest (12 hex digits) of the tokenizer whose samples the row is scored on
 
 
 def tokenizer_digest(checkpoint: str) -> str:
@@ -163,6 +165,11 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
     digests = {c: tokenizer_digest(c) for c in {r.checkpoint for r in rows}}
     for i, r in enumerate(rows):
         digest = digests[r.checkpoint]
+        r.sample_set = digest[:12]
+        if digest not in groups_by_tok and groups_by_tok:
+            note(f"{r.label}'s tokenizer (or chat template) differs from {rows[0].label}'s: its rows are scored on "
+                 "their own samples (the same seeds and needles, haystacks sized to its tokens), not the same "
+                 "prompts; compare.json names each row's 'sample_set'")
         if digest not in groups_by_tok:  # the samples before the weights: what fits no length fails first
             tok = eval_tokenizer(r.checkpoint)
             made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(rank, cfg.num_samples, world), qa=qa,

@@ -23,7 +23,11 @@ from longstride.eval.ruler.tasks import QAData, Sampler, Task
 
 
 class DoesNotFit(ValueError):
-    """A task's fixed parts alone exceed the target length."""
+    """A task's fixed parts alone exceed the target length; `needed`: the shortest length it fits."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass
@@ -80,9 +84,9 @@ def make_sample(task: Task, length: int, index: int, tokenizer, *, seed: int = 4
 
     lo = sampler.min_units
     if not fits(lo):
+        needed = tokens[lo] + task.max_new_tokens
         raise DoesNotFit(f"{task.name} does not fit in {length} tokens: its fixed parts take {tokens[lo]} "
-                         f"prompt tokens + {task.max_new_tokens} new tokens; use lengths >= "
-                         f"{tokens[lo] + task.max_new_tokens}")
+                         f"prompt tokens + {task.max_new_tokens} new tokens; use lengths >= {needed}", needed)
     # Each unit is at least one token, so the answer is below `length` units (or the task's cap).
     cap = min(sampler.cap or length, length)
     if sampler.monotone:

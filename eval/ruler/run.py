@@ -91,9 +91,10 @@ def launched_ranks():
 
 
 def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, share, qa: dict,
-                skipped: list[str]) -> list[tuple]:
+                skipped: list[str], max_positions: Optional[int] = None) -> list[tuple]:
     """(task, length, samples) for every task and length that fits; the indices in `share` only. A task
-    too long for a length is noted in `skipped`."""
+    too long for a length is noted in `skipped` (with what reaching its shortest length takes where that is past
+    the model's `max_positions`)."""
     groups = []
     if said := chat_template_note(tok, cfg.chat):
         note(said)
@@ -106,11 +107,19 @@ def make_groups(cfg: RulerConfig, tasks: list[str], lengths: list[int], tok, sha
                                             haystack=cfg.haystack, qa=qa.get(name),
                                             guess=mine[-1].units if mine else None))
             except DoesNotFit as e:
-                skipped.append(str(e))
-                note(str(e))
+                skipped.append(str(e) + _past_positions(e.needed, max_positions, cfg))
+                note(skipped[-1])
                 continue
             groups.append((name, L, mine))
     return groups
+
+
+def _past_positions(needed: int, max_positions: Optional[int], cfg: RulerConfig) -> str:
+    """What a length of `needed` tokens takes when it is past the model's positions ("" when it is not)."""
+    if max_positions is None or needed <= max_positions or cfg.extrapolate:
+        return ""
+    return (f", past the model's max positions ({max_positions}): leave the task out, or reach that length with "
+            "a larger yarn.factor (YaRN) or extrapolate=true")
 
 
 def common_groups(groups: list[tuple], skipped: list[str], world: int) -> list[tuple]:
@@ -172,7 +181,8 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
         if found:
             raise ValueError(f"prefill=cp: {'; '.join(found)}; use prefill=local (samples split over the processes)")
     tok = eval_tokenizer(cfg.checkpoint)  # the samples first: what fits no length fails before the weights load
-    groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped)
+    groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped,
+                         max_positions=max_positions(config))
     if world > 1 and not cp:
         groups = common_groups(groups, skipped, world)
     if not groups:
