@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from longstride.choices import Choice, WandbMode, check_wandb
-from longstride.eval.ruler.tasks import TASKS
+from longstride.eval.ruler.tasks import ALL_TASKS, TASKS
 from longstride.model.config import YarnConfig
 from longstride.model.model_dir import TOKENIZER_FILES, check_checkpoint_dir, check_checkpoint_weights, has_tokenizer
 from longstride.overrides import module_doc, parse, writable_dir
@@ -148,7 +148,12 @@ def require_tokenizer(checkpoint: str, name: str = "checkpoint") -> None:
 
 
 def check_generation(cfg) -> None:
-    """The sampling and generation fields `eval ruler` and `eval compare` share, and their QA files."""
+    """The sampling and generation fields `eval ruler` and `eval compare` share: the task names (a typo would run
+    an evaluation without the task), the numbers and the QA files."""
+    unknown = [n for n in dict.fromkeys(cfg.tasks) if n not in ALL_TASKS]
+    if unknown:
+        raise ValueError(f"tasks: {unknown} {'is no task' if len(unknown) == 1 else 'are no tasks'}; known tasks: "
+                         f"{', '.join(ALL_TASKS)}")
     if cfg.num_samples < 1 or cfg.batch_size < 0 or cfg.prefill_chunk < 1 or cfg.batch_tokens < 1:
         raise ValueError("num_samples, prefill_chunk and batch_tokens must be >= 1, batch_size >= 0 (0: by batch_tokens)")
     if cfg.draft < 0:

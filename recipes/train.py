@@ -230,8 +230,10 @@ def main(raw: DictConfig) -> None:
 def entry() -> None:
     """`longstride train` and `python -m longstride.recipes.train`: the command line composed once first, so that a
     composition error (a mistyped key or choice, a stage added on the command line: schema.added_stage_hint) is one
-    line and exit 2, as every other bad input, not Hydra's traceback hint and exit 1; then Hydra's main. Hydra's own
-    flags (--cfg, --help, --multirun, ...) and hydra.mode=MULTIRUN sweeps go to it untouched."""
+    line and exit 2, as every other bad input, not Hydra's traceback hint and exit 1, and so is a model.checkpoint
+    that is no model directory; then Hydra's main. Hydra's own flags (--cfg, --help, --multirun, ...) and
+    hydra.mode=MULTIRUN sweeps go to it untouched."""
+    from longstride.model.model_dir import check_checkpoint_dir
     from longstride.recipes.config.compose import compose_training, config_dirs
 
     argv = sys.argv[1:]
@@ -242,7 +244,9 @@ def entry() -> None:
     try:
         config_dirs(argv)  # a --config-dir that is no folder, or whose files Hydra would not read, also with --cfg
         if not flags and not sweep:
-            compose_training(argv, "longstride train")
+            cfg = compose_training(argv, "longstride train")
+            if cfg.model.arch == "checkpoint" and cfg.model.checkpoint:  # before torch loads (setup checks it again)
+                check_checkpoint_dir(cfg.model.checkpoint, "model.checkpoint")
     except ValueError as e:
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)

@@ -119,7 +119,10 @@ def test_bad_input_fails_before_compute_naming_the_field(corpus, tmp_path, capsy
              (argv(root, gemma2, "parallel.kernel=sdpa"), "parallel.kernel=sdpa has no logit soft-capping"),
              (argv(root, good, "cp=3", "parallel.cp_impl=ulysses"), "must divide the model's 4 query heads"),
              (argv(root, good, "model.loss_tile_tokens=0"), "model.loss_tile_tokens=0 must be >= 1"),  # training's
-             (argv(root, good, "parallel.kernel=torch_flash"), "compares in fp32")]  # bf16-only kernels
+             (argv(root, good, "parallel.kernel=torch_flash"), "compares in fp32"),  # bf16-only kernels
+             # a checkpoint named without model=checkpoint: training's refusal, not a check of a new model
+             (["recipe=tiny", f"model.checkpoint={good}", *argv(root, good)[1:]],
+              f"model.checkpoint={good} is read only with model.arch=checkpoint")]
     for args, expect in cases:
         with pytest.raises(SystemExit) as e:
             cli.main(["check", *args])

@@ -86,6 +86,9 @@ def test_a_mistyped_training_key_is_one_line_and_exit_2(tmp_path):
     r = _run([shutil.which("longstride"), "train", "recipe=tiny", "recipe.stages.s2_2k.stepz=5"], tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == ("longstride: Could not override 'recipe.stages.s2_2k.stepz': "
                                                       "Key 'stepz' not in 'StageConfig' (see longstride train --help)")
+    r = _run([shutil.which("longstride"), "train", "model=checkpoint", f"model.checkpoint={tmp_path}/none"], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (f"longstride: model.checkpoint='{tmp_path}/none' does not "
+                                                      "exist; point it at a local HF model directory"), r.stderr
 
 
 def test_choice_typos_name_the_key_and_the_choices(tmp_path):

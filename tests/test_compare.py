@@ -194,6 +194,8 @@ def test_bad_input_is_named(two, tmp_path, capsys):
         main([f"checkpoints=[{two[0]}]", "plain_rows=false", "yarn=[]"])
     with pytest.raises(ValueError, match="qa.squad="):
         main([f"checkpoints=[{two[0]}]", f"qa.squad={tmp_path}/missing.json"])
+    with pytest.raises(ValueError, match=r"tasks: \['niah_single1'\] is no task; known tasks: niah_single_1"):
+        parse_compare([f"checkpoints=[{two[0]}]", "tasks=[niah_single1]"])
     with pytest.raises(ValueError, match=r"nothing to run: no task fits any of lengths \[64\]"):
         main([f"checkpoints=[{two[0]}]", "tasks=[synth_kv]", "lengths=[64]", "yarn=[]", "num_samples=1",
               f"out={tmp_path}/short", "threads=1"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from longstride.recipes.config.schema import OptimConfig
+from longstride.recipes.run.schedule import param_groups
 from longstride.recipes.run.step import adamw_implementation, build_optimizer
 from tests.conftest import rerun_from_step_3
 
@@ -35,3 +36,16 @@ def test_a_run_resumed_with_the_fused_update_takes_it_and_keeps_the_losses(micro
     assert sorted(got) == sorted(want) == list(range(1, 7))
     for step in range(4, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_weight_decay_skips_every_embedding_table_whatever_its_name():
+    """GPT-2 names its tables wte and wpe: the name rule alone ('embed') decayed them as projections."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= {names[id(p)] for p in no_decay["params"]}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(".attn." in n or ".mlp." in n for n in decayed), decayed
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

@@ -138,8 +138,8 @@ def test_bad_input(checkpoint, tmp_path):
         parse_ruler([f"checkpoint={checkpoint}", "prefill=cp"])
     with pytest.raises(ValueError, match="nothing to run: no runnable task"):
         main([f"checkpoint={checkpoint}", "tasks=[qa_2]"])  # its dev file not given: skipped, and nothing is left
-    with pytest.raises(ValueError, match=r"tasks: \['nope'\] is no task"):
-        main([f"checkpoint={checkpoint}", "tasks=[nope]"])
+    with pytest.raises(ValueError, match=r"tasks: \['nope'\] is no task"):  # with the options, before torch runs
+        parse_ruler([f"checkpoint={checkpoint}", "tasks=[nope]"])
     with pytest.raises(ValueError, match="haystack="):
         main([f"checkpoint={checkpoint}", "tasks=[niah_single_2]", f"haystack={tmp_path}/none"])
     bad = tmp_path / "bad.json"

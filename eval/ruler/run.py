@@ -6,9 +6,9 @@
     torchrun --nproc-per-node 2 -m longstride.eval.ruler checkpoint=DIR prefill=cp ...  # each prefill split
 
 Writes <out>/ruler[_yarnF][_DTYPE].{json,csv} and plots (_DTYPE when dtype= is not float32; default out:
-outputs/eval/<checkpoint path>, see eval/cli.py; never inside the checkpoint unless out= says so). Bad items (an
-unknown task, a QA task without its file, a length past the model's positions, a length too short for a task) are
-reported and skipped; the rest still runs.
+outputs/eval/<checkpoint path>, see eval/cli.py; never inside the checkpoint unless out= says so). A QA task
+without its file, a length past the model's positions and a length too short for a task are reported and skipped;
+the rest still runs. A name that is no task, like any other bad option, is refused before anything loads.
 """
 from __future__ import annotations
 
@@ -41,12 +41,8 @@ def note(msg: str) -> None:
 
 
 def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
-    """The tasks that can run, their QA data, and a message per task skipped (a QA task without its dev file).
-    A name that is no task is refused (ValueError): a typo would run an evaluation without it."""
-    unknown = [n for n in dict.fromkeys(cfg.tasks) if n not in ALL_TASKS]
-    if unknown:
-        raise ValueError(f"tasks: {unknown} {'is no task' if len(unknown) == 1 else 'are no tasks'}; known tasks: "
-                         f"{', '.join(ALL_TASKS)}")
+    """The tasks that can run, their QA data, and a message per task skipped (a QA task without its dev file;
+    a name that is no task was refused with the options, eval/cli.check_generation)."""
     tasks, qa, skipped = [], {}, []
     for name in dict.fromkeys(cfg.tasks):
         kind = ALL_TASKS[name].params.get("dataset")

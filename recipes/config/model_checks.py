@@ -75,6 +75,10 @@ def model_shape(cfg: Config, split_longest: Optional[int] = None, tiles: bool = 
     """What the stages' plans read of the model (a checkpoint's from its config, read once), after the model
     group's checks (tiles: the stages' MLP tiles among them)."""
     m = cfg.model
+    if m.checkpoint and m.arch != "checkpoint":
+        raise ValueError(f"model.checkpoint={m.checkpoint} is read only with model.arch=checkpoint, and "
+                         f"model.arch={m.arch} would build a new model from scratch; add model=checkpoint "
+                         "(the config group) or drop model.checkpoint")
     if m.arch == "checkpoint":
         from transformers import AutoConfig
 

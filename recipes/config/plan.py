@@ -161,10 +161,6 @@ def _check_run(cfg: Config) -> None:
     root = cfg.paths.output_root
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"paths.output_root={root!r} is a file; give a directory (it is created if missing)")
-    if cfg.model.checkpoint and cfg.model.arch != "checkpoint":
-        raise ValueError(f"model.checkpoint={cfg.model.checkpoint} is read only with model.arch=checkpoint, and "
-                         f"model.arch={cfg.model.arch} would build a new model from scratch; add model=checkpoint "
-                         "(the config group) or drop model.checkpoint")
     if cfg.train.resume_from and not cfg.train.resume:
         raise ValueError("train.resume=false (start afresh) and train.resume_from (continue from a checkpoint) "
                          "contradict each other; give one")

@@ -17,12 +17,16 @@ SCHEDULES = tuple(Schedule.names())
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
-    """No weight decay on norms, biases and embeddings (1-D tensors and embedding tables)."""
+    """No weight decay on norms, biases and embeddings (1-D tensors, and embedding tables: any nn.Embedding's
+    weight, whatever the model names it, GPT-2's wte and wpe say, and a parameter whose name says embed)."""
+    from torch import nn  # here: the schema imports Schedule without torch
+
+    tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+        (no_decay if p.ndim < 2 or id(p) in tables or "embed" in name else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
