@@ -90,9 +90,9 @@ def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: d
     from longstride.recipes.run.runlock import check_identity
 
     names, resume_from = list(cfg.recipe.stages), cfg.train.resume_from
-    if resume_from:
-        resume_from_stage(resume_from, recipe_dir, names)
-    def rewind():
+
+    def rewind():  # only where resume_from is applied now: a requeued job finds it applied, and maybe since deleted
+        resume_from_stage(resume_from, recipe_dir, names)  # by keep_last, and resumes the run's newest checkpoint
         for moved in supersede_after(resume_from, recipe_dir, names):
             tracker.info("train.resume_from: moved %s aside", moved)
 

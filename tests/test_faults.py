@@ -64,15 +64,24 @@ def test_exploding_stage_stops_naming_the_last_good_checkpoint_and_saves_nothing
     assert bad.returncode == 2 and "is not a step_NNNNNN or final checkpoint" in bad.stderr
 
 
+KEEP_ONE = ["recipe.stages.s1_256.lr=1e-3", "recipe.stages.s1_256.save_every=1", "train.keep_last=1"]
+
+
 def test_a_resume_from_a_step_checkpoint_trains_at_the_configs_lr_not_the_checkpoints(micro, tmp_path):
     """The rerun NonFiniteError advises, from a step checkpoint: a lower lr. The optimizer's shards and the
     schedule's state carry the checkpoint's peak lr; the resumed steps apply the new one on the same schedule."""
     logged, resumed, again = rerun_from_step_3(micro, tmp_path, "lr", ["recipe.stages.s1_256.lr=2e-3"],
-                                               ["recipe.stages.s1_256.lr=1e-3"])
+                                               KEEP_ONE)
     assert "the checkpoint's peak lr 0.002 (now 0.001)" in again.stderr, again.stderr[-3000:]
     assert sorted(resumed) == sorted(logged) == list(range(1, 7))
     for step in range(1, 7):  # steps 1-3 kept from the first run, 4-6 trained again at half the peak
         assert resumed[step] == pytest.approx(logged[step] * (0.5 if step > 3 else 1.0), rel=1e-9), step
+    # SLURM requeues the same command once keep_last has deleted step_000003: the rewind was applied, so the run
+    # resumes its newest checkpoint (it was refused: "is not a step_NNNNNN or final checkpoint")
+    s1 = tmp_path / "out" / "tiny" / "s1_256"
+    assert not (s1 / "step_000003").exists()
+    requeued = run_cli(micro + ["stage=s1_256", *KEEP_ONE, f"train.resume_from={s1}/step_000003"])
+    assert requeued.returncode == 0 and "already complete" in requeued.stderr, requeued.stderr[-2000:]
 
 
 @pytest.mark.parametrize("override, field", [("recipe.stages.s1_256.rope_theta=nan", "recipe.stages.s1_256.rope_theta"),
