@@ -54,6 +54,15 @@ def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | No
     return stages, init_from
 
 
+def stages_to_train(cfg: Config, recipe_dir: str) -> list[str]:
+    """The stages this launch may train: stage= or every one, less those whose final checkpoint is written (verified
+    only when the stage comes up: hashing a large final here would be a second pass over it)."""
+    from longstride.recipes.checkpoint.format import final_dir
+    from longstride.recipes.config.schema import selected_stages
+
+    return [n for n in selected_stages(cfg) if not os.path.isdir(final_dir(os.path.join(recipe_dir, n)))]
+
+
 def use_cpu() -> bool:
     """The device accelerate will run on: the CPU where there is no GPU, and where ACCELERATE_USE_CPU asks for it
     on a GPU machine (`accelerate launch --cpu` sets it; a config's `use_cpu: true` does so only for a single
@@ -115,8 +124,8 @@ def setup(cfg: Config, raw: DictConfig | None):
     from longstride.recipes.run.tracking import Tracker
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked before any process group exists
-    plans = validate(cfg, world, "cpu" if use_cpu() else "cuda")
     recipe_dir = os.path.join(cfg.paths.output_root, cfg.recipe.name)
+    plans = validate(cfg, world, "cpu" if use_cpu() else "cuda", runs=stages_to_train(cfg, recipe_dir))
     stages, init_from = start_stage_index(cfg, recipe_dir)
     acc = make_accelerator(cfg, world)
     if acc.num_processes != world:  # the plans were made for WORLD_SIZE processes

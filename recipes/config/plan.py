@@ -48,6 +48,19 @@ class StagePlan:
     accum: int
 
 
+@dataclass(frozen=True)
+class Unplanned:
+    """A stage this launch does not run (stage= names another one, or its final is written) whose layout does not fit
+    this launch's processes (a 4K stage run on 8 GPUs, the next ones on 16): planned with the processes it ran on,
+    which this launch does not know. Should it train after all (its final damaged), train_stage refuses it with
+    `error`."""
+
+    name: str
+    index: int
+    stage: StageConfig
+    error: str
+
+
 def non_finite_fields(node, path: str = "") -> list[str]:
     """Dotted names of NaN / inf floats anywhere in a config (dataclasses, dicts, lists)."""
     if isinstance(node, float):
@@ -337,10 +350,11 @@ def _checkpoint_layers(cfg: Config, name: str, ac: bool, layers: int, device_typ
 
 
 def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool = False,
-             check_data: bool = True) -> dict[str, StagePlan]:
+             check_data: bool = True, runs: Optional[list[str]] = None) -> dict[str, StagePlan | Unplanned]:
     """Every user-facing check, with the field and the fix; returns each stage's plan. Nothing is built
     before it passes. assume_gpu / check_data=False: plan for GPUs this machine lacks, without the data
-    (longstride plan)."""
+    (longstride plan). runs: the stages this launch may train (None: every one); another stage's plan that does not
+    fit `world` processes is Unplanned, not an error."""
     _check_run(cfg)
     shape = model_shape(cfg)
     _check_rope_layer_types(cfg.model)
@@ -348,11 +362,17 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
-        plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=shape.heads,
-                                 prev_len=prev_len, assume_gpu=assume_gpu, head_dim=shape.head_dim,
-                                 layers=shape.layers, softcap=shape.softcap)
+        try:
+            plans[name] = plan_stage(cfg, index, name, world=world, device_type=device_type, heads=shape.heads,
+                                     prev_len=prev_len, assume_gpu=assume_gpu, head_dim=shape.head_dim,
+                                     layers=shape.layers, softcap=shape.softcap)
+        except ValueError as e:
+            if runs is None or name in runs:
+                raise
+            plans[name] = Unplanned(name, index, cfg.recipe.stages[name], str(e))
         prev_len = plans[name].stage.seq_len
-    if cfg.model.checkpoint_layers is not None and all(p.step.checkpointing == "none" for p in plans.values()):
+    planned = [p for p in plans.values() if isinstance(p, StagePlan)]
+    if cfg.model.checkpoint_layers is not None and all(p.step.checkpointing == "none" for p in planned):
         raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
                          "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
                          "activation_checkpointing), or drop model.checkpoint_layers")

@@ -46,7 +46,7 @@ from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
 from longstride.recipes.checkpoint.format import (BackgroundSave, CheckpointError, final_dir, latest_checkpoint,
                                                   remove_partial, step_name, verified_final)
-from longstride.recipes.config.plan import StagePlan
+from longstride.recipes.config.plan import StagePlan, Unplanned
 from longstride.recipes.memory.fit import log_memory_estimate
 from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StageInputError, StopSignals, Stopped,
                                              stage_input, test_kill)
@@ -77,7 +77,7 @@ class RunContext:
     tracker: Tracker
     recipe_dir: str
     cfg_dict: dict  # the resolved config, logged with every stage's run
-    plans: dict[str, StagePlan]  # resolved once by validate
+    plans: dict[str, StagePlan | Unplanned]  # resolved once by validate (Unplanned: a stage this launch skips)
     lock: Optional[RunLock] = None  # held by the main process for the run
     mesh: Optional[WorldMesh] = None  # the run's one device mesh, built by the first stage that needs it
 
@@ -385,7 +385,7 @@ def after_step(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals
     return last_good
 
 
-def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> str:
+def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optional[str]) -> str:
     """Runs (or resumes, or skips if finished) one stage; returns its final checkpoint dir."""
     acc, tracker = ctx.accelerator, ctx.tracker
     stage_dir = os.path.join(ctx.recipe_dir, plan.name)
@@ -394,6 +394,9 @@ def train_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str]) -> s
     if from_main(lambda: verified_final(stage_dir)):
         tracker.info("stage %s already complete: %s", plan.name, final)
         return final
+    if isinstance(plan, Unplanned):  # its final is damaged after all: it trains again, on this launch's processes
+        raise ValueError(f"stage {plan.name} has no intact final checkpoint, so it trains again, and its layout does "
+                         f"not fit this launch: {plan.error}")
     if acc.is_main_process:
         remove_partial(stage_dir)
     acc.wait_for_everyone()
