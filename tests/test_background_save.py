@@ -224,3 +224,34 @@ def test_a_stop_signal_while_a_save_is_in_flight_seals_it_and_the_rerun_matches(
         assert resumed.returncode == 0 and f"resuming from {s2 / stopped}" in resumed.stderr, resumed.stderr[-2000:]
     a, b = read_metrics(s2), read_metrics(s1_done / "clean" / "tiny" / "s2_2k")
     assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise
+
+
+def test_an_error_after_the_last_step_waits_for_the_save_in_flight_before_the_run_lets_go(micro, tmp_path,
+                                                                                          monkeypatch):
+    """The final validation failed (here raised) with step 5's checkpoint still sealing behind the steps: the error
+    left the stage and the run released its lock while the seal ran on, so a rerun could take the half-sealed
+    directory. The save in flight is now finished first."""
+    import threading
+
+    from longstride.recipes.checkpoint import format as fmt
+    from longstride.recipes.checkpoint.format import verify
+    from longstride.recipes.run import stage
+    from longstride.recipes.train import run
+    from tests.conftest import compose_cfg
+
+    slow = fmt._test_kills
+    monkeypatch.setattr(fmt, "_test_kills", lambda name: (time.sleep(2), slow(name)))
+    calls = []
+
+    def validation(ctx, run_):
+        calls.append(run_.step)
+        if len(calls) > 1:
+            raise RuntimeError("validation failed")
+        return 1.0
+
+    monkeypatch.setattr(stage, "validation_loss", validation)
+    with pytest.raises(RuntimeError, match="validation failed"):
+        run(compose_cfg(micro + [ASYNC, "stage=s1_256", "recipe.stages.s1_256.save_every=5"]))
+    assert calls == [0, 6]
+    assert not [t for t in threading.enumerate() if t.name.startswith("save ")], "the seal outlived the run"
+    assert verify(str(tmp_path / "out" / "tiny" / "s1_256" / "step_000005")) is None

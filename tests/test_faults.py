@@ -64,6 +64,15 @@ def test_exploding_stage_stops_naming_the_last_good_checkpoint_and_saves_nothing
     assert bad.returncode == 2 and "is not a step_NNNNNN or final checkpoint" in bad.stderr
 
 
+def test_a_stage_ending_inside_a_run_of_skipped_steps_says_so(micro):
+    """lr=1e6 blows up at the first update; with a limit above the stage's steps it ends inside the run of skipped
+    steps and its final (finite weights) is written, with a warning naming the run (it went on silently)."""
+    r = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.lr=1e6", "train.max_nonfinite_steps=100"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"stage s1_256 ended inside a run of [1-5] skipped non-finite steps: its final checkpoint holds "
+                     r"the weights of the last update applied", r.stderr), r.stderr[-3000:]
+
+
 KEEP_ONE = ["recipe.stages.s1_256.lr=1e-3", "recipe.stages.s1_256.save_every=1", "train.keep_last=1"]
 
 

@@ -342,20 +342,31 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
                 compile_reported = True
                 metrics["compiling"] = 1  # its rates include compiling: flagged in metrics.jsonl and wandb
             last_good = after_step(ctx, run, stage_dir, stop, guard, metrics, last_good)
+        if guard.in_row:  # under train.max_nonfinite_steps: the stage ends, its final the last good update's weights
+            ctx.tracker.warning("stage %s ended inside a run of %d skipped non-finite steps: its final checkpoint "
+                                "holds the weights of the last update applied; look at its loss before a next stage "
+                                "builds on it (the last good step checkpoint: %s)", run.plan.name, guard.in_row,
+                                last_good or "none")
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
         settle_saves(ctx, run)
         acc.wait_for_everyone()
         raise
     except Stopped:
         raise
-    except Exception:  # this rank's own error: the save in flight is finished if it can be, its failure logged
-        try:
-            settle_saves(ctx, run)
-        except CheckpointError as e:
-            ctx.tracker.warning("%s", e)
+    except Exception:
+        finish_in_flight(ctx, run)
         raise
     finally:  # a window cut short by a stop or an error: what it traced is written
         profiler.close()
+
+
+def finish_in_flight(ctx: RunContext, run: StageRun) -> None:
+    """On this rank's own error: the save in flight is finished if it can be (its failure logged), before the error
+    leaves the stage and the run lock is released (a rerun would take the half-sealed directory for its own)."""
+    try:
+        settle_saves(ctx, run)
+    except CheckpointError as e:
+        ctx.tracker.warning("%s", e)
 
 
 def after_step(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals, guard: NonFiniteGuard,
@@ -426,6 +437,9 @@ def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optiona
                 raise Stopped(signum, f"stopped by {signal.Signals(signum).name} at the end of stage {plan.name}, "
                                       f"its final checkpoint {final} saved; rerun the command to go on with the "
                                       "next stage")
+    except Exception:  # the final validation or save failed with the last step checkpoint still in flight
+        finish_in_flight(ctx, run)
+        raise
     finally:
         tracker.finish_stage()
     acc.free_memory()
