@@ -136,10 +136,14 @@ def _shape_hint(schema: type, argv: list[str]) -> str:
 
 def _reason(e: BaseException) -> str:
     """One line: Hydra's first line and the schema's reason (which names the key and the valid choices)."""
-    lines = [str(e).splitlines()[0].rstrip(".")]
+    lines = [str(e).splitlines()[0].rstrip(".:")]
     cause = e.__cause__ or e.__context__
     if cause is not None and str(cause).strip():
         lines.append(str(cause).strip().splitlines()[0])
+    # a value in a config file (not an override, whose line names it): OmegaConf's key is on a later line
+    key = next((k for k in (getattr(x, "full_key", None) for x in (cause, e)) if k), None)
+    if key and key not in lines[0] and key not in lines[-1]:
+        lines[-1] += f" (at {key})"
     return ": ".join(lines)
 
 

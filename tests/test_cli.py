@@ -195,6 +195,20 @@ def test_your_own_recipe_from_a_config_dir_and_a_stage_added_on_the_command_line
     (tmp_path / "mine" / "accelerate" / "gpu8.yaml").write_text("num_processes: 8\n")
     assert compose_training(["--config-dir", mine, "recipe=mine"]).recipe.name == "mine"
     assert compose_training(["--config-dir", str(REPO / "configs"), "recipe=tiny"]).recipe.name == "tiny"
+    # mistakes inside your own file: the key named (OmegaConf's first line alone did not), the missing package line
+    bad = tmp_path / "bad" / "recipe"
+    bad.mkdir(parents=True)
+    (bad / "mine.yaml").write_text(text.replace("batch_tokens: 4096", "batch_tokens: 4.5e3", 1))
+    with pytest.raises(ValueError, match=r"Value '4500.0' of type 'float' could not be converted to Integer \(at "
+                                         r"recipe.stages.s1_256.batch_tokens\)"):
+        compose_training(["--config-dir", str(bad.parent), "recipe=mine"], "longstride train")
+    (bad / "mine.yaml").write_text(text.replace("steps:", "stepz:", 1))
+    with pytest.raises(ValueError, match=r"Key 'stepz' not in 'StageConfig' \(at recipe.stages.s1_256.stepz\)"):
+        compose_training(["--config-dir", str(bad.parent), "recipe=mine"], "longstride train")
+    (bad / "mine.yaml").write_text(text.replace("# @package _global_\n", "", 1))
+    with pytest.raises(ValueError, match=r"Could not override 'model@recipe.model': a recipe file begins with the "
+                                         r"line `# @package _global_`"):
+        compose_training(["--config-dir", str(bad.parent), "recipe=mine"], "longstride train")
     r = _run([shutil.which("longstride"), "train", "--config-dir", mine, "recipe=mine", "--cfg", "job"], tmp_path)
     assert r.returncode == 0 and "name: mine" in r.stdout, r.stderr
     for added in ("+recipe.stages.s4={seq_len:8192}", "recipe.stages.s4.seq_len=8192"):

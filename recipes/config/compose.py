@@ -35,6 +35,9 @@ def compose_training(overrides: list[str], command: str = ""):
         hint = added_stage_hint(overrides, reason)
         if hint:
             raise AddedStageError(hint) from None
+        if "@recipe." in reason:  # a recipe file's defaults (model, data, ...) placed under recipe: by its package
+            raise ValueError(f"{reason}: a recipe file begins with the line `# @package _global_`, as those in "
+                             "configs/recipe/ do; add it to yours") from None
         raise ValueError(f"{reason} (see {command} --help)") from None
 
 
