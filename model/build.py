@@ -60,6 +60,26 @@ def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, 
     )
 
 
+VOCAB_PADDING = 128  # rows past the tokenizer's ids a from-scratch model may embed unremarked (a size rounded up)
+
+
+def scratch_notes(cfg: ModelConfig, tokenizer_ids: int) -> list[str]:
+    """What a from-scratch model's sizes do that a user may not mean, said at its stage's start: a model.vocab_size
+    far past the tokenizer's ids (rows never used: a size meant for another tokenizer), and attention that is not
+    model.hidden_size wide (a model.head_dim kept from the config file copied while hidden_size or heads changed)."""
+    notes = []
+    if cfg.vocab_size and cfg.vocab_size - tokenizer_ids >= VOCAB_PADDING:
+        notes.append(f"model.vocab_size={cfg.vocab_size} embeds {cfg.vocab_size - tokenizer_ids} rows that the "
+                     f"tokenizer's {tokenizer_ids} ids never use; set model.vocab_size=null (the tokenizer's size), "
+                     "or train a tokenizer of that size (data.vocab_size)")
+    width = cfg.num_attention_heads * (cfg.head_dim or 0)
+    if cfg.head_dim and width != cfg.hidden_size:
+        notes.append(f"attention is {width} wide (model.num_attention_heads={cfg.num_attention_heads} x "
+                     f"model.head_dim={cfg.head_dim}), not model.hidden_size={cfg.hidden_size}; model.head_dim=null "
+                     "makes it hidden_size / num_attention_heads")
+    return notes
+
+
 def load_config_with_yarn(checkpoint: str, yarn: YarnConfig, layer_types: Optional[list[str]] = None,
                           field: str = "rope_layer_types") -> tuple[PretrainedConfig, int]:
     """A saved checkpoint's config with YaRN applied (to `layer_types` on a model with RoPE per layer type, see

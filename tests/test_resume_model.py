@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from tests.conftest import run_cli
+
 
 def test_a_resume_compares_the_rope_and_the_max_positions_it_reads(tmp_path):
     """The resume check compares rope_parameters, and max positions only where the RoPE reads them: under plain
@@ -98,3 +100,21 @@ def test_saved_configs_turn_the_kv_cache_on_and_a_resumed_stage_trains_without(t
         assert json.loads((tmp_path / name).read_text())["use_cache"] is True, name
     assert lm.config.use_cache is False, "the training model's own config is left as it was"
     assert build_model(model, 1e4, 256, 300, 0, 1, resume=str(tmp_path)).config.use_cache is False
+
+
+def test_from_scratch_sizes_a_user_may_not_mean_are_said_at_the_stage_start(micro):
+    """A model.vocab_size far past the trained tokenizer's ids (45K unused rows for a 50K size over a 4K BPE) and a
+    model.head_dim kept from a copied config (attention 2048 wide in a 1536-wide model) built silently."""
+    from longstride.model.build import scratch_notes
+    from longstride.model.config import ModelConfig
+
+    notes = scratch_notes(ModelConfig(vocab_size=50000, hidden_size=1536, num_attention_heads=16, head_dim=128), 4096)
+    assert len(notes) == 2 and notes[0].startswith("model.vocab_size=50000 embeds 45904 rows that the tokenizer's "
+                                                   "4096 ids never use")
+    assert notes[1].startswith("attention is 2048 wide (model.num_attention_heads=16 x model.head_dim=128), not "
+                               "model.hidden_size=1536")
+    assert scratch_notes(ModelConfig(vocab_size=4096 + 64, hidden_size=1536, num_attention_heads=12, head_dim=128),
+                         4096) == [], "a size rounded up past the ids, and a head_dim that fits, say nothing"
+    r = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.steps=2", "model.vocab_size=1024"])
+    assert r.returncode == 0 and "stage s1_256: model.vocab_size=1024 embeds 640 rows that the tokenizer's 384 ids " \
+        "never use" in r.stderr, r.stderr[-3000:]

@@ -34,7 +34,7 @@ from longstride.data.file_records import UnreadableRecord
 from longstride.data.sources import walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
-from longstride.model.build import build_model
+from longstride.model.build import build_model, scratch_notes
 from longstride.model.compile import fresh_start, report_compiled
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import kv_heads
@@ -249,6 +249,9 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
         ctx.tracker.warning(f"stage {plan.name}: recipe.stages.{plan.name}.save_every={s.save_every} is not below its "
                             f"{s.total_steps} steps, so no step checkpoint is written but at a stop signal, and a "
                             "crash (a killed process, a node lost) restarts the stage; lower it to resume mid-stage")
+    scratch = not (resumed or init_from or cfg.model.arch == "checkpoint")
+    for said in scratch_notes(cfg.model, len(ctx.tokenizer)) if scratch else []:
+        ctx.tracker.warning("stage %s: %s", plan.name, said)
     placement = rope_placement(run.lm.config, cfg.model.rope_layer_types)
     if placement:
         ctx.tracker.info("stage %s: %s", plan.name, placement)
