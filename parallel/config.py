@@ -37,7 +37,7 @@ class ParallelConfig:
     flash_impl: FlashImpl = FlashImpl.FA2  # the flash attention behind torch_flash: FA2, or FA3 / FA4 where installed
     fsdp: str = "auto"  # FSDP2 over all dp x cp ranks; auto: on for several CUDA ranks, DDP otherwise
     ulysses: int = 0  # hybrid only: the Ulysses degree inside each ring rank (ring degree = cp / ulysses)
-    upipe_heads: int = 0  # upipe (and optionally hybrid): U, query heads per stage; 0 = the Ulysses degree
+    upipe_heads: int = 0  # U, query heads per stage; 0: upipe, the Ulysses degree; hybrid, all heads (no stages)
     # The ring's chunk assignment per batch: zigzag (2 chunks per rank, exact for plain causal attention) or
     # docs (parallel/balance.py: up to balance_chunks chunks per rank, dealt so that every rank's
     # within-document attention work is as equal as the batch's documents allow). Per stage too.
@@ -90,11 +90,13 @@ def _nearest(choices: list[int], x: int) -> list[int]:
     return sorted(sorted(choices, key=lambda c: (abs(c - x), c))[:2])
 
 
-def check_ulysses(u: int, cp: int, heads: int, where: str) -> None:
+def check_ulysses(u: int, cp: int, heads: int, where: str, within: int = 0) -> None:
     """A Ulysses degree u must divide the query heads (the all-to-all splits them over u ranks). K/V heads
-    need no check: when they do not divide by u they are replicated (parallel/heads.py)."""
+    need no check: when they do not divide by u they are replicated (parallel/heads.py). within: what the degree
+    must also divide (hybrid: the cp; Ulysses over all cp ranks: the processes, when known), so that the degrees
+    offered pass the next check too."""
     if heads % u:
-        ok = [d for d in divisors(heads) if d > 1]
+        ok = [d for d in divisors(heads) if d > 1 and not (within and within % d)]
         raise ValueError(f"{where}={cp}: the Ulysses degree {u} must divide the model's {heads} query heads; "
                          f"valid Ulysses degrees are {ok} (nearest: {_nearest(ok, u)}), or use parallel.cp_impl=ring")
 
@@ -125,7 +127,7 @@ class ParallelDims:
         if world % cp:
             raise ValueError(
                 f"{where}: world size {world} is not divisible by cp {cp}; "
-                f"launch a multiple of {cp} processes or pick cp from {[d for d in range(1, world + 1) if world % d == 0]}"
+                f"launch a multiple of {cp} processes or pick cp from {divisors(world)}"
             )
         return cls(world, world // cp, cp)
 

@@ -1,7 +1,8 @@
 """Context-parallel methods by name (`parallel.cp_impl`), and a stage's context-parallel context.
 
 Each method is a module that states three things:
-    degrees(cfg, cp, heads, where) -> CPDegrees      how a stage's cp splits (ring x Ulysses, UPipe's U)
+    degrees(cfg, cp, heads, where, world) -> CPDegrees   how a stage's cp splits (ring x Ulysses, UPipe's U);
+                                                         world: the processes (0: unknown), for its hints
     shard(batch, docs, cp) -> (local batch, plan)    this rank's share of a full PackedBatch, its ring plan
     attention(q, k, v, layout, scale, pattern, sinks) -> out
                                                      the attention every layer runs, with the layer's window or
@@ -32,11 +33,12 @@ def method(name: str):
     return METHODS[name]
 
 
-def cp_degrees(cfg, cp: int, heads: int, where: str = "cp") -> CPDegrees:
+def cp_degrees(cfg, cp: int, heads: int, where: str = "cp", world: int = 0) -> CPDegrees:
     """The (ring, Ulysses, U) split of a stage's cp under cfg.cp_impl (cfg: ParallelConfig), for a model with
-    `heads` query heads; a ValueError naming the fields when it does not divide."""
+    `heads` query heads; a ValueError naming the fields when it does not divide (the degrees it offers also
+    divide `world`, the processes, when given)."""
     impl = method(cfg.cp_impl)
-    return CPDegrees() if cp == 1 else impl.degrees(cfg, cp, heads, where)
+    return CPDegrees() if cp == 1 else impl.degrees(cfg, cp, heads, where, world)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ from longstride.parallel.pattern import CAUSAL, Pattern
 from longstride.parallel.ulysses import shard  # noqa: F401  (the method's sharding: ring share, then Ulysses piece)
 
 
-def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
+def degrees(cfg, cp: int, heads: int, where: str, world: int = 0) -> CPDegrees:
     u = cfg.ulysses
     if u < 1 or cp % u:
         raise ValueError(f"parallel.ulysses={u}: hybrid needs a Ulysses degree that divides {where}={cp} "
-                         f"(ring degree = cp / ulysses); set parallel.ulysses to one of {divisors(cp)}")
-    check_ulysses(u, cp, heads, where)
+                         f"(ring degree = cp / ulysses) and the model's {heads} query heads; set parallel.ulysses to "
+                         f"one of {[d for d in divisors(cp) if heads % d == 0]}")
+    check_ulysses(u, cp, heads, where, within=cp)
     if u == 1 and cfg.upipe_heads:
         raise ValueError(f"parallel.upipe_heads={cfg.upipe_heads} splits a Ulysses group's heads into stages, and "
                          f"parallel.ulysses=1 makes no group ({where}={cp} is all ring); drop parallel.upipe_heads or "

@@ -210,7 +210,7 @@ def ring_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, comm: Opt
 
 # The "ring" context-parallel method (parallel/cp.py): all of cp is the ring.
 
-def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
+def degrees(cfg, cp: int, heads: int, where: str, world: int = 0) -> CPDegrees:
     for name, value, reader in (("ulysses", cfg.ulysses, "hybrid"), ("upipe_heads", cfg.upipe_heads, "upipe or hybrid")):
         if value:
             raise ValueError(f"parallel.{name}={value} is read by cp_impl={reader}, and this run is cp_impl=ring; "

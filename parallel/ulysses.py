@@ -226,8 +226,8 @@ def ulysses_attention(q, k, v, plan: RingPlan, kernel: str, scale: float, ring: 
 # The "ulysses" context-parallel method (parallel/cp.py): all of cp is the Ulysses group, all heads at once.
 # UPipe and hybrid (parallel/upipe.py, parallel/hybrid.py) shard and attend the same way.
 
-def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
-    check_ulysses(cp, cp, heads, where)
+def degrees(cfg, cp: int, heads: int, where: str, world: int = 0) -> CPDegrees:
+    check_ulysses(cp, cp, heads, where, within=world)
     if cfg.ulysses:
         raise ValueError(f"parallel.ulysses={cfg.ulysses} is read by cp_impl=hybrid (the Ulysses degree inside each "
                          "ring rank); cp_impl=ulysses splits heads over all cp ranks: drop parallel.ulysses")

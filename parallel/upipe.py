@@ -9,8 +9,8 @@ from longstride.parallel.config import CPDegrees, check_ulysses, stage_heads
 from longstride.parallel.ulysses import attention, shard  # noqa: F401  (the method's sharding and attention)
 
 
-def degrees(cfg, cp: int, heads: int, where: str) -> CPDegrees:
-    check_ulysses(cp, cp, heads, where)
+def degrees(cfg, cp: int, heads: int, where: str, world: int = 0) -> CPDegrees:
+    check_ulysses(cp, cp, heads, where, within=world)
     if cfg.ulysses:
         raise ValueError(f"parallel.ulysses={cfg.ulysses} is read by cp_impl=hybrid (the Ulysses degree inside each "
                          "ring rank); cp_impl=upipe splits heads over all cp ranks: drop parallel.ulysses")

@@ -21,7 +21,7 @@ from tests.conftest import compose_cfg
 def test_a_new_cp_method_is_one_registry_entry(monkeypatch):
     calls = []
 
-    def degrees(cfg, cp, heads, where):
+    def degrees(cfg, cp, heads, where, world):
         calls.append("degrees")
         return CPDegrees(ring=cp)
 

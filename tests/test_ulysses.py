@@ -150,6 +150,14 @@ def test_degrees_and_their_errors():
     assert describe_cp("upipe", CPDegrees(2, 2, 2), kv_heads=2) == " upipe: ring 2 x ulysses 2, 2 heads per stage"
     with pytest.raises(ValueError, match=r"parallel.ulysses=3: hybrid .* one of \[1, 2, 4, 8\]"):
         cp_degrees(_cfg("hybrid", ulysses=3), 8, 32)
+    # the degrees offered pass the next check too: 12 query heads on 8 processes (6 and 12 were offered; 8 for hybrid)
+    with pytest.raises(ValueError, match=r"parallel.ulysses=3: hybrid .* one of \[1, 2, 4\]$"):
+        cp_degrees(_cfg("hybrid", ulysses=3), 8, 12)
+    with pytest.raises(ValueError, match=r"Ulysses degree 8 must divide the model's 12 query heads; valid Ulysses "
+                                         r"degrees are \[2, 4\] \(nearest: \[2, 4\]\)"):
+        cp_degrees(_cfg("hybrid", ulysses=8), 8, 12)
+    with pytest.raises(ValueError, match=r"valid Ulysses degrees are \[2, 4\] \(nearest: \[2, 4\]\)"):
+        cp_degrees(_cfg("ulysses"), 8, 12, world=8)
     with pytest.raises(ValueError, match="use parallel.cp_impl=upipe"):
         cp_degrees(_cfg("ulysses", upipe_heads=2), 2, 8)
 

@@ -303,7 +303,7 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
     attention scores, which picks the kernel."""
     s, m, par, f = cfg.recipe.stages[name], cfg.model, cfg.parallel, f"recipe.stages.{name}"
     dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
-    degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp")
+    degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp", world=world)
     _check_stage_shape(f, s, prev_len, degrees, par.cp_impl)
     per_step = dims.dp * s.micro_batch_size * s.seq_len
     if s.batch_tokens % per_step:
