@@ -97,7 +97,7 @@ def _worker(rank, world, fsdp, kind, root, out):
     if kind == "step":
         path = os.path.join(root, "s1", "step_000001")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with writing_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0,
                                 trainer_state={"step": 1}, rank_state={"rng": rng_state()}, meta={"step": 1},
                                 world_size=world) as d:
             model.save_state(d, opt)
@@ -106,7 +106,7 @@ def _worker(rank, world, fsdp, kind, root, out):
     else:  # a stage's final: the HF directory, written by the main rank (FSDP2: streamed, files of `kind` MiB)
         path = os.path.join(root, "s1", "final")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with writing_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0,
                                 trainer_state=None, rank_state=None, meta={"step": 1}, world_size=world) as d:
             model.save_weights(lm, d, rank == 0, kind * MIB)
     peak = sampler.stop()
@@ -126,7 +126,8 @@ def _timed_worker(rank, world, fsdp, background, reps, root, out):
     a blocking save: its return); the resident set when the
     save returns above the set before the first save (a background save's copy of the state, held until its
     writes end); the same two steps timed with no save before them."""
-    from longstride.recipes.checkpoint.format import BackgroundSave, rng_state, step_name, writing_checkpoint
+    from longstride.recipes.checkpoint.background import BackgroundSave
+    from longstride.recipes.checkpoint.format import rng_state, step_name, writing_checkpoint
 
     lm, model, opt, ids = _build(rank, world, fsdp)
 
@@ -152,7 +153,7 @@ def _timed_worker(rank, world, fsdp, background, reps, root, out):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        with writing_checkpoint(path, rank=rank, is_main=rank == 0, barrier=torch.distributed.barrier,
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0,
                                 trainer_state={"step": i}, rank_state={"rng": rng_state()}, meta={"step": i},
                                 world_size=world, keep_last=2, background=saves) as d:
             shards = model.save_state(d, opt, background=background)

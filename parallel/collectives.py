@@ -4,6 +4,8 @@ the CP exchanges: gloo moves host memory, so with gloo (several processes sharin
 device tensors travel through host buffers."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,15 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         else:
             dist.all_reduce(x, op=op)
     return x
+
+
+def raise_if_any(error: Optional[BaseException], elsewhere: Callable[[], BaseException]) -> None:
+    """Collective: each rank says whether its part of a shared piece of work failed (`error`, None: it did not). The
+    rank that failed raises its own error, every other one `elsewhere()`, instead of waiting at the next collective
+    for a rank that has left (until the launcher or the collective timeout ends it). A no-op in one process but
+    for raising `error`."""
+    if all_reduce(torch.tensor([0.0 if error is None else 1.0])).item():
+        raise error if error is not None else elsewhere()
 
 
 def from_main(fn):

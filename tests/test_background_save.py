@@ -1,6 +1,6 @@
 """Step checkpoints written behind the training steps (train.async_save, BackgroundSave in
-recipes/checkpoint/format.py): the save returns before its shards are written and nothing looks complete until it
-is sealed; a failed write is raised at the next save naming the checkpoint; real runs write the same bytes as
+recipes/checkpoint/background.py): the save returns before its shards are written and nothing looks complete until
+it is sealed; a failed write is raised at the next save naming the checkpoint; real runs write the same bytes as
 blocking saves, and a kill or a stop signal while a save is in flight leaves a run that resumes to an uninterrupted
 run's losses."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _save(stage, step: int, background, shards: Future, keep_last: int = 0) -> s
     from longstride.recipes.checkpoint.format import step_name, writing_checkpoint
 
     path = str(stage / step_name(step))
-    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": step},
+    with writing_checkpoint(path, rank=0, is_main=True, trainer_state={"step": step},
                             rank_state={}, meta={}, keep_last=keep_last, background=background):
         background.track(shards, time.perf_counter())
     return path
@@ -39,7 +39,7 @@ def _shard_written(path: str, shards: Future) -> None:
 
 
 def test_the_save_returns_before_its_shards_are_written_and_is_sealed_after(tmp_path):
-    from longstride.recipes.checkpoint.format import BackgroundSave
+    from longstride.recipes.checkpoint.background import BackgroundSave
     from longstride.recipes.checkpoint.format import latest_checkpoint, verify
 
     stage, background = tmp_path / "s1", BackgroundSave()
@@ -63,7 +63,7 @@ def test_the_save_returns_before_its_shards_are_written_and_is_sealed_after(tmp_
 
 
 def test_a_failed_background_write_is_raised_at_the_wait_naming_the_checkpoint(tmp_path):
-    from longstride.recipes.checkpoint.format import BackgroundSave
+    from longstride.recipes.checkpoint.background import BackgroundSave
     from longstride.recipes.checkpoint.format import CheckpointError, latest_checkpoint
 
     stage, background = tmp_path / "s1", BackgroundSave()
@@ -96,7 +96,8 @@ def test_a_dcp_failure_is_flagged_without_blocking_then_raised_naming_the_rank_a
     from torch.distributed.checkpoint.api import CheckpointException
 
     from longstride.parallel.shards import _failures_as_oserror
-    from longstride.recipes.checkpoint.format import BackgroundSave, CheckpointError
+    from longstride.recipes.checkpoint.background import BackgroundSave
+    from longstride.recipes.checkpoint.format import CheckpointError
     from longstride.recipes.run.faults import StopSignals
 
     stage, background, dcp = tmp_path / "s1", BackgroundSave(), Future()
@@ -110,7 +111,8 @@ def test_a_dcp_failure_is_flagged_without_blocking_then_raised_naming_the_rank_a
 
 
 def test_a_failure_that_is_not_a_write_is_named_as_such_and_a_failed_save_frees_the_next(tmp_path):
-    from longstride.recipes.checkpoint.format import BackgroundSave, CheckpointError, writing_checkpoint
+    from longstride.recipes.checkpoint.background import BackgroundSave
+    from longstride.recipes.checkpoint.format import CheckpointError, writing_checkpoint
 
     stage, background, shards = tmp_path / "s1", BackgroundSave(), Future()
     path = _save(stage, 2, background, shards)
@@ -121,7 +123,7 @@ def test_a_failure_that_is_not_a_write_is_named_as_such_and_a_failed_save_frees_
     done: Future = Future()
     done.set_result(None)
     with pytest.raises(CheckpointError, match="No space left"):  # this rank's own files fail after the shards began
-        with writing_checkpoint(str(stage / "step_000004"), rank=0, is_main=True, barrier=lambda: None,
+        with writing_checkpoint(str(stage / "step_000004"), rank=0, is_main=True,
                                 trainer_state={}, rank_state={}, meta={}, background=background):
             background.track(done, 0.0)
             raise OSError(28, "No space left on device")
@@ -233,14 +235,14 @@ def test_an_error_after_the_last_step_waits_for_the_save_in_flight_before_the_ru
     directory. The save in flight is now finished first."""
     import threading
 
-    from longstride.recipes.checkpoint import format as fmt
+    from longstride.recipes.checkpoint import background
     from longstride.recipes.checkpoint.format import verify
     from longstride.recipes.run import stage
     from longstride.recipes.train import run
     from tests.conftest import compose_cfg
 
-    slow = fmt._test_kills
-    monkeypatch.setattr(fmt, "_test_kills", lambda name: (time.sleep(2), slow(name)))
+    slow = background.save_test_kills
+    monkeypatch.setattr(background, "save_test_kills", lambda name: (time.sleep(2), slow(name)))
     calls = []
 
     def validation(ctx, run_):

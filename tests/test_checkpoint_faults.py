@@ -149,7 +149,7 @@ def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_dama
     stage = tmp_path / "s2"
 
     def save(step: int, keep_last: int) -> None:
-        with writing_checkpoint(str(stage / step_name(step)), rank=0, is_main=True, barrier=lambda: None,
+        with writing_checkpoint(str(stage / step_name(step)), rank=0, is_main=True,
                                 trainer_state={"step": step}, rank_state={}, meta={}, keep_last=keep_last) as d:
             with open(os.path.join(d, "weights.bin"), "wb") as f:
                 f.write(bytes([step]) * 64)
@@ -339,7 +339,7 @@ def test_checkpoint_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, v
     rank = {"data": {"epoch": 0}, "rng": rng_state()}
     path = str(tmp_path / "s1" / "step_000003")
     os.makedirs(os.path.dirname(path))
-    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state=trainer, rank_state=rank,
+    with writing_checkpoint(path, rank=0, is_main=True, trainer_state=trainer, rank_state=rank,
                             meta={"step": 3}):
         pass
     # someone with write access to the directory swaps a file for one carrying a payload and rewrites the manifest
@@ -365,7 +365,7 @@ def test_training_state_round_trips_with_weights_only(tmp_path):
     expect = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
     path = str(tmp_path / "s1" / "step_000001")
     os.makedirs(os.path.dirname(path))
-    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 1},
+    with writing_checkpoint(path, rank=0, is_main=True, trainer_state={"step": 1},
                             rank_state={"rng": state}, meta={}):
         pass
     _, mine = load_training_state(path, rank=0)
@@ -404,7 +404,7 @@ def test_a_rank_state_a_resume_could_not_load_is_refused_at_the_save(tmp_path):
     path = str(tmp_path / "s1" / "step_000002")
     os.makedirs(os.path.dirname(path))
     with pytest.raises(CheckpointError, match=r"rank0.pt would hold a '.*numpy.*' object"):
-        with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 2},
+        with writing_checkpoint(path, rank=0, is_main=True, trainer_state={"step": 2},
                                 rank_state={"data": {"pending": np.arange(3)}}, meta={}):
             pass
     assert not os.path.exists(path), "nothing that looks like a checkpoint is left"
@@ -429,3 +429,41 @@ def test_streaming_packer_state_loads_with_weights_only():
     for a, b in ((again.open, packer.open), (again.ready, packer.ready)):
         assert [[p.tolist() for p in seq] for seq in a] == [[p.tolist() for p in seq] for seq in b]
     assert all(p.dtype == np.int32 for seq in again.open for p in seq) and again.used == packer.used
+
+
+def _one_rank_fails_worker(rank, world, root, where):
+    """Both ranks write checkpoint root/s1/step_000001; `where` fails on one rank for real: "rank1" its own part
+    (a file under a folder that does not exist), "seal" the main rank's manifest (a value JSON cannot write).
+    Each rank records what it raised."""
+    from longstride.recipes.checkpoint.format import writing_checkpoint
+
+    path = os.path.join(root, "s1", "step_000001")
+    manifest = {"unwritable": object()} if where == "seal" else None
+    try:
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0, trainer_state={"step": 1}, rank_state={},
+                                meta={"step": 1}, world_size=world, manifest=manifest) as d:
+            if rank == 1 and where == "rank1":
+                open(os.path.join(d, "missing", "part"), "wb").close()
+        said = "no error"
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"{where}-rank{rank}.txt"), "w") as f:
+        f.write(said)
+
+
+@pytest.mark.parametrize("where", ["rank1", "seal"])
+def test_a_save_failing_on_one_rank_raises_on_every_rank(tmp_path, where):
+    """One rank's part of a save failed: it raised, and the others waited at the save's next barrier until the
+    launcher or the collective timeout (30 minutes) ended them, without the reason. Every rank now raises: the
+    failed one its own error, the others naming the checkpoint and another rank; nothing looks complete."""
+    from longstride.parallel.spawn import run_gloo
+
+    os.makedirs(tmp_path / "s1")
+    run_gloo(_one_rank_fails_worker, 2, str(tmp_path), where)
+    said = [(tmp_path / f"{where}-rank{r}.txt").read_text() for r in range(2)]
+    failed, other = (said[1], said[0]) if where == "rank1" else (said[0], said[1])
+    assert failed.startswith("CheckpointError: could not write checkpoint") and "No such file" in failed \
+        if where == "rank1" else failed.startswith("TypeError: ") and "not JSON serializable" in failed, said
+    assert other == (f"CheckpointError: could not write checkpoint {tmp_path}/s1/step_000001 on another rank (its "
+                     "log says why); the earlier checkpoints are intact: rerun to resume from the newest"), said
+    assert not (tmp_path / "s1" / "step_000001").exists()

@@ -55,7 +55,7 @@ def step_dir(tmp_path):
     path = str(tmp_path / "s1" / "step_000002")
     os.makedirs(os.path.dirname(path))
     tok = AutoTokenizer.from_pretrained(REPO / "model" / "shipped" / "tiny_base_256")
-    with writing_checkpoint(path, rank=0, is_main=True, barrier=lambda: None, trainer_state={"step": 2},
+    with writing_checkpoint(path, rank=0, is_main=True, trainer_state={"step": 2},
                             rank_state={"data": {}}, meta={"step": 2}) as d:
         Parallelized(model, False, None).save_state(d, opt)
         model.lm.config.save_pretrained(d)

@@ -15,15 +15,7 @@ Old step checkpoints beyond `keep_last` are renamed aside before they are delete
 step checkpoints from newest to oldest and takes the first that verifies against its manifest,
 warning about each one it passes over.
 
-train.async_save: a step checkpoint blocks the step only while each rank copies its model and optimizer shard to
-host memory (DCP's async_save, parallel/shards.py) and writes its own small files; DCP's thread writes the shards
-behind the next steps and the main rank seals the checkpoint (manifest last, rename, keep_last's pruning) in a
-thread of BackgroundSave's once every rank's shards are on disk, so until then it is a `.tmp-` directory no resume
-takes. One save is in flight at a time: the next save, a stop signal, an error and the end of the stage wait for
-it. A failed write (a full disk) is found without blocking at the end of the next step (BackgroundSave.failed,
-all-reduced with the stop flag) or at that wait, and raised on every rank as a blocking save's. Cost: host memory
-for a copy of what the rank saves until its writes end: under DDP the whole replicated state, under FSDP2 its
-shard (copied twice while staging; benchmarks/bench_checkpoint.py --background).
+train.async_save: the step checkpoint written behind the steps, recipes/checkpoint/background.py.
 """
 from __future__ import annotations
 
@@ -36,9 +28,7 @@ import random
 import re
 import shutil
 import signal
-import threading
 import time
-from concurrent.futures import Future
 from typing import Callable, Optional
 
 import numpy as np
@@ -46,6 +36,7 @@ import torch
 
 from longstride.model.manifest import MANIFEST, check_files, fsync_path, write_manifest
 from longstride.model.model_dir import STEP_METADATA
+from longstride.parallel.collectives import raise_if_any
 from longstride.parallel.shards import UnsafeCheckpoint
 from longstride.recipes.run.faults import test_kill
 
@@ -163,61 +154,77 @@ def disk_errors(path: str):
                               "space there and rerun to resume") from e
 
 
+def failed_on_another_rank(path: str) -> CheckpointError:
+    """What the ranks that wrote their part of checkpoint `path` raise when another rank's part failed."""
+    return CheckpointError(f"could not write checkpoint {path} on another rank (its log says why); the earlier "
+                           "checkpoints are intact: rerun to resume from the newest")
+
+
 @contextlib.contextmanager
 def writing_checkpoint(
     path: str,
     *,
     rank: int,
     is_main: bool,
-    barrier: Callable[[], None],
     trainer_state: Optional[dict],
     rank_state: Optional[dict],
     meta: dict,
     world_size: int = 1,
     manifest: Optional[dict] = None,
     keep_last: int = 0,
-    background: Optional[BackgroundSave] = None,
+    background=None,  # a BackgroundSave (recipes/checkpoint/background.py)
 ):
     """Collective: every rank enters it. Yields the directory being written: every rank writes its parts there (its
     shard of the model and optimizer, or its part in gathering the weights; the main rank the model's config and
     tokenizer); then this writes each rank's state, the trainer state and stage.json, the manifest last, and puts
-    the directory in place. A failed write (a full disk) raises CheckpointError; earlier checkpoints are untouched.
+    the directory in place. A failed write (a full disk) raises CheckpointError, on every rank (the rank's own, the
+    others' naming another rank; parallel/collectives.raise_if_any); earlier checkpoints are untouched.
     The writes flow one way: the caller writes its files, the format seals them. With `background` (whose shards
     the caller started writing in the block: BackgroundSave.track), the sealing waits for them in a thread of
     its own and this returns at once; `background.wait()` raises what failed."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, TMP_PREFIX + name)
+    elsewhere, error = lambda: failed_on_another_rank(path), None
     if is_main:
-        with disk_errors(path):
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-    barrier()
-    rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
-    with disk_errors(path), _abandoned_on_error(background):
-        yield tmp
-        if rank_bytes is not None:
-            with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
-                f.write(rank_bytes)
-                f.flush()
-                os.fsync(f.fileno())  # by its writer: on several nodes, rank 0's fsync does not reach this node's cache
-        if is_main:
-            if trainer_state is not None:
-                torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
-            with open(os.path.join(tmp, "stage.json"), "w") as f:
-                json.dump(meta, f, indent=2)
-    barrier()  # every rank's own files are written: what is left is the shards (in the background) and the seal
+        try:
+            with disk_errors(path):
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+        except CheckpointError as e:
+            error = e
+    raise_if_any(error, elsewhere)
+    try:
+        rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
+        with disk_errors(path), _abandoned_on_error(background):
+            yield tmp
+            if rank_bytes is not None:
+                with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:  # fsynced by its writer: on several
+                    f.write(rank_bytes)  # nodes, rank 0's fsync does not reach this node's cache
+                    f.flush()
+                    os.fsync(f.fileno())
+            if is_main:
+                if trainer_state is not None:
+                    torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
+                with open(os.path.join(tmp, "stage.json"), "w") as f:
+                    json.dump(meta, f, indent=2)
+    except Exception as e:  # this rank's part failed: every rank learns it at the agreement below
+        error = e
+    raise_if_any(error, elsewhere)  # every rank's own files are written: left, the shards (maybe behind) and the seal
     seal = (lambda: _seal(tmp, path, world_size, manifest, keep_last)) if is_main else None
     if background is not None:
         background.finish(path, seal)
         return
-    _test_kills(name)
-    if seal:
-        seal()
-    barrier()
+    save_test_kills(name)
+    try:
+        if seal:
+            seal()
+    except Exception as e:
+        error = e
+    raise_if_any(error, elsewhere)
 
 
 @contextlib.contextmanager
-def _abandoned_on_error(background: Optional[BackgroundSave]):
+def _abandoned_on_error(background):
     try:
         yield
     except BaseException:
@@ -226,7 +233,7 @@ def _abandoned_on_error(background: Optional[BackgroundSave]):
         raise
 
 
-def _test_kills(name: str) -> None:
+def save_test_kills(name: str) -> None:
     test_kill("save", name)  # a crash after the files, before the manifest
     test_kill("term_in_save", name, sig=signal.SIGTERM)  # a preemption notice while saving
 
@@ -247,80 +254,6 @@ def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_l
     fsync_path(parent)
     if keep_last > 0:
         _drop_older(parent, name, keep_last)
-
-
-class BackgroundSave:
-    """The step checkpoint in flight on this rank, if any: its shards' future and the seal that follows."""
-
-    def __init__(self):
-        self._shards: Optional[Future] = None
-        self._thread: Optional[threading.Thread] = None
-        self._path: Optional[str] = None
-        self._error: Optional[BaseException] = None
-        self._started = self.held = self.sealed_s = 0.0
-
-    @property
-    def in_flight(self) -> Optional[str]:
-        """The checkpoint being written, until `wait` returns."""
-        return self._path
-
-    def track(self, shards: Future, started: float) -> None:
-        """The future of the shards this rank started writing (Parallelized.save_state(..., background=True)) in the
-        save that began at time.perf_counter() `started` (its copy of the state included in what it held)."""
-        if self._path is not None or self._shards is not None:
-            raise RuntimeError("a background save started while another is in flight: wait() for it first")
-        self._shards, self._started = shards, started
-
-    def abandon(self) -> None:
-        """A save that failed before its thread started (writing_checkpoint): its shards are waited for (DCP's
-        thread writes into the directory being dropped, on the process group the next save uses) and forgotten."""
-        shards, self._shards = self._shards, None
-        if shards is not None:
-            with contextlib.suppress(BaseException):
-                shards.result()
-
-    def finish(self, path: str, seal: Optional[Callable[[], None]]) -> None:
-        """After every rank's own files are written (writing_checkpoint): a thread waits for the shards, then
-        runs `seal` (the main rank's; None on the others)."""
-        if self._shards is None:
-            raise RuntimeError(f"{path}: a background save with no shards tracked (BackgroundSave.track)")
-        shards, self._shards, self._path = self._shards, None, path
-        self.held = time.perf_counter() - self._started
-
-        def run() -> None:
-            try:
-                shards.result()
-                _test_kills(os.path.basename(path))
-                if seal is not None:
-                    seal()
-                self.sealed_s = time.perf_counter() - self._started
-            except BaseException as e:  # noqa: BLE001 - raised by wait(), in the training thread
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name=f"save {os.path.basename(path)}", daemon=False)
-        self._thread.start()
-
-    def failed(self) -> bool:
-        """Without blocking: the save in flight has ended in an error (wait() raises it)."""
-        return self._thread is not None and not self._thread.is_alive() and self._error is not None
-
-    def wait(self) -> Optional[str]:
-        """Blocks until the save in flight (if any) is written and sealed; returns its path, or None when there
-        was none. A failed write raises CheckpointError naming the checkpoint (the earlier ones are intact)."""
-        if self._thread is None:
-            return None
-        self._thread.join()
-        path, error = self._path, self._error
-        self._thread, self._path, self._error = None, None, None
-        if isinstance(error, OSError):
-            with disk_errors(path):
-                raise error
-        if isinstance(error, Exception) and not isinstance(error, CheckpointError):
-            raise CheckpointError(f"checkpoint {path} was not completed ({type(error).__name__}: {error}); the "
-                                  "earlier checkpoints are intact: rerun to resume from the newest") from error
-        if error is not None:
-            raise error
-        return path
 
 
 def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:

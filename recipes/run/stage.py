@@ -44,8 +44,9 @@ from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
 from longstride.parallel.parallelize import Parallelized, parallelize
-from longstride.recipes.checkpoint.format import (BackgroundSave, CheckpointError, final_dir, latest_checkpoint,
-                                                  remove_partial, step_name, verified_final)
+from longstride.recipes.checkpoint.background import BackgroundSave
+from longstride.recipes.checkpoint.format import (CheckpointError, final_dir, latest_checkpoint, remove_partial,
+                                                  step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan, Unplanned
 from longstride.recipes.memory.fit import log_memory_estimate
 from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StageInputError, StopSignals, Stopped,

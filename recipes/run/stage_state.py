@@ -17,9 +17,10 @@ from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_
 from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
 from longstride.model.rope import max_positions
-from longstride.recipes.checkpoint.format import (CheckpointError, load_rank_state, load_shards_checked,
-                                                  load_training_state, manifest_world, rng_state, set_rng_state,
-                                                  writing_checkpoint)
+from longstride.parallel.collectives import raise_if_any
+from longstride.recipes.checkpoint.format import (CheckpointError, failed_on_another_rank, load_rank_state,
+                                                  load_shards_checked, load_training_state, manifest_world, rng_state,
+                                                  set_rng_state, writing_checkpoint)
 from longstride.recipes.run.faults import check_finite_parameters, stage_input
 from longstride.recipes.run.runlock import fingerprint
 
@@ -29,7 +30,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
     train.async_save: recipes/checkpoint/format.py's BackgroundSave); else the stage's final model. NaN parameters
     are refused before anything is written."""
     acc, plan, model = ctx.accelerator, run.plan, run.model
-    settle_saves(ctx, run)  # one save at a time: the one in flight is sealed first (a failure raised here)
+    settle_saves(ctx, run, every_rank=True)  # one save at a time: the one in flight sealed first (a failure raised)
     started = time.perf_counter()
     background = run.saves if with_state else None  # train.async_save: a step checkpoint's shards written behind
     check_finite_parameters(model.parameters(), path)
@@ -37,7 +38,7 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
                "val_loss_start": run.val_start, "data": run.data_id, "tokenizer": ctx.tokenizer_id,
                "dp": plan.dims.dp} if with_state else None
     with writing_checkpoint(
-        path, rank=acc.process_index, is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
+        path, rank=acc.process_index, is_main=acc.is_main_process,
         trainer_state=trainer,
         rank_state={"data": run.loader.state_dict(), "rng": rng_state()} if with_state else
         # a streamed stage's final: where each data-parallel rank's streams stopped (its first CP rank's, as every
@@ -64,18 +65,25 @@ def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = 
             save_tokenizer(ctx.tokenizer, directory, max_positions(run.lm.config))
 
 
-def settle_saves(ctx, run, failed_elsewhere: bool = False) -> None:
+def settle_saves(ctx, run, failed_elsewhere: bool = False, every_rank: bool = False) -> None:
     """Waits for the step checkpoint in flight (train.async_save), logging how long it held training and when it
-    was sealed; raises CheckpointError if it failed here or, `failed_elsewhere`, on another rank."""
+    was sealed; raises CheckpointError if it failed here or, `failed_elsewhere`, on another rank. every_rank: every
+    rank calls it at this point, and every rank raises when the save failed on any (a collective)."""
     if run.saves is None:
         return
-    path = run.saves.in_flight
-    if run.saves.wait():
-        ctx.tracker.info("step checkpoint %s written in the background: training held %.2f s, sealed %.1f s after "
-                         "the save began", path, run.saves.held, run.saves.sealed_s)
+    path, error = run.saves.in_flight, None
+    try:
+        if run.saves.wait():
+            ctx.tracker.info("step checkpoint %s written in the background: training held %.2f s, sealed %.1f s "
+                             "after the save began", path, run.saves.held, run.saves.sealed_s)
+    except CheckpointError as e:
+        if not every_rank:
+            raise
+        error = e
+    if every_rank:
+        raise_if_any(error, lambda: failed_on_another_rank(path))
     if failed_elsewhere and path:
-        raise CheckpointError(f"could not write checkpoint {path} on another rank (its log says why); the earlier "
-                              "checkpoints are intact: rerun to resume from the newest")
+        raise failed_on_another_rank(path)
 
 
 def restore_stage(ctx, run, path: str) -> None:
