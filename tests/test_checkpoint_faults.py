@@ -143,7 +143,8 @@ def test_a_resume_from_a_step_checkpoint_under_another_rope_base_is_refused(kill
 def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_damaged_one(tmp_path):
     """Steps 20, 40, 60 written, 60 damaged: a resume falls back to 40, then saves 50 with train.keep_last=1 (a
     resumed run may lower it). Counting 60, the save deleted 40 and the 50 it had just written, leaving only the
-    damaged 60 and no checkpoint to resume from; now 50 is kept (40 is dropped), and 60 stays for inspection."""
+    damaged 60 and no checkpoint to resume from; now 50 is kept (40 is dropped), and 60 stays for inspection. At 70
+    with keep_last=2, 60 counted as one of the two kept deleted the intact 50; now 50 and 70 are kept."""
     from longstride.recipes.checkpoint.format import latest_checkpoint, step_name, verify, writing_checkpoint
 
     stage = tmp_path / "s2"
@@ -161,8 +162,10 @@ def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_dama
     save(50, keep_last=1)
     assert sorted(p.name for p in stage.iterdir()) == ["step_000050", "step_000060"]
     assert latest_checkpoint(str(stage)).endswith("step_000050") and verify(str(stage / "step_000050")) is None
-    save(70, keep_last=2)  # past the damaged one: it is older now, and the newest keep_last are kept
-    assert sorted(p.name for p in stage.iterdir()) == ["step_000060", "step_000070"]
+    save(70, keep_last=2)  # past the damaged one: it is older now, and the newest keep_last intact ones are kept
+    assert sorted(p.name for p in stage.iterdir()) == ["step_000050", "step_000060", "step_000070"]
+    save(60, keep_last=2)  # the run writes the damaged one's step again: it takes its place
+    assert verify(str(stage / "step_000060")) is None
 
 
 def test_a_manifest_that_lists_too_little_or_cannot_be_read_is_damage_naming_it(tmp_path, monkeypatch):

@@ -78,14 +78,19 @@ def manifest_world(directory: str) -> int:
         return json.load(f)["world_size"]
 
 
+DAMAGED: set[str] = set()  # step checkpoints this process found damaged: kept for inspection, not counted by keep_last
+
+
 def latest_checkpoint(stage_dir: str, warn: Callable[[str], None] = lambda msg: None) -> Optional[str]:
-    """The newest step checkpoint that verifies; each damaged newer one is reported through `warn`.
-    Raises CheckpointError (listing each rejected directory and why) when there are some but none verifies."""
+    """The newest step checkpoint that verifies; each damaged newer one is reported through `warn` (and noted in
+    DAMAGED). Raises CheckpointError (listing each rejected directory and why) when there are some but none
+    verifies."""
     rejected = []
     for _, path in reversed(step_checkpoints(stage_dir)):
         problem = verify(path)
         if problem is None:
             return path
+        DAMAGED.add(os.path.normpath(path))
         rejected.append(f"{path}: {problem}")
         warn(f"checkpoint {path} is damaged ({problem}); falling back to an older one")
     if rejected:
@@ -258,13 +263,13 @@ def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_l
 
 def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:
     """train.keep_last: the step checkpoints older than the one just `written` beyond the newest keep_last - 1 of
-    them. Never the one written, nor a newer one (after a resume fell back past a damaged checkpoint, that one is
-    kept for inspection until the run reaches its step again): counting them, a save could delete every intact
-    checkpoint. Each is renamed aside first: a kill mid-delete leaves no half directory under a step name."""
+    them. Never the one written, nor a newer one, nor one the resume found damaged (DAMAGED: kept for inspection
+    until the run writes its step again): counting them, a save could delete every intact checkpoint. Each is
+    renamed aside first: a kill mid-delete leaves no half directory under a step name."""
     m = STEP_RE.match(written)
     if not m:
         return
-    older = [p for s, p in step_checkpoints(stage_dir) if s < int(m.group(1))]
+    older = [p for s, p in step_checkpoints(stage_dir) if s < int(m.group(1)) and os.path.normpath(p) not in DAMAGED]
     for old_path in older[:max(0, len(older) - (keep_last - 1))]:
         doomed = os.path.join(stage_dir, TMP_PREFIX + "old-" + os.path.basename(old_path))
         os.replace(old_path, doomed)
