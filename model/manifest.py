@@ -39,11 +39,11 @@ def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None
 
 
 def check_files(directory: str, required: Callable[[int], tuple] = lambda world: (),
-                hashes: bool = True) -> Optional[str]:
+                hashes: bool = True, only: Callable[[str], bool] = lambda name: True) -> Optional[str]:
     """None if `directory` matches its manifest, else why not, naming the file. `required(world_size)`: names the
-    manifest must list (what the directory's reader needs); `hashes`: False compares sizes only. A file that cannot be
-    read counts as damage, as a wrong size or checksum does; a manifest that cannot be parsed is damage too: this
-    never raises."""
+    manifest must list (what the directory's reader needs); `hashes`: False compares sizes only; `only`: the files
+    checked (every one listed by default). A file that cannot be read counts as damage, as a wrong size or checksum
+    does; a manifest that cannot be parsed is damage too: this never raises."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
@@ -57,6 +57,8 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
     if unlisted:
         return f"{MANIFEST} does not list {', '.join(unlisted)}, which this checkpoint has"
     for name, (size, digest) in files.items():
+        if not only(name):
+            continue
         path = os.path.join(directory, name)
         try:
             if not os.path.isfile(path):

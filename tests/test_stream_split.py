@@ -213,6 +213,7 @@ def test_a_source_a_stage_leaves_out_goes_on_where_the_last_stage_that_read_it_s
     row again); a final of another tokenizer carries no pending pieces."""
     from types import SimpleNamespace
 
+    from longstride.model.manifest import write_manifest
     from longstride.parallel.config import ParallelDims
     from longstride.recipes.run.stage_state import carry_streams
 
@@ -234,7 +235,7 @@ def test_a_source_a_stage_leaves_out_goes_on_where_the_last_stage_that_read_it_s
         final.mkdir(parents=True)
         torch.save({"data": loader.state_dict(), "origin": loader.origin, "dp": 1, "tokenizer": tokenizer},
                    final / "rank0.pt")
-        (final / "manifest.json").write_text('{"world_size": 1, "files": {}}')
+        write_manifest(str(final), 1)
         return note, counters, through_a_file(loader.state_dict())["dataset_state"]["counters"]
 
     _, _, s1 = stage("s1", L, None, 5)
@@ -245,6 +246,17 @@ def test_a_source_a_stage_leaves_out_goes_on_where_the_last_stage_that_read_it_s
     assert note3 == (f"; its streams go on from {tmp_path / 's2' / 'final'}'s positions; b from "
                      f"{tmp_path / 's1' / 'final'}'s (not read since)"), note3
     assert "pending" in note2 and "pending" not in note3, "s2's final was written under another tokenizer"
+    # s1's final damaged since (a byte of its rank0.pt): its positions are not used, and b starts from its beginning
+    garbled = tmp_path / "s1" / "final" / "rank0.pt"
+    data = bytearray(garbled.read_bytes())
+    data[-1] ^= 1
+    garbled.write_bytes(bytes(data))
+    (loader,) = loaders(setup, 1, "best_fit", 2 * L, stages, None)
+    run = SimpleNamespace(loader=loader, plan=SimpleNamespace(dims=ParallelDims.from_world(1, 1)))
+    note = carry_streams(ctx, run, str(tmp_path / "s2" / "final"))
+    assert f"{tmp_path / 's1' / 'final'}'s stream positions are not used: rank0.pt does not match its checksum" \
+        in note, note
+    assert dict(loader.loader.dataset.counters["epoch_rows"]) == {"a": s2["epoch_rows"]["a"], "b": 0}
 
 
 def test_what_cannot_be_re_split_is_refused_naming_the_source(setup):

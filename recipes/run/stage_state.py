@@ -14,6 +14,7 @@ import torch
 
 from longstride.data.stream_split import resplit, splittable
 from longstride.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
+from longstride.model.manifest import check_files
 from longstride.model.model_dir import has_tokenizer
 from longstride.model.build import save_config
 from longstride.model.rope import max_positions
@@ -148,6 +149,10 @@ def carry_streams(ctx, run, final: Optional[str]) -> str:
     for i, f in enumerate(_finals_before(ctx, final)):
         if not os.path.isfile(os.path.join(f, "rank0.pt")):  # an in-memory stage's, or written before positions
             notes += [f"{f} holds no stream positions"] if i == 0 else []
+            break
+        damage = i and check_files(f, lambda world: ("rank0.pt",), only=lambda name: name.startswith("rank"))
+        if damage:
+            notes.append(f"{f}'s stream positions are not used: {damage}")
             break
         head = load_rank_state(f, 0)
         same = {n for n, d in head["origin"].items() if origin.get(n) == d}
