@@ -294,3 +294,26 @@ def test_an_added_stage_is_named_once_not_with_each_entry_inside_it():
     old = flatten({"recipe": {"stages": {"s1": {"lr": 1}}}})
     new = flatten({"recipe": {"stages": {"s1": {"lr": 1}, "s2": {"lr": 1, "mixture": {"a": 1.0, "b": 2.0}}}}})
     assert differences(old, new) == ["recipe.stages.s2 (added)"]
+
+
+def test_a_trained_directory_without_run_json_is_moved_aside_or_checked_against_its_checkpoints(tmp_path, capsys):
+    """A stage folder copied to branch an experiment, without run.json: train.resume=false resumed its checkpoints
+    (nothing was moved aside without run.json), and a resume under another config went on silently. Now the first
+    is moved aside, and the second is refused by the fingerprint each checkpoint's manifest records."""
+    from longstride.recipes.run.runlock import check_identity, fingerprint
+
+    config, other = {"optim": {"lr": 1.0}}, {"optim": {"lr": 0.5}}
+    run = tmp_path / "tiny"
+    step = run / "s1_256" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"world_size": 1, "config": fingerprint(config), "files": {}}))
+    with pytest.raises(ValueError, match=rf"{run} has no run.json, and its checkpoint {step} was written under "
+                                         "another config"):
+        check_identity(str(run), other, resume=True)
+    assert not (run / "run.json").exists()
+    assert not check_identity(str(run), config, resume=True), "the config it was written under resumes it"
+    os.remove(run / "run.json")
+    assert not check_identity(str(run), other, resume=False)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("tiny.prev-")]
+    assert (aside / "s1_256" / "step_000002").is_dir() and sorted(os.listdir(run)) == ["run.json"]
+    assert "train.resume=false: the previous run is now" in capsys.readouterr().err

@@ -221,7 +221,9 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     train.resume=false applies once per SLURM job: run.json records the job (and its restart count) that started
     afresh, and the same job requeued (its SLURM_JOB_ID, a higher SLURM_RESTART_COUNT, the same command) resumes that
     run instead of moving it aside again; another command inside the same allocation starts afresh as asked.
-    Returns whether resume_from was applied now: `rewind` (moving aside what is newer than it) runs before run.json
+    A directory that holds training but no run.json (copied without it, or deleted) is moved aside by
+    train.resume=false too (its checkpoints were resumed), and a resume is refused where a checkpoint's manifest
+    records another config (unrecorded_checkpoint). Returns whether resume_from was applied now: `rewind` (moving aside what is newer than it) runs before run.json
     records it, so the same command run again (a requeued job) finds it recorded only once the rewind is done, and
     then resumes normally instead of going back to that checkpoint again."""
     path = os.path.join(directory, "run.json")
@@ -239,10 +241,7 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
             _write_json(path, {**recorded, "fresh_start_job": slurm_start()})  # a later command of this start: afresh
             return False
         if not resume:
-            aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.rename(directory, aside)
-            os.makedirs(directory, exist_ok=True)  # a second run refused in between may have made it (empty)
-            print(f"longstride: train.resume=false: the previous run is now {aside}", file=sys.stderr)
+            _move_aside(directory)
         elif diff:
             if resume_from:  # asked for: continue from that checkpoint under the new config
                 print(f"longstride: continuing from {resume_from} with a changed config: {'; '.join(diff)}",
@@ -258,6 +257,14 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
                                  "start afresh")
         elif not resume_from:
             return False
+    elif os.path.isdir(directory) and not trained_nothing(directory):  # trained, but unrecorded (copied, or older)
+        if not resume:
+            _move_aside(directory)
+        elif not resume_from and (other := unrecorded_checkpoint(directory, resolved)):
+            raise ValueError(f"{directory} has no run.json, and its checkpoint {other} was written under another "
+                             "config (its manifest's fingerprint differs; run.json would name the keys): rerun with "
+                             "that config to resume it, continue from one of its checkpoints under this config with "
+                             "train.resume_from=DIR, or set train.resume=false to move it aside and start afresh")
     if resume_from:
         rewind()
     start = None if resume else slurm_start()
@@ -265,6 +272,33 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     _write_json(path, {"config": mine, **({"resumed_from": os.path.normpath(resume_from)} if resume_from else {}),
                        **fresh})
     return bool(resume_from)
+
+
+def _move_aside(directory: str) -> None:
+    """train.resume=false: the previous run renamed aside (nothing is deleted), an empty directory in its place."""
+    aside = f"{directory}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.rename(directory, aside)
+    os.makedirs(directory, exist_ok=True)  # a second run refused in between may have made it (empty)
+    print(f"longstride: train.resume=false: the previous run is now {aside}", file=sys.stderr)
+
+
+def unrecorded_checkpoint(directory: str, resolved: dict) -> Optional[str]:
+    """A checkpoint under `directory` whose manifest records another config's fingerprint than `resolved`'s, or
+    None: what a run directory without run.json can still tell of the config it was trained under."""
+    from longstride.recipes.checkpoint.format import STEP_RE
+
+    mine = fingerprint(resolved)
+    for stage in sorted(e.path for e in os.scandir(directory) if e.is_dir()):
+        for name in sorted(os.listdir(stage)):
+            if name == "final" or STEP_RE.match(name):
+                try:
+                    with open(os.path.join(stage, name, "manifest.json")) as f:
+                        recorded = json.load(f).get("config")
+                except (OSError, ValueError, AttributeError):
+                    continue  # unwritten or damaged: resume passes over it
+                if recorded and recorded != mine:
+                    return os.path.join(stage, name)
+    return None
 
 
 def _write_json(path: str, record: dict) -> None:
