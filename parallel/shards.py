@@ -166,6 +166,7 @@ def load_shards(directory: str, module: torch.nn.Module, optimizer) -> None:
     run's layout. The metadata is checked (allowlist) on every rank before any collective starts."""
     SafeReader(directory).read_metadata()
     state = _state(module, optimizer)
+    members = [list(g["params"]) for g in state["optim"]["param_groups"]]  # this run's groups, by parameter name
     try:
         dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(directory))
     except CheckpointException as e:  # a key or shape the checkpoint lacks, a refused item: raised on every rank
@@ -173,7 +174,17 @@ def load_shards(directory: str, module: torch.nn.Module, optimizer) -> None:
         raise (UnsafeCheckpoint if unsafe else OSError)(first_failure(e)) from None
     # not strict: the tied repeats are not in `state` (DCP has already refused any other key it lacks)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
-    set_optimizer_state_dict(module, optimizer, state["optim"])
+    set_optimizer_state_dict(module, optimizer, _regrouped(state["optim"], members))
+
+
+def _regrouped(optim: dict, members: list[list[str]]) -> dict:
+    """A loaded optimizer state whose parameter groups hold this run's members (each group's saved hyperparameters
+    kept, in order): a checkpoint grouped otherwise (an older rule for what weight decay skips) would hand a group
+    to the wrong parameters. Each parameter's own state is keyed by its name and comes back whatever its group."""
+    saved = optim["param_groups"]
+    if len(saved) != len(members) or all(list(g["params"]) == m for g, m in zip(saved, members)):
+        return optim
+    return {**optim, "param_groups": [{**g, "params": m} for g, m in zip(saved, members)]}
 
 
 def load_model_shards(directory: str, model: torch.nn.Module, prefix: str = "lm.") -> None:

@@ -56,11 +56,17 @@ def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | No
 
 def stages_to_train(cfg: Config, recipe_dir: str) -> list[str]:
     """The stages this launch may train: stage= or every one, less those whose final checkpoint is written (verified
-    only when the stage comes up: hashing a large final here would be a second pass over it)."""
+    only when the stage comes up: hashing a large final here would be a second pass over it) and that the restart
+    options keep (train.resume=false moves every final aside; train.resume_from its stage's and the later ones')."""
     from longstride.recipes.checkpoint.format import final_dir
     from longstride.recipes.config.schema import selected_stages
 
-    return [n for n in selected_stages(cfg) if not os.path.isdir(final_dir(os.path.join(recipe_dir, n)))]
+    names, rewound = list(cfg.recipe.stages), set()
+    if cfg.train.resume_from:  # <recipe_dir>/<stage>/<checkpoint>: that stage and the later ones train again
+        stage = os.path.basename(os.path.dirname(os.path.normpath(cfg.train.resume_from)))
+        rewound = set(names[names.index(stage):]) if stage in names else set()
+    return [n for n in selected_stages(cfg) if not cfg.train.resume or n in rewound
+            or not os.path.isdir(final_dir(os.path.join(recipe_dir, n)))]
 
 
 def use_cpu() -> bool:

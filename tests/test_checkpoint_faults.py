@@ -164,8 +164,10 @@ def test_keep_last_never_deletes_the_checkpoint_it_wrote_nor_counts_a_newer_dama
     assert latest_checkpoint(str(stage)).endswith("step_000050") and verify(str(stage / "step_000050")) is None
     save(70, keep_last=2)  # past the damaged one: it is older now, and the newest keep_last intact ones are kept
     assert sorted(p.name for p in stage.iterdir()) == ["step_000050", "step_000060", "step_000070"]
-    save(60, keep_last=2)  # the run writes the damaged one's step again: it takes its place
+    save(60, keep_last=2)  # the run writes the damaged one's step again: it takes its place, and counts again
     assert verify(str(stage / "step_000060")) is None
+    save(80, keep_last=2)
+    assert sorted(p.name for p in stage.iterdir()) == ["step_000070", "step_000080"]
 
 
 def test_a_manifest_that_lists_too_little_or_cannot_be_read_is_damage_naming_it(tmp_path, monkeypatch):

@@ -457,6 +457,12 @@ def test_stages_this_launch_skips_need_not_fit_its_processes(micro, tmp_path, mo
     plans = validate(cfg, 2, runs=runs)
     assert isinstance(plans["s1_256"], Unplanned) and "is not a multiple of dp 2" in plans["s1_256"].error
     assert plans["s2_2k"].dims.dp == 2
+    # the restart options decide too: train.resume=false trains every stage again, train.resume_from its own and on
+    assert stages_to_train(compose_cfg(micro + ["recipe.stages.s1_256.batch_tokens=256", "train.resume=false"]),
+                           str(recipe_dir)) == ["s1_256", "s2_2k", "s3_4k"]
+    back = compose_cfg(micro + ["recipe.stages.s1_256.batch_tokens=256",
+                                f"train.resume_from={recipe_dir}/s1_256/step_000003"])
+    assert stages_to_train(back, str(recipe_dir)) == ["s1_256", "s2_2k", "s3_4k"]
     only = compose_cfg(micro + ["recipe.stages.s1_256.batch_tokens=256", "stage=s3_4k"])
     assert stages_to_train(only, str(tmp_path / "elsewhere")) == ["s3_4k"]
     assert isinstance(validate(only, 2, runs=["s3_4k"])["s1_256"], Unplanned)

@@ -243,3 +243,37 @@ def test_a_step_checkpoint_file_its_manifest_leaves_out_is_damage(tmp_path):
         (ck / "manifest.json").write_text(json.dumps(manifest))
         assert verify(str(ck)) == f"manifest.json does not list {left_out}, which this checkpoint has"
         write_manifest(str(ck), world_size=1)
+
+
+def test_a_checkpoint_whose_parameter_groups_differ_from_this_run_s_resumes(tmp_path):
+    """A step checkpoint written by a longstride that put GPT-2's embedding tables (wte, wpe) in the decayed group
+    (recipes/run/schedule.param_groups since keeps every nn.Embedding undecayed): loaded into this run's groups, the
+    saved group matched onto the other left one group without its hyperparameters and the first step raised
+    KeyError 'betas'. Each parameter's state now comes back under this run's groups, moments included."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from longstride.parallel.shards import load_shards, save_shards
+    from longstride.recipes.run.schedule import param_groups
+
+    def model_and(groups):
+        torch.manual_seed(0)
+        model = Wrapped(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32)))
+        return model, torch.optim.AdamW(groups(model), lr=1e-2, betas=(0.9, 0.95))
+
+    def old_groups(model):  # the name rule alone: wte and wpe decayed
+        named = [(n, p) for n, p in model.named_parameters()]
+        return [{"params": [p for n, p in named if p.ndim >= 2 and "embed" not in n], "weight_decay": 0.1},
+                {"params": [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)], "weight_decay": 0.0}]
+
+    old, opt = model_and(old_groups)
+    ids = torch.randint(0, 64, (2, 12))
+    old.lm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    save_shards(str(tmp_path), old, opt)
+    new, opt2 = model_and(lambda m: param_groups(m, 0.1))
+    load_shards(str(tmp_path), new, opt2)
+    wte = new.lm.transformer.wte.weight
+    assert any(p is wte for p in opt2.param_groups[1]["params"]) and opt2.param_groups[1]["betas"] == (0.9, 0.95)
+    assert torch.equal(opt2.state[wte]["exp_avg"], opt.state[old.lm.transformer.wte.weight]["exp_avg"])
+    new.lm(input_ids=ids, labels=ids).loss.backward()
+    opt2.step()

@@ -189,17 +189,17 @@ def writing_checkpoint(
     its own and this returns at once; `background.wait()` raises what failed."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, TMP_PREFIX + name)
-    elsewhere, error = lambda: failed_on_another_rank(path), None
-    if is_main:
-        try:
+    elsewhere, error, rank_bytes = lambda: failed_on_another_rank(path), None, None
+    try:  # before any rank starts the caller's writes, whose collectives a rank that failed here would not join
+        rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
+        if is_main:
             with disk_errors(path):
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
-        except CheckpointError as e:
-            error = e
+    except Exception as e:
+        error = e
     raise_if_any(error, elsewhere)
     try:
-        rank_bytes = None if rank_state is None else loadable_bytes(rank_state, f"rank{rank}.pt")
         with disk_errors(path), _abandoned_on_error(background):
             yield tmp
             if rank_bytes is not None:
@@ -214,7 +214,8 @@ def writing_checkpoint(
                     json.dump(meta, f, indent=2)
     except Exception as e:  # this rank's part failed: every rank learns it at the agreement below
         error = e
-    raise_if_any(error, elsewhere)  # every rank's own files are written: left, the shards (maybe behind) and the seal
+    with _abandoned_on_error(background if error is None else None):  # another rank's failure: drop this one's too
+        raise_if_any(error, elsewhere)  # every rank's own files are written: left, the shards and the seal
     seal = (lambda: _seal(tmp, path, world_size, manifest, keep_last)) if is_main else None
     if background is not None:
         background.finish(path, seal)
@@ -256,6 +257,7 @@ def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_l
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+    DAMAGED.discard(os.path.normpath(path))  # written again: intact, counted by keep_last
     fsync_path(parent)
     if keep_last > 0:
         _drop_older(parent, name, keep_last)

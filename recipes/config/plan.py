@@ -371,8 +371,10 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
                 raise
             plans[name] = Unplanned(name, index, cfg.recipe.stages[name], str(e))
         prev_len = plans[name].stage.seq_len
-    planned = [p for p in plans.values() if isinstance(p, StagePlan)]
-    if cfg.model.checkpoint_layers is not None and all(p.step.checkpointing == "none" for p in planned):
+    checkpointed = [p.step.checkpointing != "none" if isinstance(p, StagePlan) else bool(
+        cfg.model.activation_checkpointing if p.stage.activation_checkpointing is None
+        else p.stage.activation_checkpointing) for p in plans.values()]
+    if cfg.model.checkpoint_layers is not None and not any(checkpointed):
         raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
                          "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
                          "activation_checkpointing), or drop model.checkpoint_layers")

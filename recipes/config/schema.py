@@ -102,7 +102,7 @@ class TrainConfig:
     precision: Precision = Precision.auto  # auto: bf16 where the GPU has it, else fp32
     keep_last: int = 2  # step checkpoints kept per stage (final ones are always kept)
     # true: a step checkpoint blocks training only while each rank copies its state to host memory; the files are
-    # written and sealed behind the next steps (recipes/checkpoint/format.py: BackgroundSave)
+    # written and sealed behind the next steps (recipes/checkpoint/background.py: BackgroundSave)
     async_save: bool = False
     # torch.compile of each decoder layer's parts, longstride's attention left out of the graphs (model/compile.py);
     # each stage's first step, and its first validation, compile them. Not with model.checkpoint_mode=selective

@@ -223,9 +223,10 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
     run instead of moving it aside again; another command inside the same allocation starts afresh as asked.
     A directory that holds training but no run.json (copied without it, or deleted) is moved aside by
     train.resume=false too (its checkpoints were resumed), and a resume is refused where a checkpoint's manifest
-    records another config (unrecorded_checkpoint). Returns whether resume_from was applied now: `rewind` (moving aside what is newer than it) runs before run.json
-    records it, so the same command run again (a requeued job) finds it recorded only once the rewind is done, and
-    then resumes normally instead of going back to that checkpoint again."""
+    records another config (unrecorded_checkpoint). Returns whether resume_from was applied now: `rewind` (moving
+    aside what is newer than it) runs before run.json records it, so the same command run again (a requeued job)
+    finds it recorded only once the rewind is done, and then resumes normally instead of going back to that
+    checkpoint again."""
     path = os.path.join(directory, "run.json")
     mine = json.loads(json.dumps(identity(resolved), default=str))  # as it reads back from run.json
     if os.path.isfile(path):
@@ -262,9 +263,10 @@ def check_identity(directory: str, resolved: dict, resume: bool, resume_from: Op
             _move_aside(directory)
         elif not resume_from and (other := unrecorded_checkpoint(directory, resolved)):
             raise ValueError(f"{directory} has no run.json, and its checkpoint {other} was written under another "
-                             "config (its manifest's fingerprint differs; run.json would name the keys): rerun with "
-                             "that config to resume it, continue from one of its checkpoints under this config with "
-                             "train.resume_from=DIR, or set train.resume=false to move it aside and start afresh")
+                             "config (its manifest's fingerprint differs, as it does after a longstride upgrade too; "
+                             "run.json would name the keys): rerun with that config to resume it, continue from the "
+                             f"checkpoint under this config with train.resume_from={other}, or set "
+                             "train.resume=false to move it aside and start afresh")
     if resume_from:
         rewind()
     start = None if resume else slurm_start()
@@ -283,21 +285,23 @@ def _move_aside(directory: str) -> None:
 
 
 def unrecorded_checkpoint(directory: str, resolved: dict) -> Optional[str]:
-    """A checkpoint under `directory` whose manifest records another config's fingerprint than `resolved`'s, or
-    None: what a run directory without run.json can still tell of the config it was trained under."""
-    from longstride.recipes.checkpoint.format import STEP_RE
+    """The newest step checkpoint of a stage without a final (what a resume reads) whose manifest records another
+    config's fingerprint than `resolved`'s, or None: what a run directory without run.json can still tell of the
+    config it was trained under (a finished stage is not trained again, whatever its config)."""
+    from longstride.recipes.checkpoint.format import step_checkpoints
 
     mine = fingerprint(resolved)
     for stage in sorted(e.path for e in os.scandir(directory) if e.is_dir()):
-        for name in sorted(os.listdir(stage)):
-            if name == "final" or STEP_RE.match(name):
-                try:
-                    with open(os.path.join(stage, name, "manifest.json")) as f:
-                        recorded = json.load(f).get("config")
-                except (OSError, ValueError, AttributeError):
-                    continue  # unwritten or damaged: resume passes over it
-                if recorded and recorded != mine:
-                    return os.path.join(stage, name)
+        steps = step_checkpoints(stage)
+        if not steps or os.path.isdir(os.path.join(stage, "final")):
+            continue
+        try:
+            with open(os.path.join(steps[-1][1], "manifest.json")) as f:
+                recorded = json.load(f).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue  # unwritten or damaged: the resume passes over it
+        if recorded and recorded != mine:
+            return steps[-1][1]
     return None
 
 

@@ -352,8 +352,7 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
                                 "builds on it (the last good step checkpoint: %s)", run.plan.name, guard.in_row,
                                 last_good or "none")
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
-        settle_saves(ctx, run)
-        acc.wait_for_everyone()
+        settle_saves(ctx, run, every_rank=True)
         raise
     except Stopped:
         raise
@@ -390,9 +389,8 @@ def after_step(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals
         if not guard.in_row and last_good != here:
             save_stage(ctx, run, here, with_state=True)
             last_good = here
-        if run.saves is not None:  # the newest checkpoint sealed before any rank exits
-            settle_saves(ctx, run)
-            ctx.accelerator.wait_for_everyone()
+        if run.saves is not None:  # the newest checkpoint sealed before any rank exits (a failure: on every rank)
+            settle_saves(ctx, run, every_rank=True)
         raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {run.step} of stage "
                               f"{run.plan.name}; newest checkpoint {last_good or 'none yet'}; rerun the command "
                               "to resume (without train.resume=false or train.resume_from, which would start over)")

@@ -28,7 +28,7 @@ from longstride.recipes.run.runlock import fingerprint
 
 def save_stage(ctx, run, path: str, with_state: bool, extra_meta: dict | None = None) -> None:
     """Collective: every rank calls it. with_state: a resumable step checkpoint (written in the background with
-    train.async_save: recipes/checkpoint/format.py's BackgroundSave); else the stage's final model. NaN parameters
+    train.async_save: recipes/checkpoint/background.py's BackgroundSave); else the stage's final model. NaN parameters
     are refused before anything is written."""
     acc, plan, model = ctx.accelerator, run.plan, run.model
     settle_saves(ctx, run, every_rank=True)  # one save at a time: the one in flight sealed first (a failure raised)
