@@ -253,7 +253,6 @@ def test_eval_sequences_beyond_the_stage_data_is_a_message(micro):
 
 def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path):
     import signal
-    import time
 
     from tests.conftest import read_metrics
 
@@ -265,10 +264,10 @@ def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path)
     wait_for_step(stage_dir, 25, proc)
     workers = workers_of(proc.pid)
     os.kill(workers[1], signal.SIGKILL)
-    t0 = time.time()
+    # the survivor sees its peer's socket close: the run ends well within 300 s (communicate raises past it), not at
+    # the 1800 s collective timeout
     proc.communicate(timeout=300)
-    # the survivor sees its peer's socket close: no waiting for the 1800 s collective timeout
-    assert proc.returncode != 0 and time.time() - t0 < 90 and all(gone(w) for w in workers)
+    assert proc.returncode != 0 and all(gone(w) for w in workers)
     # resumed at another checkpoint interval (not part of the run's identity): the same losses, saved every 7
     resumed = start([o.replace("save_every=10", "save_every=7") for o in two], launcher=True)
     out, _ = resumed.communicate(timeout=600)

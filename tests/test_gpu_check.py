@@ -182,9 +182,10 @@ def test_a_running_step_is_packed_as_it_goes_and_killed_whole_at_its_cap(tmp_pat
     t0 = time.time()
     text = run_step([sys.executable, str(child)], 1.5, dict(os.environ), str(tmp_path / "step.log"), row,
                     lambda: packs.append((tmp_path / "step.log").read_text()), every=0.4)
-    assert row["status"] == "timed out at 2 s" and time.time() - t0 < 10
+    t1 = time.time()
+    assert row["status"] == "timed out at 2 s", row  # the 30 s child stopped at its cap
     assert any(p.startswith("deadline ") for p in packs), "packed while running, with the step's output so far"
-    assert abs(float(text.split()[1]) - (t0 + 1.5)) < 2 and row["status"] != "running"
+    assert t0 + 1.5 <= float(text.split()[1]) <= t1 + 1.5, "the deadline the step was given: its start + its cap"
     time.sleep(2)
     assert not marker.exists(), "the step's whole process group was killed at its cap"
     # a step that ends (here failing at once) takes its group with it too: a launcher's workers may outlive it
