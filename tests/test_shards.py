@@ -1,8 +1,8 @@
 """Sharded step checkpoints (parallel/shards.py) on one process: the model and AdamW state round-trip
 exactly, a tied LM head is stored once, `longstride export-hf` turns the shards into an HF directory with
-the same weights, and a shard file carrying a pickled payload is refused without running it. The
-multi-process side (each rank its own file, resume on another process count, FSDP2 <-> DDP) runs in
-tests/test_checkpoint_faults.py and tests/test_train.py."""
+the same weights, and a shard file carrying a pickled payload is refused without running it. A
+write failing on one of two gloo ranks raises on both. The rest of the multi-process side (each rank its own file,
+resume on another process count, FSDP2 <-> DDP) runs in tests/test_checkpoint_faults.py and tests/test_train.py."""
 from __future__ import annotations
 
 import os
@@ -277,3 +277,41 @@ def test_a_checkpoint_whose_parameter_groups_differ_from_this_run_s_resumes(tmp_
     assert torch.equal(opt2.state[wte]["exp_avg"], opt.state[old.lm.transformer.wte.weight]["exp_avg"])
     new.lm(input_ids=ids, labels=ids).loss.backward()
     opt2.step()
+
+
+def _one_rank_fails_worker(rank, world, root, where):
+    """Both ranks write checkpoint root/s1/step_000001; `where` fails on one rank for real: "rank1" its own part
+    (a file under a folder that does not exist), "seal" the main rank's manifest (a value JSON cannot write).
+    Each rank records what it raised."""
+    from longstride.recipes.checkpoint.format import writing_checkpoint
+
+    path = os.path.join(root, "s1", "step_000001")
+    manifest = {"unwritable": object()} if where == "seal" else None
+    try:
+        with writing_checkpoint(path, rank=rank, is_main=rank == 0, trainer_state={"step": 1}, rank_state={},
+                                meta={"step": 1}, world_size=world, manifest=manifest) as d:
+            if rank == 1 and where == "rank1":
+                open(os.path.join(d, "missing", "part"), "wb").close()
+        said = "no error"
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"{where}-rank{rank}.txt"), "w") as f:
+        f.write(said)
+
+
+@pytest.mark.parametrize("where", ["rank1", "seal"])
+def test_a_save_failing_on_one_rank_raises_on_every_rank(tmp_path, where):
+    """One rank's part of a save failed: it raised, and the others waited at the save's next barrier until the
+    launcher or the collective timeout (30 minutes) ended them, without the reason. Every rank now raises: the
+    failed one its own error, the others naming the checkpoint and another rank; nothing looks complete."""
+    from longstride.parallel.spawn import run_gloo
+
+    os.makedirs(tmp_path / "s1")
+    run_gloo(_one_rank_fails_worker, 2, str(tmp_path), where)
+    said = [(tmp_path / f"{where}-rank{r}.txt").read_text() for r in range(2)]
+    failed, other = (said[1], said[0]) if where == "rank1" else (said[0], said[1])
+    assert failed.startswith("CheckpointError: could not write checkpoint") and "No such file" in failed \
+        if where == "rank1" else failed.startswith("TypeError: ") and "not JSON serializable" in failed, said
+    assert other == (f"CheckpointError: could not write checkpoint {tmp_path}/s1/step_000001 on another rank (its "
+                     "log says why); the earlier checkpoints are intact: rerun to resume from the newest"), said
+    assert not (tmp_path / "s1" / "step_000001").exists()
