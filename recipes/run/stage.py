@@ -353,6 +353,7 @@ def train_steps(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignal
                                 last_good or "none")
     except NonFiniteError:  # every rank stops at this step: the checkpoint in flight, which it names, is sealed first
         settle_saves(ctx, run, every_rank=True)
+        acc.wait_for_everyone()  # and every rank leaves together
         raise
     except Stopped:
         raise
