@@ -2,6 +2,10 @@
 does not read, a new model's sizes beside a checkpoint, a weight dict given whole on the command line."""
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from longstride.recipes.config.plan import validate
 from tests.conftest import compose_cfg
 from tests.test_config import expect_error
@@ -47,3 +51,21 @@ def test_a_weight_dict_on_the_command_line_is_the_whole_dict():
     assert removed == {"stdlib": 1.0}  # a weight removed after the dict is removed from it
     kinds = compose_cfg(["recipe=tiny_retrieval", "data.sources.retrieval_short.synthetic.kinds={copy:1.0}"])
     assert kinds.data.sources["retrieval_short"].synthetic.kinds == {"copy": 1.0}
+
+
+def test_parallel_settings_no_stage_reads_are_refused(micro):
+    """A stage's own balance where it runs no ring (cp=1, or all Ulysses), and parallel.ulysses / upipe_heads in a
+    recipe whose stages all run cp=1, were accepted and did nothing."""
+    one = ["recipe.stages.s2_2k.cp=1", "recipe.stages.s3_4k.cp=1"]  # the micro recipe's stages all at cp=1
+    cases = [(["recipe.stages.s2_2k.balance=docs"], "recipe.stages.s2_2k.balance=docs deals a ring's chunks, and "
+                                                    "stage s2_2k runs no ring (cp 1); drop recipe.stages.s2_2k.balance"),
+             ([*one, "parallel.cp_impl=hybrid", "parallel.ulysses=2"],
+              "parallel.ulysses=2 splits a stage's cp ranks, and no stage of recipe tiny has cp > 1"),
+             ([*one, "parallel.cp_impl=upipe", "parallel.upipe_heads=2"], "parallel.upipe_heads=2 splits")]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            validate(compose_cfg(micro + extra), 1)
+    cfg = compose_cfg(["recipe=tiny", "parallel.cp_impl=ulysses", "recipe.stages.s2_2k.balance=docs"])
+    with pytest.raises(ValueError, match=r"stage s2_2k runs no ring \(cp 2, all ulysses\)"):
+        validate(cfg, 2)
+    validate(compose_cfg(micro + ["recipe.stages.s3_4k.cp=2", "recipe.stages.s3_4k.balance=docs"]), 2)

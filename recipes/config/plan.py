@@ -305,6 +305,9 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
     dims = ParallelDims.from_world(world, s.cp, where=f"{f}.cp")
     degrees = cp_degrees(par, s.cp, heads, where=f"{f}.cp", world=world)
     _check_stage_shape(f, s, prev_len, degrees, par.cp_impl)
+    if s.balance is not None and degrees.ring < 2:  # a stage's own setting that would do nothing
+        raise ValueError(f"{f}.balance={s.balance} deals a ring's chunks, and stage {name} runs no ring (cp {s.cp}"
+                         f"{f', all {par.cp_impl}' if s.cp > 1 else ''}); drop {f}.balance")
     per_step = dims.dp * s.micro_batch_size * s.seq_len
     if s.batch_tokens % per_step:
         raise ValueError(f"{f}.batch_tokens={s.batch_tokens} is not a multiple of dp {dims.dp} x "
@@ -360,6 +363,11 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
+    split = [n for n, s in cfg.recipe.stages.items() if s.cp > 1]
+    for key in ("ulysses", "upipe_heads"):  # read only where a stage splits its sequence: set, they would do nothing
+        if getattr(cfg.parallel, key) and not split:
+            raise ValueError(f"parallel.{key}={getattr(cfg.parallel, key)} splits a stage's cp ranks, and no stage of "
+                             f"recipe {cfg.recipe.name} has cp > 1; drop parallel.{key} or give a stage cp > 1")
     plans, prev_len = {}, 0
     for index, name in enumerate(cfg.recipe.stages):
         try:
