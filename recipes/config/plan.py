@@ -315,7 +315,7 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
                          f"one micro-batch on every data-parallel rank); set {f}.batch_tokens="
                          f"{-(-s.batch_tokens // per_step) * per_step}"
                          + (f", or raise {f}.cp (fewer data-parallel ranks)" if dims.dp > 1 else ""))
-    ac = m.activation_checkpointing if s.activation_checkpointing is None else s.activation_checkpointing
+    ac = checkpointed(cfg, s)
     ac_layers = _checkpoint_layers(cfg, name, ac, layers, device_type)
     check_compile(cfg.train.compile, m.checkpoint_mode if ac else "none")
     half = device_type == "cuda" and resolve_precision(str(cfg.train.precision), assume_gpu) == "bf16"
@@ -333,6 +333,12 @@ def plan_stage(cfg: Config, index: int, name: str, world: int, device_type: str,
                       lean_norms=m.lean_rms_norm, loss_tile=m.loss_tile_tokens, doc_masking=cfg.data.doc_masking,
                       checkpoint_layers=ac_layers, compile=cfg.train.compile),
         balance=str(par.balance if s.balance is None else s.balance), accum=s.batch_tokens // per_step)
+
+
+def checkpointed(cfg: Config, s: StageConfig) -> bool:
+    """Whether a stage runs activation checkpointing: its own setting, else the model's."""
+    own = s.activation_checkpointing
+    return bool(cfg.model.activation_checkpointing if own is None else own)
 
 
 def _checkpoint_layers(cfg: Config, name: str, ac: bool, layers: int, device_type: str) -> Optional[int]:
@@ -363,7 +369,7 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
     _check_rope_layer_types(cfg.model)
     if not cfg.recipe.stages:
         raise ValueError(f"recipe {cfg.recipe.name!r} lists no stages; add recipe.stages.<name> entries")
-    split = [n for n, s in cfg.recipe.stages.items() if s.cp > 1]
+    split = any(s.cp > 1 for s in cfg.recipe.stages.values())
     for key in ("ulysses", "upipe_heads"):  # read only where a stage splits its sequence: set, they would do nothing
         if getattr(cfg.parallel, key) and not split:
             raise ValueError(f"parallel.{key}={getattr(cfg.parallel, key)} splits a stage's cp ranks, and no stage of "
@@ -379,10 +385,7 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
                 raise
             plans[name] = Unplanned(name, index, cfg.recipe.stages[name], str(e))
         prev_len = plans[name].stage.seq_len
-    checkpointed = [p.step.checkpointing != "none" if isinstance(p, StagePlan) else bool(
-        cfg.model.activation_checkpointing if p.stage.activation_checkpointing is None
-        else p.stage.activation_checkpointing) for p in plans.values()]
-    if cfg.model.checkpoint_layers is not None and not any(checkpointed):
+    if cfg.model.checkpoint_layers is not None and not any(checkpointed(cfg, s) for s in cfg.recipe.stages.values()):
         raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
                          "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
                          "activation_checkpointing), or drop model.checkpoint_layers")
