@@ -292,6 +292,10 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
     ("model.checkpoint=/nonexistent", "model.checkpoint=/nonexistent is read only with model.arch=checkpoint"),
     ("recipe.stages.s2_2k.schedule=wsd recipe.stages.s2_2k.warmup_steps=3 recipe.stages.s2_2k.decay_fraction=0.5",
      "recipe.stages.s2_2k.warmup_steps=3 runs into the wsd decay, which starts at step 2 of 4"),
+    ("recipe.stages.s2_2k.decay_fraction=0.5", "recipe.stages.s2_2k.decay_fraction=0.5 is read only by schedule: "
+                                               "wsd, and this stage's schedule is cosine"),
+    ("recipe.stages.s2_2k.schedule=constant recipe.stages.s2_2k.min_lr_ratio=0.0",
+     "recipe.stages.s2_2k.min_lr_ratio=0.0: schedule: constant keeps the lr at its peak and has no floor"),
 ])
 def test_out_of_range_values_are_named_before_compute(micro, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):

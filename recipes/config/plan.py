@@ -148,8 +148,8 @@ def _range_rules(cfg: Config) -> list[tuple]:
                   (f"{f}.rope_theta", s.rope_theta, s.rope_theta > 0, "positive (for example 1e4, 5e5, 1e6)"),
                   (f"{f}.micro_batch_size", s.micro_batch_size, s.micro_batch_size >= 1, ">= 1"),
                   (f"{f}.lr", s.lr, s.lr > 0, "> 0"),
-                  (f"{f}.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "in [0, 1]"),
-                  (f"{f}.decay_fraction", s.decay_fraction, 0 < s.decay_fraction <= 1, "in (0, 1]"),
+                  (f"{f}.min_lr_ratio", s.min_lr_ratio, 0 <= s.floor_ratio <= 1, "in [0, 1]"),
+                  (f"{f}.decay_fraction", s.decay_fraction, 0 < s.decay_share <= 1, "in (0, 1]"),
                   (f"{f}.save_every", s.save_every, s.save_every >= 0, ">= 0 (0 = only the final checkpoint)"),
                   (f"{f}.cp", s.cp, s.cp >= 1, ">= 1"),
                   (f"{f}.mlp_tile_tokens", s.mlp_tile_tokens, s.mlp_tile_tokens is None or s.mlp_tile_tokens >= 0,
@@ -253,6 +253,17 @@ def check_model_and_data(cfg: Config, split_longest: Optional[int] = None) -> in
     return shape
 
 
+def _check_schedule_fields(f: str, s: StageConfig) -> None:
+    """A schedule field the stage's schedule never reads is refused rather than silently ignored."""
+    kind = str(s.schedule)
+    if s.decay_fraction is not None and kind != "wsd":
+        raise ValueError(f"{f}.decay_fraction={s.decay_fraction} is read only by schedule: wsd, and this stage's "
+                         f"schedule is {kind}; remove decay_fraction or set {f}.schedule=wsd")
+    if s.min_lr_ratio is not None and kind == "constant":
+        raise ValueError(f"{f}.min_lr_ratio={s.min_lr_ratio}: schedule: constant keeps the lr at its peak and has no "
+                         f"floor; remove min_lr_ratio or set {f}.schedule to cosine or wsd")
+
+
 def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:
     """Length order, step budget, and the sequence cut that the stage's CP layout needs."""
     if s.seq_len < prev_len:  # an equal length is a data or schedule change at that length (a warm-up, an anneal)
@@ -264,10 +275,11 @@ def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees
         raise ValueError(f"{f}: the stage has {s.total_steps} optimizer steps; raise steps or tokens")
     if not 0 <= s.warmup_steps < s.total_steps:
         raise ValueError(f"{f}.warmup_steps={s.warmup_steps} must be in [0, {s.total_steps})")
-    decay_start = s.total_steps - max(int(round(s.total_steps * s.decay_fraction)), 1)  # run/schedule.py's wsd
+    _check_schedule_fields(f, s)
+    decay_start = s.total_steps - max(int(round(s.total_steps * s.decay_share)), 1)  # run/schedule.py's wsd
     if str(s.schedule) == "wsd" and s.warmup_steps > decay_start:
         raise ValueError(f"{f}.warmup_steps={s.warmup_steps} runs into the wsd decay, which starts at step "
-                         f"{decay_start} of {s.total_steps} (decay_fraction={s.decay_fraction}): the lr would jump "
+                         f"{decay_start} of {s.total_steps} (decay_fraction={s.decay_share}): the lr would jump "
                          f"from the warmup into the decay; lower warmup_steps to at most {decay_start} or "
                          "decay_fraction")
     if s.cp == 1:

@@ -38,10 +38,10 @@ class StageConfig:
     tokens: Optional[int] = None  # token budget: steps = tokens // batch_tokens
     micro_batch_size: int = 1  # sequences per forward on each data-parallel rank
     lr: float = 3e-4
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Optional[float] = None  # cosine and wsd: the floor as a share of lr; None = 0.1
     warmup_steps: int = 0
     schedule: Schedule = Schedule.cosine
-    decay_fraction: float = 0.2  # wsd only
+    decay_fraction: Optional[float] = None  # wsd only: the share of the steps it decays over; None = 0.2
     cp: int = 1
     # source -> token weight; empty or null = data.sources' weights (empty by default, so +mixture.NAME=W can fill it)
     mixture: Optional[Dict[str, float]] = field(default_factory=dict)
@@ -55,6 +55,14 @@ class StageConfig:
     @property
     def total_steps(self) -> int:
         return self.steps if self.steps is not None else self.tokens // self.batch_tokens
+
+    @property
+    def floor_ratio(self) -> float:
+        return 0.1 if self.min_lr_ratio is None else self.min_lr_ratio
+
+    @property
+    def decay_share(self) -> float:
+        return 0.2 if self.decay_fraction is None else self.decay_fraction
 
 
 @dataclass

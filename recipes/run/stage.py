@@ -213,8 +213,8 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     log_memory_estimate(ctx, plan, lm)
     model = parallelize(built.module, decoder_layers(lm), plan.fsdp, acc, mesh)
     optimizer = build_optimizer(lm, cfg.optim, stage.lr, acc.device.type)
-    scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.min_lr_ratio,
-                                stage.decay_fraction)
+    scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.floor_ratio,
+                                stage.decay_share)
     loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
     return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
                     pack_stats=pack_stats, built=built, data_id=data_id,
