@@ -94,8 +94,15 @@ def make_accelerator(cfg: Config, world: int):
         die_with_parent()  # a killed launcher takes its workers with it
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.collective_timeout_s))
     cpu = use_cpu()
-    return Accelerator(mixed_precision=resolve_precision(cfg.train.precision, on_gpu=not cpu), cpu=cpu,
-                       kwargs_handlers=[timeout])
+    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision, on_gpu=not cpu), cpu=cpu,
+                      kwargs_handlers=[timeout])
+    if acc.gradient_accumulation_steps != 1:  # its backward() would divide every gradient by it
+        raise ValueError(f"accelerate's gradient accumulation is {acc.gradient_accumulation_steps} (from the "
+                         "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS, or accelerate launch "
+                         "--gradient_accumulation_steps), which would scale every gradient down by it; longstride "
+                         "accumulates micro-batches itself (recipe.stages.X.batch_tokens over micro_batch_size): "
+                         "unset it")
+    return acc
 
 
 def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: dict, tracker) -> None:

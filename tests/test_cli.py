@@ -302,3 +302,13 @@ def test_a_multirun_sweep_gives_each_job_its_own_run_directory(tmp_path):
         assert (tmp_path / job / "tiny" / "s1_256" / "final").is_dir(), sorted(p.name for p in tmp_path.iterdir())
     assert "already complete" not in r.stderr and (tmp_path / "multirun.yaml").is_file()
     assert not (REPO / "multirun.yaml").exists(), "nothing written where the command ran"
+
+
+def test_accelerate_gradient_accumulation_from_the_environment_is_refused(micro):
+    """accelerate reads ACCELERATE_GRADIENT_ACCUMULATION_STEPS into every Accelerator, and its backward() divided
+    each loss by it: every gradient 4x too small (the grad norm too, grad_clip 4x looser), the logged loss as ever."""
+    r = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.steps=2"],
+                env_extra={"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
+    assert r.returncode != 0 and "accelerate's gradient accumulation is 4 (from the environment: " \
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in r.stderr, r.stderr[-3000:]
+    assert " loss " not in r.stdout + r.stderr, "refused before any step"
