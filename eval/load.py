@@ -9,6 +9,7 @@ GPU when there is one, else the CPU), in eval mode.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,6 +52,15 @@ def eval_config(checkpoint: str, yarn: Optional[YarnConfig] = None, rope_layer_t
     """(the checkpoint's config with YaRN applied, its max positions before YaRN), without loading weights:
     what a command checks its lengths against before it loads the model."""
     return load_config_with_yarn(checkpoint, yarn or YarnConfig(), rope_layer_types)
+
+
+def applied_rope(config) -> dict:
+    """The RoPE an eval ran with, YaRN applied, under config.json's keys: what to write into the checkpoint's
+    config.json to load the same model elsewhere (the original length YaRN used is the trained one, not
+    necessarily the checkpoint's max_position_embeddings)."""
+    text = config.get_text_config(decoder=True)
+    return {"rope_parameters": copy.deepcopy(text.rope_parameters),
+            "max_position_embeddings": text.max_position_embeddings}
 
 
 def eval_tokenizer(checkpoint: str):

@@ -26,7 +26,7 @@ import torch
 from longstride.data.files import list_files, stdlib_root
 from longstride.data.tokenizer import bos_prefix
 from longstride.eval.cli import PplConfig, default_out, parse_ppl, results_stem
-from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
+from longstride.eval.load import DTYPES, applied_rope, eval_config, eval_tokenizer, load_eval_model
 from longstride.model.loss import chunked_cross_entropy_sum, decoder, output_head, text_decoder
 from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.overrides import run
@@ -169,7 +169,7 @@ def execute(cfg: PplConfig) -> list[dict]:
     os.makedirs(out, exist_ok=True)
     stem = results_stem("ppl", cfg.yarn.factor, cfg.dtype)
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
-        json.dump({"config": asdict(cfg), "results": rows}, f, indent=2)
+        json.dump({"config": {**asdict(cfg), "applied_rope": applied_rope(config)}, "results": rows}, f, indent=2)
     with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -6,6 +6,7 @@ from a checkpoint), so every saved stage loads with plain `AutoModelForCausalLM.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from typing import Optional
 
@@ -35,9 +36,17 @@ def nope_pattern(num_layers: int, interval: int, explicit: Optional[list] = None
     return [int((i + 1) % interval != 0) for i in range(num_layers)]
 
 
+def pattern_interval(pattern: list[int]) -> Optional[int]:
+    """The no_rope_layer_interval that SmolLM3's rule (`nope_pattern`) turns into `pattern`, for readers that rebuild
+    the layers from it: one past the depth for RoPE everywhere, None where no interval gives the pattern."""
+    first_nope = pattern.index(0) if 0 in pattern else len(pattern)
+    return first_nope + 1 if nope_pattern(len(pattern), first_nope + 1, None) == pattern else None
+
+
 def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, seq_len: int,
                    rope_theta: float, bos_id: Optional[int] = None) -> SmolLM3Config:
     """A from-scratch model's config; bos_id: the tokenizer's BOS (None: one without, EOS named in its place)."""
+    pattern = nope_pattern(cfg.num_hidden_layers, cfg.nope_interval, cfg.nope_layers)
     return SmolLM3Config(
         vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
@@ -49,8 +58,8 @@ def smollm3_config(cfg: ModelConfig, vocab_size: int, eos_id: int, pad_id: int, 
         tie_word_embeddings=cfg.tie_word_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
         initializer_range=cfg.initializer_range,
-        no_rope_layers=nope_pattern(cfg.num_hidden_layers, cfg.nope_interval, cfg.nope_layers),
-        no_rope_layer_interval=max(cfg.nope_interval, 1),
+        no_rope_layers=pattern,
+        no_rope_layer_interval=pattern_interval(pattern) or 4,  # no interval gives it: scratch_notes says so
         rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
         max_position_embeddings=seq_len,
         bos_token_id=eos_id if bos_id is None else bos_id,
@@ -66,8 +75,17 @@ VOCAB_PADDING = 128  # rows past the tokenizer's ids a from-scratch model may em
 def scratch_notes(cfg: ModelConfig, tokenizer_ids: int) -> list[str]:
     """What a from-scratch model's sizes do that a user may not mean, said at its stage's start: a model.vocab_size
     far past the tokenizer's ids (rows never used: a size meant for another tokenizer), and attention that is not
-    model.hidden_size wide (a model.head_dim kept from the config file copied while hidden_size or heads changed)."""
+    model.hidden_size wide (a model.head_dim kept from the config file copied while hidden_size or heads changed), and
+    a NoPE pattern other than every 4th layer, which runtimes that fix SmolLM3's NoPE at every 4th layer (or rebuild
+    it from no_rope_layer_interval) do not reproduce."""
     notes = []
+    pattern = nope_pattern(cfg.num_hidden_layers, cfg.nope_interval, cfg.nope_layers)
+    if pattern != nope_pattern(cfg.num_hidden_layers, 4, None):
+        kind = "has no interval form" if pattern_interval(pattern) is None else "is not every 4th layer"
+        notes.append(f"the NoPE layers {[i for i, rope in enumerate(pattern) if not rope]} {kind}: config.json's "
+                     "no_rope_layers holds them (transformers, vLLM, SGLang and MLX read it), but a runtime that "
+                     "fixes SmolLM3's NoPE at every 4th layer or rebuilds it from no_rope_layer_interval (GGUF "
+                     "conversions) would run those layers with other RoPE; see docs/features.md")
     if cfg.vocab_size and cfg.vocab_size - tokenizer_ids >= VOCAB_PADDING:
         notes.append(f"model.vocab_size={cfg.vocab_size} embeds {cfg.vocab_size - tokenizer_ids} rows that the "
                      f"tokenizer's {tokenizer_ids} ids never use; set model.vocab_size=null (the tokenizer's size), "
@@ -253,3 +271,21 @@ def save_config(lm: torch.nn.Module, directory: str) -> None:
         c.use_cache = True
     config.save_pretrained(directory)
     generation.save_pretrained(directory)
+    _mirror_rope_keys(os.path.join(directory, "config.json"))
+
+
+def _mirror_rope_keys(path: str) -> None:
+    """Also write one RoPE's base and scaling under the keys readers older than transformers 5 take (`rope_theta`,
+    `rope_scaling`): without them such a reader silently uses its class's default base, not the stage's bumped one.
+    transformers 5 reads `rope_parameters` and drops these on its next save."""
+    with open(path) as f:
+        saved = json.load(f)
+    rope = saved.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:  # none, or one per layer type (Gemma 3, OLMo 3)
+        return
+    saved["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        saved["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -93,6 +93,8 @@ def test_compare_scores_every_checkpoint_on_the_same_samples(two, tmp_path, caps
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert len(saved["records"]) == 2 * 2 * 2 + 2 and (tmp_path / "compare.png").stat().st_size > 0
     assert saved["rows"][2]["yarn"] == 2.0 and saved["complete"] is True
+    assert saved["rows"][2]["applied_rope"]["rope_parameters"]["rope_type"] == "yarn"
+    assert saved["rows"][0]["applied_rope"]["rope_parameters"]["rope_type"] == "default"
     only_yarn = main([f"checkpoints=[{base},{stage}]", "tasks=[synth_kv]", "yarn=[2]", "yarn_lengths=[2048]",
                       "plain_rows=false", "num_samples=1", f"out={tmp_path}/yarn", "threads=1"])
     assert [r["label"] for r in only_yarn["rows"]] == ["stage + YaRN x2"] and len(only_yarn["records"]) == 1

@@ -49,6 +49,7 @@ def test_ppl_with_and_without_yarn(checkpoint, tmp_path):
     assert abs(plain[1]["tail_ppl"] - yarn[1]["tail_ppl"]) > 1e-3, "YaRN changes the rotary frequencies"
     saved = json.loads((tmp_path / "ppl_yarn2.json").read_text())
     assert saved["results"] == yarn
+    assert saved["config"]["applied_rope"]["rope_parameters"]["factor"] == 2.0
     assert (tmp_path / "ppl.csv").is_file() and (tmp_path / "ppl.png").stat().st_size > 0
     half = main([f"checkpoint={checkpoint}", "lengths=[64,256]", "max_docs=2", "dtype=bfloat16", f"out={tmp_path}"])
     for p, h in zip(plain, half):  # bf16 weights and activations, the loss in fp32: near, not equal

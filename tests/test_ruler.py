@@ -107,7 +107,12 @@ def test_command_line_runs_reports_and_skips(checkpoint, squad, tmp_path, capsys
     yarn = main([f"checkpoint={checkpoint}", "lengths=[4096]", "num_samples=1", "tasks=[niah_single_1]",
                  "yarn.factor=2", f"out={tmp_path}", "threads=1", "wandb=offline", "dtype=bfloat16"])
     assert yarn["summary"]["lengths"] == [4096] and (tmp_path / "ruler_yarn2_bfloat16.json").is_file()
-    assert json.loads((tmp_path / "ruler_yarn2_bfloat16.json").read_text())["config"]["yarn"]["factor"] == 2.0
+    saved = json.loads((tmp_path / "ruler_yarn2_bfloat16.json").read_text())["config"]
+    assert saved["yarn"]["factor"] == 2.0
+    rope = saved["applied_rope"]  # what to give the model elsewhere for these numbers
+    assert rope["max_position_embeddings"] == 4096 and rope["rope_parameters"]["rope_type"] == "yarn"
+    assert rope["rope_parameters"]["factor"] == 2.0 and rope["rope_parameters"]["original_max_position_embeddings"] \
+        == 2048
     assert not (tmp_path / "ruler_yarn2.json").exists(), "a bf16 run's files sit beside a float32 run's, not over"
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0, "the scores and plots went to an offline wandb run"

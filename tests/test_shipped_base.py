@@ -46,6 +46,18 @@ def test_files_match_the_manifest(folder):
     assert verify(str(folder)) is None
 
 
+@pytest.mark.parametrize("folder", ALL_SHIPPED, ids=lambda p: p.name)
+def test_its_configs_say_what_a_final_s_say(folder):
+    """As save_config writes them: the KV cache on for a user's generate(), the RoPE base under the key older
+    readers take, and a NoPE interval that rebuilds the list (the all-RoPE base said 1: every layer NoPE)."""
+    from longstride.model.build import nope_pattern
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["use_cache"] and json.loads((folder / "generation_config.json").read_text())["use_cache"]
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    assert nope_pattern(config["num_hidden_layers"], config["no_rope_layer_interval"]) == config["no_rope_layers"]
+
+
 def test_a_changed_byte_is_caught(tmp_path):
     files = manifest()["files"]
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(files)

@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import torch
 
 from longstride.eval.cli import CompareConfig, compare_name, compare_out, compared_checkpoints, parse_compare
-from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
+from longstride.eval.load import DTYPES, applied_rope, eval_config, eval_tokenizer, load_eval_model
 from longstride.eval.ruler.run import (common_groups, launched_ranks, make_groups, note, runnable_tasks,
                                        score_group)
 from longstride.model.config import YarnConfig
@@ -46,6 +46,7 @@ class Row:
     rope_theta: Optional[float]
     lengths: list
     sample_set: str = ""  # the digest (12 hex digits) of the tokenizer whose samples the row is scored on
+    applied_rope: dict = field(default_factory=dict)  # the RoPE it ran with, YaRN applied (eval/load.applied_rope)
 
 
 def tokenizer_digest(checkpoint: str) -> str:
@@ -64,7 +65,7 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
     rows = []
     for label, ckpt in named:
         config, trained = eval_config(ckpt)
-        rows.append(Row(label, ckpt, None, trained, rope_base(config), []))
+        rows.append(Row(label, ckpt, None, trained, rope_base(config), [], applied_rope=applied_rope(config)))
     last = rows[-1].trained
     lengths = sorted(cfg.lengths) or [256] + [2 ** k for k in range(9, 40) if 2 ** k <= 2 * last and 2 ** k > 256]
     for r in rows:
@@ -72,9 +73,10 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
     yarn_lengths = sorted(cfg.yarn_lengths) or [2 * last, 4 * last]
     base = rows[-1]
     factors = DEFAULT_YARN if cfg.yarn is None else cfg.yarn
+    stretched = {}
     try:  # a scaling YaRN may not stretch, or bad rope_layer_types: refused before any row is scored
         for f in factors:
-            eval_config(base.checkpoint, YarnConfig(factor=f), cfg.rope_layer_types)
+            stretched[f] = applied_rope(eval_config(base.checkpoint, YarnConfig(factor=f), cfg.rope_layer_types)[0])
     except YarnRefused as e:
         if cfg.yarn is not None:
             fix = "yarn=[] compares without YaRN rows" + ("" if cfg.plain_rows else ", with plain_rows=true")
@@ -85,8 +87,8 @@ def plan_rows(cfg: CompareConfig, named: list[tuple[str, str]]) -> list[Row]:
         note(f"no YaRN rows (the default yarn={DEFAULT_YARN} left out): {e.why}")
         factors = []
     rows = rows if cfg.plain_rows else []
-    rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths)
-             for f in factors]
+    rows += [Row(f"{base.label} + YaRN x{f:g}", base.checkpoint, f, base.trained, base.rope_theta, yarn_lengths,
+                 applied_rope=stretched[f]) for f in factors]
     return rows
 
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from longstride.eval.cli import RulerConfig, default_out, parse_ruler, results_stem
-from longstride.eval.load import DTYPES, eval_config, eval_tokenizer, load_eval_model
+from longstride.eval.load import DTYPES, applied_rope, eval_config, eval_tokenizer, load_eval_model
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, chat_template_note, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
@@ -205,7 +205,7 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
         records = sorted((r for part in gathered for r in part), key=lambda r: (r["task"], r["length"], r["index"]))
-    result = _report(cfg, records, skipped) if rank == 0 else None
+    result = _report(cfg, records, skipped, applied_rope(config)) if rank == 0 else None
     if world > 1:  # every rank leaves together: a rank exiting while another still ran once made gloo abort
         torch.distributed.barrier()
         if owned:
@@ -213,22 +213,24 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
     return result
 
 
-def _report(cfg: RulerConfig, records: list[dict], skipped: list[str]) -> dict:
-    """The table, the files, the plots and wandb, from every rank's records (rank 0)."""
+def _report(cfg: RulerConfig, records: list[dict], skipped: list[str], rope: dict) -> dict:
+    """The table, the files, the plots and wandb, from every rank's records (rank 0); `rope`: the RoPE the model
+    ran with (eval/load.applied_rope), recorded beside the options."""
     summary = summarize(records, cfg.threshold)
     print(format_table(summary))
     out = cfg.out or default_out(cfg.checkpoint)
     stem = results_stem("ruler", cfg.yarn.factor, cfg.dtype)
     name = "/".join(os.path.normpath(os.path.abspath(cfg.checkpoint)).split(os.sep)[-2:])  # e.g. s3_4k/final
     title = name + (f" + YaRN x{cfg.yarn.factor:g}" if cfg.yarn.factor else "")
-    write_files(out, stem, asdict(cfg), summary, records, skipped)
+    config = {**asdict(cfg), "applied_rope": rope}
+    write_files(out, stem, config, summary, records, skipped)
     images = []
     try:
         images = plot(out, stem, summary, records, title)
     except ImportError:
         note("matplotlib not installed; skipping the plots (pip install 'longstride[eval]')")
     if cfg.wandb != "disabled":
-        log_wandb(cfg.wandb, cfg.wandb_project, f"ruler-{title}", config=asdict(cfg), summary=summary,
+        log_wandb(cfg.wandb, cfg.wandb_project, f"ruler-{title}", config=config, summary=summary,
                   images=images, out=out)
     print(f"eval.ruler: results in {out}/{stem}.json")
     return {"summary": summary, "records": records, "skipped": skipped}

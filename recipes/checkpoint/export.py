@@ -35,7 +35,7 @@ def export_hf(checkpoint: str, out: str) -> str:
     from torch.distributed.checkpoint.api import CheckpointException
     from transformers import AutoConfig, AutoTokenizer
 
-    from longstride.model.build import from_saved_config
+    from longstride.model.build import from_saved_config, save_config
     from longstride.parallel.shards import UnsafeCheckpoint, load_model_shards
     from longstride.recipes.checkpoint.format import verify, write_manifest
 
@@ -52,6 +52,7 @@ def export_hf(checkpoint: str, out: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with staged(out) as tmp:  # a half-written directory never looks like a checkpoint
         model.save_pretrained(tmp)
+        save_config(model, tmp)  # the configs as every saved directory has them (RoPE keys for older readers too)
         AutoTokenizer.from_pretrained(checkpoint).save_pretrained(tmp)
         write_manifest(tmp, 1, {"exported_from": os.path.abspath(checkpoint)})
     return out
