@@ -313,5 +313,29 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank(tmp_path, where):
     assert failed.startswith("CheckpointError: could not write checkpoint") and "No such file" in failed \
         if where == "rank1" else failed.startswith("TypeError: ") and "not JSON serializable" in failed, said
     assert other == (f"CheckpointError: could not write checkpoint {tmp_path}/s1/step_000001 on another rank (its "
-                     "log says why); the earlier checkpoints are intact: rerun to resume from the newest"), said
+                     "log says why); the earlier checkpoints are intact: rerun to resume from the newest"
+                     if where == "rank1" else f"CheckpointError: the main rank failed to seal checkpoint {tmp_path}/"
+                     "s1/step_000001 (its log says why and whether the checkpoint is complete); rerun to resume from "
+                     "the newest intact checkpoint"), said
     assert not (tmp_path / "s1" / "step_000001").exists()
+
+
+def test_a_pruning_failure_after_the_seal_says_the_checkpoint_is_complete(tmp_path):
+    """train.keep_last's removal of an older checkpoint failed after the new one was in place (here a leftover
+    folder under the name it is renamed to first): the raw OSError read as a failed save. It is a CheckpointError
+    saying the checkpoint is complete; it is, and the older one is still there."""
+    from longstride.recipes.checkpoint.format import CheckpointError, TMP_PREFIX, step_name, verify, writing_checkpoint
+
+    stage = tmp_path / "s1"
+
+    def save(step, keep_last):
+        with writing_checkpoint(str(stage / step_name(step)), rank=0, is_main=True, trainer_state={"step": step},
+                                rank_state={}, meta={}, keep_last=keep_last):
+            pass
+
+    save(1, 0)
+    os.makedirs(stage / f"{TMP_PREFIX}old-{step_name(1)}" / "leftover")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {stage}/step_000002 is written and complete, but then "
+                                              r"the disk failed \(\[Errno 39\] Directory not empty"):
+        save(2, 1)
+    assert verify(str(stage / "step_000002")) is None and verify(str(stage / "step_000001")) is None

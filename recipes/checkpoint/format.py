@@ -165,6 +165,13 @@ def failed_on_another_rank(path: str) -> CheckpointError:
                            "checkpoints are intact: rerun to resume from the newest")
 
 
+def sealing_failed(path: str) -> CheckpointError:
+    """What the other ranks raise when the main rank's seal of checkpoint `path` (manifest, rename, pruning)
+    failed: its own error says whether the checkpoint was complete."""
+    return CheckpointError(f"the main rank failed to seal checkpoint {path} (its log says why and whether the "
+                           "checkpoint is complete); rerun to resume from the newest intact checkpoint")
+
+
 @contextlib.contextmanager
 def writing_checkpoint(
     path: str,
@@ -226,7 +233,7 @@ def writing_checkpoint(
             seal()
     except Exception as e:
         error = e
-    raise_if_any(error, elsewhere)
+    raise_if_any(error, lambda: sealing_failed(path))
 
 
 @contextlib.contextmanager
@@ -258,9 +265,14 @@ def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_l
     else:
         os.replace(tmp, path)
     DAMAGED.discard(os.path.normpath(path))  # written again: intact, counted by keep_last
-    fsync_path(parent)
-    if keep_last > 0:
-        _drop_older(parent, name, keep_last)
+    try:
+        fsync_path(parent)
+        if keep_last > 0:
+            _drop_older(parent, name, keep_last)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} is written and complete, but then the disk failed ({e}) while "
+                              "making its rename durable or removing older checkpoints (train.keep_last): check "
+                              "the disk and rerun; the run resumes from the newest intact checkpoint") from e
 
 
 def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:
