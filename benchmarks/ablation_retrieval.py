@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from benchmarks.common import RESULTS, print_table, write_results
 
@@ -100,21 +101,23 @@ def own_base(variant: str, smoke: bool) -> list[str]:
     return [f"model.checkpoint={path}", f"data.tokenizer={path}"]
 
 
-def train(variant: str, seed: int, smoke: bool) -> tuple[str, float, list[str]]:
-    """The variant's 4K checkpoint for this seed (trained now unless finished), seconds, and its overrides."""
+def train(variant: str, seed: int, smoke: bool) -> tuple[str, Optional[float], list[str]]:
+    """The variant's 4K checkpoint for this seed (trained now unless finished), the seconds its training took here
+    (None: it was trained before, for another piece or by an earlier invocation), and its overrides."""
     out = os.path.join(ROOT + ("-smoke" if smoke else ""), variant, f"seed{seed}")
     final = os.path.join(out, "tiny_extend", "s3_4k", "final")
     base = own_base(variant, smoke)
     overrides = [*(base or VARIANTS[variant]), *seed_overrides(seed), *(SMOKE if smoke else [])]
     t0 = time.perf_counter()
-    if not os.path.isfile(os.path.join(final, "manifest.json")):
-        cmd = ["accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "-m", "longstride.recipes.train",
-               "recipe=tiny_extend", f"paths.output_root={out}", "logger.wandb_mode=disabled",
-               "logger.progress_bar=false", *overrides]
-        print(f"[ablation] training {variant} seed {seed}: {' '.join(cmd)}", flush=True)
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "train.log"), "w") as log:
-            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    if os.path.isfile(os.path.join(final, "manifest.json")):
+        return final, None, overrides
+    cmd = ["accelerate", "launch", "--config_file", "configs/accelerate/cpu.yaml", "-m", "longstride.recipes.train",
+           "recipe=tiny_extend", f"paths.output_root={out}", "logger.wandb_mode=disabled",
+           "logger.progress_bar=false", *overrides]
+    print(f"[ablation] training {variant} seed {seed}: {' '.join(cmd)}", flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "train.log"), "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     return final, time.perf_counter() - t0, overrides
 
 
@@ -143,7 +146,6 @@ def run_piece(variant: str, seed: int, samples: int, smoke: bool) -> dict:
     if variant in EVAL_ONLY:
         source, factors = EVAL_ONLY[variant]
         ckpt, train_s, overrides = train(source, seed, smoke)
-        train_s = 0.0 if os.path.isfile(piece_path(source, seed, smoke)) else train_s
     else:
         ckpt, train_s, overrides = train(variant, seed, smoke)
         factors = []
@@ -151,7 +153,8 @@ def run_piece(variant: str, seed: int, samples: int, smoke: bool) -> dict:
     result = evaluate(ckpt, factors, samples, os.path.join(os.path.dirname(ckpt), "eval"))
     piece = {"variant": variant, "seed": seed, "overrides": overrides, "yarn_at_eval": factors,
              "samples": samples, "tasks": TASKS, "lengths": LENGTHS, "trained_length": TRAINED,
-             "train_seconds": round(train_s, 1), "eval_seconds": round(time.perf_counter() - t1, 1),
+             "train_seconds": None if train_s is None else round(train_s, 1),  # None: trained for another piece
+             "eval_seconds": round(time.perf_counter() - t1, 1),
              "seconds": round(time.perf_counter() - t0, 1), "base": OWN_BASE.get(variant, (BASE,))[0],
              "date": datetime.date.today().isoformat(), **result}
     path = piece_path(variant, seed, smoke)
