@@ -238,14 +238,26 @@ def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scal
     return dq, dk, dv
 
 
+def _flash_params(fn) -> tuple[set, str]:
+    """(the argument names, the name) of a flash-attn function: from 2.7 on its private ones are torch.library
+    custom ops, whose own signature is (*args, **kwargs); the function they wrap has the names."""
+    import inspect
+
+    target = getattr(fn, "_init_fn", fn)
+    name = getattr(target, "__name__", repr(fn))
+    params = inspect.signature(target).parameters
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        raise ValueError(f"cannot read the arguments of this flash-attn build's {name} (a wrapper of *args, "
+                         "**kwargs); use parallel.kernel=torch_flash, or a flash-attn release longstride knows (2.x)")
+    return set(params), name
+
+
 def _flash_call(fn, window=None, **kw):
     # flash-attn's varlen functions changed their arguments across 2.x releases; pass only what this release
     # takes (window_size as a pair in <= 2.6, as two ints later); a soft-cap it does not take is refused
-    import inspect
-
-    params = inspect.signature(fn).parameters
+    params, name = _flash_params(fn)
     if kw.get("softcap") and "softcap" not in params:  # behind the version check: a build that lies about it
-        raise ValueError(f"this flash-attn build's {fn.__name__} takes no softcap; install flash-attn >= "
+        raise ValueError(f"this flash-attn build's {name} takes no softcap; install flash-attn >= "
                          f"{SOFTCAP_FLASH_ATTN}, or use parallel.kernel=math")
     left, right = (-1, -1) if window is None else (window - 1, 0)
     if "window_size" in params:
@@ -253,7 +265,7 @@ def _flash_call(fn, window=None, **kw):
     elif "window_size_left" in params:
         kw.update(window_size_left=left, window_size_right=right)
     elif window is not None:  # flash-attn < 2.3 has no windows: the layer would attend to its whole document
-        raise ValueError(f"this flash-attn build's {fn.__name__} takes no window size, and this layer attends within "
+        raise ValueError(f"this flash-attn build's {name} takes no window size, and this layer attends within "
                          f"a window of {window}; install flash-attn >= 2.3, or use parallel.kernel=torch_flash or math")
     return fn(**{k: v for k, v in kw.items() if k in params})
 

@@ -5,6 +5,9 @@ flash op, asserting what the CUDA kernel requires of its inputs. On a GPU, tests
 """
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import pytest
 import torch
 
@@ -291,25 +294,40 @@ def _fake_flash_attn(monkeypatch, with_softcap: bool = True, version: str = "2.8
         return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, 0.0, return_attn_probs)
 
-    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-            deterministic, rng_state=None):
-        grads = math.backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, causal, window(window_size_left), softcap or None)
-        for buf, g in zip((dq, dk, dv), grads):
-            buf.copy_(g)
-
     package = types.ModuleType("flash_attn")
     package.__version__ = version
     package.flash_attn_varlen_func = fwd if with_softcap else old_fwd
-    package.flash_attn_interface = types.SimpleNamespace(_flash_attn_varlen_backward=bwd)
+    package.flash_attn_interface = types.SimpleNamespace(_flash_attn_varlen_backward=_flash_attn_backward_op())
     monkeypatch.setitem(sys.modules, "flash_attn", package)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_backward_op():
+    """flash-attn >= 2.7's varlen backward: a torch.library custom op (its own signature is (*args, **kwargs): read
+    from it, the call was handed no argument), computed by the math kernel."""
+    math = emulate(*DENSE["math"])
+
+    @torch.library.custom_op("longstride_test::flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+            causal: bool, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+            alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+            rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> None:
+        grads = math.backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, None if window_size_left < 0 else window_size_left + 1,
+                              softcap or None)
+        for buf, g in zip((dq, dk, dv), grads):
+            buf.copy_(g)
+
+    return bwd
 
 
 def test_flash_attn_is_handed_the_soft_cap(monkeypatch):
     """Document-masked attention with a soft-cap through flash-attn's argument names (a stand-in computed by the
     math kernel) equals the math kernel's, forward and backward, with and without a window; without the cap it
-    would differ. A flash-attn release before 2.6.2 (its backward ignores the cap), a ROCm build (it ignores the
+    would differ. The backward is a torch.library custom op, as from flash-attn 2.7 on: its (*args, **kwargs)
+    signature made every call drop every argument. A flash-attn release before 2.6.2 (its backward ignores the cap), a ROCm build (it ignores the
     cap) and a build whose function takes no softcap are refused rather than run uncapped."""
     from longstride.parallel.pattern import Pattern
 
