@@ -88,7 +88,10 @@ def parallelize(model: torch.nn.Module, layers, fsdp: bool, accelerator, mesh=No
     compute under accelerate's bf16 mixed precision), or DDP through accelerate.prepare."""
     if not fsdp:
         return Parallelized(accelerator.prepare(model), False, accelerator)
-    model.to(accelerator.device)
+    # not moved to the device first: fully_shard moves each unit's states as it shards them, so a GPU holds one
+    # layer unsharded at a time, never the whole fp32 model
     bf16 = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
-    return Parallelized(apply_fsdp(model, layers, accelerator.device.type, accelerator.num_processes, bf16, mesh), True,
-                        accelerator)
+    sharded = apply_fsdp(model, layers, accelerator.device.type, accelerator.num_processes, bf16, mesh)
+    if accelerator.device.type == "cuda":
+        torch.cuda.empty_cache()  # the unsharded layers' blocks, in sizes the training's tensors may not reuse
+    return Parallelized(sharded, True, accelerator)

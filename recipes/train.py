@@ -19,7 +19,7 @@ from datetime import timedelta
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from longstride.process import skip_exit_collection
+from longstride.process import cuda_allocator_default, skip_exit_collection
 from longstride.recipes.config.compose import set_long_docs, split_long_docs
 from longstride.recipes.config.schema import Config, selected_stages, to_schema
 
@@ -225,6 +225,7 @@ def main(raw: DictConfig) -> None:
     from longstride.recipes.run.faults import NonFiniteError, StageInputError, Stopped
 
     skip_exit_collection()
+    cuda_allocator_default()
     try:
         raw = set_long_docs(raw, STAGE_LONG_DOCS)  # what entry() kept from Hydra: recipes/config/compose.py
         sweep_job_root(raw, HydraConfig.get())

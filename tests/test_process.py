@@ -1,6 +1,8 @@
-"""longstride.process: a command's process skips the interpreter's last garbage collection at exit."""
+"""longstride.process: a command's process skips the interpreter's last garbage collection at exit; training sets
+the CUDA allocator's expandable segments unless the user configured the allocator."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -30,3 +32,18 @@ def test_the_exit_collection_is_skipped_only_when_asked():
 
     assert run("keep") == ["exiting", "collected"]
     assert run("skip") == ["exiting"]
+
+
+def test_training_takes_expandable_segments_unless_the_allocator_is_configured(monkeypatch):
+    from longstride.process import cuda_allocator_default
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    cuda_allocator_default()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        monkeypatch.setenv(name, "max_split_size_mb:512")
+        cuda_allocator_default()
+        assert os.environ[name] == "max_split_size_mb:512" and \
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512") == "max_split_size_mb:512", name
