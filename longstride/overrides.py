@@ -149,13 +149,16 @@ def _reason(e: BaseException) -> str:
 
 def run(command: str, main: Callable[[list[str]], object], argv: Optional[list[str]] = None) -> None:
     """main(argv) with bad input (ValueError) and what is refused (NotImplementedError) shown as one line, exit
-    status 2."""
+    status 2; the same types raised by a fault in longstride's own code keep their traceback (bad_input.py)."""
+    from longstride.bad_input import is_bad_input
     from longstride.process import skip_exit_collection
 
     skip_exit_collection()
     try:
         main(sys.argv[1:] if argv is None else argv)
     except (ValueError, NotImplementedError) as e:
+        if not is_bad_input(e):
+            raise
         print(f"{command}: {e}", file=sys.stderr)
         sys.exit(2)
 

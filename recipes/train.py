@@ -19,6 +19,7 @@ from datetime import timedelta
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from longstride.bad_input import is_bad_input
 from longstride.process import cuda_allocator_default, skip_exit_collection
 from longstride.recipes.config.compose import set_long_docs, split_long_docs
 from longstride.recipes.config.schema import Config, selected_stages, to_schema
@@ -90,6 +91,7 @@ def make_accelerator(cfg: Config, world: int):
     from longstride.recipes.config.plan import resolve_precision
     from longstride.recipes.run.faults import die_with_parent
 
+    check_launcher(str(cfg.train.precision))
     if world > 1:
         die_with_parent()  # a killed launcher takes its workers with it
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.collective_timeout_s))
@@ -98,11 +100,39 @@ def make_accelerator(cfg: Config, world: int):
                       kwargs_handlers=[timeout])
     if acc.gradient_accumulation_steps != 1:  # its backward() would divide every gradient by it
         raise ValueError(f"accelerate's gradient accumulation is {acc.gradient_accumulation_steps} (from the "
-                         "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS, or accelerate launch "
-                         "--gradient_accumulation_steps), which would scale every gradient down by it; longstride "
-                         "accumulates micro-batches itself (recipe.stages.X.batch_tokens over micro_batch_size): "
-                         "unset it")
+                         "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which a DeepSpeed config's "
+                         "gradient_accumulation_steps also sets), which would scale every gradient down by it; "
+                         "longstride accumulates micro-batches itself (recipe.stages.X.batch_tokens over "
+                         "micro_batch_size): unset it")
     return acc
+
+
+def check_launcher(precision: str) -> None:
+    """The accelerate launch settings longstride does not take, refused before any process group exists: its own
+    config's distributed_type FSDP / DEEPSPEED / MEGATRON_LM (accelerate would shard, wrap or skip the backward
+    behind longstride's own FSDP2 and step), a dynamo_backend (it would compile the whole loss-wrapped model,
+    checkpointed layers included), and a mixed_precision longstride does not train in or that train.precision
+    contradicts. They reach the process as accelerate launch's ACCELERATE_* variables."""
+    from accelerate.utils import parse_flag_from_env
+
+    use = "distributed_type: MULTI_GPU (longstride shards with its own FSDP2: parallel.fsdp; checkpoints "
+    for flag, kind, fix in (
+            ("ACCELERATE_USE_FSDP", "FSDP", use + "with model.activation_checkpointing, model.offload_activations)"),
+            ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED", use + "and clips with its own step: optim.grad_clip)"),
+            ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM", use + "with its own step)")):
+        if parse_flag_from_env(flag):
+            raise ValueError(f"the accelerate config's distributed_type: {kind} ({flag}) is not how longstride "
+                             f"trains; launch with {fix}")
+    dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "").lower()
+    if dynamo not in ("", "no"):
+        raise ValueError(f"the accelerate config's dynamo_backend {dynamo} (ACCELERATE_DYNAMO_BACKEND) would compile "
+                         "the whole model around longstride's checkpointed layers and attention; set it to 'no' and "
+                         "use train.compile=true, which compiles the decoder layers' parts")
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if mixed in ("fp16", "fp8") or (mixed == "bf16" and precision == "fp32"):
+        raise ValueError(f"the accelerate config's mixed_precision: {mixed} (ACCELERATE_MIXED_PRECISION) is not what "
+                         f"this run trains in: train.precision={precision} sets it (auto: bf16 on a GPU that has "
+                         "it, else fp32; bf16; fp32); set the launcher's mixed_precision to bf16 or 'no' to match")
 
 
 def record_run(cfg: Config, raw: DictConfig | None, recipe_dir: str, resolved: dict, tracker) -> None:
@@ -231,6 +261,8 @@ def main(raw: DictConfig) -> None:
         sweep_job_root(raw, HydraConfig.get())
         prepared = setup(to_schema(raw, HydraConfig.get().overrides.task), raw)
     except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
+        if not is_bad_input(e):  # a fault in longstride's own code: its traceback
+            raise
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -312,3 +312,28 @@ def test_accelerate_gradient_accumulation_from_the_environment_is_refused(micro)
     assert r.returncode != 0 and "accelerate's gradient accumulation is 4 (from the environment: " \
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in r.stderr, r.stderr[-3000:]
     assert " loss " not in r.stdout + r.stderr, "refused before any step"
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"ACCELERATE_USE_FSDP": "true"}, "distributed_type: FSDP (ACCELERATE_USE_FSDP) is not how longstride trains"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "distributed_type: DEEPSPEED (ACCELERATE_USE_DEEPSPEED)"),
+    ({"ACCELERATE_USE_MEGATRON_LM": "1"}, "distributed_type: MEGATRON_LM (ACCELERATE_USE_MEGATRON_LM)"),
+    ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo_backend inductor (ACCELERATE_DYNAMO_BACKEND) would compile"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision: fp16 (ACCELERATE_MIXED_PRECISION) is not what this "
+                                             "run trains in: train.precision=auto sets it"),
+])
+def test_accelerate_launch_settings_longstride_does_not_take_are_refused(micro, env, said):
+    """An accelerate config of the user's own: its FSDP / DeepSpeed / Megatron-LM distributed type (Megatron's
+    backward computed no gradients: a run that trained nothing), a dynamo backend (the whole model compiled around
+    the checkpointed layers) or fp16 (silently trained in bf16) were taken without a word."""
+    r = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.steps=2"], env_extra=env)
+    assert r.returncode == 2 and said in r.stderr, r.stderr[-3000:]
+
+
+def test_the_launcher_s_precision_is_taken_where_it_agrees_and_logged(micro):
+    r = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.steps=2"],
+                env_extra={"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_BACKEND": "no"})
+    assert r.returncode == 0 and "(DistributedType.NO, mixed precision no)" in r.stderr, r.stderr[-3000:]
+    r = run_cli(micro + ["stage=s1_256", "train.precision=fp32"], env_extra={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert r.returncode == 2 and "mixed_precision: bf16 (ACCELERATE_MIXED_PRECISION) is not what this run trains " \
+        "in: train.precision=fp32 sets it" in r.stderr, r.stderr[-3000:]

@@ -47,3 +47,44 @@ def test_training_takes_expandable_segments_unless_the_allocator_is_configured(m
         cuda_allocator_default()
         assert os.environ[name] == "max_split_size_mb:512" and \
             os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512") == "max_split_size_mb:512", name
+
+
+FAULTY = '''
+def deliberate(x):
+    raise ValueError(f"x={x} must be positive; "
+                     "give x=1")
+
+
+def faulty(pairs):
+    a, b = pairs
+    return a
+'''
+
+
+def test_a_fault_in_longstride_s_own_code_is_not_shown_as_bad_input(tmp_path):
+    """Commands print a ValueError as one line, exit 2 (bad input); `a, b = [1, 2, 3]` failing in longstride's code
+    read as bad input too, its traceback dropped. A library's message about its input stays one line."""
+    import importlib.util
+    import json
+
+    import pytest
+
+    from longstride.bad_input import is_bad_input
+    from longstride.overrides import run
+
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    spec = importlib.util.spec_from_file_location("longstride.faulty_for_test", tmp_path / "faulty.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    said = {}
+    for name, call in {"deliberate": lambda: module.deliberate(0), "faulty": lambda: module.faulty([1, 2, 3]),
+                       "library": lambda: json.loads("{")}.items():
+        with pytest.raises(ValueError) as e:
+            call()
+        said[name] = is_bad_input(e.value)
+    assert said == {"deliberate": True, "faulty": False, "library": True}
+    with pytest.raises(ValueError, match="too many values to unpack"):  # its traceback, not a one-line exit 2
+        run("longstride test", lambda argv: module.faulty([1, 2, 3]), [])
+    with pytest.raises(SystemExit) as e:
+        run("longstride test", lambda argv: module.deliberate(0), [])
+    assert e.value.code == 2

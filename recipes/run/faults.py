@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from longstride.bad_input import is_bad_input
 from longstride.parallel.collectives import all_reduce
 
 
@@ -86,6 +87,8 @@ def stage_input(stage: str):
     try:
         yield
     except ValueError as e:
+        if not is_bad_input(e):  # a fault in longstride's own code: raised as it is, with its traceback
+            raise
         raise StageInputError(f"stage {stage}: {e}") from e
 
 

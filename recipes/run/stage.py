@@ -237,10 +237,10 @@ def log_stage_start(ctx: RunContext, run: StageRun, init_from: Optional[str], re
         f"{', their tiles' if spec.mlp_tile else ''} and the loss's tile (the first step compiles them)" \
         if run.built.compiled else ""
     ctx.tracker.info(f"stage {plan.name}: model {type(run.model.module).__name__} on {acc.device} "
-                     f"({acc.distributed_type}); activation checkpointing {spec.checkpointing if ac else 'off'}"
-                     f"{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}; attention kernel {plan.kernel}{compiled}")
-    cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 \
-        else ""
+                     f"({acc.distributed_type}, mixed precision {acc.mixed_precision}); activation checkpointing "
+                     f"{spec.checkpointing if ac else 'off'}{layers}{offload}; MLP tile {spec.mlp_tile or 'off'}; "
+                     f"attention kernel {plan.kernel}{compiled}")
+    cp_text = describe_cp(cfg.parallel.cp_impl, plan.degrees, kv_heads(run.lm.config)) if plan.dims.cp > 1 else ""
     packing = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.pack_stats.items()}
     rounded = f" (tokens={s.tokens} rounded down to whole steps)" if s.tokens and s.tokens % s.batch_tokens else ""
     ctx.tracker.info(f"stage {plan.name}: seq_len {s.seq_len}, rope_theta {s.rope_theta:g}, {s.total_steps} steps x "
