@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from longstride.model.loss import decoder_layers
+from longstride.model.offload import pinned_bytes
 from longstride.model.rmsnorm import computes_rms_norm
 from longstride.model.tiling import pre_norm
 
@@ -244,10 +245,10 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
     layers = k * per_layer + (n - k) * layer  # what every layer keeps at the forward's end
     # backward runs the whole (last) layers' first, freeing them, then recomputes one checkpointed layer at a time
     kept = layers + (layer if ac != "none" and k == n else 0) + peak
-    host = 0
-    if offload and ac != "none":
-        host = k * r * H  # the layer inputs, in pinned host memory
-        kept += 2 * r * H - host
+    host = 0  # bytes
+    if offload and ac != "none":  # the layer inputs, in pinned host memory (in the allocator's power-of-two blocks)
+        host = k * pinned_bytes(int(r * H * tokens))
+        kept += 2 * r * H - k * r * H
     gib = 2 ** 30
     out = {
         "parameters": 4 * num_params / shard / gib,
@@ -262,7 +263,7 @@ def estimate(config, num_params: int, tokens: int, ac: str, mlp_tile: int, loss_
         "activation_bytes_per_token": kept,
         "layer_bytes_per_token": per_layer,  # what each (checkpointed) layer keeps from its forward for backward
         "layers_bytes_per_token": layers,  # all the layers together (checkpointed and whole)
-        "host_activations": host * tokens / gib,
+        "host_activations": host / gib,
     }
     out["total"] = sum(v for k, v in out.items() if k not in ("activation_bytes_per_token", "layer_bytes_per_token",
                                                               "layers_bytes_per_token", "host_activations"))

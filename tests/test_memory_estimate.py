@@ -9,6 +9,7 @@ from transformers import SmolLM3Config
 
 from longstride.model.loss import ChunkedLossLM
 from longstride.model.memory import LayerParts, device_memory_gib, estimate, layer_parts
+from longstride.model.offload import pinned_bytes
 from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
 from tests.test_cp_model import L, tiny_model
@@ -257,8 +258,10 @@ def test_switches_order_and_offload():
         < none["activation_bytes_per_token"], "tiled too: selective keeps the o-projection's output beside the input"
     off = per_token("full", 1024, offload=True)
     layer_input = full["layer_bytes_per_token"]
-    assert abs(off["host_activations"] * 2 ** 30 - CFG.num_hidden_layers * layer_input * 8192) < 1, \
-        "offload: every layer input lives in host memory"
+    assert abs(off["host_activations"] * 2 ** 30 - CFG.num_hidden_layers * pinned_bytes(layer_input * 8192)) < 1, \
+        "offload: every layer input lives in host memory, each in a block of the pinned allocator's"
+    assert [pinned_bytes(n) for n in (576 * 2 * 8192, 2 ** 20, 2 ** 20 + 1)] == [2 ** 24, 2 ** 20, 2 ** 21], \
+        "a power of two at least the tensor's size (576 wide: 1.78x)"
     assert off["activation_bytes_per_token"] == full["activation_bytes_per_token"] - \
         (CFG.num_hidden_layers - 2) * layer_input, "two layer inputs stay on the device (in use, prefetched)"
     assert per_token("none", 1024, offload=True)["host_activations"] == 0

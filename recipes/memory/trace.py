@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from longstride.data.batch import collate, packed_item
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import layer_parts
+from longstride.model.offload import pinned_bytes
 from longstride.parallel.attention import register
 from longstride.parallel.attention_call import is_attention_op, run_inside
 from longstride.parallel.config import CPDegrees, ParallelDims, WorldMesh
@@ -129,7 +130,7 @@ class LiveBytes(TorchDispatchMode):
             return
         n = 0 if self._host else self._bytes(st.nbytes())
         self.sizes[st] = n
-        self.host_bytes += st.nbytes() if self._host else 0
+        self.host_bytes += pinned_bytes(st.nbytes()) if self._host else 0
         self.live += n
         self.peak = max(self.peak, self.live)
         weakref.finalize(st, self._free, n)
