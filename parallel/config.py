@@ -120,6 +120,10 @@ class ParallelDims:
     dp: int
     cp: int
 
+    def __post_init__(self):  # built directly too (benchmarks, the check command): the same arithmetic holds
+        if min(self.world, self.dp, self.cp) < 1 or self.world != self.dp * self.cp:
+            raise ValueError(f"world size {self.world} != dp {self.dp} x cp {self.cp}; every degree >= 1")
+
     @classmethod
     def from_world(cls, world: int, cp: int, where: str = "parallel") -> "ParallelDims":
         if cp < 1:
@@ -154,6 +158,8 @@ class WorldMesh:
         """The (dp, ring, ulysses) view for a stage's dims; ring x ulysses = cp. Collective the first time."""
         if dims.world != self.world:
             raise ValueError(f"a stage of {dims.world} ranks on a mesh of {self.world}")
+        if dims.cp % ulysses:
+            raise ValueError(f"cp {dims.cp} != ring x ulysses {ulysses}: the Ulysses degree must divide cp")
         key = (dims.dp, dims.cp // ulysses, ulysses)
         if key not in self._layouts:
             view = self.mesh._unflatten(0, key, ("dp", "ring", "ulysses"))

@@ -67,6 +67,8 @@ def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: s
     training, the HF Trainer path (recipes/hf/trainer.setup_cp) and CP prefill (eval/ruler/cp_prefill). Its
     process groups are a layout of `mesh` (the run's WorldMesh; one is built when none is given). Collective
     when cp > 1."""
+    if dims.cp != degrees.cp:
+        raise ValueError(f"cp {dims.cp} != ring {degrees.ring} x ulysses {degrees.ulysses}")
     if dims.cp == 1:
         return CPContext(kernel=kernel)
     mesh = (mesh or WorldMesh(device_type, dims.world)).layout(dims, degrees.ulysses)

@@ -66,3 +66,17 @@ def test_every_stage_group_waits_as_long_as_the_world_group():
     """torch gives a new process group its backend's default timeout (30 minutes on gloo, 10 on NCCL), not the
     default group's; the run's collective timeout must reach the ring, Ulysses and data-parallel groups too."""
     run_gloo(_timeout_worker, 2)
+
+
+def test_degrees_that_do_not_multiply_out_are_refused_naming_every_factor():
+    """ParallelDims built directly (the check command, benchmarks) skipped from_world's arithmetic, and nothing
+    compared a stage's cp with its ring x ulysses: a layout of other sizes than the ranks it spans."""
+    import pytest
+
+    from longstride.parallel.config import CPDegrees, ParallelDims
+    from longstride.parallel.cp import cp_context
+
+    with pytest.raises(ValueError, match=r"world size 6 != dp 2 x cp 2"):
+        ParallelDims(6, 2, 2)
+    with pytest.raises(ValueError, match=r"cp 4 != ring 2 x ulysses 1"):
+        cp_context("ring", ParallelDims(4, 1, 4), CPDegrees(ring=2), "cpu", "sdpa")

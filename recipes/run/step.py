@@ -1,6 +1,8 @@
 """One training step's parts, built in one place: the stage loop (recipes/run/stage.py), the memory tracer
-(recipes/memory/trace.py, which `longstride plan` runs) and the benchmarks build their step here, so the step that is
-traced and measured is the step that trains.
+(recipes/memory/trace.py, which `longstride plan` runs) and the benchmarks build their model, attention, loss and
+optimizer here, so what is traced and measured is the model that trains. The update around them (micro-batch
+accumulation over the global token count, clipping, the non-finite guard, the schedule) is the stage loop's own
+(stage.py train_step); the bare-step benchmarks (benchmarks/gpu_bench.py) leave it out.
 
     step = build_step(lm, StepSpec(...), cp)       # the model patched, longstride's attention on, the loss wrapped
     local = step.prep(batch)                        # this rank's share of a PackedBatch and its attention layout
