@@ -52,11 +52,6 @@ def zigzag(n: int) -> Assignment:
     return Assignment(tuple(rank_chunks(n, r) for r in range(n)))
 
 
-def check_divisible(length: int, n: int) -> int:
-    """The zig-zag chunk length L / 2N."""
-    return zigzag(n).chunk_len(length)
-
-
 def rank_chunks(n: int, rank: int) -> tuple[int, int]:
     """The two global chunk indices that CP rank `rank` of `n` holds under zig-zag, in local order."""
     return rank, 2 * n - 1 - rank

@@ -214,7 +214,9 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     if dropout:
         raise NotImplementedError("decode_attention computes no attention dropout")
     B, H, q, D = query.shape
-    assert attention_mask is not None or q == 1, "several new tokens after a cache need a mask"
+    if attention_mask is None and q > 1:  # transformers' contract, not ours: checked under python -O too
+        raise RuntimeError(f"{q} new tokens after a cache came without an attention mask; this transformers "
+                           "release calls attention otherwise than decode_attention expects")
     g = H // key.shape[1]
     folded = query.reshape(B, H // g, g * q, D)  # heads kv*g .. kv*g+g-1 share K/V head kv (repeat_kv's order)
     if attention_mask is not None and g > 1:

@@ -23,7 +23,7 @@ eager (the kernels), CP against 1 device (the CP method). The table gives the wo
 parameters outside the decoder layers ("other": embeddings, final norm, head). Exit status 0 within `tolerance`,
 1 beyond it (naming the first layer whose output differs and the worst parameter), 2 on bad input, before any
 compute. The model runs as transformers builds it, without the stage's memory savers (activation checkpointing,
-MLP tiles, the chunked loss: tests/test_cp_model.py checks those under CP).
+MLP tiles: tests/test_cp_model.py checks those under CP); its loss is the chunked loss training computes.
 
 Test hook (STYLE rule 16; recipes/run/faults.py keeps the training loop's): LONGSTRIDE_TEST_CHECK_FAULT=cp_drops_window
 makes every CP method compute each layer without its sliding window while the one-device and eager runs keep it,

@@ -102,7 +102,7 @@ def check_vocab(config, batch: dict) -> None:
                          "model's own tokenizer (data.tokenizer=<the checkpoint dir>)")
 
 
-def decoder_layers(lm) -> tuple[str, torch.nn.ModuleList]:
+def layer_stack(lm) -> tuple[str, torch.nn.ModuleList]:
     """(dotted name, module) of the model's stack of decoder layers (model/loss.decoder_layers finds it)."""
     from longstride.model.loss import decoder_layers as stack
 
@@ -110,15 +110,15 @@ def decoder_layers(lm) -> tuple[str, torch.nn.ModuleList]:
     return next(name for name, mod in lm.named_modules() if mod is layers), layers
 
 
-def layer_types(lm, n: int) -> list[str]:
+def lm_layer_types(lm, n: int) -> list[str]:
     """Each of the n decoder layers' type (parallel/pattern.layer_types)."""
     return pattern_layer_types(lm.config.get_text_config(decoder=True), n)
 
 
-def param_groups(lm) -> dict[str, str]:
+def param_layer_types(lm) -> dict[str, str]:
     """Parameter name -> its decoder layer's type, "other" outside the decoder layers."""
-    prefix, layers = decoder_layers(lm)
-    types = layer_types(lm, len(layers))
+    prefix, layers = layer_stack(lm)
+    types = lm_layer_types(lm, len(layers))
     out = {}
     for name, _ in lm.named_parameters():
         rest = name[len(prefix) + 1:].split(".", 1)[0] if name.startswith(prefix + ".") else ""
@@ -132,9 +132,9 @@ def describe_layers(lm, seq_len: int) -> str:
     from longstride.parallel.pattern import layer_pattern
 
     cfg = lm.config.get_text_config(decoder=True)
-    _, layers = decoder_layers(lm)
+    _, layers = layer_stack(lm)
     seen: dict = {}
-    for i, (t, layer) in enumerate(zip(layer_types(lm, len(layers)), layers)):
+    for i, (t, layer) in enumerate(zip(lm_layer_types(lm, len(layers)), layers)):
         attn, what = getattr(layer, "self_attn", None), []
         if attn is not None:
             p = layer_pattern(attn, getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None,

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from longstride.recipes.check.inputs import decoder_layers, describe_layers, doc_spans, layer_types, param_groups
+from longstride.recipes.check.inputs import describe_layers, doc_spans, layer_stack, lm_layer_types, param_layer_types
 from longstride.recipes.check.job import Job
 from longstride.recipes.check.runs import Result
 
@@ -80,8 +80,8 @@ class Report:
 
 def report(job: Job, batch: dict, lm, *, eager: Optional[Result], one: Result, cp: Result, where: str) -> Report:
     """The comparisons (1 device vs eager, CP vs 1 device), the table and the verdict."""
-    _, layers = decoder_layers(lm)
-    types, groups, tol = layer_types(lm, len(layers)), param_groups(lm), job.tolerance
+    _, layers = layer_stack(lm)
+    types, groups, tol = lm_layer_types(lm, len(layers)), param_layer_types(lm), job.tolerance
     runs = [(f"{job.what_cp} vs 1 device", cp, one)]
     if eager is not None:
         runs.insert(0, ("1 device vs eager", one, eager))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from longstride.model.loss import IGNORE_INDEX, chunked_cross_entropy_sum, output_head
 from longstride.parallel.config import ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, shard_for_cp
-from longstride.recipes.check.inputs import decoder_layers, doc_spans, load_model
+from longstride.recipes.check.inputs import doc_spans, layer_stack, load_model
 from longstride.recipes.check.job import Job
 
 TEST_FAULT = "LONGSTRIDE_TEST_CHECK_FAULT"
@@ -50,7 +50,7 @@ class Recorder:
     up to the whole batch."""
 
     def __init__(self, lm, shape: tuple, device):
-        _, layers = decoder_layers(lm)
+        _, layers = layer_stack(lm)
         hidden = lm.config.get_text_config(decoder=True).hidden_size
         self.outputs = [torch.zeros(*shape, hidden, device=device) for _ in layers]
         self.logits = torch.zeros(*shape, lm.get_output_embeddings().out_features, device=device)
