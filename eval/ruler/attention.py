@@ -13,7 +13,6 @@ carries a sliding layer's window, on CPU where the cache keeps every token (hf_a
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Optional
 from weakref import WeakKeyDictionary
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from longstride.eval.hf_adapter import SDPA_MASK, attention_implementation, cache_kw, new_cache, probe_refusal
+from longstride.eval.ruler.notes import note
 from longstride.model.loss import text_decoder
 from longstride.parallel.attention import MaskNote, no_mask, refuse_call, unsupported_attention
 from longstride.parallel.dense import DENSE, expand_kv
@@ -175,7 +175,7 @@ def _probe(model) -> bool:
 
     refused = probe_refusal(prefill, next(model.parameters()).device)
     if refused:
-        print(f"eval: note: {type(model).__name__} generates on its own attention: {refused}", file=sys.stderr)
+        note(f"note: {type(model).__name__} generates on its own attention: {refused}", who="eval")
     return not refused
 
 

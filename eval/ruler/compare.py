@@ -28,7 +28,8 @@ import torch
 
 from longstride.eval.cli import CompareConfig, compare_name, compare_out, compared_checkpoints, parse_compare
 from longstride.eval.load import DTYPES, applied_rope, eval_config, eval_tokenizer, load_eval_model
-from longstride.eval.ruler.run import (common_groups, launched_ranks, make_groups, note, runnable_tasks,
+from longstride.eval.ruler.notes import note
+from longstride.eval.ruler.run import (common_groups, launched_ranks, make_groups, runnable_tasks,
                                        score_group)
 from longstride.model.config import YarnConfig
 from longstride.model.model_dir import TOKENIZER_FILES

@@ -32,7 +32,6 @@ K/V per query head whenever there is a mask).
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 from weakref import WeakSet
@@ -45,6 +44,7 @@ from longstride.eval.hf_adapter import (DynamicCache, buffer_cache, buffer_colum
                                         put_row, row_prefix)
 from longstride.eval.ruler.attention import (DECODE_ATTENTION, PREFILL_ATTENTION, cpu_kernels, prefill_computes,
                                              use_attention)
+from longstride.eval.ruler.notes import note
 from longstride.eval.ruler.score import sample_score
 from longstride.parallel.pattern import layer_types
 
@@ -194,10 +194,10 @@ def _generate_batch(g: Generation, rows: list[int], room: int) -> dict[int, str]
         g = replace(g, full=True)
         if g.model not in _NOTED:
             _NOTED.add(g.model)
-            print(f"eval: note: {type(g.model).__name__} has sliding-window layers; a batch of several prompts keeps "
-                  "every token in every layer, as a full-attention model's does (rows x columns within batch_tokens); "
-                  "lower batch_tokens, or batch_size=1 (one prompt at a time on the model's sliding caches), where "
-                  "memory is short", file=sys.stderr)
+            note(f"note: {type(g.model).__name__} has sliding-window layers; a batch of several prompts keeps "
+                 "every token in every layer, as a full-attention model's does (rows x columns within batch_tokens); "
+                 "lower batch_tokens, or batch_size=1 (one prompt at a time on the model's sliding caches), where "
+                 "memory is short", who="eval")
     one, token = g.prefill(rows[0])
     if not plain_layers(one):
         return _one_at_a_time(g, rows, one, token)

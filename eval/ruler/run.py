@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import asdict
 from typing import Optional
 
@@ -27,17 +26,12 @@ from longstride.eval.ruler.fit import DoesNotFit, chat_template_note, make_sampl
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
 from longstride.eval.ruler.score import sample_score, summarize
+from longstride.eval.ruler.notes import note
 from longstride.eval.ruler.tasks import ALL_TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent
 from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.parallel.cp import CPContext
-
-
-def note(msg: str) -> None:
-    """A line for the user, said once: under a launcher (eval compare over several ranks) by rank 0 only."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"eval.ruler: {msg}", file=sys.stderr, flush=True)
 
 
 def runnable_tasks(cfg: RulerConfig) -> tuple[list[str], dict, list[str]]:
