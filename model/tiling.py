@@ -6,7 +6,7 @@ Training's TiledMLP, applied to more of the layer).
 with no autograd graph, keeping only x; backward recomputes one tile at a time, writes the tile's
 input gradient into one buffer and sums the parameters' gradients, which it returns through autograd
 like any op (so DDP and FSDP2 see ordinary gradients). Tiling is exact: each token's output depends
-on that token only.
+on that token only; a tile's recompute replays the random state its forward drew from (dropout, sampled experts).
 
 `tiled_forwards(model, tile, forward_of)` makes the tiled forwards of every decoder layer (model/prepare.py
 sets them). In the pre-norm layers of the Llama family
@@ -49,6 +49,27 @@ def _tile_bounds(n: int, tile: int):
     return [(s, min(s + tile, n)) for s in range(0, n, tile)]
 
 
+def _rng_state(device: torch.device):
+    """The random state a tile's forward starts from (CPU, and the tile's GPU), so that its recompute draws the
+    same dropout masks and sampled experts (Seed-OSS's MLP dropout, PhiMoE's sampled routing); None on the meta
+    device of a traced step, which draws nothing real."""
+    if device.type == "meta":
+        return None
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _replayed(state, device: torch.device):
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if state[1] is not None else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 class _Tiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, tile, *params):
@@ -57,8 +78,10 @@ class _Tiled(torch.autograd.Function):
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if autocast_on(device) else None
         ctx.save_for_backward(x)
+        ctx.rng = []
         out = None
         for s, e in _tile_bounds(x.shape[-2], tile):
+            ctx.rng.append(_rng_state(x.device))
             y = fn(x[..., s:e, :])
             if out is None:
                 out = y.new_empty(*x.shape[:-1], y.shape[-1])
@@ -71,9 +94,10 @@ class _Tiled(torch.autograd.Function):
         want = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[3 + i]]
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         dparams = [None] * len(ctx.params)
-        for s, e in _tile_bounds(x.shape[-2], ctx.tile):
+        for (s, e), state in zip(_tile_bounds(x.shape[-2], ctx.tile), ctx.rng):
             xt = x[..., s:e, :].detach().requires_grad_(dx is not None)
-            with torch.enable_grad(), (torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()):
+            with torch.enable_grad(), (torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()), \
+                    _replayed(state, x.device):
                 yt = ctx.fn(xt)
             inputs = ([xt] if dx is not None else []) + [ctx.params[i] for i in want]
             grads = torch.autograd.grad(yt, inputs, dy[..., s:e, :], allow_unused=True)

@@ -116,6 +116,28 @@ def test_tiled_mlp_equals_plain_and_holds_one_tile_at_a_time():
     assert layer() is None, "a patched model is freed once dropped (nothing outside it holds its modules)"
 
 
+def test_a_random_mlp_s_tiles_recompute_the_masks_their_forward_drew():
+    """An MLP with dropout (Seed-OSS's residual dropout; PhiMoE's sampled routing draws alike): each tile's
+    recompute drew new masks, so the gradients were those of another forward (0.39 relative off for Seed-OSS).
+    They now equal autograd's through the same tiles, drawing from the same seed."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 16)).train()
+    x = torch.randn(2, 24, 16, requires_grad=True)
+    dy = torch.randn(2, 24, 16)
+    params = list(mlp.parameters())
+
+    def grads(tiled: bool):
+        torch.manual_seed(7)
+        y = tiled_apply(mlp, x, params, 8) if tiled else torch.cat([mlp(t) for t in x.split(8, dim=-2)], dim=-2)
+        got = torch.autograd.grad(y, [x, *params], dy)
+        return y.detach(), got, torch.rand(1)  # the draw after the step: the caller's random stream goes on as it was
+
+    (y, want, after), (y_t, got, after_t) = grads(False), grads(True)
+    assert torch.equal(y, y_t) and torch.equal(after, after_t)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_lean_rms_norm_equals_transformers(dtype, tol):
     from transformers.models.smollm3.modeling_smollm3 import SmolLM3RMSNorm
