@@ -63,6 +63,11 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
                      + ("..." if len(other) > 6 else ""))
     if "chunked_attention" in types and not getattr(cfg, "attention_chunk_size", None):
         found.append("config.layer_types has chunked_attention layers but config.attention_chunk_size is not set")
+    dropped = drops_call_kwargs(model)
+    if dropped:
+        found.append(f"{dropped} calls its attention without passing on the forward's keyword arguments, so the "
+                     "document layout (doc_layout) never reaches longstride's attention: documents would see each "
+                     "other, and a context-parallel rank only its own tokens")
     if not dispatches(model):
         found.append(f"{type(model).__name__} computes attention in its own code, not through transformers' attention "
                      "interface, so longstride's attention would never run (each document would see the others, and "
@@ -85,6 +90,27 @@ def unsupported_attention(model: torch.nn.Module, split_longest: int = 0) -> lis
             found.append(f"{name} ({type(mod).__name__}) adds a per-head mask computed from its values (dynamic mask "
                          "attention)")
     return found + (position_dependent(cfg, split_longest) if split_longest else [])
+
+
+def drops_call_kwargs(model: torch.nn.Module) -> str:
+    """The decoder layer class whose forward calls its attention module (self.self_attn / attn / attention) without
+    `**kwargs`, read from its source (transformers' StableLM, Nemotron), or "" (also where there is no source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from longstride.model.loss import decoder_layers
+
+    try:
+        layer = type(decoder_layers(model)[0])
+        tree = ast.parse(textwrap.dedent(inspect.getsource(layer.forward)))
+    except (OSError, TypeError, SyntaxError, ValueError, IndexError, AttributeError):
+        return ""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr in ("self_attn", "attn", "attention") and isinstance(n.func.value, ast.Name)
+             and n.func.value.id == "self"]
+    passes = any(k.arg is None for c in calls for k in c.keywords)
+    return layer.__name__ if calls and not passes else ""
 
 
 def dispatches(model: torch.nn.Module) -> bool:

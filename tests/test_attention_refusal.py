@@ -40,6 +40,10 @@ REFUSED = {  # model -> (config, class, what the refusal names)
     # per-layer settings (transformers' heterogeneous configs): reading config.head_dim raised deep inside
     "gemma4_per_layer_config": (lambda: T.Gemma4TextConfig(**SMALL), T.Gemma4ForCausalLM,
                                 "sets head_dim per layer"),
+    # a decoder layer calling its attention without **kwargs: the document layout never arrived, and a CP rank
+    # whose share held no document start attended causally to its own tokens alone, without a word
+    "stablelm_drops_doc_layout": (lambda: T.StableLmConfig(**{**SMALL, "head_dim": None}), T.StableLmForCausalLM,
+                                  "StableLmDecoderLayer calls its attention without passing on"),
     "llama4_chunks_without_size": (lambda: T.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, num_local_experts=1,
                                                               layer_types=["chunked_attention", "full_attention"],
                                                               attention_chunk_size=None),
