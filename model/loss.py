@@ -183,12 +183,19 @@ def router_aux_loss(config) -> str | None:
     router_aux_loss_coef), which neither the recipe's chunked loss nor the HF Trainer path computes as the model
     would (the Trainer scales the whole loss by the process count for the token mean)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    coef = getattr(text, "router_aux_loss_coef", None)
-    if getattr(text, "output_router_logits", False) and coef:
-        return (f"its config sets output_router_logits=true (router_aux_loss_coef={coef}): a load-balancing loss "
-                "longstride does not compute; set output_router_logits to false in its config.json (the experts "
-                "train without the balancing term), refused rather than dropped")
-    return None
+    if not getattr(text, "output_router_logits", False):
+        return None
+    # the coefficient's names across transformers' MoE classes (Mixtral and most; JetMoE; DBRX's ffn_config)
+    coefs = {"router_aux_loss_coef": getattr(text, "router_aux_loss_coef", None),
+             "aux_loss_coef": getattr(text, "aux_loss_coef", None),
+             "ffn_config.moe_loss_weight": getattr(getattr(text, "ffn_config", None), "moe_loss_weight", None)}
+    named = {k: v for k, v in coefs.items() if v is not None}
+    if named and not any(named.values()):
+        return None  # a zero coefficient: the model adds no balancing term
+    said = ", ".join(f"{k}={v}" for k, v in named.items()) or "a coefficient longstride cannot find"
+    return (f"its config sets output_router_logits=true ({said}): a load-balancing loss longstride does not "
+            "compute; set output_router_logits to false in its config.json (the experts train without the balancing "
+            "term), refused rather than dropped")
 
 
 class ChunkedLossLM(torch.nn.Module):

@@ -168,3 +168,17 @@ def test_a_router_load_balancing_loss_is_refused_rather_than_dropped(tmp_path):
     check_loss_setup(noisy, 2, True, None, model.config, cp=1)
     with pytest.raises(NotImplementedError, match=re.escape("neftune_noise_alpha=5.0 under cp=2")):
         check_loss_setup(noisy, 2, True, None, model.config, cp=2)
+
+
+def test_the_balancing_coefficient_is_found_under_each_moe_s_own_name():
+    """JetMoE names it aux_loss_coef and DBRX ffn_config.moe_loss_weight: with output_router_logits=true their
+    balancing term was dropped without a word, only router_aux_loss_coef being read. A zero coefficient adds no
+    term and passes."""
+    import transformers as T
+
+    from longstride.model.loss import router_aux_loss
+
+    assert "(aux_loss_coef=0.01)" in router_aux_loss(T.JetMoeConfig(output_router_logits=True))
+    assert "(ffn_config.moe_loss_weight=0.01)" in router_aux_loss(T.DbrxConfig(output_router_logits=True))
+    assert router_aux_loss(T.JetMoeConfig(output_router_logits=True, aux_loss_coef=0.0)) is None
+    assert router_aux_loss(T.JetMoeConfig()) is None
