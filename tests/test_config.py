@@ -294,6 +294,13 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
      "recipe.stages.s2_2k.warmup_steps=3 runs into the wsd decay, which starts at step 2 of 4"),
     ("recipe.stages.s2_2k.decay_fraction=0.5", "recipe.stages.s2_2k.decay_fraction=0.5 is read only by schedule: "
                                                "wsd, and this stage's schedule is cosine"),
+    ("model.offload_activations=true model.checkpoint_mode=selective recipe.stages.s2_2k.activation_checkpointing="
+     "false recipe.stages.s3_4k.activation_checkpointing=false", "model.offload_activations=true, "
+     "model.checkpoint_mode=selective: read with activation checkpointing, and no stage runs it"),
+    ("parallel.balance=docs data.doc_masking=false", "parallel.balance=docs balances the work of document-masked "
+                                                     "attention, and data.doc_masking=false attends across documents"),
+    ("parallel.balance=docs parallel.cp_impl=ulysses", "parallel.balance=docs deals a ring's chunks, and no stage of "
+                                                       "recipe tiny runs a ring (parallel.cp_impl=ulysses)"),
     ("recipe.stages.s2_2k.schedule=constant recipe.stages.s2_2k.min_lr_ratio=0.0",
      "recipe.stages.s2_2k.min_lr_ratio=0.0: schedule: constant keeps the lr at its peak and has no floor"),
 ])

@@ -370,6 +370,28 @@ def _checkpoint_layers(cfg: Config, name: str, ac: bool, layers: int, device_typ
     return None if n == layers else n
 
 
+def _check_unread(cfg: Config, plans: dict) -> None:
+    """Settings that no stage of the recipe reads, refused rather than silently doing nothing."""
+    m = cfg.model
+    if not any(checkpointed(cfg, s) for s in cfg.recipe.stages.values()):
+        unread = [f"model.checkpoint_layers={m.checkpoint_layers}"] if m.checkpoint_layers is not None else []
+        unread += ["model.offload_activations=true"] if m.offload_activations else []
+        unread += [f"model.checkpoint_mode={m.checkpoint_mode}"] if str(m.checkpoint_mode) != "full" else []
+        if unread:
+            raise ValueError(f"{', '.join(unread)}: read with activation checkpointing, and no stage runs it; set "
+                             "model.activation_checkpointing=true (or a stage's activation_checkpointing), or drop "
+                             f"{'them' if len(unread) > 1 else 'it'}")
+    docs = [f"recipe.stages.{n}.balance" for n, s in cfg.recipe.stages.items() if str(s.balance) == "docs"]
+    docs += ["parallel.balance"] if str(cfg.parallel.balance) == "docs" else []
+    if docs and not cfg.data.doc_masking:
+        raise ValueError(f"{docs[0]}=docs balances the work of document-masked attention, and data.doc_masking=false "
+                         "attends across documents (each rank then takes zig-zag chunks); drop it or mask documents")
+    rings = [p.degrees.ring for p in plans.values() if isinstance(p, StagePlan)]
+    if str(cfg.parallel.balance) == "docs" and rings and max(rings) < 2:
+        raise ValueError(f"parallel.balance=docs deals a ring's chunks, and no stage of recipe {cfg.recipe.name} runs "
+                         f"a ring (parallel.cp_impl={cfg.parallel.cp_impl}); drop parallel.balance")
+
+
 def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool = False,
              check_data: bool = True, runs: Optional[list[str]] = None) -> dict[str, StagePlan | Unplanned]:
     """Every user-facing check, with the field and the fix; returns each stage's plan. Nothing is built
@@ -397,10 +419,7 @@ def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool
                 raise
             plans[name] = Unplanned(name, index, cfg.recipe.stages[name], str(e))
         prev_len = plans[name].stage.seq_len
-    if cfg.model.checkpoint_layers is not None and not any(checkpointed(cfg, s) for s in cfg.recipe.stages.values()):
-        raise ValueError(f"model.checkpoint_layers={cfg.model.checkpoint_layers} is read with activation "
-                         "checkpointing, and no stage runs it; set model.activation_checkpointing=true (or a stage's "
-                         "activation_checkpointing), or drop model.checkpoint_layers")
+    _check_unread(cfg, plans)
     check_profile(cfg.profile, {n: p.stage.total_steps for n, p in plans.items()}, selected_stages(cfg), world,
                   device_type)
     if check_data:
