@@ -160,7 +160,7 @@ def execute(cfg: PplConfig) -> list[dict]:
                          f"and cannot take longer inputs; give lengths up to {info.position_limit}")
     layout = ppl_attention(model)
     rows = []
-    for L in cfg.lengths:
+    for L in sorted(cfg.lengths):  # shortest first: a dynamic NTK RoPE keeps the scale of the longest forward so far
         r = {"length": L, "yarn_factor": cfg.yarn.factor or 1.0, "trained_len": base_max,
              **perplexities(model, docs, L, cfg.tile, layout)}
         rows.append(r)

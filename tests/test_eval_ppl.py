@@ -227,3 +227,22 @@ def test_a_call_asking_for_more_than_its_config_shows_keeps_the_model_s_own_atte
         own = torch.stack([torch.nn.functional.cross_entropy(lm(torch.tensor([d[:64]])).logits[0, :-1],
                                                              torch.tensor(d[1:64]), reduction="none") for d in docs])
     assert perplexities(lm, docs, 64, 16)["ppl"] == pytest.approx(math.exp(own.mean().item()), rel=1e-5)
+
+
+def test_a_dynamic_ntk_checkpoint_scores_each_length_as_if_alone(checkpoint, tmp_path):
+    """A dynamic NTK RoPE keeps the scale of the longest forward so far, so lengths=[256,192] scored 192 with 256's
+    scale (past the 128 max positions both extrapolate): the lengths run shortest first, each as in a run alone."""
+    import shutil
+
+    dynamic = tmp_path / "dynamic"
+    shutil.copytree(checkpoint, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "dynamic", "factor": 2.0}
+    config.pop("rope_scaling", None)
+    (dynamic / "config.json").write_text(json.dumps(config))
+    (dynamic / "manifest.json").unlink(missing_ok=True)
+    both = main([f"checkpoint={dynamic}", "lengths=[256,192]", "max_docs=1", f"out={tmp_path / 'both'}"])
+    alone = main([f"checkpoint={dynamic}", "lengths=[192]", "max_docs=1", f"out={tmp_path / 'alone'}"])
+    by = {r["length"]: r["ppl"] for r in both}
+    assert by[192] == alone[0]["ppl"], (by, alone)
+    assert [r["length"] for r in both] == [192, 256]
