@@ -182,7 +182,9 @@ def longstride_attention(module, query, key, value, attention_mask, scaling=None
                          doc_layout: Optional[DocLayout] = None, **kwargs):
     # query: (B, H, L, D), key/value: (B, Hkv, L, D) -> ((B, L, H, D), None)
     if dropout:
-        raise NotImplementedError("attention dropout is not supported by longstride attention")
+        raise NotImplementedError(f"attention dropout {dropout} while training (the model's config.attention_dropout): "
+                                  "longstride's attention computes none; set attention_dropout to 0.0 in the "
+                                  "checkpoint's config.json (or on model.config before training)")
     where = refuse_call(module, query, kwargs, "longstride's attention")
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(

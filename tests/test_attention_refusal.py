@@ -350,6 +350,9 @@ def test_mla_value_heads_and_training_dropout_are_refused():
     assert unsupported_attention(qwen) == ["config.attention_dropout=0.1 (attention dropout while training; set it "
                                            "to 0.0 in the checkpoint's config.json to train without it)"]
     assert unsupported_attention(qwen.eval()) == []
+    with pytest.raises(NotImplementedError, match=r"attention dropout 0.1 while training \(the model's "
+                                                  r"config.attention_dropout\): .* set attention_dropout to 0.0"):
+        longstride_attention(torch.nn.Module(), q, k, k, None, dropout=0.1)  # a model switched while in eval mode
 
 
 def _phi3_longrope():
