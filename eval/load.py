@@ -59,8 +59,8 @@ def applied_rope(config) -> dict:
     config.json to load the same model elsewhere (the original length YaRN used is the trained one, not
     necessarily the checkpoint's max_position_embeddings)."""
     text = config.get_text_config(decoder=True)
-    return {"rope_parameters": copy.deepcopy(text.rope_parameters),
-            "max_position_embeddings": text.max_position_embeddings}
+    return {"rope_parameters": copy.deepcopy(getattr(text, "rope_parameters", None)),  # None: no RoPE (GPT-2)
+            "max_position_embeddings": max_positions(config)}
 
 
 def eval_tokenizer(checkpoint: str):

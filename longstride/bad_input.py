@@ -7,6 +7,7 @@ message for one of those, in longstride's code, hides the bug and where it is: s
 from __future__ import annotations
 
 import linecache
+import re
 
 
 def is_bad_input(e: BaseException) -> bool:
@@ -21,4 +22,5 @@ def is_bad_input(e: BaseException) -> bool:
     module = str(tb.tb_frame.f_globals.get("__name__", ""))
     if module != "longstride" and not module.startswith("longstride."):
         return True
-    return linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).lstrip().startswith("raise")
+    line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    return not line or re.match(r"\s*raise\b", line) is not None  # no source (a .pyc-only install): as before

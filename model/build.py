@@ -262,10 +262,14 @@ def check_resumed_rope(saved: PretrainedConfig, planned: PretrainedConfig, resum
 
 def save_config(lm: torch.nn.Module, directory: str) -> None:
     """`lm`'s config and generation config as save_pretrained writes them (its class as `architectures`, its
-    parameters' dtype), for a directory whose weights are written another way (shards, a streamed gather). Saved
-    with the KV cache on: training runs without it (stage_config), a user's generate() on a final needs it."""
+    parameters' dtype; a NoPE interval that rebuilds its NoPE list where one does), for a directory whose weights
+    are written another way (shards, a streamed gather). Saved with the KV cache on: training runs without it
+    (stage_config), a user's generate() on a final needs it."""
     lm.config.architectures = [type(lm).__name__]
     lm.config.dtype = next(iter(lm.parameters())).dtype
+    layers = getattr(lm.config, "no_rope_layers", None)
+    if layers and pattern_interval(list(layers)):  # an interval that rebuilds the list (a base saved before it did)
+        lm.config.no_rope_layer_interval = pattern_interval(list(layers))
     config, generation = copy.deepcopy(lm.config), copy.deepcopy(lm.generation_config)
     for c in {id(c): c for c in (config, config.get_text_config(decoder=True), generation)}.values():
         c.use_cache = True
@@ -275,17 +279,16 @@ def save_config(lm: torch.nn.Module, directory: str) -> None:
 
 
 def _mirror_rope_keys(path: str) -> None:
-    """Also write one RoPE's base and scaling under the keys readers older than transformers 5 take (`rope_theta`,
-    `rope_scaling`): without them such a reader silently uses its class's default base, not the stage's bumped one.
-    transformers 5 reads `rope_parameters` and drops these on its next save."""
+    """Also write one RoPE's base under the key readers older than transformers 5 take (`rope_theta`): without it
+    such a reader silently uses its class's default base, not the stage's bumped one. transformers 5 takes the base
+    from `rope_parameters` over it. A scaling (a stage's model.yarn) is not mirrored as `rope_scaling`: transformers 5
+    reads `rope_scaling` over `rope_parameters`, so a copy left stale by a later edit would win."""
     with open(path) as f:
         saved = json.load(f)
     rope = saved.get("rope_parameters")
     if not isinstance(rope, dict) or "rope_theta" not in rope:  # none, or one per layer type (Gemma 3, OLMo 3)
         return
     saved["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        saved["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     with open(path, "w") as f:
         json.dump(saved, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -159,7 +159,8 @@ class WorldMesh:
         if dims.world != self.world:
             raise ValueError(f"a stage of {dims.world} ranks on a mesh of {self.world}")
         if dims.cp % ulysses:
-            raise ValueError(f"cp {dims.cp} != ring x ulysses {ulysses}: the Ulysses degree must divide cp")
+            raise ValueError(f"cp {dims.cp} is not ring x ulysses {ulysses} for any whole ring degree: the Ulysses "
+                             "degree must divide cp")
         key = (dims.dp, dims.cp // ulysses, ulysses)
         if key not in self._layouts:
             view = self.mesh._unflatten(0, key, ("dp", "ring", "ulysses"))

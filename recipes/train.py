@@ -96,15 +96,8 @@ def make_accelerator(cfg: Config, world: int):
         die_with_parent()  # a killed launcher takes its workers with it
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.collective_timeout_s))
     cpu = use_cpu()
-    acc = Accelerator(mixed_precision=resolve_precision(cfg.train.precision, on_gpu=not cpu), cpu=cpu,
-                      kwargs_handlers=[timeout])
-    if acc.gradient_accumulation_steps != 1:  # its backward() would divide every gradient by it
-        raise ValueError(f"accelerate's gradient accumulation is {acc.gradient_accumulation_steps} (from the "
-                         "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which a DeepSpeed config's "
-                         "gradient_accumulation_steps also sets), which would scale every gradient down by it; "
-                         "longstride accumulates micro-batches itself (recipe.stages.X.batch_tokens over "
-                         "micro_batch_size): unset it")
-    return acc
+    return Accelerator(mixed_precision=resolve_precision(cfg.train.precision, on_gpu=not cpu), cpu=cpu,
+                       kwargs_handlers=[timeout])
 
 
 def check_launcher(precision: str) -> None:
@@ -123,6 +116,17 @@ def check_launcher(precision: str) -> None:
         if parse_flag_from_env(flag):
             raise ValueError(f"the accelerate config's distributed_type: {kind} ({flag}) is not how longstride "
                              f"trains; launch with {fix}")
+    if parse_flag_from_env("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        raise ValueError("the accelerate config's parallelism_config (ACCELERATE_USE_PARALLELISM_CONFIG) would apply "
+                         "accelerate's own parallelism; drop it: longstride's context parallelism is "
+                         "recipe.stages.X.cp with parallel.cp_impl")
+    steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    if steps.strip() not in ("", "1"):  # accelerate's backward() would divide every gradient by it
+        raise ValueError(f"accelerate's gradient accumulation is {steps} (from the environment: "
+                         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which a DeepSpeed config's "
+                         "gradient_accumulation_steps also sets), which would scale every gradient down by it; "
+                         "longstride accumulates micro-batches itself (recipe.stages.X.batch_tokens over "
+                         "micro_batch_size): unset it")
     dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "").lower()
     if dynamo not in ("", "no"):
         raise ValueError(f"the accelerate config's dynamo_backend {dynamo} (ACCELERATE_DYNAMO_BACKEND) would compile "
@@ -303,6 +307,8 @@ def entry() -> None:
             if cfg.model.arch == "checkpoint" and cfg.model.checkpoint:  # before torch loads (setup checks it again)
                 check_checkpoint_dir(cfg.model.checkpoint, "model.checkpoint")
     except ValueError as e:
+        if not is_bad_input(e):
+            raise
         print(f"longstride: {e}", file=sys.stderr)
         sys.exit(2)
     if {"--cfg", "-c"} & set(flags):

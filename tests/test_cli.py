@@ -309,7 +309,7 @@ def test_accelerate_gradient_accumulation_from_the_environment_is_refused(micro)
     each loss by it: every gradient 4x too small (the grad norm too, grad_clip 4x looser), the logged loss as ever."""
     r = run_cli(micro + ["stage=s1_256", "recipe.stages.s1_256.steps=2"],
                 env_extra={"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
-    assert r.returncode != 0 and "accelerate's gradient accumulation is 4 (from the environment: " \
+    assert r.returncode == 2 and "accelerate's gradient accumulation is 4 (from the environment: " \
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in r.stderr, r.stderr[-3000:]
     assert " loss " not in r.stdout + r.stderr, "refused before any step"
 
@@ -318,6 +318,7 @@ def test_accelerate_gradient_accumulation_from_the_environment_is_refused(micro)
     ({"ACCELERATE_USE_FSDP": "true"}, "distributed_type: FSDP (ACCELERATE_USE_FSDP) is not how longstride trains"),
     ({"ACCELERATE_USE_DEEPSPEED": "true"}, "distributed_type: DEEPSPEED (ACCELERATE_USE_DEEPSPEED)"),
     ({"ACCELERATE_USE_MEGATRON_LM": "1"}, "distributed_type: MEGATRON_LM (ACCELERATE_USE_MEGATRON_LM)"),
+    ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}, "parallelism_config (ACCELERATE_USE_PARALLELISM_CONFIG)"),
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo_backend inductor (ACCELERATE_DYNAMO_BACKEND) would compile"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision: fp16 (ACCELERATE_MIXED_PRECISION) is not what this "
                                              "run trains in: train.precision=auto sets it"),

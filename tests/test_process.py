@@ -38,7 +38,8 @@ def test_training_takes_expandable_segments_unless_the_allocator_is_configured(m
     from longstride.process import cuda_allocator_default
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "x")  # recorded as it was, so that the test leaves the environment as it found it
+        monkeypatch.delenv(name)
     cuda_allocator_default()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):

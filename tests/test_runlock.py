@@ -317,3 +317,16 @@ def test_a_trained_directory_without_run_json_is_moved_aside_or_checked_against_
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("tiny.prev-")]
     assert (aside / "s1_256" / "step_000002").is_dir() and sorted(os.listdir(run)) == ["run.json"]
     assert "train.resume=false: the previous run is now" in capsys.readouterr().err
+
+
+def test_a_run_recorded_with_the_schedule_defaults_written_out_resumes_with_them_unset():
+    """min_lr_ratio and decay_fraction became null (unset) where they held 0.1 and 0.2: a run.json recorded before
+    read as a changed config (min_lr_ratio was 0.1, now None) and its resume was refused. Unset compares as the
+    value it means; another value still differs."""
+    from longstride.recipes.run.runlock import differences, identity
+
+    before = {"recipe": {"stages": {"s1": {"min_lr_ratio": 0.1, "decay_fraction": 0.2, "lr": 3e-4}}}}
+    now = {"recipe": {"stages": {"s1": {"min_lr_ratio": None, "decay_fraction": None, "lr": 3e-4}}}}
+    assert differences(identity(before), identity(now)) == []
+    lower = {"recipe": {"stages": {"s1": {"min_lr_ratio": 0.05, "decay_fraction": None, "lr": 3e-4}}}}
+    assert differences(identity(before), identity(lower)) == ["recipe.stages.s1.min_lr_ratio (was 0.1, now 0.05)"]

@@ -336,6 +336,6 @@ def test_a_pruning_failure_after_the_seal_says_the_checkpoint_is_complete(tmp_pa
     save(1, 0)
     os.makedirs(stage / f"{TMP_PREFIX}old-{step_name(1)}" / "leftover")
     with pytest.raises(CheckpointError, match=rf"checkpoint {stage}/step_000002 is written and complete, but then "
-                                              r"the disk failed \(\[Errno 39\] Directory not empty"):
+                                              r".* failed \(\[Errno 39\] Directory not empty"):
         save(2, 1)
     assert verify(str(stage / "step_000002")) is None and verify(str(stage / "step_000001")) is None

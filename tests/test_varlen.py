@@ -327,8 +327,9 @@ def test_flash_attn_is_handed_the_soft_cap(monkeypatch):
     """Document-masked attention with a soft-cap through flash-attn's argument names (a stand-in computed by the
     math kernel) equals the math kernel's, forward and backward, with and without a window; without the cap it
     would differ. The backward is a torch.library custom op, as from flash-attn 2.7 on: its (*args, **kwargs)
-    signature made every call drop every argument. A flash-attn release before 2.6.2 (its backward ignores the cap), a ROCm build (it ignores the
-    cap) and a build whose function takes no softcap are refused rather than run uncapped."""
+    signature made every call drop every argument. A flash-attn release before 2.6.2 (its backward ignores the
+    cap), a ROCm build (it ignores the cap) and a build whose function takes no softcap are refused rather than run
+    uncapped."""
     from longstride.parallel.pattern import Pattern
 
     _fake_flash_attn(monkeypatch)

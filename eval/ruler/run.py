@@ -24,9 +24,9 @@ from longstride.eval.load import DTYPES, applied_rope, eval_config, eval_tokeniz
 from longstride.eval.ruler.cp_prefill import cp_prefill, world_cp
 from longstride.eval.ruler.fit import DoesNotFit, chat_template_note, make_sample
 from longstride.eval.ruler.generate import greedy_generate, greedy_generate_cached
+from longstride.eval.ruler.notes import note
 from longstride.eval.ruler.report import format_table, log_wandb, plot, write_files
 from longstride.eval.ruler.score import sample_score, summarize
-from longstride.eval.ruler.notes import note
 from longstride.eval.ruler.tasks import ALL_TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent

@@ -270,9 +270,9 @@ def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_l
         if keep_last > 0:
             _drop_older(parent, name, keep_last)
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path} is written and complete, but then the disk failed ({e}) while "
-                              "making its rename durable or removing older checkpoints (train.keep_last): check "
-                              "the disk and rerun; the run resumes from the newest intact checkpoint") from e
+        raise CheckpointError(f"checkpoint {path} is written and complete, but then making its rename durable or "
+                              f"removing older checkpoints (train.keep_last) failed ({e}): check the disk and that "
+                              "path, and rerun; the run resumes from the newest intact checkpoint") from e
 
 
 def _drop_older(stage_dir: str, written: str, keep_last: int) -> None:

@@ -258,10 +258,10 @@ def _check_schedule_fields(f: str, s: StageConfig) -> None:
     kind = str(s.schedule)
     if s.decay_fraction is not None and kind != "wsd":
         raise ValueError(f"{f}.decay_fraction={s.decay_fraction} is read only by schedule: wsd, and this stage's "
-                         f"schedule is {kind}; remove decay_fraction or set {f}.schedule=wsd")
+                         f"schedule is {kind}; set {f}.decay_fraction=null or {f}.schedule=wsd")
     if s.min_lr_ratio is not None and kind == "constant":
         raise ValueError(f"{f}.min_lr_ratio={s.min_lr_ratio}: schedule: constant keeps the lr at its peak and has no "
-                         f"floor; remove min_lr_ratio or set {f}.schedule to cosine or wsd")
+                         f"floor; set {f}.min_lr_ratio=null or {f}.schedule to cosine or wsd")
 
 
 def _check_stage_shape(f: str, s: StageConfig, prev_len: int, degrees: CPDegrees, impl: str) -> None:

@@ -29,6 +29,10 @@ class Precision(Choice):
     fp32 = "fp32"
 
 
+# what a stage's schedule field left unset (null) means; a run recorded before it could be unset holds these values
+STAGE_UNSET = {"min_lr_ratio": 0.1, "decay_fraction": 0.2}
+
+
 @dataclass
 class StageConfig:
     seq_len: int = MISSING
@@ -58,11 +62,11 @@ class StageConfig:
 
     @property
     def floor_ratio(self) -> float:
-        return 0.1 if self.min_lr_ratio is None else self.min_lr_ratio
+        return STAGE_UNSET["min_lr_ratio"] if self.min_lr_ratio is None else self.min_lr_ratio
 
     @property
     def decay_share(self) -> float:
-        return 0.2 if self.decay_fraction is None else self.decay_fraction
+        return STAGE_UNSET["decay_fraction"] if self.decay_fraction is None else self.decay_fraction
 
 
 @dataclass

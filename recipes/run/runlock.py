@@ -118,8 +118,16 @@ def flatten(node, prefix: str = "") -> dict:
 
 
 def identity(resolved: dict) -> dict:
-    """The resolved config's keys that decide what a run computes."""
-    return {k: shipped_name(v) for k, v in flatten(resolved).items()
+    """The resolved config's keys that decide what a run computes; a stage's unset schedule field as the value it
+    means (so a run recorded when the field held its default resumes)."""
+    from longstride.recipes.config.schema import STAGE_UNSET
+
+    def effective(key: str, value):
+        parts = key.split(".")
+        unset = value is None and len(parts) == 4 and parts[:2] == ["recipe", "stages"]
+        return STAGE_UNSET.get(parts[-1], value) if unset else value
+
+    return {k: shipped_name(effective(k, v)) for k, v in flatten(resolved).items()
             if not any(fnmatch.fnmatchcase(k, n) or fnmatch.fnmatchcase(k, n + ".*") for n in NOT_IDENTITY)}
 
 
