@@ -301,6 +301,9 @@ def test_a_tokenizer_that_does_not_load_or_fit_the_model_is_refused(tmp_path):
                                                      "attention, and data.doc_masking=false attends across documents"),
     ("parallel.balance=docs parallel.cp_impl=ulysses", "parallel.balance=docs deals a ring's chunks, and no stage of "
                                                        "recipe tiny runs a ring (parallel.cp_impl=ulysses)"),
+    ("parallel.balance_chunks=4", "parallel.balance_chunks=4 is read by balance=docs, and no stage balances by "
+                                  "documents"),
+    ("data.stream_open_seqs=8", "data.stream_open_seqs=8 is read by streamed packing, and data.streaming=false"),
     ("recipe.stages.s2_2k.schedule=constant recipe.stages.s2_2k.min_lr_ratio=0.0",
      "recipe.stages.s2_2k.min_lr_ratio=0.0: schedule: constant keeps the lr at its peak and has no floor"),
 ])

@@ -13,13 +13,14 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Optional
 
 from longstride.choices import check_wandb
+from longstride.data.config import DataConfig
 from longstride.data.sources import check_manual_held_out, check_source
 from longstride.data.synthetic import check_filler_held_out
 from longstride.model.compile import check_compile
 from longstride.model.model_dir import check_checkpoint_weights
 from longstride.model.config import ModelConfig, check_layers
 from longstride.model.rope import YARN_ORIGINAL_RULE, yarn_original_ok
-from longstride.parallel.config import CPDegrees, ParallelDims
+from longstride.parallel.config import CPDegrees, ParallelConfig, ParallelDims
 from longstride.parallel.cp import cp_degrees
 from longstride.parallel.fsdp import use_fsdp
 from longstride.parallel.kernels import resolve_kernel
@@ -390,6 +391,13 @@ def _check_unread(cfg: Config, plans: dict) -> None:
     if str(cfg.parallel.balance) == "docs" and rings and max(rings) < 2:
         raise ValueError(f"parallel.balance=docs deals a ring's chunks, and no stage of recipe {cfg.recipe.name} runs "
                          f"a ring (parallel.cp_impl={cfg.parallel.cp_impl}); drop parallel.balance")
+    stages_docs = any(str(s.balance or cfg.parallel.balance) == "docs" for s in cfg.recipe.stages.values())
+    if cfg.parallel.balance_chunks != ParallelConfig.balance_chunks and not stages_docs:
+        raise ValueError(f"parallel.balance_chunks={cfg.parallel.balance_chunks} is read by balance=docs, and no stage "
+                         "balances by documents; drop it, or set parallel.balance=docs")
+    if cfg.data.stream_open_seqs != DataConfig.stream_open_seqs and not cfg.data.streaming:
+        raise ValueError(f"data.stream_open_seqs={cfg.data.stream_open_seqs} is read by streamed packing, and "
+                         "data.streaming=false packs in memory; drop it, or set data.streaming=true")
 
 
 def validate(cfg: Config, world: int, device_type: str = "cpu", assume_gpu: bool = False,
