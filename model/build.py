@@ -267,9 +267,9 @@ def save_config(lm: torch.nn.Module, directory: str) -> None:
     (stage_config), a user's generate() on a final needs it."""
     lm.config.architectures = [type(lm).__name__]
     lm.config.dtype = next(iter(lm.parameters())).dtype
-    layers = getattr(lm.config, "no_rope_layers", None)
-    if layers and pattern_interval(list(layers)):  # an interval that rebuilds the list (a base saved before it did)
-        lm.config.no_rope_layer_interval = pattern_interval(list(layers))
+    interval = pattern_interval(list(lm.config.no_rope_layers)) if getattr(lm.config, "no_rope_layers", None) else None
+    if interval:  # an interval that rebuilds the list (a base saved before one did)
+        lm.config.no_rope_layer_interval = interval
     config, generation = copy.deepcopy(lm.config), copy.deepcopy(lm.generation_config)
     for c in {id(c): c for c in (config, config.get_text_config(decoder=True), generation)}.values():
         c.use_cache = True

@@ -6,7 +6,8 @@ Training's TiledMLP, applied to more of the layer).
 with no autograd graph, keeping only x; backward recomputes one tile at a time, writes the tile's
 input gradient into one buffer and sums the parameters' gradients, which it returns through autograd
 like any op (so DDP and FSDP2 see ordinary gradients). Tiling is exact: each token's output depends
-on that token only; a tile's recompute replays the random state its forward drew from (dropout, sampled experts).
+on that token only; the tiles' recompute replays the random state their forward drew from (dropout, sampled
+experts).
 
 `tiled_forwards(model, tile, forward_of)` makes the tiled forwards of every decoder layer (model/prepare.py
 sets them). In the pre-norm layers of the Llama family
@@ -50,9 +51,9 @@ def _tile_bounds(n: int, tile: int):
 
 
 def _rng_state(device: torch.device):
-    """The random state a tile's forward starts from (CPU, and the tile's GPU), so that its recompute draws the
-    same dropout masks and sampled experts (Seed-OSS's MLP dropout, PhiMoE's sampled routing); None on the meta
-    device of a traced step, which draws nothing real."""
+    """The random state the tiles' forward starts from (CPU, and the tiles' GPU): backward recomputes the tiles in
+    the same order from it, so each draws the same dropout masks and sampled experts as in forward (Seed-OSS's MLP
+    dropout, PhiMoE's sampled routing); None on the meta device of a traced step, which draws nothing real."""
     if device.type == "meta":
         return None
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
@@ -78,10 +79,9 @@ class _Tiled(torch.autograd.Function):
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if autocast_on(device) else None
         ctx.save_for_backward(x)
-        ctx.rng = []
+        ctx.rng = _rng_state(x.device)
         out = None
         for s, e in _tile_bounds(x.shape[-2], tile):
-            ctx.rng.append(_rng_state(x.device))
             y = fn(x[..., s:e, :])
             if out is None:
                 out = y.new_empty(*x.shape[:-1], y.shape[-1])
@@ -94,19 +94,20 @@ class _Tiled(torch.autograd.Function):
         want = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[3 + i]]
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         dparams = [None] * len(ctx.params)
-        for (s, e), state in zip(_tile_bounds(x.shape[-2], ctx.tile), ctx.rng):
-            xt = x[..., s:e, :].detach().requires_grad_(dx is not None)
-            with torch.enable_grad(), (torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext()), \
-                    _replayed(state, x.device):
-                yt = ctx.fn(xt)
-            inputs = ([xt] if dx is not None else []) + [ctx.params[i] for i in want]
-            grads = torch.autograd.grad(yt, inputs, dy[..., s:e, :], allow_unused=True)
-            if dx is not None:
-                dx[..., s:e, :] = grads[0]
-                grads = grads[1:]
-            for i, g in zip(want, grads):  # summed over tiles in fp32 (bf16 parameters under FSDP2)
-                if g is not None:
-                    dparams[i] = g.float() if dparams[i] is None else dparams[i].add_(g)
+        with _replayed(ctx.rng, x.device):  # the tiles in forward's order, drawing what forward drew
+            for s, e in _tile_bounds(x.shape[-2], ctx.tile):
+                xt = x[..., s:e, :].detach().requires_grad_(dx is not None)
+                with torch.enable_grad(), (torch.autocast(*ctx.autocast) if ctx.autocast else
+                                           contextlib.nullcontext()):
+                    yt = ctx.fn(xt)
+                inputs = ([xt] if dx is not None else []) + [ctx.params[i] for i in want]
+                grads = torch.autograd.grad(yt, inputs, dy[..., s:e, :], allow_unused=True)
+                if dx is not None:
+                    dx[..., s:e, :] = grads[0]
+                    grads = grads[1:]
+                for i, g in zip(want, grads):  # summed over tiles in fp32 (bf16 parameters under FSDP2)
+                    if g is not None:
+                        dparams[i] = g.float() if dparams[i] is None else dparams[i].add_(g)
         dparams = [g if g is None else g.to(p.dtype) for g, p in zip(dparams, ctx.params)]
         return (dx, None, None, *dparams)
 
