@@ -153,14 +153,21 @@ def runs_tiled(module: torch.nn.Module) -> bool:
     return forward is folded_into_tiles or getattr(forward, "tiled", False)
 
 
-def _returns_tuple(module: torch.nn.Module) -> bool:
-    """Whether the module's forward returns a tuple (`return out, scores`), read from its source: a mixture of
-    experts' output can only be known by running it, which the meta device of validation cannot (grouped matmuls)."""
+def forward_tree(cls: type):
+    """The syntax tree of a module class's forward, read from its source (what only running it would show
+    otherwise, which validation's meta device cannot); None where there is no source."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):
-        return False
-    return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple) for n in ast.walk(tree))
+        return None
+
+
+def _returns_tuple(module: torch.nn.Module) -> bool:
+    """Whether the module's forward returns a tuple (`return out, scores`): a mixture of experts' output can only
+    be known by running it (grouped matmuls)."""
+    tree = forward_tree(type(module))
+    return tree is not None and any(isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)
+                                    for n in ast.walk(tree))
 
 
 def untileable(model: torch.nn.Module) -> str | None:

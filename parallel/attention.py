@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from longstride.model.tiling import autocast_on
+from longstride.model.tiling import autocast_on, forward_tree
 from longstride.parallel.cp import DocLayout, method
 from longstride.parallel.kernels import SOFTCAP_KERNELS, doc_attention, resolve_kernel
 from longstride.parallel.pattern import ABSENT, LAYER_TYPES, Pattern, config_softcap, layer_pattern
@@ -96,15 +96,15 @@ def drops_call_kwargs(model: torch.nn.Module) -> str:
     """The decoder layer class whose forward calls its attention module (self.self_attn / attn / attention) without
     `**kwargs`, read from its source (transformers' StableLM, Nemotron), or "" (also where there is no source)."""
     import ast
-    import inspect
-    import textwrap
 
     from longstride.model.loss import decoder_layers
 
     try:
         layer = type(decoder_layers(model)[0])
-        tree = ast.parse(textwrap.dedent(inspect.getsource(layer.forward)))
-    except (OSError, TypeError, SyntaxError, ValueError, IndexError, AttributeError):
+    except (ValueError, IndexError, AttributeError):
+        return ""
+    tree = forward_tree(layer)
+    if tree is None:
         return ""
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr in ("self_attn", "attn", "attention") and isinstance(n.func.value, ast.Name)
