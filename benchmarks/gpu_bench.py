@@ -2,7 +2,8 @@
 against plain transformers on the same packed batch; the longest context one GPU trains; document-masked
 attention against dense causal and the ideal sum(d^2)/L^2.
 
-Systems, each a real bf16 AdamW step (fp32 master weights, bf16 autocast, as `longstride train` runs):
+Systems, each a real bf16 AdamW step (fp32 master weights, bf16 autocast, as `longstride train` runs), the gradients
+clipped to norm 1.0:
   longstride       the model with longstride attention (torch_flash, documents masked) and the chunked loss;
                    for the longest context also tiled layers, full activation checkpointing and offload
   longstride_compiled  the same step with train.compile (model/compile.py: each layer's parts compiled, attention
@@ -60,23 +61,28 @@ def train_flops(shape: dict, tokens: int, pairs: int) -> float:
 
 @dataclass
 class Step:
-    """One system's model, optimizer and batch; run() does one optimizer step."""
+    """One system's model, optimizer and batch; run() does one optimizer step: longstride's through the stage loop's
+    own update (recipes/run/step.optimizer_step: gradient norm, clipping to 1.0, the update), plain transformers'
+    as the HF Trainer does it (its mean loss, clipping to 1.0, the update)."""
 
     system: str
-    model: torch.nn.Module
+    model: object  # longstride: parallel/parallelize.OneDevice; plain transformers: its model
     optimizer: torch.optim.Optimizer
     batch: dict
     device: torch.device
 
     def run(self) -> None:
+        if self.system.startswith("longstride"):
+            from longstride.recipes.run.step import optimizer_step
+
+            optimizer_step(self.model, self.optimizer, [self.batch["local"]], self.batch["count"], self.device,
+                           grad_clip=1.0)
+            return
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            if self.system.startswith("longstride"):
-                loss = self.model(self.batch["input_ids"], self.batch["labels"], self.batch["position_ids"],
-                                  doc_layout=self.batch["layout"])
-            else:
-                loss = self.model(input_ids=self.batch["input_ids"], position_ids=self.batch["position_ids"],
-                                  labels=self.batch["input_ids"]).loss
+            loss = self.model(input_ids=self.batch["input_ids"], position_ids=self.batch["position_ids"],
+                              labels=self.batch["input_ids"]).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -87,8 +93,9 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
 
     from longstride.data.batch import packed_item
     from longstride.parallel.cp import CPContext
+    from longstride.parallel.parallelize import OneDevice
     from longstride.recipes.config.schema import OptimConfig
-    from longstride.recipes.run.step import StepSpec, build_optimizer
+    from longstride.recipes.run.step import StepSpec, build_optimizer, label_count
     from longstride.recipes.run.step import build_step as build_longstride_step
 
     L = doc.shape[1]
@@ -111,11 +118,11 @@ def build_step(system: str, shape: dict, doc: torch.Tensor, device: torch.device
         spec = StepSpec("full" if lean else "none", offload=lean and device.type == "cuda",
                         mlp_tile=4096 if lean else 0, loss_tile=8192, compile=system == "longstride_compiled")
         step = build_longstride_step(lm, spec, CPContext(kernel="torch_flash" if device.type == "cuda" else "sdpa"))
-        model = step.module
+        model = OneDevice(step.module, torch.bfloat16 if device.type == "cuda" else None)
         item = packed_item([ids[0, a:a + n].numpy() for a, n in zip((lens.cumsum(0) - lens).tolist(), lens.tolist())],
                            L, pad_id=0)
-        local, layout = step.prep({k: torch.from_numpy(v)[None] for k, v in item.items()})
-        batch.update(labels=local["labels"].to(device), layout=layout)
+        local = step.prep({k: torch.from_numpy(v)[None] for k, v in item.items()})
+        batch.update(local=local, count=torch.tensor(float(label_count(local))))
     optimizer = build_optimizer(lm, OptimConfig(), lr=1e-5, device_type=device.type)  # as a stage builds it
     return Step(system, model, optimizer, batch, device)
 

@@ -38,6 +38,11 @@ class Parallelized:
     def eval(self) -> None:
         self.module.eval()
 
+    @property
+    def world(self) -> int:
+        """The processes whose gradients the wrapper averages (every dp x cp rank)."""
+        return self.acc.num_processes
+
     def grad_sync(self, last: bool):
         """Context for one micro-batch's forward and backward. DDP reduces gradients only on the last micro-batch
         of an optimizer step (its replicas hold whole gradients anyway). FSDP2 reduce-scatters after every
@@ -81,6 +86,31 @@ class Parallelized:
         """Collective: the model and optimizer state read back from shards written by any number of processes,
         with or without FSDP2, re-sharded to this run."""
         load_shards(directory, self.module, optimizer)
+
+
+class OneDevice:
+    """A model on one device and one process, with Parallelized's step interface and no launcher: the GPU step
+    benchmark's (benchmarks/gpu_bench.py). autocast: the forward's autocast dtype (bf16, as accelerate's bf16 mixed
+    precision runs it), or None."""
+
+    world = 1
+
+    def __init__(self, module: torch.nn.Module, autocast: torch.dtype | None = None):
+        self.module, self.autocast = module, autocast
+
+    def __call__(self, *args, **kwargs):
+        device = next(self.module.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None):
+            return self.module(*args, **kwargs)
+
+    def grad_sync(self, last: bool):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
 
 
 def parallelize(model: torch.nn.Module, layers, fsdp: bool, accelerator, mesh=None) -> Parallelized:

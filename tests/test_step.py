@@ -56,3 +56,49 @@ def test_no_training_step_is_assembled_outside_the_builder():
     assert {"recipes/run/stage.py", "recipes/memory/trace.py", "recipes/hf/trainer.py",
             "benchmarks/gpu_recipe.py"} <= read, sorted(read)
     assert not found, found
+
+
+def _tiny_step():
+    import torch
+
+    from longstride.parallel.parallelize import OneDevice
+    from longstride.recipes.run.step import StepSpec
+    from tests.test_cp_model import tiny_model
+
+    torch.manual_seed(0)
+    step = build_step(tiny_model().lm, StepSpec())
+    micro = [step.prep(collate([packed_item([np.arange(2, 30 + 7 * i), np.arange(3, 20)], 64, pad_id=0)]))
+             for i in range(2)]
+    return step, OneDevice(step.module), micro
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_optimizer_step_updates_by_the_mean_token_loss_over_every_micro_batch(allowed):
+    """recipes/run/step.optimizer_step (the stage loop's update and the GPU benchmark's): with SGD at lr 1 the update
+    is minus the gradient of (sum of every micro-batch's token losses) / (their labelled-token count); a step the
+    guard refuses leaves the weights as they were; the gradients are cleared either way."""
+    import torch
+
+    from longstride.recipes.run.step import label_count, loss_sum, optimizer_step
+
+    step, model, micro = _tiny_step()
+    count = sum(label_count(m) for m in micro)
+    assert count > 0 and label_count(micro[0]) != label_count(micro[1])  # unequal: a per-micro-batch mean is wrong
+    params = dict(step.module.named_parameters())
+    want_loss = sum(loss_sum(step.module, m, "cpu") for m in micro) / count
+    want_loss.backward()
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+    step.module.zero_grad(set_to_none=True)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    seen = []
+    opt = torch.optim.SGD(step.module.parameters(), lr=1.0)
+    done = optimizer_step(model, opt, micro, torch.tensor(float(count)), "cpu", grad_clip=0.0,
+                          allow=lambda loss, grad_norm: seen.append((loss, grad_norm)) or allowed)
+    assert done.applied == allowed and done.lr == 1.0
+    assert done.loss == pytest.approx(want_loss.item(), rel=1e-6) and seen == [(done.loss, done.grad_norm)]
+    assert done.grad_norm == pytest.approx(norm, rel=1e-5)
+    for n, p in params.items():
+        assert p.grad is None, n
+        want = before[n] - grads[n] if allowed else before[n]
+        torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6, msg=n)

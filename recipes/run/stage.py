@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 from transformers import AutoConfig
 
 from longstride.data.batch import collate
@@ -55,7 +54,7 @@ from longstride.recipes.run.flops import StepFlops, peak_flops
 from longstride.recipes.run.profiling import StepProfiler, rank_log
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import carry_streams, restore_stage, save_stage, settle_saves
-from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum
+from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum, optimizer_step
 from longstride.recipes.run.tracking import peak_memory_gib, reset_peak_memory
 
 if TYPE_CHECKING:  # the types of the run's objects, for readers and checkers only
@@ -286,38 +285,21 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     micro = [run.prep(b) for b in batches]
     totals = all_reduce(torch.tensor([float(sum(label_count(m) for m in micro)), float(pairs)], dtype=torch.float64))
     count = totals[0].float()
-    summed = torch.zeros((), dtype=torch.float32, device=acc.device)  # on the device: no host sync per micro-batch
-    for i, mb in enumerate(micro):  # each micro-batch a range of its own in a profile's trace
-        with model.grad_sync(last=i == len(micro) - 1), record_function(f"micro-batch {i + 1}"):
-            part = loss_sum(model, mb, acc.device)
-            # DDP and FSDP2 average gradients over all dp x cp ranks; each CP rank holds part of the sequence's
-            # gradient (its tokens' loss, plus the dK/dV its ring received), so scaling by world makes the
-            # update the global sum / global count.
-            model.backward(part * (acc.num_processes / count.clamp(min=1).item()))
-        summed += part.detach().float()
-    # the global norm (clipping to it when optim.grad_clip > 0): the non-finite check needs it
-    with record_function("gradient norm"):
-        grad_norm = model.clip_grad_norm(ctx.cfg.optim.grad_clip if ctx.cfg.optim.grad_clip > 0 else math.inf)
-    lr = run.optimizer.param_groups[0]["lr"]  # what this step's update applies
-    loss = (all_reduce(summed) / count.clamp(min=1)).item()
-    update = guard.step_ok(run.step + 1, loss, grad_norm, last_good)
-    if update:
-        run.optimizer.step()
-        run.scheduler.step()
-    else:
+    done = optimizer_step(model, run.optimizer, micro, count, acc.device, ctx.cfg.optim.grad_clip, run.scheduler,
+                          allow=lambda loss, norm: guard.step_ok(run.step + 1, loss, norm, last_good))
+    if not done.applied:
         ctx.tracker.warning("step %d: loss %s, gradient norm %s: not finite, update skipped (%d in a row)",
-                            run.step + 1, loss, grad_norm, guard.in_row)
-    run.optimizer.zero_grad(set_to_none=True)
+                            run.step + 1, done.loss, done.grad_norm, guard.in_row)
     run.step += 1
     run.tokens_seen += stage.batch_tokens
     mem_method, mem = peak_memory_gib(acc.device)
     seconds = time.perf_counter() - t0
     # tokens_per_s: every position of the step's batch, padding included (as torchtitan counts); loss_tokens_per_s:
     # the positions that carry a loss, over all ranks (no padding, no document's last token)
-    metrics = {"loss": loss, "lr": lr, "tokens_per_s": stage.batch_tokens / seconds,
+    metrics = {"loss": done.loss, "lr": done.lr, "tokens_per_s": stage.batch_tokens / seconds,
                "loss_tokens_per_s": count.item() / seconds, "tokens_seen": run.tokens_seen,
-               "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": grad_norm,
-               "skipped": int(not update), f"peak_mem_gib_{mem_method}": mem}
+               "rope_theta": stage.rope_theta, "seq_len": stage.seq_len, "grad_norm": done.grad_norm,
+               "skipped": int(not done.applied), f"peak_mem_gib_{mem_method}": mem}
     if run.flops.counted:  # model FLOP/s per rank (recipes/run/flops.py): each CP rank counted its group's rows
         per_rank = run.flops.step(stage.batch_tokens, int(totals[1].item()) // run.plan.dims.cp) / seconds / \
             acc.num_processes

@@ -1,13 +1,15 @@
 """One training step's parts, built in one place: the stage loop (recipes/run/stage.py), the memory tracer
 (recipes/memory/trace.py, which `longstride plan` runs) and the benchmarks build their model, attention, loss and
-optimizer here, so what is traced and measured is the model that trains. The update around them (micro-batch
-accumulation over the global token count, clipping, the non-finite guard, the schedule) is the stage loop's own
-(stage.py train_step); the bare-step benchmarks (benchmarks/gpu_bench.py) leave it out.
+optimizer here, so what is traced and measured is the model that trains; the stage loop and the GPU step benchmark
+(benchmarks/gpu_bench.py) also share the update around them (optimizer_step: micro-batch accumulation over the
+global token count, the gradient norm and clipping, the update unless the non-finite guard says no, the schedule).
 
     step = build_step(lm, StepSpec(...), cp)       # the model patched, longstride's attention on, the loss wrapped
     local = step.prep(batch)                        # this rank's share of a PackedBatch and its attention layout
     loss = loss_sum(step.module, local, device)     # the summed token loss of that share (the model's forward)
     optimizer = build_optimizer(step.lm, optim, lr)  # AdamW over the run's parameter groups
+    model = parallelize(step.module, ...)           # DDP or FSDP2 (parallel/parallelize.py)
+    done = optimizer_step(model, optimizer, [local, ...], count, device, grad_clip, scheduler, allow)
 
 A PackedBatch has data.batch.BATCH_KEYS (made by data.batch.packed_item / collate); the forward reads
 STEP_KEYS of it, and the attention layout carries the documents.
@@ -15,15 +17,18 @@ STEP_KEYS of it, and the attention layout carries the documents.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from longstride.model.compile import compile_layers, compiled_loss_tile
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
 from longstride.parallel.attention import use_longstride_attention
+from longstride.parallel.collectives import all_reduce
 from longstride.parallel.cp import CPContext, DocLayout, shard_for_cp
 from longstride.parallel.pattern import model_patterns
 from longstride.recipes.run.schedule import param_groups
@@ -93,6 +98,49 @@ def loss_sum(module, local: tuple[dict, DocLayout], device) -> torch.Tensor:
 
 def label_count(local: tuple[dict, DocLayout]) -> int:
     return int((local[0]["labels"] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one optimizer step did: the mean token loss over every micro-batch and rank, the global gradient norm
+    (before clipping), the learning rate the update applied (or would have) and whether it was applied."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    applied: bool
+
+
+def optimizer_step(model, optimizer: torch.optim.Optimizer, micro: Sequence[tuple[dict, DocLayout]],
+                   count: torch.Tensor, device, grad_clip: float, scheduler=None,
+                   allow: Optional[Callable[[float, float], bool]] = None) -> Update:
+    """One optimizer step over this rank's micro-batches (each `step.prep`'s share of a PackedBatch): forward and
+    backward of each, the global gradient norm (clipped to grad_clip when > 0), then the update and the schedule's
+    step unless allow(loss, grad_norm) says no (the stage's non-finite guard, recipes/run/faults.py); the gradients
+    are cleared either way. model: a Parallelized (parallel/parallelize.py); count: the labelled tokens of the step
+    over every micro-batch and rank (a tensor on the host). The update is that of the global token sum / count, for
+    any accumulation, dp and cp."""
+    summed = torch.zeros((), dtype=torch.float32, device=device)  # on the device: no host sync per micro-batch
+    scale = model.world / count.clamp(min=1).item()
+    for i, mb in enumerate(micro):  # each micro-batch a range of its own in a profile's trace
+        with model.grad_sync(last=i == len(micro) - 1), record_function(f"micro-batch {i + 1}"):
+            part = loss_sum(model, mb, device)
+            # DDP and FSDP2 average gradients over all dp x cp ranks; each CP rank holds part of the sequence's
+            # gradient (its tokens' loss, plus the dK/dV its ring received), so scaling by world makes the
+            # update the global sum / global count.
+            model.backward(part * scale)
+        summed += part.detach().float()
+    with record_function("gradient norm"):  # the global norm: the non-finite check needs it, clipping or not
+        grad_norm = model.clip_grad_norm(grad_clip if grad_clip > 0 else math.inf)
+    lr = optimizer.param_groups[0]["lr"]
+    loss = (all_reduce(summed) / count.clamp(min=1)).item()
+    applied = allow is None or allow(loss, grad_norm)
+    if applied:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return Update(loss, grad_norm, lr, applied)
 
 
 def group_summary(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -22,7 +22,7 @@ from longstride.parallel.cp import CPContext, DocLayout
 from longstride.parallel.parallelize import parallelize
 from longstride.recipes.config.plan import validate
 from longstride.recipes.config.schema import OptimConfig
-from longstride.recipes.run.step import build_optimizer
+from longstride.recipes.run.step import build_optimizer, label_count, optimizer_step
 from longstride.recipes.train import run
 from tests.conftest import compose_cfg, crash_after, micro_overrides, read_metrics, run_cli
 
@@ -109,13 +109,10 @@ def test_fsdp2_bf16_step_and_resume_on_one_rank(tmp_path):
             assert all(g["fused"] for g in opt.param_groups)
             return par, opt
 
-        def step(par, opt) -> float:
-            loss = par(b["input_ids"], b["labels"], b["position_ids"], doc_layout=layout)
-            par.backward(loss)
-            par.clip_grad_norm(1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
+        count = torch.tensor(float(label_count((b, layout))))
+
+        def step(par, opt) -> float:  # the stage loop's update (recipes/run/step.optimizer_step)
+            return optimizer_step(par, opt, [(b, layout)], count, CUDA, grad_clip=1.0).loss
 
         par, opt = build()
         straight = [step(par, opt) for _ in range(3)]
