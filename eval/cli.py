@@ -164,6 +164,9 @@ def check_generation(cfg) -> None:
             raise ValueError(f"qa.{kind}={path!r} does not exist; give the local {kind} dev json or leave it unset")
 
 
+DECODE_BATCHING = ("batch_size", "batch_tokens", "draft", "prefill_chunk")  # what prefill=local reads, cp does not
+
+
 def parse_ruler(argv: list[str]) -> RulerConfig:
     cfg = parse_overrides(RulerConfig, argv, "longstride eval ruler", "longstride.eval.ruler.run",
                           "an HF model dir, e.g. outputs/tiny/s3_4k/final; for a GGUF file convert it once with "
@@ -173,6 +176,11 @@ def parse_ruler(argv: list[str]) -> RulerConfig:
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 16, e.g. lengths=[4096,8192]")
     check_generation(cfg)
     check_wandb(cfg.wandb, "wandb")
+    given = sorted({a.split("=", 1)[0].lstrip("+~") for a in argv} & set(DECODE_BATCHING))
+    if cfg.prefill == "cp" and given:
+        raise ValueError(f"prefill=cp prefills each prompt whole, split over the processes, and decodes the samples one "
+                         f"at a time without prompt lookup: {', '.join(given)} {'is' if len(given) == 1 else 'are'} "
+                         "not read there; drop it, or use prefill=local (samples split over the processes)")
     if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise ValueError("prefill=cp splits each prompt over several processes: launch with "
                          "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")

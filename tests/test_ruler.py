@@ -141,6 +141,10 @@ def test_bad_input(checkpoint, tmp_path):
         parse_ruler([f"checkpoint={checkpoint}", "dtype=float8"])
     with pytest.raises(ValueError, match="prefill=cp splits each prompt over several processes"):
         parse_ruler([f"checkpoint={checkpoint}", "prefill=cp"])
+    with pytest.raises(ValueError, match=r"prefill=cp prefills .*: batch_size, draft are not read there"):
+        parse_ruler([f"checkpoint={checkpoint}", "prefill=cp", "draft=0", "batch_size=2"])
+    with pytest.raises(ValueError, match=r"prefill=cp prefills .*: prefill_chunk is not read there"):
+        parse_ruler([f"checkpoint={checkpoint}", "prefill=cp", "prefill_chunk=4096"])
     with pytest.raises(ValueError, match="nothing to run: no runnable task"):
         main([f"checkpoint={checkpoint}", "tasks=[qa_2]"])  # its dev file not given: skipped, and nothing is left
     with pytest.raises(ValueError, match=r"tasks: \['nope'\] is no task"):  # with the options, before torch runs
