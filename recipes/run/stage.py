@@ -284,7 +284,7 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     pairs = sum(run.flops.pairs(b["doc_ids"], masked) for b in batches) if run.flops.counted else 0  # whole rows
     micro = [run.prep(b) for b in batches]
     totals = all_reduce(torch.tensor([float(sum(label_count(m) for m in micro)), float(pairs)], dtype=torch.float64))
-    count = totals[0].float()
+    count = totals[0]  # float64: exact to 2^53 tokens a step
     done = optimizer_step(model, run.optimizer, micro, count, acc.device, ctx.cfg.optim.grad_clip, run.scheduler,
                           allow=lambda loss, norm: guard.step_ok(run.step + 1, loss, norm, last_good))
     if not done.applied:
