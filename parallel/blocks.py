@@ -49,10 +49,10 @@ class Block:
 
 class Derived:
     """What a plan derives once per batch and every layer reuses (key -> value: a kernel's packed calls, another
-    pattern's plan, device copies of its indices). A plain object, not a dict: FSDP2's input casts
-    (MixedPrecisionPolicy.cast_forward_inputs, torch.distributed.utils._apply_to_tensors) rebuild every dict and
-    dataclass in each layer's keyword arguments, so a dict here would start empty in every layer's copy of the
-    plan (each layer building it again, with blocking host-to-device copies); this one is shared by the copies."""
+    pattern's plan, device copies of its indices). A plain object, not a dict, so that a copy of the plan
+    (dataclasses.replace, or torch.distributed.utils._apply_to_tensors, which rebuilds dataclasses and dicts) shares
+    it instead of starting empty and building every call again. The layout that carries the plan reaches each layer
+    uncopied (parallel/cp.DocLayout)."""
 
     __slots__ = ("_items",)
 

@@ -79,22 +79,26 @@ def cp_context(impl: str, dims: ParallelDims, degrees: CPDegrees, device_type: s
                      patterns=patterns)
 
 
-@dataclass
 class DocLayout:
     """What attention needs to know about a packed batch: doc_ids (B, L), None for plain causal (one device);
-    with CP the documents are encoded in the ring plan instead (parallel/blocks.py); cp the stage's context."""
+    with CP the documents are encoded in the ring plan instead (parallel/blocks.py); cp the stage's context; bounds:
+    per row, (start, end) of each document, read from doc_ids once, when the layout is made, not in every layer.
 
-    doc_ids: Optional[torch.Tensor]
-    plan: Optional[RingPlan] = None
-    cp: CPContext = CPContext()
-    # per row, (start, end) of each document: read from doc_ids once, when the layout is made, not in every
-    # layer; a field, so that the copies FSDP2 makes of a forward's keyword arguments (its input casts)
-    # carry it instead of reading the ids again from wherever they were moved
-    bounds: Optional[list] = None
+    A plain object, not a dataclass: FSDP2's input casts (torch.distributed.utils._apply_to_tensors) rebuild every
+    dataclass, list and tuple in each layer's keyword arguments, which would copy the bounds, the ring plan and its
+    blocks once per layer (and again in a checkpointed layer's recompute); this object reaches every layer as it
+    is. It holds no floating-point tensor, so the casts have nothing to change in it."""
 
-    def __post_init__(self):
-        if self.bounds is None and self.doc_ids is not None:
-            self.bounds = doc_bounds(self.doc_ids)
+    __slots__ = ("doc_ids", "plan", "cp", "bounds")
+
+    def __init__(self, doc_ids: Optional[torch.Tensor], plan: Optional[RingPlan] = None, cp: CPContext = CPContext(),
+                 bounds: Optional[list] = None):
+        self.doc_ids, self.plan, self.cp = doc_ids, plan, cp
+        self.bounds = doc_bounds(doc_ids) if bounds is None and doc_ids is not None else bounds
+
+    def __repr__(self) -> str:
+        docs = None if self.doc_ids is None else tuple(self.doc_ids.shape)
+        return f"DocLayout(doc_ids={docs}, plan={self.plan is not None}, cp={self.cp})"
 
 
 def shard_for_cp(batch: dict, doc_masking: bool, cp: CPContext) -> tuple[dict, DocLayout]:

@@ -1,7 +1,6 @@
 """eval.ppl on a micro checkpoint: lengths, YaRN at eval time, outputs, bad input."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -189,7 +188,7 @@ def test_a_vision_language_gemma_3_scores_its_text_decoder_with_longstride_atten
 
     from longstride.eval.ppl import perplexities, ppl_attention
     from longstride.parallel import attention
-    from longstride.parallel.cp import CPContext
+    from longstride.parallel.cp import CPContext, DocLayout
     from tests.test_prefill_patterns import vision_gemma3
 
     lm = vision_gemma3()
@@ -199,7 +198,7 @@ def test_a_vision_language_gemma_3_scores_its_text_decoder_with_longstride_atten
                                                              torch.tensor(d[1:64]), reduction="none") for d in docs])
     layout = ppl_attention(lm)
     assert layout.cp.kernel == "sdpa"
-    layout = dataclasses.replace(layout, cp=CPContext(kernel="math"))  # a kernel only this layout names
+    layout = DocLayout(layout.doc_ids, layout.plan, CPContext(kernel="math"))  # a kernel only this layout names
     calls, inner = [], attention.doc_attention
     monkeypatch.setattr(attention, "doc_attention", lambda *a, **k: calls.append(k["kernel"]) or inner(*a, **k))
     got = perplexities(lm, docs, 64, 16, layout)

@@ -103,9 +103,13 @@ def _cast_worker(rank, world, path):
     inner = tiny_model()
     model = parallelize(inner, inner.lm.model.layers, True, acc, WorldMesh("cpu", world))
     local, layout = shard_for_cp(_batches(rank)[0], True, cp)
+    copies = []  # a layer's doc_layout after FSDP2's pre-forward (its input casts) that is not the one passed
+    for layer in inner.lm.model.layers:
+        layer.register_forward_pre_hook(lambda _, args, kw: copies.append(kw["doc_layout"] is not layout),
+                                        with_kwargs=True)
     loss = model(local["input_ids"], local["labels"], local["position_ids"], doc_layout=layout)
     model.backward(loss / 100)
-    count = torch.tensor([len(builds), len(layout.plan.steps), len(inner.lm.model.layers)])
+    count = torch.tensor([len(builds), len(layout.plan.steps), len(inner.lm.model.layers), len(copies), sum(copies)])
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if rank == 0:
         torch.save(count.tolist(), path)
@@ -113,9 +117,11 @@ def _cast_worker(rank, world, path):
 
 def test_the_plans_a_batch_derives_are_built_once_under_fsdp2s_input_casts(tmp_path):
     """Each ring step's packed varlen calls are built once per batch on each rank (forward and backward of every
-    layer reuse them), not once per layer: FSDP2's bf16 input cast copies the layout for each layer."""
+    layer reuse them), not once per layer; every layer receives the DocLayout passed to the model, not a copy
+    (FSDP2's bf16 input casts rebuild the dataclasses, lists and tuples in a layer's keyword arguments)."""
     path = tmp_path / "count.pt"
     run_gloo(_cast_worker, 2, str(path))
-    builds, steps, layers = torch.load(path)
+    builds, steps, layers, seen, copied = torch.load(path)
     assert layers == 2 and steps == 2
+    assert seen == layers and copied == 0, f"{copied} of {seen} layers got a copy of the layout"
     assert builds == steps, f"{builds} builds of {steps} ring steps' calls over {layers} layers"
