@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from longstride.host_copy import as_device_tensor
 from longstride.model.real import real
 from longstride.parallel.flash_contract import check_layout
 
@@ -74,10 +75,9 @@ class VarlenCall:
         self._cu: dict = {}  # device -> the int32 cumulative lengths there, copied once
 
     def _lengths(self, device) -> dict:
-        if device not in self._cu:  # a host-to-device copy waits for the device: once per batch, not per layer
+        if device not in self._cu:  # copied once per batch, not per layer (without blocking: longstride/host_copy.py)
             with real():  # real even inside a traced step: the call is cached (kernels.py)
-                self._cu[device] = tuple(torch.tensor(c, dtype=torch.int32, device=device)
-                                         for c in (self.cu_q, self.cu_k))
+                self._cu[device] = tuple(as_device_tensor(c, torch.int32, device) for c in (self.cu_q, self.cu_k))
         cu_q, cu_k = self._cu[device]
         return {"cu_q": cu_q, "cu_k": cu_k, "max_q": self.max_q, "max_k": self.max_k}
 

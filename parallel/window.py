@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from longstride.host_copy import as_device_tensor
 from longstride.model.real import real
 from longstride.parallel.blocks import Derived, RingPlan, ring_plan, run_starts
 from longstride.parallel.collectives import all_to_all_single
@@ -57,7 +58,7 @@ class HaloPlan:
         key = (name, device)
         if key not in self.derived:  # copied to the device once per batch, not per layer
             with real():
-                self.derived[key] = torch.as_tensor(getattr(self, name), dtype=torch.long, device=device)
+                self.derived[key] = as_device_tensor(getattr(self, name), torch.long, device)
         return self.derived[key]
 
 

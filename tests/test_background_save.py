@@ -102,10 +102,10 @@ def test_a_dcp_failure_is_flagged_without_blocking_then_raised_naming_the_rank_a
 
     stage, background, dcp = tmp_path / "s1", BackgroundSave(), Future()
     path = _save(stage, 2, background, _failures_as_oserror(dcp))
-    assert not background.failed() and StopSignals().requested("cpu", background.failed()) == (0, False)
+    assert not background.failed() and StopSignals().requested(background.failed()) == (0, False)
     dcp.set_exception(CheckpointException("write", {1: (OSError(28, "No space left on device"), None)}))
     _ended(background)
-    assert background.failed() and StopSignals().requested("cpu", background.failed()) == (0, True)
+    assert background.failed() and StopSignals().requested(background.failed()) == (0, True)
     with pytest.raises(CheckpointError, match=f"could not write checkpoint {path} \\(rank 1: \\[Errno 28\\] No space"):
         background.wait()
 

@@ -68,11 +68,10 @@ def check_finite_parameters(params, where: str) -> None:
     """Raises NonFiniteError if any parameter (this rank's shard, for FSDP) is NaN or inf; all ranks
     must call it, and with several processes they agree through an all-reduce."""
     params = list(params)
-    bad = torch.zeros((), device=params[0].device if params else "cpu")  # NCCL reduces device tensors only
+    bad = torch.zeros((), device=params[0].device if params else "cpu")  # counted on the device, read once
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
-        if not torch.isfinite(local.detach()).all():
-            bad += 1
+        bad += ~torch.isfinite(local.detach()).all()
     if all_reduce(bad).item():
         raise NonFiniteError(f"not saving {where}: the model has NaN or inf parameters; the previous checkpoints are "
                              "kept as they were")
@@ -123,10 +122,11 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
-    def requested(self, device, save_failed: bool = False) -> tuple[int, bool]:
+    def requested(self, save_failed: bool = False) -> tuple[int, bool]:
         """(the signal number if any rank got one, else 0; whether any rank's background save failed: `save_failed`
-        on any rank). A collective: every rank calls it each step."""
-        flags = all_reduce(torch.tensor([float(self.signum), float(save_failed)], device=device),
+        on any rank). A collective: every rank calls it each step (on the host: one process copies nothing to a
+        GPU and waits for none)."""
+        flags = all_reduce(torch.tensor([float(self.signum), float(save_failed)]),
                            torch.distributed.ReduceOp.MAX).tolist()
         return int(flags[0]), bool(flags[1])
 

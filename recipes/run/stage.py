@@ -365,7 +365,7 @@ def after_step(ctx: RunContext, run: StageRun, stage_dir: str, stop: StopSignals
     if stage.save_every and run.step % stage.save_every == 0 and run.step < stage.total_steps and not guard.in_row:
         save_stage(ctx, run, here, with_state=True)
         last_good = here
-    signum, save_failed = stop.requested(ctx.accelerator.device, run.saves is not None and run.saves.failed())
+    signum, save_failed = stop.requested(run.saves is not None and run.saves.failed())
     if save_failed:  # a background save failed on some rank: every rank stops here, naming it
         settle_saves(ctx, run, failed_elsewhere=True)
     if signum:  # preemption or Ctrl-C on any rank: all save this step (the same decision on each), then stop
@@ -414,7 +414,7 @@ def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optiona
             tracker.info("stage %s: validation loss %.4f -> %.4f", plan.name, run.val_start, val_end)
             save_stage(ctx, run, final, with_state=False, extra_meta={"val_loss_start": run.val_start,
                                                                       "val_loss_end": val_end})
-            signum, _ = stop.requested(acc.device)  # no save is in flight after the final one
+            signum, _ = stop.requested()  # no save is in flight after the final one
             if signum and plan.name == list(ctx.plans)[-1]:  # the last stage: the run is complete, nothing to stop
                 tracker.info("stage %s: %s arrived during its final save; the run is complete", plan.name,
                              signal.Signals(signum).name)

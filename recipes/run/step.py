@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
+from longstride.host_copy import to_device
 from longstride.model.compile import compile_layers, compiled_loss_tile
 from longstride.model.loss import IGNORE_INDEX, ChunkedLossLM
 from longstride.model.prepare import patch_model
@@ -92,7 +93,7 @@ def loss_sum(module, local: tuple[dict, DocLayout], device) -> torch.Tensor:
     """Summed token loss of this rank's share of one PackedBatch (moved to `device`); module: Step.module or
     what wraps it (parallel/parallelize.py)."""
     mb, layout = local
-    mb = {k: mb[k].to(device) for k in STEP_KEYS}
+    mb = {k: to_device(mb[k], device) for k in STEP_KEYS}  # on CUDA without blocking: the host queues ahead
     return module(mb["input_ids"], mb["labels"], mb["position_ids"], doc_layout=layout)
 
 

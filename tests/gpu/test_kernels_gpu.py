@@ -57,3 +57,22 @@ def test_torch_flash_refuses_fp32_with_the_fix():
     q, k, v, _ = (t.to(CUDA) for t in inputs(4, 2, torch.float32))
     with pytest.raises(ValueError, match="train.precision=bf16"):
         doc_attention(q, k, v, None, D ** -0.5, "torch_flash")
+
+
+def test_host_copies_queued_behind_gpu_work_arrive_whole():
+    """longstride/host_copy: a host tensor copied to the GPU through pinned memory without blocking, queued behind a
+    long kernel and its host original dropped at once, arrives with its values (the staging buffer is kept until the
+    copy has run); a GPU tensor and a CPU target are plain copies."""
+    from longstride.host_copy import as_device_tensor, to_device
+
+    busy = torch.randn(4096, 4096, device=CUDA)
+    for _ in range(20):  # queued work ahead of the copies
+        busy = busy @ busy / 64
+    want = [torch.arange(i, i + 100_000) for i in range(8)]
+    got = [to_device(w.clone(), CUDA) for w in want]  # each host clone freed as soon as its copy is queued
+    got.append(as_device_tensor(list(range(1000)), torch.int32, CUDA))
+    torch.cuda.synchronize()
+    for w, g in zip(want, got):
+        assert g.device.type == "cuda" and torch.equal(g.cpu(), w)
+    assert torch.equal(got[-1].cpu(), torch.arange(1000, dtype=torch.int32))
+    assert to_device(got[0], CUDA) is got[0] and torch.equal(to_device(got[0], "cpu"), want[0])
