@@ -37,7 +37,7 @@ import torch
 
 from longstride.host_copy import as_device_tensor
 from longstride.model.real import real
-from longstride.parallel.flash_contract import check_layout
+from longstride.parallel.flash_contract import ContractError, check_layout
 
 
 class Varlen(NamedTuple):
@@ -318,4 +318,6 @@ def _check_contract(q, k, lengths: dict, *same_dtype) -> None:
     check_layout(q, k, lengths["cu_q"], lengths["cu_k"], *same_dtype)
     for cu, x, m in ((lengths["cu_q"], q, lengths["max_q"]), (lengths["cu_k"], k, lengths["max_k"])):
         lens = cu.diff()
-        assert cu[0] == 0 and cu[-1] == x.shape[0] and (lens > 0).all() and int(lens.max()) == m, (cu, m)
+        if not (cu[0] == 0 and cu[-1] == x.shape[0] and (lens > 0).all() and int(lens.max()) == m):
+            raise ContractError(f"cumulative lengths {cu.tolist()} with max {m}: they start at 0, end at the "
+                                f"{x.shape[0]} packed tokens and hold pieces of 1 to max tokens, the longest max")

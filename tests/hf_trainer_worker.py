@@ -58,7 +58,7 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     from longstride.parallel.attention import use_longstride_attention
     from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin, packed_dataset, setup_cp
 
-    losses, micro = [], []
+    losses, micro, forwards = [], [], [0]
     data = packed_dataset(documents(), L, pad_id=1)
     base, config, extra = Trainer, TrainingArguments, {}
     if kind.startswith("trainer_gc"):  # the Trainer's own activation checkpointing of each decoder layer
@@ -73,6 +73,7 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     class Recorder(LongstrideTrainerMixin, base):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            forwards[0] += 1
             term = loss.detach().clone() / self.accelerator.num_processes  # this process's share of the mean
             if dist.is_initialized():
                 dist.all_reduce(term)
@@ -92,12 +93,14 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     cpx = setup_cp(cp, model.config.num_attention_heads, impl, kernel="sdpa")
     trainer = Recorder(model=model, args=args, train_dataset=data,
                        data_collator=LongstrideCollator(cpx, pad_id=1), **extra)
-    trainer.train()
     from longstride.model.loss import decoder_layers
 
-    recomputed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in decoder_layers(model))
+    calls = [0] * len(decoder_layers(model))  # each layer's attention forwards: twice a micro-batch when recomputed
+    for j, layer in enumerate(decoder_layers(model)):
+        layer.self_attn.register_forward_pre_hook(lambda *_, j=j: calls.__setitem__(j, calls[j] + 1))
+    trainer.train()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save({"losses": losses, "checkpointed_layers": recomputed,
+        torch.save({"losses": losses, "attention_calls": calls, "forwards": forwards[0],
                     "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)
     if dist.is_initialized():
         # every rank has finished (rank 0 has written); then exit without running destructors: freeing DDP's reducer

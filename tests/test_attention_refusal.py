@@ -19,6 +19,8 @@ import transformers as T
 from longstride.parallel.attention import MaskNote, longstride_attention, unsupported_attention, use_longstride_attention
 from longstride.parallel.cp import CPContext, DocLayout
 from tests.forked_cli import run_module
+from tests.test_attention import _capped_reference
+from tests.test_attention_patterns import make_matter
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
@@ -98,9 +100,12 @@ def test_what_a_call_asks_for_and_is_not_computed_fails_at_once():
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(NotImplementedError, match=r"\(softcap=30.0\) and parallel.kernel=sdpa does not"):
         longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0, doc_layout=DocLayout(None))
-    capped, _ = longstride_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)  # no layout: a kernel that caps
+    # no layout: a kernel that caps, against the fp64 capped reference, with scores far past the cap's bend
+    capped, _ = longstride_attention(torch.nn.Module(), 20 * q, k, v, None, softcap=1.0)
     plain, _ = longstride_attention(torch.nn.Module(), 20 * q, k, v, None)
-    assert not torch.allclose(longstride_attention(torch.nn.Module(), 20 * q, k, v, None, softcap=1.0)[0], plain)
+    want = _capped_reference(20 * q, k, v, torch.zeros(1, 8, dtype=torch.long), 4 ** -0.5, None, 1.0)
+    torch.testing.assert_close(capped, want.transpose(1, 2).float(), atol=1e-5, rtol=1e-5)
+    assert (plain - want.transpose(1, 2)).abs().max() > 0.1  # the cap matters here
     with pytest.raises(NotImplementedError, match="bidirectional"):
         longstride_attention(torch.nn.Module(), q, k, v, None, is_causal=False)
     bidirectional = torch.nn.Module()
@@ -133,10 +138,19 @@ def test_a_cached_decoding_step_is_refused_and_the_model_s_own_attention_decodes
                                                                   attn_logit_softcapping=2.0)),
              "llama": COMPUTED["llama"]}[name]().eval()
     own = "eager" if name == "gemma2" else "sdpa"
-    if name == "gemma2":
+    if name == "gemma2":  # q and k scaled so that the scores reach the cap's bend, which the control shows
         model.set_attn_implementation("eager")
         with torch.no_grad():
+            make_matter(model)
             reference = model(torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))).logits
+            model.config.attn_logit_softcapping = None
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+            uncapped = model(torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))).logits
+            assert (uncapped - reference).abs().max() > 1e-3  # 100x the tolerance the layout is held to below
+            model.config.attn_logit_softcapping = 2.0
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = 2.0
     use_longstride_attention(model)
     ids = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
@@ -433,5 +447,6 @@ def test_a_recipe_splitting_longrope_past_its_window_is_refused_at_validation(tm
     base = ["recipe=extend_pretrained", f"model.checkpoint={tmp_path / 'phi3'}", "data.tokenizer=/no/tokenizer"]
     with pytest.raises(ValueError, match=rf"model.checkpoint={tmp_path / 'phi3'}: .*rope_type=longrope .*a 4096-tok"):
         validate(compose_cfg([*base, "recipe.stages.x4.cp=2"]), world=2)
-    with pytest.raises(ValueError, match=r"data.tokenizer"):  # one rank per sequence: passes on to the next check
+    # one rank per sequence: passes on to the next check
+    with pytest.raises(ValueError, match=r"data.tokenizer='/no/tokenizer' is not a directory"):
         validate(compose_cfg(base), world=1)

@@ -42,7 +42,8 @@ def test_recipe_composes_and_validates(stand_in, tmp_path, monkeypatch):
     assert cfg.data.sources["retrieval"].weight <= 0.2, "a small synthetic share"
     overrides = recipe(stand_in, tmp_path, tmp_path)[:1] + recipe(stand_in, tmp_path, tmp_path)[2:]
     monkeypatch.chdir(tmp_path)  # the default path is relative: here it is not converted, whatever the clone holds
-    with pytest.raises(ValueError, match="model.checkpoint"):  # the default path, before conversion
+    # the default path, before conversion
+    with pytest.raises(ValueError, match=r"model.checkpoint='checkpoints/smollm2-135m-instruct' does not exist"):
         validate(compose_cfg(overrides), 1)
 
 

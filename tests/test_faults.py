@@ -131,7 +131,7 @@ def wait_for_step(stage_dir, step: int, proc, timeout: float = 300) -> None:
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(micro, tmp_path, sig):
+def test_a_stop_signal_saves_a_checkpoint_and_after_sigterm_the_rerun_matches_an_unstopped_run(micro, tmp_path, sig):
     import signal
 
     from tests.conftest import micro_overrides, read_metrics
@@ -146,7 +146,7 @@ def test_stop_signal_saves_a_checkpoint_and_the_rerun_matches_an_unstopped_run(m
     (stopped,) = [p for p in stage_dir.iterdir() if p.name.startswith("step_")]
     assert f"stopped by {sig} after step {int(stopped.name[5:])}" in out and "Traceback" not in out
     assert int(stopped.name[5:]) < 60, "stopped mid-stage: the rerun has steps left to match"
-    if sig == "SIGINT":  # the same handler and save as SIGTERM's: the rerun below is checked once
+    if sig == "SIGINT":  # the same handler and save as SIGTERM's: the rerun is checked for SIGTERM only
         return
     resumed = run_cli(micro + long)
     assert resumed.returncode == 0 and f"resuming from {stopped}" in resumed.stderr, resumed.stderr[-2000:]

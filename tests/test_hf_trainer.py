@@ -302,6 +302,10 @@ def test_trainer_with_cp_equals_one_process_and_longstride_loop(impl, kind, tmp_
     two = _worker(tmp_path / "two.pt", 2, 2, impl, kind)
     ref = own_loop()
     _matches_own_loop({f"one-process {kind}": one, f"{kind} with {impl} cp=2": two}, ref)
+    # each layer's attention runs once a micro-batch, twice under TRL's SFTConfig (activation checkpointing on by
+    # default there): the count the checkpointing test below reads
+    runs = 2 if kind == "sft" else 1
+    assert two["forwards"] > 0 and two["attention_calls"] == [runs * two["forwards"]] * 2, two["attention_calls"]
     init = dict(tiny_lm().named_parameters())
     moved = max(((ref["params"][k] - p).abs().max() / p.abs().max()).item() for k, p in init.items())
     assert moved > 1e-2, f"the parameters were trained (largest relative change {moved:.2e})"
@@ -312,7 +316,8 @@ def test_the_trainers_activation_checkpointing_under_cp_equals_the_longstride_lo
     """TrainingArguments' activation checkpointing (transformers' own, each decoder layer recomputed in backward,
     non-reentrant or reentrant) over longstride's CP attention: the same losses and parameters."""
     run = _worker(tmp_path / "gc.pt", 2, 2, impl, kind)
-    assert run["checkpointed_layers"] == 2, "the Trainer checkpointed both decoder layers"
+    # every decoder layer's attention ran again in each micro-batch's backward
+    assert run["forwards"] > 0 and run["attention_calls"] == [2 * run["forwards"]] * 2, run["attention_calls"]
     _matches_own_loop({f"{kind} with {impl} cp=2": run}, own_loop())
 
 

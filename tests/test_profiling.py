@@ -90,7 +90,7 @@ def test_a_trace_that_cannot_be_written_is_a_warning_never_the_runs_end(tmp_path
      r"profile.memory_snapshot=true records CUDA's caching allocator, and this run is on cpu"),
     (["profile.ranks=[0]"], r"profile.\* is set but profile.start_step=0 \(off\)"),
     (["profile.tool=nsys"], r"profile.\* is set but profile.start_step=0 \(off\)"),
-    (["profile.start_step=-1"], r"must be >= 0"),
+    (["profile.start_step=-1"], r"profile.start_step=-1, profile.end_step=.* must be >= 0"),
     (["profile.start_step=2", "profile.ranks=[]"], r"profile.ranks=\[\] traces nothing"),
     (["profile.start_step=2", "profile.stages=[]"], r"profile.stages=\[\] traces nothing"),
     (["profile.start_step=2", "profile.tool=nsys"], r"profile.tool=nsys marks the window for Nsight Systems on CUDA "

@@ -108,7 +108,9 @@ def test_a_missing_base_is_named_before_training(field, tmp_path):
     res = run_cli(["recipe=tiny_extend", f"{field}={tmp_path}/nowhere", f"paths.output_root={tmp_path}/out",
                    "recipe.stages.s2_2k.cp=1", "recipe.stages.s3_4k.cp=1",
                    "logger.wandb_mode=disabled"], timeout=300)
-    assert res.returncode != 0 and f"{tmp_path}/nowhere" in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"{field}='{tmp_path}/nowhere'" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir()), "nothing written before it"
 
 
 def test_shipping_copies_the_weights_however_they_are_saved(tmp_path):

@@ -24,7 +24,7 @@ def test_recipe_chains_stages_and_bumps_rope_base(micro, tmp_path):
     cfg = compose_cfg(micro)
     finals = run(cfg)
     assert [os.path.basename(os.path.dirname(f)) for f in finals] == ["s1_256", "s2_2k", "s3_4k"]
-    prev = None
+    prev, val = None, []  # val: each stage's validation loss at its start and end (the same held-out documents)
     for final, (name, stage) in zip(finals, cfg.recipe.stages.items()):
         model = AutoModelForCausalLM.from_pretrained(final)
         assert model.config.rope_parameters["rope_theta"] == stage.rope_theta
@@ -39,9 +39,14 @@ def test_recipe_chains_stages_and_bumps_rope_base(micro, tmp_path):
         metrics = read_metrics(tmp_path / "out" / "tiny" / name)
         assert sorted(metrics) == list(range(0, stage.steps + 1))
         assert "val_loss" in metrics[0] and "val_loss" in metrics[stage.steps]
+        val.append((metrics[0]["val_loss"], metrics[stage.steps]["val_loss"]))
         assert metrics[1]["rope_theta"] == stage.rope_theta and metrics[1]["seq_len"] == stage.seq_len
         # every position of the batch against those with a loss (no padding, no document's last token)
         assert all(0 < m["loss_tokens_per_s"] < m["tokens_per_s"] for s, m in metrics.items() if s)
+    # each stage starts where the one before ended (its RoPE base bumped), not from a fresh model (s1's start)
+    fresh = val[0][0]
+    for (_, end), (start, _) in zip(val, val[1:]):
+        assert start == pytest.approx(end, abs=0.05) and fresh - start > 0.2, val
     # Rerunning a finished recipe trains nothing and keeps the checkpoints.
     before = os.path.getmtime(os.path.join(finals[-1], "model.safetensors"))
     run(cfg)

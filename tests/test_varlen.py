@@ -15,6 +15,7 @@ from longstride.parallel import kernels, varlen
 from longstride.parallel.blocks import ring_plan
 from longstride.parallel.dense import DENSE
 from longstride.parallel.kernels import doc_attention, doc_attention_forward, resolve_kernel, step_forward
+from longstride.parallel.flash_contract import ContractError
 from longstride.parallel.spawn import run_gloo
 from longstride.parallel.varlen import VarlenCall, emulate, gather
 from longstride.parallel.zigzag import shard
@@ -221,9 +222,9 @@ def test_flash_kernels_refuse_fp32_and_unexpected_lse_layouts():
 
 def test_emulated_kernel_checks_what_cuda_requires():
     q = torch.randn(6, 2, 8)
-    with pytest.raises(AssertionError):  # int64 cumulative lengths: the CUDA kernel takes int32
+    with pytest.raises(ContractError, match="cu_seqlens_q must be a contiguous 1-D int32 tensor, got torch.int64"):
         EMULATED.forward(q, q, q, torch.tensor([0, 6]), torch.tensor([0, 6]), 6, 6, 0.1, True)
-    with pytest.raises(AssertionError):  # lengths that do not end at the packed tokens
+    with pytest.raises(ContractError, match=r"cumulative lengths \[0, 5\] with max 5: .* end at the 6 packed"):
         cu = torch.tensor([0, 5], dtype=torch.int32)
         EMULATED.forward(q, q, q, cu, cu, 5, 5, 0.1, True)
     with pytest.raises(ValueError, match="square"):
