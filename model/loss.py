@@ -50,11 +50,16 @@ def head_terms(lm: torch.nn.Module) -> tuple[float, Optional[float]]:
     if isinstance(scale, torch.Tensor):
         raise NotImplementedError(f"{type(lm).__name__} scales its logits by a learned tensor (logit_scale), which "
                                   "longstride's chunked loss does not compute; refused rather than dropped")
+    head = lm.get_output_embeddings()
+    learned = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
+    if learned:  # such as Dory's head: equal logits at init (a scale of 1), then a term the loss never trains
+        raise NotImplementedError(f"{type(lm).__name__}'s output head {type(head).__name__} holds learned tensors "
+                                  f"besides its weight and bias ({', '.join(learned)}), which longstride's chunked "
+                                  "loss does not compute; refused rather than dropped")
     scale = float(scale or 1.0)
     factor = float(getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None) or None
     candidates = [(s, c) for s in dict.fromkeys([scale / factor, scale * factor, scale]) for c in (softcap, None)]
-    head = lm.get_output_embeddings()
     if head.weight.is_meta or is_fake(head.weight) or detect_fake_mode() is not None:  # a traced step: no values
         return candidates[0]
     hidden = torch.randn(1, 2, head.weight.shape[1], generator=torch.Generator().manual_seed(0))

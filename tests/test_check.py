@@ -191,3 +191,20 @@ def test_a_batch_that_tests_no_window_is_refused_before_compute_unless_allowed(c
     rep = check.check([*args, "allow_unexercised=true"])
     out = capsys.readouterr().out
     assert rep.ok and "not tested by this batch" in out and "(not tested: the 16-token window" in out, out
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_judged_against_its_layer_s_gradients():
+    """recipes/check/report.grad_errors: CTRL's key bias (no RoPE: softmax ignores what it adds to each score) has a
+    gradient of rounding noise (~1e-10) that two attentions make differently; against itself that is an error of
+    order 1 (`longstride check` failed CTRL's exact attention), against 1e-3 of its group's largest gradient it is
+    noise. A small gradient that is wrong (a learned scale left untrained) still counts in full."""
+    from longstride.recipes.check.report import grad_errors
+    from longstride.recipes.check.runs import Result
+
+    ref = {"w": torch.tensor([0.5, -0.25]), "k_bias": torch.tensor([2.4e-10, -1e-10]), "scale": torch.tensor([0.01])}
+    got = {"w": torch.tensor([0.5, -0.25]), "k_bias": torch.tensor([5.2e-10, 3e-10]), "scale": torch.tensor([0.0])}
+    result = lambda g: Result(torch.zeros(1), torch.zeros(()), [], g)  # noqa: E731
+    errs = grad_errors(result(got), result(ref), {"w": "full", "k_bias": "full", "scale": "other"})
+    assert errs["w"] == 0.0 and errs["k_bias"] < 1e-6 and errs["scale"] == 1.0, errs
+    alone = grad_errors(result(got), result(ref), {"w": "full", "k_bias": "bias", "scale": "other"})
+    assert alone["k_bias"] > 1, alone  # in a group of its own, nothing to judge it against but itself

@@ -103,6 +103,21 @@ def test_config_fields_a_model_does_not_apply_leave_its_head_plain():
     assert head_terms(HEADS["hyperclovax_logits_scaling_multiplies"](T)) == (4.0, None)
 
 
+def test_a_head_with_a_learned_scale_is_refused_rather_than_left_untrained():
+    """Dory's output head multiplies the logits by a learned logit_scale (1 at init, so the logits and the loss equal
+    the model's own there): the chunked loss would never train it (found by benchmarks/model_matrix.py: its
+    gradient 0 against the model's own loss's), so the model is refused, naming the tensor."""
+    import transformers as T
+
+    from longstride.model.loss import ChunkedLossLM
+
+    lm = T.DoryForCausalLM(T.DoryConfig(**SMALL, head_dim=8))
+    assert "logit_scale" in dict(lm.get_output_embeddings().named_parameters())
+    with pytest.raises(NotImplementedError, match=r"DoryForCausalLM's output head DoryLMHead holds learned tensors "
+                                                  r"besides its weight and bias \(logit_scale\)"):
+        ChunkedLossLM(lm)
+
+
 def test_a_decoder_without_one_stack_of_its_layers_is_named():
     """decoder_layers finds the decoder's list of config.num_hidden_layers layers (layers, h, ...), and names a model
     with none (an encoder-decoder, a config whose count the list does not match) instead of an AttributeError."""

@@ -14,11 +14,25 @@ from longstride.recipes.check.job import Job
 from longstride.recipes.check.runs import Result
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|; NaN when either holds NaN (a failure: not <= any tolerance)."""
+def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    """max |a - b| / max(max |b|, floor); NaN when either holds NaN (a failure: not <= any tolerance)."""
     if not torch.isfinite(a).all() or not torch.isfinite(b).all():
         return math.nan
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() if b.numel() else 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item() if b.numel() else 0.0
+
+
+GRAD_FLOOR = 1e-3  # of the largest gradient in a parameter's group
+
+
+def grad_errors(got: Result, ref: Result, groups: dict[str, str]) -> dict[str, float]:
+    """Each parameter's gradient error: max |got - ref| over the larger of max |ref| and GRAD_FLOOR times the
+    largest gradient in its group. A gradient that is zero in exact arithmetic holds rounding noise only, which two
+    attentions make differently (a key bias without RoPE: softmax ignores what it adds to a query's every score),
+    so it is judged against the gradients around it, not against itself."""
+    top: dict[str, float] = {}
+    for n, g in groups.items():
+        top[g] = max(top.get(g, 0.0), float(ref.grads[n].abs().max()) if ref.grads[n].numel() else 0.0)
+    return {n: rel(got.grads[n], ref.grads[n], floor=max(GRAD_FLOOR * top[g], 1e-30)) for n, g in groups.items()}
 
 
 def _order(err: float) -> float:
@@ -44,8 +58,9 @@ def compare(title: str, got: Result, ref: Result, types: list[str], groups: dict
         errs = {i: rel(got.outputs[i], ref.outputs[i]) for i, x in enumerate(types) if x == t}
         worst = max(errs, key=lambda i: _order(errs[i]))
         cells["output", t] = (errs[worst], f"layer {worst}")
+    grad_err = grad_errors(got, ref, groups)
     for g in dict.fromkeys(groups.values()):
-        errs = {n: rel(got.grads[n], ref.grads[n]) for n, x in groups.items() if x == g}
+        errs = {n: grad_err[n] for n, x in groups.items() if x == g}
         worst = max(errs, key=lambda n: _order(errs[n]))
         cells["grad", g] = (errs[worst], worst)
     return Comparison(title, cells)
