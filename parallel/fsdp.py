@@ -81,8 +81,11 @@ def stream_weights(lm: torch.nn.Module, directory: str, is_main: bool, shard_byt
             except Exception as e:  # a full disk: keep gathering with the others (they are in the same collectives)
                 failed = e
     if is_main and failed is None and len(files) > 1:
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        try:
+            with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        except OSError as e:  # told to the others below, as a weights file's failure is
+            failed = e
     flag = torch.tensor([float(failed is not None)], device=items[0][1].device)
     torch.distributed.all_reduce(flag)  # every rank raises, or none
     if flag.item():

@@ -190,6 +190,34 @@ def test_fsdp2_final_weights_stream_into_the_files_save_pretrained_writes(tmp_pa
     assert got.lm_head.weight is got.model.embed_tokens.weight
 
 
+def _index_fault_worker(rank, world, root):
+    from longstride.parallel.config import WorldMesh
+    from longstride.parallel.fsdp import apply_fsdp, stream_weights
+
+    model, _ = tiny(0)
+    apply_fsdp(model, model.lm.model.layers, "cpu", world, None, WorldMesh("cpu", world))
+    try:
+        stream_weights(model.lm, root, rank == 0, 8_000)
+        said = "no error"
+    except OSError as e:
+        said = str(e)
+    with open(os.path.join(root, f"rank{rank}.txt"), "w") as f:
+        f.write(said)
+
+
+def test_an_index_the_main_rank_cannot_write_fails_every_rank(tmp_path):
+    """A final's index file that cannot be written (a folder in its place: a real OSError from open) fails every
+    rank with the main rank's reason, at the one agreement the weights files' failures use; it failed the main rank
+    alone before, leaving the others in a collective it never reached."""
+    from longstride.parallel.spawn import run_gloo
+
+    (tmp_path / "model.safetensors.index.json").mkdir()
+    run_gloo(_index_fault_worker, 2, str(tmp_path))
+    said = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert said[0].startswith("the main rank could not write the weights: [Errno 21] Is a directory"), said
+    assert said[1] == "the main rank could not write the weights", said
+
+
 def test_shard_metadata_naming_a_dotted_path_through_an_allowed_module_is_refused(tmp_path):
     """Pickle resolves a dotted name attribute by attribute from the module it names, so an allowed module
     that imports torch would hand out any of torch's attributes (here a file opener); a name with a dot is
