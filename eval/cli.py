@@ -190,6 +190,9 @@ def parse_ruler(argv: list[str]) -> RulerConfig:
 def parse_ppl(argv: list[str]) -> PplConfig:
     cfg = parse_overrides(PplConfig, argv, "longstride eval ppl", "longstride.eval.ppl",
                           "an HF model dir, e.g. outputs/tiny/s3_4k/final")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would run it all, on one GPU, into one file
+        raise ValueError("longstride eval ppl runs in one process: launch it with python -m longstride.eval.ppl "
+                         "(or longstride eval ppl), not torchrun / accelerate launch")
     if not cfg.lengths or any(L < 8 for L in cfg.lengths):  # the last quarter needs a token with a label
         raise ValueError(f"lengths={cfg.lengths}: give token lengths >= 8, e.g. lengths=[1024,2048]")
     for name, value in (("tile", cfg.tile), ("max_docs", cfg.max_docs)):

@@ -98,6 +98,13 @@ def test_bad_input(tmp_path):
         parse_ppl([f"checkpoint={tmp_path}"])
 
 
+def test_a_launched_ppl_is_refused_before_every_process_runs_all_of_it(checkpoint, monkeypatch):
+    """Under torchrun each process would run the whole eval on one GPU and write the same files."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"longstride eval ppl runs in one process: launch it with python -m"):
+        parse_ppl([f"checkpoint={checkpoint}"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("lengths=[4]", r"lengths=\[4\]: give token lengths >= 8"),
     ("tile=0", "tile=0 must be >= 1"),

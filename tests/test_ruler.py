@@ -299,7 +299,7 @@ def test_cp_prefill_refuses_a_model_that_reads_positions_from_a_rank_s_own_token
 
 
 def test_a_launched_eval_puts_each_rank_on_its_own_gpu(monkeypatch):
-    """Under torchrun on GPUs each rank selects its LOCAL_RANK's GPU before NCCL starts (eval_device() reads the
+    """Under torchrun on GPUs each rank selects its LOCAL_RANK's GPU before NCCL starts, with a timeout of hours (eval_device() reads the
     current GPU; without it every rank's model went to cuda:0). torch.cuda and the process group are stood in for
     here (no GPU on CPU CI)."""
     from longstride.eval.ruler import run as ruler_run
@@ -310,7 +310,9 @@ def test_a_launched_eval_puts_each_rank_on_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, timeout: calls.append(("init", backend, timeout.total_seconds())))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
     assert ruler_run.launched_ranks() == (1, 2)
-    assert calls == [("set_device", 1), ("init", "nccl")]
+    # the ranks meet once, after scoring shares that may differ by minutes: not NCCL's default 10 minutes
+    assert calls == [("set_device", 1), ("init", "nccl", 6 * 3600)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -69,6 +70,9 @@ def reachable_lengths(cfg: RulerConfig, max_positions: int, unit: int,
     return ok, skipped
 
 
+EVAL_GATHER_TIMEOUT_S = 6 * 3600
+
+
 def launched_ranks():
     """(rank, world) when launched with several processes (torchrun / accelerate launch), the process group started
     (each rank on its own GPU); (0, 1) in one process."""
@@ -76,7 +80,10 @@ def launched_ranks():
     if world > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():  # each rank its own GPU (eval_device() reads the current one), before NCCL
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # the ranks meet only after scoring their shares, which may differ by minutes of decoding: not the default
+        # 10 minutes (NCCL) a rank far ahead would be stopped at; a rank that dies ends the launch anyway
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                             timeout=timedelta(seconds=EVAL_GATHER_TIMEOUT_S))
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
