@@ -62,8 +62,10 @@ def train_flops(shape: dict, tokens: int, pairs: int) -> float:
 @dataclass
 class Step:
     """One system's model, optimizer and batch; run() does one optimizer step: longstride's through the stage loop's
-    own update (recipes/run/step.optimizer_step: gradient norm, clipping to 1.0, the update), plain transformers'
-    as the HF Trainer does it (its mean loss, clipping to 1.0, the update)."""
+    own update (recipes/run/step.optimizer_step: gradient norm, clipping to 1.0, the update; its batch copied to the
+    GPU each step, as the loop's is), plain transformers' as the HF Trainer does it (its mean loss, clipping to 1.0,
+    the update; its batch on the GPU already). Figures recorded before 2026-12-01 come from the step without
+    clipping."""
 
     system: str
     model: object  # longstride: parallel/parallelize.OneDevice; plain transformers: its model

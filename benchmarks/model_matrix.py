@@ -11,6 +11,7 @@ check` makes (recipes/check/runs.py), over two packed rows of documents, with wi
   not built    no tiny model of it here: its config or model did not build (the reason kept), or its own eager
                forward failed
   skipped      a composite (vision, audio) wrapper: its text model is checked under its own text type
+  error        accepted, and longstride's run raised something other than a refusal: a defect too
 
     python -m benchmarks.model_matrix                      # all; resumable: finished architectures are kept
     python -m benchmarks.model_matrix --only llama,gemma2  # some, again
@@ -136,8 +137,12 @@ def worst_errors(got, ref, groups: dict) -> dict:
             "grads": max(grad_errors(got, ref, groups).values(), default=0.0)}
 
 
+class _TimedOut(BaseException):
+    """Past SECONDS: a BaseException, so no `except Exception` inside an architecture's check takes it."""
+
+
 def _timed_out(signum, frame):
-    raise TimeoutError
+    raise _TimedOut
 
 
 def main(argv=None) -> int:
@@ -162,31 +167,43 @@ def _run(args, hf_version: str, mapping: dict) -> int:
         done = {"transformers": hf_version, "torch": torch.__version__, "tolerance": TOL, "models": {}}
     only = [t for t in args.only.split(",") if t]
     types = only or sorted(mapping)
-    for t in types:
-        if t in done["models"] and not only:
-            continue
-        t0 = time.perf_counter()
-        signal.signal(signal.SIGALRM, _timed_out)
-        signal.alarm(SECONDS)
-        try:
-            entry = check_one(t)
-        except TimeoutError:
-            entry = {"status": "not built", "detail": f"timed out after {SECONDS} s"}
-        finally:
-            signal.alarm(0)
-        entry["seconds"] = round(time.perf_counter() - t0, 2)
-        done["models"][t] = entry
-        print(f"{t:<28} {entry['status']:<10} {entry.get('worst', '')!s:<24} {entry.get('detail', '')[:100]}",
-              flush=True)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(done, f, indent=1, sort_keys=True)
-        os.replace(args.out + ".tmp", args.out)
+    # the alarm is borrowed (pytest-timeout may hold it): its handler and timer are given back at the end
+    handler, timer = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
+    started = time.monotonic()
+    try:
+        for t in types:
+            if t not in done["models"] or only:
+                _check_timed(t, done, args.out)
+    finally:
+        signal.signal(signal.SIGALRM, handler)
+        if timer[0]:  # what was left of it, less the time the sweep took (at least a moment: 0 would cancel it)
+            signal.setitimer(signal.ITIMER_REAL, max(timer[0] - (time.monotonic() - started), 1e-3), timer[1])
     counts = {}
     for e in done["models"].values():
         counts[e["status"]] = counts.get(e["status"], 0) + 1
     print(f"transformers {hf_version}, torch {torch.__version__}: {counts}")
-    return 1 if counts.get("WRONG") else 0
+    return 1 if counts.get("WRONG") or counts.get("error") else 0
+
+
+def _check_timed(t: str, done: dict, out: str) -> None:
+    """One architecture's entry, within SECONDS, written to `out` at once."""
+    t0 = time.perf_counter()
+    signal.signal(signal.SIGALRM, _timed_out)
+    signal.alarm(SECONDS)
+    try:
+        entry = check_one(t)
+    except _TimedOut:
+        entry = {"status": "not built", "detail": f"timed out after {SECONDS} s"}
+    finally:
+        signal.alarm(0)
+    entry["seconds"] = round(time.perf_counter() - t0, 2)
+    done["models"][t] = entry
+    print(f"{t:<28} {entry['status']:<10} {entry.get('worst', '')!s:<24} {entry.get('detail', '')[:100]}",
+          flush=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        json.dump(done, f, indent=1, sort_keys=True)
+    os.replace(out + ".tmp", out)
 
 
 if __name__ == "__main__":

@@ -178,9 +178,9 @@ def parse_ruler(argv: list[str]) -> RulerConfig:
     check_wandb(cfg.wandb, "wandb")
     given = sorted({a.split("=", 1)[0].lstrip("+~") for a in argv} & set(DECODE_BATCHING))
     if cfg.prefill == "cp" and given:
-        raise ValueError(f"prefill=cp prefills each prompt whole, split over the processes, and decodes the samples one "
-                         f"at a time without prompt lookup: {', '.join(given)} {'is' if len(given) == 1 else 'are'} "
-                         "not read there; drop it, or use prefill=local (samples split over the processes)")
+        raise ValueError("prefill=cp prefills each prompt whole, split over the processes, and decodes the samples "
+                         f"one at a time without prompt lookup: {', '.join(given)} "
+                         f"{'is' if len(given) == 1 else 'are'} not read there; drop it, or use prefill=local (samples split over the processes)")
     if cfg.prefill == "cp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise ValueError("prefill=cp splits each prompt over several processes: launch with "
                          "torchrun --nproc-per-node N -m longstride.eval.ruler ... (or use prefill=local)")

@@ -299,9 +299,9 @@ def test_cp_prefill_refuses_a_model_that_reads_positions_from_a_rank_s_own_token
 
 
 def test_a_launched_eval_puts_each_rank_on_its_own_gpu(monkeypatch):
-    """Under torchrun on GPUs each rank selects its LOCAL_RANK's GPU before NCCL starts, with a timeout of hours (eval_device() reads the
-    current GPU; without it every rank's model went to cuda:0). torch.cuda and the process group are stood in for
-    here (no GPU on CPU CI)."""
+    """Under torchrun on GPUs each rank selects its LOCAL_RANK's GPU before NCCL starts (eval_device() reads the
+    current GPU; without it every rank's model went to cuda:0), and the group waits hours at its gather. torch.cuda
+    and the process group are stood in for here (no GPU on CPU CI)."""
     from longstride.eval.ruler import run as ruler_run
 
     calls = []

@@ -80,8 +80,8 @@ def launched_ranks():
     if world > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():  # each rank its own GPU (eval_device() reads the current one), before NCCL
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # the ranks meet only after scoring their shares, which may differ by minutes of decoding: not the default
-        # 10 minutes (NCCL) a rank far ahead would be stopped at; a rank that dies ends the launch anyway
+        # with prefill=local the ranks meet only after scoring their shares, which may differ by minutes of
+        # decoding: not NCCL's default 10 minutes, which stopped a rank far ahead; a rank that dies ends the launch
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                              timeout=timedelta(seconds=EVAL_GATHER_TIMEOUT_S))
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)

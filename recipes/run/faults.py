@@ -71,7 +71,7 @@ def check_finite_parameters(params, where: str) -> None:
     bad = torch.zeros((), device=params[0].device if params else "cpu")  # counted on the device, read once
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
-        bad += ~torch.isfinite(local.detach()).all()
+        bad += (~torch.isfinite(local.detach()).all()).to(bad.device)
     if all_reduce(bad).item():
         raise NonFiniteError(f"not saving {where}: the model has NaN or inf parameters; the previous checkpoints are "
                              "kept as they were")
