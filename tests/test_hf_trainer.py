@@ -185,7 +185,7 @@ def test_the_trainer_path_refuses_a_position_dependent_model_once_cp_splits_past
     import transformers as T
 
     from longstride.recipes.hf.trainer import LongstrideCollator, LongstrideTrainerMixin
-    from tests.test_attention_refusal import _phi3_longrope
+    from tests.test_cp_positions import _phi3_longrope
 
     class Stub(LongstrideTrainerMixin):  # what get_train_dataloader reads of a Trainer, on one process
         def __init__(self, model, collator):
