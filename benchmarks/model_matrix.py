@@ -48,17 +48,13 @@ ROWS = ((5, 20, 23), (30, 18))  # document lengths per row: 48 tokens each
 
 
 def packed_batch(vocab: int) -> dict:
-    from longstride.model.loss import IGNORE_INDEX
+    """ROWS of random documents packed as training packs them (data/batch.py)."""
+    import numpy as np
 
-    g = torch.Generator().manual_seed(0)
-    L = sum(ROWS[0])
-    ids = torch.randint(3, vocab, (len(ROWS), L), generator=g)
-    doc = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in ROWS])
-    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in ROWS])
-    labels = torch.roll(ids, -1, dims=1)
-    labels[torch.roll(doc, -1, dims=1) != doc] = IGNORE_INDEX  # no label across a document's end
-    labels[:, -1] = IGNORE_INDEX
-    return {"input_ids": ids, "position_ids": pos, "labels": labels, "doc_ids": doc}
+    from longstride.data.batch import collate, packed_item
+
+    g = np.random.default_rng(0)
+    return collate([packed_item([g.integers(3, vocab, n) for n in row], sum(row), pad_id=0) for row in ROWS])
 
 
 def tiny_config(model_type: str):
