@@ -122,7 +122,8 @@ def optimizer_step(model, optimizer: torch.optim.Optimizer, micro: Sequence[tupl
     over every micro-batch and rank (a tensor on the host). The update is that of the global token sum / count, for
     any accumulation, dp and cp."""
     summed = torch.zeros((), dtype=torch.float32, device=device)  # on the device: no host sync per micro-batch
-    scale = model.world / count.clamp(min=1).item()
+    count = count.clamp(min=1)
+    scale = model.world / count.item()
     for i, mb in enumerate(micro):  # each micro-batch a range of its own in a profile's trace
         with model.grad_sync(last=i == len(micro) - 1), record_function(f"micro-batch {i + 1}"):
             part = loss_sum(model, mb, device)
@@ -134,7 +135,7 @@ def optimizer_step(model, optimizer: torch.optim.Optimizer, micro: Sequence[tupl
     with record_function("gradient norm"):  # the global norm: the non-finite check needs it, clipping or not
         grad_norm = model.clip_grad_norm(grad_clip if grad_clip > 0 else math.inf)
     lr = optimizer.param_groups[0]["lr"]
-    loss = (all_reduce(summed) / count.clamp(min=1)).item()
+    loss = (all_reduce(summed) / count).item()
     applied = allow is None or allow(loss, grad_norm)
     if applied:
         optimizer.step()
