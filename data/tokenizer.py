@@ -91,6 +91,12 @@ def save_tokenizer(tokenizer, directory: str, positions: int) -> None:
     tokenizer.model_max_length = max(int(before or 0), int(positions))
     try:
         tokenizer.save_pretrained(directory)
+    except Exception as e:
+        if type(e) is not Exception:
+            raise
+        # the tokenizers library (Rust) reports a failed write, a full disk too, as a plain Exception: as an OSError
+        # it is the failed write every checkpoint writer reports (recipes/checkpoint/format.disk_errors)
+        raise OSError(f"could not write the tokenizer to {directory}: {e}") from e
     finally:
         tokenizer.model_max_length = before
 

@@ -89,3 +89,22 @@ def test_a_fault_in_longstride_s_own_code_is_not_shown_as_bad_input(tmp_path):
     with pytest.raises(SystemExit) as e:
         run("longstride test", lambda argv: module.deliberate(0), [])
     assert e.value.code == 2
+
+
+def test_a_tokenizer_write_on_a_full_disk_is_an_oserror_a_checkpoint_reports(tmp_path):
+    """The tokenizers library reports a full disk as a plain Exception (found by the disk-full test when the disk
+    filled at a step checkpoint's tokenizer: exit 1 with a traceback); save_tokenizer raises it as an OSError, which
+    recipes/checkpoint/format.disk_errors turns into the checkpoint's clean failure. The full disk is real:
+    tokenizer.json links to /dev/full."""
+    import pytest
+
+    from longstride.data.tokenizer import save_tokenizer, train_bpe
+    from longstride.recipes.checkpoint.format import CheckpointError, disk_errors
+
+    tok = train_bpe(["a tiny corpus for a tokenizer"] * 4, 300)
+    os.symlink("/dev/full", tmp_path / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*could not write the tokenizer to .*No "
+                                              r"space left on device"):
+        with disk_errors(str(tmp_path)):
+            save_tokenizer(tok, str(tmp_path), 128)
+    assert tok.model_max_length != 128  # the run's tokenizer keeps its own value
