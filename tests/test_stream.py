@@ -3,6 +3,7 @@ disjoint data-parallel shares, held-out documents never trained on, bad input.""
 from __future__ import annotations
 
 import io
+import os
 import json
 import re
 
@@ -262,3 +263,44 @@ def test_a_bad_record_met_mid_stream_names_the_file_and_line(tmp_path, setup, ba
         loader, _, _ = streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, 0, 1, d)  # its held-out head
         for _ in range(200):  # or training
             next(loader)
+
+
+def _bad_record_on_rank1_worker(rank, world, root):
+    from longstride.recipes.run.faults import stage_input
+    from longstride.recipes.run.step import next_micro_batches
+
+    docs = corpus_docs("d", 40, rank)
+    good = write_jsonl(os.path.join(root, f"good{rank}.jsonl"), docs)
+    path = good if rank == 0 else os.path.join(root, "b*.jsonl")  # rank 1's second file has a bad third record
+    cfg = DataConfig(sources={"bad": SourceConfig(kind="files", path=path)}, streaming=True, eval_sequences=1)
+    tok = train_bpe(docs, 300)
+    loader, _, _ = streaming_stage(cfg, tok, L, tok.pad_token_id, None, MB, 0, 1, os.path.join(root, f"c{rank}"))
+    step = 0
+    try:
+        for step in range(1, 300):
+            with stage_input("s1"):  # as the stage's step reads it: exit 2 on every rank
+                next_micro_batches(loader, 2, lambda b: (b, None))
+        said = "no error"
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"rank{rank}.txt"), "w") as f:
+        f.write(f"step {step}: {said}")
+
+
+@pytest.mark.timeout(120)  # before the fix, rank 0 waited in the all-reduce for the collective timeout
+def test_a_bad_record_met_by_one_rank_stops_every_rank_at_that_step(tmp_path):
+    """A streamed record one data-parallel rank cannot decode, met mid-stage: that rank raised while the others
+    waited in the step's token-count all-reduce until the launcher or the collective timeout ended them. Every rank
+    now leaves at that step: the failing one with its own error, the others naming another rank."""
+    from longstride.parallel.spawn import run_gloo
+
+    write_jsonl(tmp_path / "b1.jsonl", corpus_docs("e", 1100, 5))  # past the first 1000 rows tokenized
+    (tmp_path / "b2.jsonl").write_bytes(b'{"text": "one"}\n{"text": "two"}\n{"text": "broken\n{"text": "after"}\n')
+    run_gloo(_bad_record_on_rank1_worker, 2, str(tmp_path))
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    step = said[1].split(":")[0]
+    assert re.fullmatch(r"step \d+", step) and step != "step 1", said  # mid-stage: past the first step
+    assert said[1].startswith(f"{step}: StageInputError: stage s1: data.sources.bad.path: {tmp_path}/b2.jsonl:3: not "
+                              "JSON"), said
+    assert said[0] == f"{step}: StageInputError: stage s1: another rank failed to read or prepare this step's data " \
+                      "(its log says why)", said

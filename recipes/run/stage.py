@@ -29,7 +29,6 @@ from transformers import AutoConfig
 from longstride.data.batch import collate
 from longstride.data.pipeline import (data_fingerprint, holdout_documents, mixture_weights, stage_loader,
                                       stage_sequences, validation_sequences)
-from longstride.data.file_records import UnreadableRecord
 from longstride.data.sources import walked
 from longstride.data.stream import streaming_stage
 from longstride.data.tokenizer import tokenizer_fingerprint
@@ -48,13 +47,14 @@ from longstride.recipes.checkpoint.format import (CheckpointError, final_dir, la
                                                   step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan, Unplanned
 from longstride.recipes.memory.fit import log_memory_estimate
-from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StageInputError, StopSignals, Stopped,
+from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StopSignals, Stopped,
                                              stage_input, test_kill)
 from longstride.recipes.run.flops import StepFlops, peak_flops
 from longstride.recipes.run.profiling import StepProfiler, rank_log
 from longstride.recipes.run.schedule import build_scheduler
 from longstride.recipes.run.stage_state import carry_streams, restore_stage, save_stage, settle_saves
-from longstride.recipes.run.step import Step, build_optimizer, build_step, label_count, loss_sum, optimizer_step
+from longstride.recipes.run.step import (Step, build_optimizer, build_step, label_count, loss_sum,
+                                        next_micro_batches, optimizer_step)
 from longstride.recipes.run.tracking import peak_memory_gib, reset_peak_memory
 
 if TYPE_CHECKING:  # the types of the run's objects, for readers and checkers only
@@ -276,15 +276,11 @@ def train_step(ctx: RunContext, run: StageRun, guard: NonFiniteGuard, last_good:
     (recipes/run/faults.py). Returns the step's metrics."""
     acc, stage, model = ctx.accelerator, run.plan.stage, run.model
     t0 = time.perf_counter()
-    try:
-        batches = [next(run.loader) for _ in range(run.plan.accum)]
-    except UnreadableRecord as e:  # a streamed record the reader cannot decode, met mid-stage: exit 2
-        raise StageInputError(f"stage {run.plan.name}: {e}") from e
     masked = run.plan.step.doc_masking
-    pairs = sum(run.flops.pairs(b["doc_ids"], masked) for b in batches) if run.flops.counted else 0  # whole rows
-    micro = [run.prep(b) for b in batches]
-    totals = all_reduce(torch.tensor([float(sum(label_count(m) for m in micro)), float(pairs)], dtype=torch.float64))
-    count = totals[0]  # float64: exact to 2^53 tokens a step
+    pairs = (lambda doc_ids: run.flops.pairs(doc_ids, masked)) if run.flops.counted else None
+    with stage_input(run.plan.name):  # a streamed record the reader cannot decode, met mid-stage, on any rank: exit 2
+        micro, totals = next_micro_batches(run.loader, run.plan.accum, run.prep, pairs)
+    count = totals[0]
     done = optimizer_step(model, run.optimizer, micro, count, acc.device, ctx.cfg.optim.grad_clip, run.scheduler,
                           allow=lambda loss, norm: guard.step_ok(run.step + 1, loss, norm, last_good))
     if not done.applied:

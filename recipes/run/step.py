@@ -101,6 +101,29 @@ def label_count(local: tuple[dict, DocLayout]) -> int:
     return int((local[0]["labels"] != IGNORE_INDEX).sum())
 
 
+def next_micro_batches(loader, accum: int, prep: Callable, pairs: Optional[Callable] = None
+                       ) -> tuple[list[tuple[dict, DocLayout]], torch.Tensor]:
+    """A step's `accum` PackedBatches from `loader`, each prep'd to this rank's share, and the step's totals over
+    every rank (float64, exact to 2^53): its labelled tokens and pairs(doc_ids) summed over its batches (0 without
+    `pairs`). Collective: a rank whose data failed (a streamed record it cannot decode, a share with no usable
+    document) raises its own error, every other one a ValueError naming another rank, in the all-reduce the totals
+    take anyway, instead of waiting there for a rank that has left."""
+    error, micro, local = None, [], [0.0, 0.0]
+    try:
+        batches = [next(loader) for _ in range(accum)]
+        local[1] = float(sum(pairs(b["doc_ids"]) for b in batches)) if pairs is not None else 0.0  # whole rows
+        micro = [prep(b) for b in batches]
+        local[0] = float(sum(label_count(m) for m in micro))
+    except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+        error = e
+    totals = all_reduce(torch.tensor([*local, float(error is not None)], dtype=torch.float64))
+    if error is not None:
+        raise error
+    if totals[2]:
+        raise ValueError("another rank failed to read or prepare this step's data (its log says why)")
+    return micro, totals[:2]
+
+
 @dataclass(frozen=True)
 class Update:
     """What one optimizer step did: the mean token loss over every micro-batch and rank, the global gradient norm
