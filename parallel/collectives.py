@@ -30,6 +30,22 @@ def raise_if_any(error: Optional[BaseException], elsewhere: Callable[[], BaseExc
         raise error if error is not None else elsewhere()
 
 
+def differing(values: dict) -> list[str]:
+    """Collective: each of `values` (small and picklable, the same names on every rank) that some rank holds
+    otherwise than rank 0, as "name: rank 0 has A, rank k B" (the first such rank). Empty when every rank agrees,
+    and in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, values)
+    apart = []
+    for name, first in every[0].items():
+        other = next(((r, v[name]) for r, v in enumerate(every) if v[name] != first), None)
+        if other is not None:
+            apart.append(f"{name}: rank 0 has {first!r}, rank {other[0]} {other[1]!r}")
+    return apart
+
+
 def from_main(fn):
     """fn() run on rank 0 only, and its result (or the exception it raised) handed to every rank: a decision made
     once, the same on all ranks (which checkpoint to resume from: verifying it reads every file). Collective."""

@@ -317,3 +317,48 @@ def test_resume_decision_is_made_on_rank_0_and_shared(tmp_path):
         r = torch.load(tmp_path / f"out.{rank}")
         assert r["got"] == "rank 0 decided" and r["calls"] == ([0] if rank == 0 else [])
         assert r["raised"] == "no intact checkpoint"
+
+
+def _stage_data_worker(rank: int, world: int, root: str, case: str) -> None:
+    from types import SimpleNamespace
+
+    from longstride.recipes.run import stage
+
+    def read(ctx, plan, pad_id):  # what each rank's stage_data read: in `case`, rank 1 read otherwise
+        if case == "fails" and rank == 1:
+            raise OSError("data.sources.a.path: /data/a.jsonl: No such file or directory")
+        held = 3 if case == "held" and rank == 1 else 2
+        return "loader", ["sequence"] * held, {}, "f" * 64 if case == "data" and rank == 1 else "0" * 64
+
+    stage.stage_data = read
+    ctx, plan = SimpleNamespace(tokenizer_id="v2:" + "a" * 64), SimpleNamespace(name="s1")
+    try:
+        said = f"read {len(stage.agreed_stage_data(ctx, plan, 0)[1])}"
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"{case}{rank}.txt"), "w") as f:
+        f.write(said)
+
+
+@pytest.mark.timeout(120)  # before, a rank whose data failed left the others waiting in the next collective
+@pytest.mark.parametrize("case", ["same", "held", "data", "fails"])
+def test_processes_that_read_different_data_fail_together_before_training(tmp_path, case):
+    """Processes whose stage data differ (a file that differs between nodes) trained on: different held-out counts
+    ran different numbers of validation forwards (a hang under FSDP2 and CP), different data silently broke a CP
+    group's shared sequence. Every rank now fails before the first step, naming what differs; one rank's failure
+    to read fails every rank."""
+    from longstride.parallel.spawn import run_gloo
+
+    run_gloo(_stage_data_worker, 2, str(tmp_path), case)
+    said = [(tmp_path / f"{case}{r}.txt").read_text() for r in range(2)]
+    apart = {"held": "held-out sequences: rank 0 has 2, rank 1 3",
+             "data": f"data: rank 0 has '{'0' * 16}', rank 1 '{'f' * 16}'"}
+    if case == "same":
+        assert said == ["read 2", "read 2"], said
+    elif case == "fails":
+        assert said == ["StageInputError: stage s1: another process could not read the stage's data (its log says "
+                        "why)", "OSError: data.sources.a.path: /data/a.jsonl: No such file or directory"], said
+    else:
+        assert said[0] == said[1] == f"StageInputError: stage s1: the processes did not read the same tokenizer and " \
+            f"data ({apart[case]}); every process must see the same files: the same paths on a filesystem every " \
+            "node shares, not changed while the run starts", said

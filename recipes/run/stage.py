@@ -37,7 +37,7 @@ from longstride.model.compile import fresh_start, report_compiled
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import kv_heads
 from longstride.model.rope import rope_placement, written_base
-from longstride.parallel.collectives import all_reduce, from_main
+from longstride.parallel.collectives import all_reduce, differing, from_main, raise_if_any
 from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
@@ -47,7 +47,7 @@ from longstride.recipes.checkpoint.format import (CheckpointError, final_dir, la
                                                   step_name, verified_final)
 from longstride.recipes.config.plan import StagePlan, Unplanned
 from longstride.recipes.memory.fit import log_memory_estimate
-from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StopSignals, Stopped,
+from longstride.recipes.run.faults import (NonFiniteError, NonFiniteGuard, StageInputError, StopSignals, Stopped,
                                              stage_input, test_kill)
 from longstride.recipes.run.flops import StepFlops, peak_flops
 from longstride.recipes.run.profiling import StepProfiler, rank_log
@@ -187,6 +187,25 @@ def stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
             meta, p.seq_ptr, p.seg_start, p.seg_len, *held.values())
 
 
+def agreed_stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
+    """stage_data, the same on every rank. Collective: a rank that could not read the stage's data fails every rank
+    (the others naming another rank), and ranks that read different tokenizers or data (a file that differs between
+    nodes) fail together naming what differs, before the step whose collectives would then not match."""
+    error = data = None
+    try:
+        data = stage_data(ctx, plan, pad_id)
+    except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+        error = e
+    raise_if_any(error, lambda: StageInputError(f"stage {plan.name}: another process could not read the stage's "
+                                                "data (its log says why)"))
+    apart = differing({"tokenizer": ctx.tokenizer_id[:19], "data": data[3][:16], "held-out sequences": len(data[1])})
+    if apart:
+        raise StageInputError(f"stage {plan.name}: the processes did not read the same tokenizer and data ("
+                              f"{'; '.join(apart)}); every process must see the same files: the same paths on a "
+                              "filesystem every node shares, not changed while the run starts")
+    return data
+
+
 def run_stages(cfg) -> list[tuple[int, Optional[dict]]]:
     """(seq_len, mixture) of every stage of the recipe: what the run's held-out documents are chosen for."""
     return [(s.seq_len, s.mixture) for s in cfg.recipe.stages.values()]
@@ -214,7 +233,7 @@ def build_stage(ctx: RunContext, plan: StagePlan, init_from: Optional[str], resu
     optimizer = build_optimizer(lm, cfg.optim, stage.lr, acc.device.type)
     scheduler = build_scheduler(optimizer, stage.total_steps, stage.warmup_steps, stage.schedule, stage.floor_ratio,
                                 stage.decay_share)
-    loader, held_out, pack_stats, data_id = stage_data(ctx, plan, pad_id)
+    loader, held_out, pack_stats, data_id = agreed_stage_data(ctx, plan, pad_id)
     return StageRun(plan, lm, model, optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
                     pack_stats=pack_stats, built=built, data_id=data_id,
                     flops=StepFlops(lm, peak_flops(acc.device) if acc.mixed_precision == "bf16" else None),
