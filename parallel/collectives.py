@@ -30,20 +30,53 @@ def raise_if_any(error: Optional[BaseException], elsewhere: Callable[[], BaseExc
         raise error if error is not None else elsewhere()
 
 
+def gathered(value) -> list:
+    """Collective: every rank's `value` (small and picklable), in rank order; [value] in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
 def differing(values: dict) -> list[str]:
     """Collective: each of `values` (small and picklable, the same names on every rank) that some rank holds
     otherwise than rank 0, as "name: rank 0 has A, rank k B" (the first such rank). Empty when every rank agrees,
     and in one process."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return []
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, values)
-    apart = []
+    every, apart = gathered(values), []
     for name, first in every[0].items():
         other = next(((r, v[name]) for r, v in enumerate(every) if v[name] != first), None)
         if other is not None:
             apart.append(f"{name}: rank 0 has {first!r}, rank {other[0]} {other[1]!r}")
     return apart
+
+
+def rank_world() -> tuple[int, int]:
+    """(this process's rank, the world size) of the default group; (0, 1) in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def together(fn: Callable, elsewhere: Callable[[], BaseException], main_only: bool = False):
+    """fn() (with `main_only`, on rank 0 alone: None elsewhere), its failure on any rank raised on every rank
+    (raise_if_any) instead of the others waiting for the failed one at their next collective. Collective."""
+    error = value = None
+    if rank_world()[0] == 0 or not main_only:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error = e
+    raise_if_any(error, elsewhere)
+    return value
+
+
+def main_first(fn: Callable, elsewhere: Callable[[], BaseException]):
+    """fn() on rank 0, then on the others (which reuse what rank 0 left behind: a tokenizer, a cache), a failure
+    on any rank raised on every rank at that point (together). Collective."""
+    first = together(fn, elsewhere, main_only=True)
+    rest = together(lambda: None if rank_world()[0] == 0 else fn(), elsewhere)
+    return first if rank_world()[0] == 0 else rest
 
 
 def from_main(fn):

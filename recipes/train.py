@@ -165,6 +165,7 @@ def setup(cfg: Config, raw: DictConfig | None):
 
     from longstride.data.corpus import build_corpus, build_tokenizer
     from longstride.data.pipeline import check_long_docs
+    from longstride.parallel.collectives import main_first, together
     from longstride.recipes.config.plan import validate
     from longstride.recipes.run.runlock import RunLock, check_shared
     from longstride.recipes.run.stage import RunContext, run_stages
@@ -178,16 +179,18 @@ def setup(cfg: Config, raw: DictConfig | None):
     if acc.num_processes != world:  # the plans were made for WORLD_SIZE processes
         raise ValueError(f"the launcher started {acc.num_processes} processes but WORLD_SIZE is {world}; launch with "
                          "accelerate launch or torchrun, which set WORLD_SIZE")
-    # before anything is written: a second run on this directory stops here (the launcher then ends its other ranks)
-    lock = RunLock(recipe_dir).acquire() if acc.is_main_process else None
+    def at_main():  # what the other ranks raise when rank 0's own step here fails: they all end at once
+        return ValueError("rank 0 could not start the run (its log says why)")
+
+    # before anything is written: a second run on this directory stops here, on every rank
+    lock = together(lambda: RunLock(recipe_dir).acquire(), at_main, main_only=True)
     tracker = None
     try:
         check_shared(recipe_dir, lock)
         torch.manual_seed(cfg.train.seed)
         tracker = Tracker(acc.is_main_process, cfg, recipe_dir)
         resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-        if acc.is_main_process:
-            record_run(cfg, raw, recipe_dir, resolved, tracker)
+        together(lambda: record_run(cfg, raw, recipe_dir, resolved, tracker), at_main, main_only=True)
         cache_dir = os.path.abspath(cfg.paths.cache_dir)
         if acc.num_processes > 1:  # the others wait in one collective: a corpus that takes longer ends the run there
             streamed = cfg.data.streaming
@@ -195,9 +198,12 @@ def setup(cfg: Config, raw: DictConfig | None):
                          "train.collective_timeout_s=%d s (longer ends the run at that wait: raise it%s)",
                          "" if streamed else " and corpus", acc.num_processes - 1, cfg.train.collective_timeout_s,
                          "" if streamed else ", or stream: data.streaming=true")
-        with acc.main_process_first():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
+
+        def read():  # rank 0 trains the tokenizer and fills the caches; the rest reuse them
             tokenizer = build_tokenizer(cfg.data, cache_dir)
-            corpus = None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
+            return tokenizer, None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
+        tokenizer, corpus = main_first(read, lambda: ValueError("another process could not build the tokenizer or "
+                                                                "read the corpus (its log says why)"))
         if corpus is not None:  # every stage's long-document upsampling can draw, before the first one trains
             check_long_docs(cfg.data, corpus, {n: cfg.recipe.stages[n] for n in stages}, run_stages(cfg))
         tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")

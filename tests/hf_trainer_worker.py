@@ -4,7 +4,7 @@ loss (all processes' loss terms summed) and the final parameters to the file giv
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.hf_trainer_worker OUT CP IMPL [KIND
         [PER_DEVICE_BATCH ACCUMULATION]]    (KIND: trainer, trainer_gc[_reentrant] (the Trainer's
-        activation checkpointing) or sft)
+        activation checkpointing), sft, or bad_row (a fault: a row only rank 1 reads is cut short))
 """
 from __future__ import annotations
 
@@ -52,6 +52,27 @@ def sft_parts(packed):
     return SFTTrainer, SFTConfig, ds, {"processing_class": tok}
 
 
+class BadRow(torch.utils.data.Dataset):
+    """`rows` with row `bad` one token short."""
+
+    def __init__(self, rows, bad: int):
+        self.rows, self.bad = rows, bad
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        return {**row, "input_ids": row["input_ids"][:-1]} if i == self.bad else row
+
+
+def bad_index(n: int, batch: int) -> int:
+    """The first row of data-parallel rank 1's second batch of two (the mixin's sampler, seed 0)."""
+    from longstride.data.loader import ShardSampler
+
+    return list(ShardSampler(n, 1, 2, seed=0))[batch]
+
+
 def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATCH, accum: int = 1) -> None:
     from transformers import Trainer, TrainingArguments
 
@@ -65,6 +86,8 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
         name = "activation_checkpointing" if "activation_checkpointing" in config.__dataclass_fields__ \
             else "gradient_checkpointing"  # (transformers < 5.2x)
         extra["args_kwargs"] = {name: True, f"{name}_kwargs": {"use_reentrant": kind.endswith("reentrant")}}
+    if kind == "bad_row":  # the first row of rank 1's second batch is cut short: its collator refuses that batch
+        data = BadRow(data, bad_index(len(data), batch))
     if kind == "sft":
         base, config, data, extra = sft_parts(data)
         # fp32 like the Trainer runs (SFTConfig turns bf16 on by default)
@@ -98,7 +121,11 @@ def train(out: str, cp: int, impl: str, kind: str = "trainer", batch: int = BATC
     calls = [0] * len(decoder_layers(model))  # each layer's attention forwards: twice a micro-batch when recomputed
     for j, layer in enumerate(decoder_layers(model)):
         layer.self_attn.register_forward_pre_hook(lambda *_, j=j: calls.__setitem__(j, calls[j] + 1))
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the fault run: each rank's error, then out without destructors
+        print(f"rank {dist.get_rank()} raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(3)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "attention_calls": calls, "forwards": forwards[0],
                     "params": {k: v.detach().clone() for k, v in model.named_parameters()}}, out)

@@ -362,3 +362,38 @@ def test_processes_that_read_different_data_fail_together_before_training(tmp_pa
         assert said[0] == said[1] == f"StageInputError: stage s1: the processes did not read the same tokenizer and " \
             f"data ({apart[case]}); every process must see the same files: the same paths on a filesystem every " \
             "node shares, not changed while the run starts", said
+
+
+def _main_first_worker(rank: int, world: int, root: str, failing: int) -> None:
+    from longstride.parallel.collectives import main_first
+
+    calls = []
+
+    def build():  # what rank 0 builds first and the others then reuse; rank `failing` cannot
+        calls.append(rank)
+        if rank == failing:
+            raise OSError(f"cache of rank {rank} unreadable")
+        return "tokenizer"
+
+    try:
+        said = main_first(build, lambda: ValueError("another process could not build the tokenizer"))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"{failing}-{rank}.txt"), "w") as f:
+        f.write(f"{said} {calls}")
+
+
+@pytest.mark.timeout(120)  # before, a rank whose build failed left the others waiting at the next collective
+@pytest.mark.parametrize("failing", [0, 1, -1])
+def test_what_rank_0_builds_first_fails_every_rank_where_it_fails(tmp_path, failing):
+    """main_first: rank 0 builds (the tokenizer, the corpus cache), then the others reuse it. Rank 0 failing ends the
+    others without building; another rank failing ends rank 0 too; each names the failure or the other process."""
+    from longstride.parallel.spawn import run_gloo
+
+    run_gloo(_main_first_worker, 2, str(tmp_path), failing)
+    said = [(tmp_path / f"{failing}-{r}.txt").read_text() for r in range(2)]
+    elsewhere = "ValueError: another process could not build the tokenizer"
+    expect = {0: ["OSError: cache of rank 0 unreadable [0]", f"{elsewhere} []"],
+              1: [f"{elsewhere} [0]", "OSError: cache of rank 1 unreadable [1]"],
+              -1: ["tokenizer [0]", "tokenizer [1]"]}[failing]
+    assert said == expect, said

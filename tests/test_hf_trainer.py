@@ -388,3 +388,19 @@ def test_loader_workers_under_cp_are_refused():
     Stub(0)._refuse_workers_under_cp()
     with pytest.raises(ValueError, match="dataloader_num_workers=2 with context parallelism"):
         Stub(2)._refuse_workers_under_cp()
+
+
+@pytest.mark.timeout(200)
+def test_a_batch_only_one_rank_cannot_collate_ends_every_rank(tmp_path):
+    """A bad row read by one data-parallel rank failed that rank's collator inside the Trainer's loop while the
+    other rank waited for it in the next collective until the timeout (transformers' ddp_timeout, 30 minutes).
+    The mixin's get_batch_samples now ends every rank at that batch, the others naming another rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                        "tests.hf_trainer_worker", str(tmp_path / "out.pt"), "1", "ring", "bad_row"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=150)
+    assert r.returncode != 0
+    assert "rank 1 raised ValueError: LongstrideCollator: packed_dataset rows of different lengths" in r.stderr, \
+        r.stderr[-3000:]
+    assert "rank 0 raised ValueError: LongstrideTrainerMixin: another rank failed to read or collate its training " \
+        "batch (its log says why)" in r.stderr, r.stderr[-3000:]

@@ -42,6 +42,30 @@ def test_second_run_on_one_directory_is_refused_and_the_lock_dies_with_its_holde
     RunLock(str(tmp_path / "out" / "tiny")).acquire().release()  # the kernel dropped the killed run's lock
 
 
+@pytest.mark.timeout(300)
+def test_a_launch_whose_rank_0_is_refused_ends_on_every_rank(micro, tmp_path):
+    """Rank 0's own start-up steps (taking the run's lock, the restart decisions) failed on rank 0 alone while the
+    other ranks went on to wait for it at their next collective (ended only when the launcher noticed). Every rank
+    now ends at that step, exit 2, the others naming rank 0. The fault: the directory locked by another process."""
+    import subprocess
+
+    from longstride.recipes.run.runlock import RunLock
+    from tests.conftest import REPO, accelerate_launch
+
+    held = RunLock(str(tmp_path / "out" / "tiny")).acquire()
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        r = subprocess.run([*accelerate_launch(), "-m", "longstride.recipes.train", *micro, "stage=s1_256"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        held.release()
+    assert r.returncode != 0
+    assert "is in use by another run" in r.stderr, r.stderr[-3000:]
+    # rank 1's own message (before, the launcher's SIGTERM ended it, waiting for rank 0 in a collective)
+    assert "longstride: rank 0 could not start the run (its log says why)" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "out" / "tiny" / "s1_256").exists(), "the refused run wrote nothing"
+
+
 def test_a_filesystem_without_file_locks_is_named(tmp_path, monkeypatch):
     """flock failing with ENOSYS (Lustre mounted without -o flock; the call's own errno, as such a mount returns
     it) was a traceback: now a one-line error naming the lock file and the fix; nothing is left open."""

@@ -61,6 +61,7 @@ from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
 from longstride.model.loss import IGNORE_INDEX, router_aux_loss
 from longstride.parallel.attention import head_shape, position_dependent
+from longstride.parallel.collectives import raise_if_any
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
@@ -251,6 +252,22 @@ class LongstrideTrainerMixin:
                  "prefetch_factor": args.dataloader_prefetch_factor} if workers else {}
         return EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=collator, num_workers=workers,
                                pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(), **extra)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The Trainer's, each rank's batches read first: one that fails on one rank (a bad row only its
+        data-parallel group reads) ends every rank here, the others naming another rank, instead of leaving them
+        in the next collective (the token count, the gradients) until the timeout."""
+        batches, error = [], None
+        try:
+            for _ in range(num_batches):
+                batches.append(next(epoch_iterator))
+        except StopIteration:
+            pass
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error = e
+        raise_if_any(error, lambda: ValueError("LongstrideTrainerMixin: another rank failed to read or collate its "
+                                               "training batch (its log says why)"))
+        return super().get_batch_samples(iter(batches), num_batches, device)
 
     def get_eval_dataloader(self, eval_dataset=None):
         self._refuse_cp_eval("evaluation")

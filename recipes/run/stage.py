@@ -37,7 +37,7 @@ from longstride.model.compile import fresh_start, report_compiled
 from longstride.model.loss import decoder_layers
 from longstride.model.memory import kv_heads
 from longstride.model.rope import rope_placement, written_base
-from longstride.parallel.collectives import all_reduce, differing, from_main, raise_if_any
+from longstride.parallel.collectives import all_reduce, differing, together
 from longstride.parallel.config import WorldMesh, describe_cp
 from longstride.parallel.cp import cp_context
 from longstride.parallel.kernels import activate_flash_impl
@@ -191,13 +191,8 @@ def agreed_stage_data(ctx: RunContext, plan: StagePlan, pad_id: int):
     """stage_data, the same on every rank. Collective: a rank that could not read the stage's data fails every rank
     (the others naming another rank), and ranks that read different tokenizers or data (a file that differs between
     nodes) fail together naming what differs, before the step whose collectives would then not match."""
-    error = data = None
-    try:
-        data = stage_data(ctx, plan, pad_id)
-    except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
-        error = e
-    raise_if_any(error, lambda: StageInputError(f"stage {plan.name}: another process could not read the stage's "
-                                                "data (its log says why)"))
+    data = together(lambda: stage_data(ctx, plan, pad_id), lambda: StageInputError(
+        f"stage {plan.name}: another process could not read the stage's data (its log says why)"))
     apart = differing({"tokenizer": ctx.tokenizer_id[:19], "data": data[3][:16], "held-out sequences": len(data[1])})
     if apart:
         raise StageInputError(f"stage {plan.name}: the processes did not read the same tokenizer and data ("
@@ -401,8 +396,8 @@ def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optiona
     acc, tracker = ctx.accelerator, ctx.tracker
     stage_dir = os.path.join(ctx.recipe_dir, plan.name)
     final = final_dir(stage_dir)
-    # rank 0 verifies (hashes every file) and tells the others, so all ranks make the same choice
-    if from_main(lambda: verified_final(stage_dir)):
+    # the ranks verify together (each hashes a share of the files) and make the same choice
+    if verified_final(stage_dir, shared=True):
         tracker.info("stage %s already complete: %s", plan.name, final)
         return final
     if isinstance(plan, Unplanned):  # its final is damaged after all: it trains again, on this launch's processes
@@ -411,7 +406,7 @@ def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optiona
     if acc.is_main_process:
         remove_partial(stage_dir)
     acc.wait_for_everyone()
-    resume = from_main(lambda: latest_checkpoint(stage_dir, warn=tracker.warning))
+    resume = latest_checkpoint(stage_dir, warn=tracker.warning, shared=True)
     reset_peak_memory(acc.device)
     run = build_stage(ctx, plan, init_from, resume)
     if resume:
