@@ -38,12 +38,27 @@ def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None
     fsync_path(directory)
 
 
+def hashed_by(files: dict, share: tuple[int, int]) -> set[str]:
+    """The names of `files` (name: (bytes, sha256)) whose checksums share k of n computes, for `share` (k, n): the
+    largest file first, each to the share with the fewest bytes so far; the same split for every share."""
+    k, n = share
+    load, mine = [0] * n, set()
+    for name, (size, _) in sorted(files.items(), key=lambda f: (-f[1][0], f[0])):
+        least = min(range(n), key=lambda i: load[i])
+        load[least] += size
+        if least == k:
+            mine.add(name)
+    return mine
+
+
 def check_files(directory: str, required: Callable[[int], tuple] = lambda world: (),
-                hashes: bool = True, only: Callable[[str], bool] = lambda name: True) -> Optional[str]:
+                hashes: bool = True, only: Callable[[str], bool] = lambda name: True,
+                share: tuple[int, int] = (0, 1)) -> Optional[str]:
     """None if `directory` matches its manifest, else why not, naming the file. `required(world_size)`: names the
     manifest must list (what the directory's reader needs); `hashes`: False compares sizes only; `only`: the files
-    checked (every one listed by default). A file that cannot be read counts as damage, as a wrong size or checksum
-    does; a manifest that cannot be parsed is damage too: this never raises."""
+    checked (every one listed by default); `share` (k, n): of the checksums, only share k of n (hashed_by: the
+    processes of a run split the reading), the sizes all. A file that cannot be read counts as damage, as a wrong
+    size or checksum does; a manifest that cannot be parsed is damage too: this never raises."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
@@ -56,6 +71,7 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
     unlisted = [n for n in required(world) if n not in files]
     if unlisted:
         return f"{MANIFEST} does not list {', '.join(unlisted)}, which this checkpoint has"
+    hashing = hashed_by(files, share) if hashes else set()
     for name, (size, digest) in files.items():
         if not only(name):
             continue
@@ -65,7 +81,7 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
                 return f"{name} is missing"
             if os.path.getsize(path) != size:
                 return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
-            if hashes and sha256(path) != digest:
+            if name in hashing and sha256(path) != digest:
                 return f"{name} does not match its checksum"
         except OSError as e:
             return f"{name} cannot be read ({e})"

@@ -44,7 +44,8 @@ def test_stages_this_launch_skips_need_not_fit_its_processes(micro, tmp_path, mo
     ctx = SimpleNamespace(accelerator=None, tracker=None, recipe_dir=str(recipe_dir))
     with pytest.raises(CheckpointError, match="s1_256/final is damaged"):  # s1's final (an empty folder) comes up
         stage.train_stage(ctx, plans["s1_256"], None)
-    monkeypatch.setattr(stage, "verified_final", lambda d: None)  # were it to pass for gone as the stage comes up
+    # were it to pass for gone as the stage comes up
+    monkeypatch.setattr(stage, "verified_final", lambda d, shared=False: None)
     with pytest.raises(ValueError, match="stage s1_256 has no intact final checkpoint, so it trains again, and its "
                                          "layout does not fit this launch: recipe.stages.s1_256.batch_tokens=256"):
         stage.train_stage(ctx, plans["s1_256"], None)

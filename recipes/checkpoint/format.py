@@ -36,7 +36,7 @@ import torch
 
 from longstride.model.manifest import MANIFEST, check_files, fsync_path, write_manifest
 from longstride.model.model_dir import STEP_METADATA
-from longstride.parallel.collectives import raise_if_any
+from longstride.parallel.collectives import from_main, gathered, raise_if_any, rank_world
 from longstride.parallel.shards import UnsafeCheckpoint
 from longstride.recipes.run.faults import test_kill
 
@@ -59,18 +59,30 @@ def step_checkpoints(stage_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def verify(directory: str) -> Optional[str]:
+def verify(directory: str, shared: bool = False) -> Optional[str]:
     """None if the checkpoint matches its manifest, else why not (naming the file: model/manifest.py). A step
     checkpoint's manifest must also list what a resume reads: trainer.pt, stage.json, each rank's state, and every
     other file the directory holds (the shards and their .metadata, config.json: a file the manifest leaves out
-    could be damaged unseen; a checkpoint from before shards lacks .metadata, and its load says what to do)."""
+    could be damaged unseen; a checkpoint from before shards lacks .metadata, and its load says what to do).
+    `shared`: a collective, the checksums split between the ranks (each reads its share of the bytes, not rank 0
+    all of them while the others wait), the first problem in rank order the answer on every rank."""
     step = STEP_RE.match(os.path.basename(os.path.normpath(directory)))
-    if not step:
-        return check_files(directory)
-    present = tuple(sorted(n for n in os.listdir(directory) if n != MANIFEST
-                           and os.path.isfile(os.path.join(directory, n)))) if os.path.isdir(directory) else ()
-    return check_files(directory, lambda world: ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)),
-                                                 *present))
+    present = _files(directory) if step else ()
+
+    def required(world: int) -> tuple:
+        return ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)), *present) if step else ()
+
+    problem = check_files(directory, required, share=rank_world() if shared else (0, 1))
+    return next((p for p in gathered(problem) if p), None) if shared else problem
+
+
+def _files(directory: str) -> tuple[str, ...]:
+    """The files `directory` holds but its manifest (none when it cannot be listed)."""
+    try:
+        return tuple(sorted(n for n in os.listdir(directory) if n != MANIFEST
+                            and os.path.isfile(os.path.join(directory, n))))
+    except OSError:
+        return ()
 
 
 def manifest_world(directory: str) -> int:
@@ -81,13 +93,14 @@ def manifest_world(directory: str) -> int:
 DAMAGED: set[str] = set()  # step checkpoints this process found damaged: kept for inspection, not counted by keep_last
 
 
-def latest_checkpoint(stage_dir: str, warn: Callable[[str], None] = lambda msg: None) -> Optional[str]:
+def latest_checkpoint(stage_dir: str, warn: Callable[[str], None] = lambda msg: None,
+                      shared: bool = False) -> Optional[str]:
     """The newest step checkpoint that verifies; each damaged newer one is reported through `warn` (and noted in
     DAMAGED). Raises CheckpointError (listing each rejected directory and why) when there are some but none
-    verifies."""
+    verifies. `shared`: a collective (verify's), the checkpoints those rank 0 lists."""
     rejected = []
-    for _, path in reversed(step_checkpoints(stage_dir)):
-        problem = verify(path)
+    for _, path in reversed(from_main(lambda: step_checkpoints(stage_dir)) if shared else step_checkpoints(stage_dir)):
+        problem = verify(path, shared)
         if problem is None:
             return path
         DAMAGED.add(os.path.normpath(path))
@@ -99,13 +112,13 @@ def latest_checkpoint(stage_dir: str, warn: Callable[[str], None] = lambda msg: 
     return None
 
 
-def verified_final(stage_dir: str) -> Optional[str]:
+def verified_final(stage_dir: str, shared: bool = False) -> Optional[str]:
     """The stage's final checkpoint if it exists and verifies; a damaged one raises CheckpointError naming
-    the file (it is never loaded or deleted)."""
+    the file (it is never loaded or deleted). `shared`: a collective (verify's), whether it exists as rank 0 sees."""
     final = final_dir(stage_dir)
-    if not os.path.isdir(final):
+    if not (from_main(lambda: os.path.isdir(final)) if shared else os.path.isdir(final)):
         return None
-    problem = verify(final)
+    problem = verify(final, shared)
     if problem:
         raise CheckpointError(f"{final} is damaged ({problem}); move it aside (e.g. to {final}.damaged) to train the "
                          "stage again from its newest intact step checkpoint")

@@ -1,0 +1,88 @@
+"""Checkpoint verification shared by a run's processes (recipes/checkpoint/format.verify, shared=True): each rank
+hashes its share of the files, not rank 0 every byte while the others wait, and every rank reaches the same answer:
+damage found by any rank's share, the same fallback checkpoint, the same refusal of a damaged final."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+def _checkpoint(path, sizes: dict, world: int = 2) -> None:
+    from longstride.recipes.checkpoint.format import write_manifest
+
+    path.mkdir(parents=True)
+    for name, size in sizes.items():
+        (path / name).write_bytes(os.urandom(size))
+    write_manifest(str(path), world_size=world)
+
+
+def _damage_in_share(path, share: int, world: int = 2) -> str:
+    """Flips a byte (the size kept) of the largest file that rank `share` of `world` hashes; its name."""
+    from longstride.model.manifest import hashed_by
+
+    files = {n: (f["bytes"], f["sha256"]) for n, f in json.loads((path / "manifest.json").read_text())["files"].items()}
+    name = max(hashed_by(files, (share, world)), key=lambda n: files[n][0])
+    data = bytearray((path / name).read_bytes())
+    data[0] ^= 0xFF
+    (path / name).write_bytes(bytes(data))
+    return name
+
+
+def _verify_worker(rank: int, world: int, root: str) -> None:
+    from longstride.model import manifest
+    from longstride.recipes.checkpoint.format import latest_checkpoint, verified_final, verify
+
+    hashed, whole = [], manifest.sha256
+
+    def counted(path):
+        hashed.append(os.path.relpath(path, root))
+        return whole(path)
+
+    manifest.sha256 = counted
+    stage = os.path.join(root, "s1")
+    said = {"latest": os.path.basename(latest_checkpoint(stage, shared=True)),
+            "step_000004": verify(os.path.join(stage, "step_000004"), shared=True)}
+    said["hashed"] = sorted(hashed)
+    try:
+        verified_final(stage, shared=True)
+    except ValueError as e:
+        said["final"] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(said, f)
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_share_the_hashing_and_agree_on_damage_only_one_of_them_read(tmp_path):
+    from longstride.parallel.spawn import run_gloo
+
+    step = {"trainer.pt": 3000, "stage.json": 100, "rank0.pt": 500, "rank1.pt": 500, "__0_0.distcp": 40000,
+            "__1_0.distcp": 40000, ".metadata": 800}
+    for name in ("step_000002", "step_000004"):
+        _checkpoint(tmp_path / "s1" / name, step)
+    _checkpoint(tmp_path / "s1" / "final", {"model.safetensors": 50000, "config.json": 400, "stage.json": 100})
+    bad = _damage_in_share(tmp_path / "s1" / "step_000004", share=1)
+    bad_final = _damage_in_share(tmp_path / "s1" / "final", share=1)
+    run_gloo(_verify_worker, 2, str(tmp_path))
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for s in said:  # the damage only rank 1 read, found on both
+        assert s["latest"] == "step_000002"
+        assert s["step_000004"] == f"{bad} does not match its checksum"
+        assert s["final"].startswith(f"CheckpointError: {tmp_path / 's1' / 'final'} is damaged ({bad_final} does not "
+                                     "match its checksum)")
+    assert not set(said[0]["hashed"]) & set(said[1]["hashed"]), "no file read by both ranks"
+    intact = [p for s in said for p in s["hashed"] if p.startswith(os.path.join("s1", "step_000002"))]
+    assert sorted(intact) == sorted(os.path.join("s1", "step_000002", n) for n in step), "each file hashed once"
+    sizes = [sum(os.path.getsize(tmp_path / p) for p in s["hashed"] if p in intact) for s in said]
+    assert min(sizes) > 0.4 * sum(sizes), sizes  # the bytes split about evenly
+
+
+def test_the_hashing_split_gives_each_file_to_one_share_balancing_bytes():
+    from longstride.model.manifest import hashed_by
+
+    files = {f"f{i}": (size, "") for i, size in enumerate([9, 7, 5, 3, 1, 1])}
+    assert hashed_by(files, (0, 1)) == set(files)
+    shares = [hashed_by(files, (k, 3)) for k in range(3)]
+    assert set().union(*shares) == set(files) and sum(map(len, shares)) == len(files)
+    assert [sum(files[n][0] for n in s) for s in shares] == [9, 9, 8]
