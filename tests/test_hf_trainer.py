@@ -393,7 +393,8 @@ def test_loader_workers_under_cp_are_refused():
 @pytest.mark.timeout(200)
 def test_a_batch_only_one_rank_cannot_collate_ends_every_rank(tmp_path):
     """A bad row read by one data-parallel rank failed that rank's collator inside the Trainer's loop while the
-    other rank waited for it in the next collective until the timeout (transformers' ddp_timeout, 30 minutes).
+    other rank went on to the next collective, to wait there for the launcher's kill or the timeout (transformers'
+    ddp_timeout, 30 minutes; here, gloo on one host, to fail with a reset connection once the failed rank exited).
     The mixin's get_batch_samples now ends every rank at that batch, the others naming another rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
