@@ -22,15 +22,23 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None) -> None:
+def listed_files(directory: str) -> dict[str, int]:
+    """Every file of `directory` but its manifest, with its size."""
+    return {n: os.path.getsize(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
+            if n != MANIFEST and os.path.isfile(os.path.join(directory, n))}
+
+
+def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None,
+                   digests: Optional[dict[str, tuple[int, str]]] = None) -> None:
     """Lists every file of a written checkpoint (size, SHA-256) with the run's layout (`extra`: dp, cp,
-    config fingerprint), then fsyncs it and the directory."""
+    config fingerprint), then fsyncs it and the directory. `digests` (name: (bytes, sha256)): every file's, computed
+    already (the ranks of a run share the hashing: recipes/checkpoint/format.shared_digests); else hashed here."""
     files = {}
-    for name in sorted(os.listdir(directory)):
+    for name, size in listed_files(directory).items():
         path = os.path.join(directory, name)
-        if name != MANIFEST and os.path.isfile(path):
-            fsync_path(path)
-            files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+        fsync_path(path)
+        size, digest = digests[name] if digests is not None else (size, sha256(path))
+        files[name] = {"bytes": size, "sha256": digest}
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"world_size": world_size, **(extra or {}), "files": files}, f, indent=1)
         f.flush()

@@ -86,3 +86,41 @@ def test_the_hashing_split_gives_each_file_to_one_share_balancing_bytes():
     shares = [hashed_by(files, (k, 3)) for k in range(3)]
     assert set().union(*shares) == set(files) and sum(map(len, shares)) == len(files)
     assert [sum(files[n][0] for n in s) for s in shares] == [9, 9, 8]
+
+
+def _save_worker(rank: int, world: int, root: str) -> None:
+    from longstride.recipes.checkpoint import format as fmt
+
+    hashed, whole = [], fmt.sha256
+
+    def counted(path):
+        hashed.append(os.path.basename(path))
+        return whole(path)
+
+    fmt.sha256 = counted
+    with fmt.writing_checkpoint(os.path.join(root, "s1", "step_000002"), rank=rank, is_main=rank == 0,
+                                trainer_state={"step": 2} if rank == 0 else None, rank_state={"rank": rank},
+                                meta={"step": 2}, world_size=world) as tmp:
+        with open(os.path.join(tmp, f"__{rank}_0.distcp"), "wb") as f:  # each rank's shard, as DCP writes them
+            f.write(os.urandom(30000 + 1000 * rank))
+    with open(os.path.join(root, f"save{rank}.json"), "w") as f:
+        json.dump(hashed, f)
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_share_the_hashing_of_a_checkpoint_they_save(tmp_path):
+    """A synchronous save's manifest: each rank hashes its share of the files rank 0 lists (the main rank hashed all
+    of them while the others waited); the checkpoint verifies, every file hashed once."""
+    from longstride.model.manifest import MANIFEST, sha256
+    from longstride.parallel.spawn import run_gloo
+    from longstride.recipes.checkpoint.format import verify
+
+    run_gloo(_save_worker, 2, str(tmp_path))
+    ck = tmp_path / "s1" / "step_000002"
+    assert verify(str(ck)) is None
+    hashed = [json.loads((tmp_path / f"save{r}.json").read_text()) for r in range(2)]
+    files = sorted(p.name for p in ck.iterdir() if p.name != MANIFEST)
+    assert sorted(hashed[0] + hashed[1]) == files, hashed
+    assert hashed[0] and hashed[1], "both ranks hashed"
+    listed = json.loads((ck / MANIFEST).read_text())["files"]
+    assert all(listed[n]["sha256"] == sha256(str(ck / n)) for n in files)

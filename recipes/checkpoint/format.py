@@ -8,9 +8,10 @@ Layout of a stage dir (every rank computes the same paths):
   outputs/<recipe>/<stage>/final/         model + tokenizer + stage.json + manifest.json (+ rank<r>.pt: each
                                           rank's stream positions, streamed, for the next stage to go on from)
 A step checkpoint becomes an HF dir with `longstride export-hf` (recipes/checkpoint/export.py).
-A checkpoint is written under `.tmp-<name>`: every rank writes and fsyncs its files, then the main
-rank writes manifest.json last (each file's size and SHA-256, the world size), fsyncs the directory
-and renames it into place, so a crash at any point never leaves a directory that looks complete.
+A checkpoint is written under `.tmp-<name>`: every rank writes and fsyncs its files, the ranks hash a share of
+them each (shared_digests), then the main rank writes manifest.json last (each file's size and SHA-256, the world
+size), fsyncs the directory and renames it into place, so a crash at any point never leaves a directory that looks
+complete.
 Old step checkpoints beyond `keep_last` are renamed aside before they are deleted. Resume walks the
 step checkpoints from newest to oldest and takes the first that verifies against its manifest,
 warning about each one it passes over.
@@ -34,9 +35,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from longstride.model.manifest import MANIFEST, check_files, fsync_path, write_manifest
+from longstride.model.manifest import (MANIFEST, check_files, fsync_path, hashed_by, listed_files, sha256,
+                                      write_manifest)
 from longstride.model.model_dir import STEP_METADATA
-from longstride.parallel.collectives import from_main, gathered, raise_if_any, rank_world
+from longstride.parallel.collectives import from_main, gathered, raise_if_any, rank_world, together
 from longstride.parallel.shards import UnsafeCheckpoint
 from longstride.recipes.run.faults import test_kill
 
@@ -236,17 +238,35 @@ def writing_checkpoint(
         error = e
     with _abandoned_on_error(background if error is None else None):  # another rank's failure: drop this one's too
         raise_if_any(error, elsewhere)  # every rank's own files are written: left, the shards and the seal
-    seal = (lambda: _seal(tmp, path, world_size, manifest, keep_last)) if is_main else None
-    if background is not None:
-        background.finish(path, seal)
+    if background is not None:  # the main rank hashes every file in its thread, behind the steps
+        background.finish(path, (lambda: _seal(tmp, path, world_size, manifest, keep_last)) if is_main else None)
         return
     save_test_kills(name)
+    digests = shared_digests(tmp, path)
     try:
-        if seal:
-            seal()
+        if is_main:
+            _seal(tmp, path, world_size, manifest, keep_last, digests)
     except Exception as e:
         error = e
     raise_if_any(error, lambda: sealing_failed(path))
+
+
+def shared_digests(tmp: str, path: str) -> dict[str, tuple[int, str]]:
+    """Collective, once every rank's files of checkpoint `path` are in `tmp`: each file's (bytes, sha256) for its
+    manifest, every rank hashing its share (hashed_by) of the files rank 0 lists, instead of the main rank all of
+    them while the others wait. A failure on any rank is raised on every rank (a disk's as CheckpointError)."""
+    def listing() -> dict[str, tuple[int, str]]:
+        with disk_errors(path):
+            return {n: (size, "") for n, size in listed_files(tmp).items()}
+
+    listed = from_main(listing)
+
+    def share() -> dict[str, str]:
+        with disk_errors(path):
+            return {n: sha256(os.path.join(tmp, n)) for n in hashed_by(listed, rank_world())}
+
+    mine = together(share, lambda: failed_on_another_rank(path))
+    return {n: (listed[n][0], digest) for part in gathered(mine) for n, digest in part.items()}
 
 
 @contextlib.contextmanager
@@ -264,12 +284,13 @@ def save_test_kills(name: str) -> None:
     test_kill("term_in_save", name, sig=signal.SIGTERM)  # a preemption notice while saving
 
 
-def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_last: int) -> None:
-    """The main rank's last part of a save, once every rank's files are in `tmp`: the manifest, then `tmp`
-    renamed to `path`, then train.keep_last's pruning."""
+def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_last: int,
+          digests: Optional[dict] = None) -> None:
+    """The main rank's last part of a save, once every rank's files are in `tmp`: the manifest (of `digests`, else
+    hashing every file), then `tmp` renamed to `path`, then train.keep_last's pruning."""
     parent, name = os.path.split(path)
     with disk_errors(path):
-        write_manifest(tmp, world_size, manifest)  # last: its presence means every rank's files are complete
+        write_manifest(tmp, world_size, manifest, digests)  # last: its presence means every file is complete
     if os.path.exists(path):  # re-saving the same name: swap, then drop the old one
         old = os.path.join(parent, TMP_PREFIX + "old-" + name)
         os.replace(path, old)
