@@ -170,7 +170,27 @@ def _timed_worker(rank, world, fsdp, background, reps, root, out):
         torch.distributed.barrier()
         quiet.append(two_steps())
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    torch.save({"rows": rows, "quiet": quiet}, os.path.join(out, f"rank{rank}.pt"))
+    hashing = None if background else hash_times(os.path.join(root, "s1", step_name(reps)), rank)
+    torch.save({"rows": rows, "quiet": quiet, "hashing": hashing}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def hash_times(path: str, rank: int) -> dict:
+    """The manifest's checksums of the written checkpoint `path`, timed two ways in the same run, from a barrier
+    to the last rank's return: the main rank hashing every file while the others wait (the save before
+    shared_digests), and every rank hashing its share (recipes/checkpoint/format.shared_digests)."""
+    from longstride.model.manifest import listed_files, sha256
+    from longstride.recipes.checkpoint.format import shared_digests
+
+    def timed(fn) -> float:
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        fn()
+        torch.distributed.barrier()
+        return time.perf_counter() - t
+
+    alone = timed(lambda: [sha256(os.path.join(path, n)) for n in listed_files(path)] if rank == 0 else None)
+    return {"alone_s": alone, "shared_s": timed(lambda: shared_digests(path, path)),
+            "mib": sum(listed_files(path).values()) / MIB}
 
 
 def timed(reps: int, fsdps: list[bool]) -> None:
@@ -192,10 +212,13 @@ def timed(reps: int, fsdps: list[bool]) -> None:
                                  "training held s": med("held_s"), "2 steps after it s": med("steps_after_s"),
                                  "2 steps, no save s": round(median(r["quiet"]), 3),
                                  "sealed by s": med("sealed_s"),
-                                 "held at the return MiB": round(median(x["copy_mib"] for x in r["rows"]))})
+                                 "held at the return MiB": round(median(x["copy_mib"] for x in r["rows"])),
+                                 **({"checksums, main rank alone s": round(r["hashing"]["alone_s"], 3),
+                                     "checksums, shared s": round(r["hashing"]["shared_s"], 3)}
+                                    if r["hashing"] else {})})
     print(f"Step checkpoints of SmolLM2-135M's shape with AdamW state, 2 gloo processes, medians of {reps} saves "
           "(measured)")
-    print_table(rows, list(rows[0]))
+    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
     print("results:", write_results("bench_checkpoint_background", rows, {"shape": SHAPE, "reps": reps}))
 
 

@@ -44,12 +44,13 @@ def write_hydra_files(recipe_dir: str) -> None:
 def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | None]:
     """(stages to run, the first one's init checkpoint): with stage=NAME, the previous stage's final one,
     which must exist."""
-    from longstride.recipes.checkpoint.format import final_dir, verified_final
+    from longstride.recipes.checkpoint.format import final_dir
 
     stages, names = selected_stages(cfg), list(cfg.recipe.stages)
     first = names.index(stages[0])
     init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
-    if init_from and not verified_final(os.path.dirname(init_from)):
+    # verified once the ranks can share the reading (train_stages); every rank hashing it here read it world times
+    if init_from and not os.path.isdir(init_from):
         raise ValueError(f"stage={stages[0]} starts from {names[first - 1]}'s final checkpoint {init_from}, which "
                          f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
     return stages, init_from
@@ -220,10 +221,13 @@ def setup(cfg: Config, raw: DictConfig | None):
 
 def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
     """The stages in order, each from the previous one's final checkpoint. Returns final dirs."""
+    from longstride.recipes.checkpoint.format import verified_final
     from longstride.recipes.run.stage import train_stage
 
     finals = []
     try:
+        if init_from:  # stage=NAME: the previous stage's final, verified by the ranks together before it is read
+            verified_final(os.path.dirname(init_from), shared=True)
         for name in stages:
             init_from = train_stage(ctx, ctx.plans[name], init_from)
             finals.append(init_from)
