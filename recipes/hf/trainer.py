@@ -43,6 +43,9 @@ What each piece does:
   a model whose forward takes no loss keywords (a mean per micro-batch), and label smoothing (the Trainer's
   LabelSmoother shifts the already-aligned labels again). A `compute_loss_func` gets those aligned labels: it
   must not shift them.
+- A training batch that one rank cannot read or collate (a bad row only its data-parallel group reads) ends every
+  rank at that batch (the mixin's `get_batch_samples`, one small all-reduce per optimizer step), the others naming
+  another rank, instead of leaving them in the next collective until the Trainer's `ddp_timeout`.
 - Evaluation under CP is refused: the Trainer splits evaluation rows over every process, so the CP ranks
   of one group would hold different sequences. Evaluate with cp=1, or with the recipe's own validation loss.
 """
