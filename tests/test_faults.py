@@ -397,3 +397,17 @@ def test_what_rank_0_builds_first_fails_every_rank_where_it_fails(tmp_path, fail
               1: [f"{elsewhere} [0]", "OSError: cache of rank 1 unreadable [1]"],
               -1: ["tokenizer [0]", "tokenizer [1]"]}[failing]
     assert said == expect, said
+
+
+@pytest.mark.timeout(300)
+def test_rank_0_failing_to_start_a_stages_tracking_ends_every_rank(micro, tmp_path):
+    """Rank 0 alone opens the stage's metrics.jsonl and starts wandb; when that failed, the other rank went on into
+    the stage's first step, to wait there until the launcher's SIGTERM (or, across nodes, the collective timeout).
+    The fault: metrics.jsonl is a directory. Every rank now ends there, the other naming rank 0."""
+    (tmp_path / "out" / "tiny" / "s1_256" / "metrics.jsonl").mkdir(parents=True)
+    proc = start(micro + ["stage=s1_256"], launcher=True)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "IsADirectoryError" in out, out[-3000:]
+    assert "RuntimeError: stage s1_256: rank 0 could not start tracking it (its log says why)" in out, out[-3000:]
+    assert not (tmp_path / "out" / "tiny" / "s1_256" / "final").exists()

@@ -413,8 +413,9 @@ def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optiona
         restore_stage(ctx, run, resume)
     carried = "" if resume else carry_streams(ctx, run, init_from)  # streamed: on from where the last stage stopped
     log_stage_start(ctx, run, init_from, resumed=bool(resume), carried=carried)
-    tracker.start_stage(plan.name, stage_dir, plan.stage.total_steps, run.step,
-                        {"stage": plan.name, **asdict(plan.stage), "packing": run.pack_stats, "config": ctx.cfg_dict})
+    config = {"stage": plan.name, **asdict(plan.stage), "packing": run.pack_stats, "config": ctx.cfg_dict}
+    together(lambda: tracker.start_stage(plan.name, stage_dir, plan.stage.total_steps, run.step, config),  # rank 0's
+             lambda: RuntimeError(f"stage {plan.name}: rank 0 could not start tracking it (its log says why)"))
     try:  # a stop signal during the final validation or save waits for them, as during the steps
         with StopSignals() as stop:
             run.model.train()
