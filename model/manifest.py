@@ -37,6 +37,8 @@ def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None
     for name, size in listed_files(directory).items():
         path = os.path.join(directory, name)
         fsync_path(path)
+        if digests is not None and name not in digests:
+            raise OSError(f"{path} appeared after its checkpoint's checksums were taken")
         size, digest = digests[name] if digests is not None else (size, sha256(path))
         files[name] = {"bytes": size, "sha256": digest}
     with open(os.path.join(directory, MANIFEST), "w") as f:

@@ -44,16 +44,25 @@ def write_hydra_files(recipe_dir: str) -> None:
 def start_stage_index(cfg: Config, recipe_dir: str) -> tuple[list[str], str | None]:
     """(stages to run, the first one's init checkpoint): with stage=NAME, the previous stage's final one,
     which must exist."""
-    from longstride.recipes.checkpoint.format import final_dir
+    from longstride.model.manifest import check_files
+    from longstride.recipes.checkpoint.format import damaged_final, final_dir
 
     stages, names = selected_stages(cfg), list(cfg.recipe.stages)
     first = names.index(stages[0])
     init_from = final_dir(os.path.join(recipe_dir, names[first - 1])) if first > 0 else None
-    # verified once the ranks can share the reading (train_stages); every rank hashing it here read it world times
     if init_from and not os.path.isdir(init_from):
-        raise ValueError(f"stage={stages[0]} starts from {names[first - 1]}'s final checkpoint {init_from}, which "
-                         f"does not exist; run stage={names[first - 1]} (or the whole recipe) first")
+        raise missing_final(stages[0], names[first - 1], init_from)
+    # its sizes here, before any work; its checksums once the ranks share the reading (train_stages): every rank
+    # hashing it here would read it world times
+    problem = init_from and check_files(init_from, hashes=False)
+    if problem:
+        raise damaged_final(init_from, problem)
     return stages, init_from
+
+
+def missing_final(stage: str, previous: str, init_from: str) -> ValueError:
+    return ValueError(f"stage={stage} starts from {previous}'s final checkpoint {init_from}, which does not exist; "
+                      f"run stage={previous} (or the whole recipe) first")
 
 
 def stages_to_train(cfg: Config, recipe_dir: str) -> list[str]:
@@ -226,8 +235,9 @@ def train_stages(ctx, stages: list[str], init_from: str | None) -> list[str]:
 
     finals = []
     try:
-        if init_from:  # stage=NAME: the previous stage's final, verified by the ranks together before it is read
-            verified_final(os.path.dirname(init_from), shared=True)
+        # stage=NAME: the previous stage's final, verified by the ranks together before it is read
+        if init_from and not verified_final(os.path.dirname(init_from), shared=True):
+            raise missing_final(stages[0], os.path.basename(os.path.dirname(init_from)), init_from)
         for name in stages:
             init_from = train_stage(ctx, ctx.plans[name], init_from)
             finals.append(init_from)

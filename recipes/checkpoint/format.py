@@ -122,9 +122,13 @@ def verified_final(stage_dir: str, shared: bool = False) -> Optional[str]:
         return None
     problem = verify(final, shared)
     if problem:
-        raise CheckpointError(f"{final} is damaged ({problem}); move it aside (e.g. to {final}.damaged) to train the "
-                         "stage again from its newest intact step checkpoint")
+        raise damaged_final(final, problem)
     return final
+
+
+def damaged_final(final: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"{final} is damaged ({problem}); move it aside (e.g. to {final}.damaged) to train the "
+                           "stage again from its newest intact step checkpoint")
 
 
 def final_dir(stage_dir: str) -> str:
