@@ -48,12 +48,12 @@ def write_manifest(directory: str, world_size: int, extra: Optional[dict] = None
     fsync_path(directory)
 
 
-def hashed_by(files: dict, share: tuple[int, int]) -> set[str]:
-    """The names of `files` (name: (bytes, sha256)) whose checksums share k of n computes, for `share` (k, n): the
-    largest file first, each to the share with the fewest bytes so far; the same split for every share."""
+def hashed_by(sizes: dict[str, int], share: tuple[int, int]) -> set[str]:
+    """The names of `sizes` (name: bytes) whose checksums share k of n computes, for `share` (k, n): the largest
+    file first, each to the share with the fewest bytes so far; the same split for every share."""
     k, n = share
     load, mine = [0] * n, set()
-    for name, (size, _) in sorted(files.items(), key=lambda f: (-f[1][0], f[0])):
+    for name, size in sorted(sizes.items(), key=lambda f: (-f[1], f[0])):
         least = min(range(n), key=lambda i: load[i])
         load[least] += size
         if least == k:
@@ -81,7 +81,7 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
     unlisted = [n for n in required(world) if n not in files]
     if unlisted:
         return f"{MANIFEST} does not list {', '.join(unlisted)}, which this checkpoint has"
-    hashing = hashed_by(files, share) if hashes else set()
+    hashing = hashed_by({n: size for n, (size, _) in files.items()}, share) if hashes else set()
     for name, (size, digest) in files.items():
         if not only(name):
             continue

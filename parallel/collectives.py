@@ -74,9 +74,10 @@ def together(fn: Callable, elsewhere: Callable[[], BaseException], main_only: bo
 def main_first(fn: Callable, elsewhere: Callable[[], BaseException]):
     """fn() on rank 0, then on the others (which reuse what rank 0 left behind: a tokenizer, a cache), a failure
     on any rank raised on every rank at that point (together). Collective."""
+    main = rank_world()[0] == 0
     first = together(fn, elsewhere, main_only=True)
-    rest = together(lambda: None if rank_world()[0] == 0 else fn(), elsewhere)
-    return first if rank_world()[0] == 0 else rest
+    rest = together((lambda: None) if main else fn, elsewhere)
+    return first if main else rest
 
 
 def from_main(fn):

@@ -22,8 +22,8 @@ def _damage_in_share(path, share: int, world: int = 2) -> str:
     """Flips a byte (the size kept) of the largest file that rank `share` of `world` hashes; its name."""
     from longstride.model.manifest import hashed_by
 
-    files = {n: (f["bytes"], f["sha256"]) for n, f in json.loads((path / "manifest.json").read_text())["files"].items()}
-    name = max(hashed_by(files, (share, world)), key=lambda n: files[n][0])
+    files = {n: f["bytes"] for n, f in json.loads((path / "manifest.json").read_text())["files"].items()}
+    name = max(hashed_by(files, (share, world)), key=lambda n: files[n])
     data = bytearray((path / name).read_bytes())
     data[0] ^= 0xFF
     (path / name).write_bytes(bytes(data))
@@ -81,11 +81,11 @@ def test_the_ranks_share_the_hashing_and_agree_on_damage_only_one_of_them_read(t
 def test_the_hashing_split_gives_each_file_to_one_share_balancing_bytes():
     from longstride.model.manifest import hashed_by
 
-    files = {f"f{i}": (size, "") for i, size in enumerate([9, 7, 5, 3, 1, 1])}
+    files = {f"f{i}": size for i, size in enumerate([9, 7, 5, 3, 1, 1])}
     assert hashed_by(files, (0, 1)) == set(files)
     shares = [hashed_by(files, (k, 3)) for k in range(3)]
     assert set().union(*shares) == set(files) and sum(map(len, shares)) == len(files)
-    assert [sum(files[n][0] for n in s) for s in shares] == [9, 9, 8]
+    assert [sum(files[n] for n in s) for s in shares] == [9, 9, 8]
 
 
 def _save_worker(rank: int, world: int, root: str) -> None:

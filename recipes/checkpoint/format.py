@@ -81,8 +81,7 @@ def verify(directory: str, shared: bool = False) -> Optional[str]:
 def _files(directory: str) -> tuple[str, ...]:
     """The files `directory` holds but its manifest (none when it cannot be listed)."""
     try:
-        return tuple(sorted(n for n in os.listdir(directory) if n != MANIFEST
-                            and os.path.isfile(os.path.join(directory, n))))
+        return tuple(listed_files(directory))
     except OSError:
         return ()
 
@@ -259,18 +258,18 @@ def shared_digests(tmp: str, path: str) -> dict[str, tuple[int, str]]:
     """Collective, once every rank's files of checkpoint `path` are in `tmp`: each file's (bytes, sha256) for its
     manifest, every rank hashing its share (hashed_by) of the files rank 0 lists, instead of the main rank all of
     them while the others wait. A failure on any rank is raised on every rank (a disk's as CheckpointError)."""
-    def listing() -> dict[str, tuple[int, str]]:
+    def listing() -> dict[str, int]:
         with disk_errors(path):
-            return {n: (size, "") for n, size in listed_files(tmp).items()}
+            return listed_files(tmp)
 
-    listed = from_main(listing)
+    sizes = from_main(listing)
 
     def share() -> dict[str, str]:
         with disk_errors(path):
-            return {n: sha256(os.path.join(tmp, n)) for n in hashed_by(listed, rank_world())}
+            return {n: sha256(os.path.join(tmp, n)) for n in hashed_by(sizes, rank_world())}
 
     mine = together(share, lambda: failed_on_another_rank(path))
-    return {n: (listed[n][0], digest) for part in gathered(mine) for n, digest in part.items()}
+    return {n: (sizes[n], digest) for part in gathered(mine) for n, digest in part.items()}
 
 
 @contextlib.contextmanager

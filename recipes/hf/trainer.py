@@ -64,7 +64,7 @@ from longstride.data.loader import ShardSampler
 from longstride.data.packing import pack
 from longstride.model.loss import IGNORE_INDEX, router_aux_loss
 from longstride.parallel.attention import head_shape, position_dependent
-from longstride.parallel.collectives import raise_if_any
+from longstride.parallel.collectives import together
 from longstride.parallel.config import ParallelConfig, ParallelDims
 from longstride.parallel.cp import CPContext, cp_context, cp_degrees, shard_for_cp
 from longstride.parallel.kernels import resolve_kernel
@@ -260,16 +260,17 @@ class LongstrideTrainerMixin:
         """The Trainer's, each rank's batches read first: one that fails on one rank (a bad row only its
         data-parallel group reads) ends every rank here, the others naming another rank, instead of leaving them
         in the next collective (the token count, the gradients) until the timeout."""
-        batches, error = [], None
-        try:
+        def read() -> list:
+            batches = []
             for _ in range(num_batches):
-                batches.append(next(epoch_iterator))
-        except StopIteration:
-            pass
-        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
-            error = e
-        raise_if_any(error, lambda: ValueError("LongstrideTrainerMixin: another rank failed to read or collate its "
-                                               "training batch (its log says why)"))
+                batch = next(epoch_iterator, None)
+                if batch is None:
+                    break
+                batches.append(batch)
+            return batches
+
+        batches = together(read, lambda: ValueError("LongstrideTrainerMixin: another rank failed to read or collate "
+                                                     "its training batch (its log says why)"))
         return super().get_batch_samples(iter(batches), num_batches, device)
 
     def get_eval_dataloader(self, eval_dataset=None):
