@@ -4,6 +4,7 @@ the CP exchanges: gloo moves host memory, so with gloo (several processes sharin
 device tensors travel through host buffers."""
 from __future__ import annotations
 
+import pickle
 from typing import Callable, Optional
 
 import torch
@@ -82,20 +83,36 @@ def main_first(fn: Callable, elsewhere: Callable[[], BaseException]):
 
 def from_main(fn):
     """fn() run on rank 0 only, and its result (or the exception it raised) handed to every rank: a decision made
-    once, the same on all ranks (which checkpoint to resume from: verifying it reads every file). Collective."""
+    once, the same on all ranks (which checkpoint to resume from: verifying it reads every file). Collective. Rank 0
+    raises its own exception; where that (or the result) would not survive pickling, the others get a RuntimeError
+    naming it, instead of waiting for a broadcast that never comes."""
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
-    box = [None]
+    box, own = [None], None
     if dist.get_rank() == 0:
         try:
             box[0] = (True, fn())
         except Exception as e:  # every rank raises it, instead of the others waiting for rank 0
-            box[0] = (False, e)
+            box[0], own = (False, e), e
+        box[0] = _travels(box[0])
     dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
     if not ok:
-        raise value
+        raise own if own is not None else value
     return value
+
+
+def _travels(outcome: tuple):
+    """`outcome` (ok, value) if it pickles and unpickles (an exception whose __init__ takes other arguments than
+    it keeps does not), else (False, a RuntimeError naming what rank 0 met)."""
+    try:
+        pickle.loads(pickle.dumps(outcome))
+        return outcome
+    except Exception as e:  # noqa: BLE001 - whatever pickling raises, the others must not wait for rank 0
+        ok, value = outcome
+        what = f"a result of type {type(value).__name__}" if ok else f"{type(value).__name__}: {value}"
+        return False, RuntimeError(f"rank 0 decided for every rank but could not hand over {what} "
+                                   f"({type(e).__name__}: {e}); its log says more")
 
 
 def host_staged(group, x: torch.Tensor) -> bool:

@@ -282,43 +282,6 @@ def test_sigkill_of_one_rank_ends_the_run_and_the_rerun_resumes(micro, tmp_path)
     assert [a[s].get("loss") for s in sorted(a)] == [b[s].get("loss") for s in sorted(b)]  # bitwise, same layout
 
 
-def _from_main_worker(rank: int, world: int, path: str) -> None:
-    import torch
-
-    from longstride.parallel.collectives import from_main
-
-    calls = []
-
-    def decide():
-        calls.append(rank)
-        return f"rank {rank} decided"
-
-    def fail():
-        raise ValueError("no intact checkpoint")
-
-    got = from_main(decide)
-    try:
-        from_main(fail)
-        raised = ""
-    except ValueError as e:
-        raised = str(e)
-    torch.save({"got": got, "calls": calls, "raised": raised}, f"{path}.{rank}")
-
-
-def test_resume_decision_is_made_on_rank_0_and_shared(tmp_path):
-    """The checkpoint to resume from is chosen (verified) on rank 0 only and handed to every rank; an error
-    there (no intact checkpoint) is raised on every rank instead of leaving the others waiting."""
-    import torch
-
-    from longstride.parallel.spawn import run_gloo
-
-    run_gloo(_from_main_worker, 2, str(tmp_path / "out"))
-    for rank in range(2):
-        r = torch.load(tmp_path / f"out.{rank}")
-        assert r["got"] == "rank 0 decided" and r["calls"] == ([0] if rank == 0 else [])
-        assert r["raised"] == "no intact checkpoint"
-
-
 def _stage_data_worker(rank: int, world: int, root: str, case: str) -> None:
     from types import SimpleNamespace
 
@@ -362,41 +325,6 @@ def test_processes_that_read_different_data_fail_together_before_training(tmp_pa
         assert said[0] == said[1] == f"StageInputError: stage s1: the processes did not read the same tokenizer and " \
             f"data ({apart[case]}); every process must see the same files: the same paths on a filesystem every " \
             "node shares, not changed while the run starts", said
-
-
-def _main_first_worker(rank: int, world: int, root: str, failing: int) -> None:
-    from longstride.parallel.collectives import main_first
-
-    calls = []
-
-    def build():  # what rank 0 builds first and the others then reuse; rank `failing` cannot
-        calls.append(rank)
-        if rank == failing:
-            raise OSError(f"cache of rank {rank} unreadable")
-        return "tokenizer"
-
-    try:
-        said = main_first(build, lambda: ValueError("another process could not build the tokenizer"))
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
-        said = f"{type(e).__name__}: {e}"
-    with open(os.path.join(root, f"{failing}-{rank}.txt"), "w") as f:
-        f.write(f"{said} {calls}")
-
-
-@pytest.mark.timeout(120)  # before, a rank whose build failed left the others waiting at the next collective
-@pytest.mark.parametrize("failing", [0, 1, -1])
-def test_what_rank_0_builds_first_fails_every_rank_where_it_fails(tmp_path, failing):
-    """main_first: rank 0 builds (the tokenizer, the corpus cache), then the others reuse it. Rank 0 failing ends the
-    others without building; another rank failing ends rank 0 too; each names the failure or the other process."""
-    from longstride.parallel.spawn import run_gloo
-
-    run_gloo(_main_first_worker, 2, str(tmp_path), failing)
-    said = [(tmp_path / f"{failing}-{r}.txt").read_text() for r in range(2)]
-    elsewhere = "ValueError: another process could not build the tokenizer"
-    expect = {0: ["OSError: cache of rank 0 unreadable [0]", f"{elsewhere} []"],
-              1: [f"{elsewhere} [0]", "OSError: cache of rank 1 unreadable [1]"],
-              -1: ["tokenizer [0]", "tokenizer [1]"]}[failing]
-    assert said == expect, said
 
 
 @pytest.mark.timeout(300)
