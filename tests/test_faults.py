@@ -327,6 +327,36 @@ def test_processes_that_read_different_data_fail_together_before_training(tmp_pa
             "node shares, not changed while the run starts", said
 
 
+def _unplanned_worker(rank: int, world: int, root: str) -> None:
+    from types import SimpleNamespace
+
+    from longstride.recipes.config.plan import Unplanned
+    from longstride.recipes.run.stage import train_stage
+
+    # validate saw stage s2's final written on rank 1 (a node's stale view) and left its unfit plan Unplanned there
+    plan = Unplanned("s2", 1, None, "cp=4 needs 4 processes") if rank == 1 else SimpleNamespace(name="s2")
+    try:
+        train_stage(SimpleNamespace(recipe_dir=root, accelerator=None, tracker=None), plan, None)
+        said = "trained"
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"said{rank}.txt"), "w") as f:
+        f.write(said)
+
+
+@pytest.mark.timeout(120)  # before, rank 0 went on into the stage and waited at its first collective
+def test_a_stage_one_rank_cannot_plan_ends_every_rank(tmp_path):
+    """A stage whose layout does not fit the launch is left unplanned where its final is written; rank 0 decides it
+    must train (no final as rank 0 sees it). The rank holding no plan for it raised alone; now every rank does."""
+    from longstride.parallel.spawn import run_gloo
+
+    run_gloo(_unplanned_worker, 2, str(tmp_path))
+    said = [(tmp_path / f"said{r}.txt").read_text() for r in range(2)]
+    assert said == ["ValueError: stage s2 trains again, and another rank's plan for it does not fit this launch (its "
+                    "log says why)", "ValueError: stage s2 has no intact final checkpoint, so it trains again, and its "
+                    "layout does not fit this launch: cp=4 needs 4 processes"], said
+
+
 @pytest.mark.timeout(300)
 def test_rank_0_failing_to_start_a_stages_tracking_ends_every_rank(micro, tmp_path):
     """Rank 0 alone opens the stage's metrics.jsonl and starts wandb; when that failed, the other rank went on into
