@@ -67,7 +67,8 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
     """None if `directory` matches its manifest, else why not, naming the file. `required(world_size)`: names the
     manifest must list (what the directory's reader needs); `hashes`: False compares sizes only; `only`: the files
     checked (every one listed by default); `share` (k, n): of the checksums, only share k of n (hashed_by: the
-    processes of a run split the reading), the sizes all. A file that cannot be read counts as damage, as a wrong
+    processes of a run split the reading); the sizes, share 0 every file's and another share its own files' (not
+    every process stat-ing every file: on a shared filesystem that is processes x files metadata requests). A file that cannot be read counts as damage, as a wrong
     size or checksum does; a manifest that cannot be parsed is damage too: this never raises."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
@@ -81,9 +82,10 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
     unlisted = [n for n in required(world) if n not in files]
     if unlisted:
         return f"{MANIFEST} does not list {', '.join(unlisted)}, which this checkpoint has"
-    hashing = hashed_by({n: size for n, (size, _) in files.items()}, share) if hashes else set()
+    mine = hashed_by({n: size for n, (size, _) in files.items()}, share)
+    hashing = mine if hashes else set()
     for name, (size, digest) in files.items():
-        if not only(name):
+        if not only(name) or (share[0] != 0 and name not in mine):
             continue
         path = os.path.join(directory, name)
         try:

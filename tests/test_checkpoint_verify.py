@@ -41,10 +41,21 @@ def _verify_worker(rank: int, world: int, root: str) -> None:
         return whole(path)
 
     manifest.sha256 = counted
+    looked, real = set(), {f: getattr(os.path, f) for f in ("isfile", "getsize", "isdir")}
+
+    def seen(f):  # the files of step_000002 this rank stat-s (a metadata request on a shared filesystem)
+        def look(path):
+            if os.path.dirname(os.path.relpath(path, root)) == os.path.join("s1", "step_000002"):
+                looked.add(os.path.basename(path))
+            return real[f](path)
+        return look
+
+    for f in real:
+        setattr(os.path, f, seen(f))
     stage = os.path.join(root, "s1")
     said = {"latest": os.path.basename(latest_checkpoint(stage, shared=True)),
             "step_000004": verify(os.path.join(stage, "step_000004"), shared=True)}
-    said["hashed"] = sorted(hashed)
+    said["hashed"], said["looked"] = sorted(hashed), sorted(looked)
     try:
         verified_final(stage, shared=True)
     except ValueError as e:
@@ -76,6 +87,40 @@ def test_the_ranks_share_the_hashing_and_agree_on_damage_only_one_of_them_read(t
     assert sorted(intact) == sorted(os.path.join("s1", "step_000002", n) for n in step), "each file hashed once"
     sizes = [sum(os.path.getsize(tmp_path / p) for p in s["hashed"] if p in intact) for s in said]
     assert min(sizes) > 0.4 * sum(sizes), sizes  # the bytes split about evenly
+    # rank 0 stats every file (and lists the directory), rank 1 only those it hashes: not ranks x files requests
+    assert said[0]["looked"] == sorted(step), said[0]["looked"]
+    assert said[1]["looked"] == sorted(os.path.basename(p) for p in said[1]["hashed"] if p in intact), said[1]
+
+
+def _problem_worker(rank: int, world: int, root: str) -> None:
+    from longstride.recipes.checkpoint.format import verify
+
+    said = {n: verify(os.path.join(root, n), shared=True) for n in sorted(os.listdir(root)) if n.startswith("step")}
+    with open(os.path.join(root, f"problems{rank}.json"), "w") as f:
+        json.dump(said, f)
+
+
+@pytest.mark.timeout(120)
+def test_a_size_or_file_only_one_rank_checks_is_every_ranks_answer(tmp_path):
+    """Rank 0 lists the directory and checks every size; another rank the sizes of its own share: a truncated or
+    missing file of rank 1's share, and a file the manifest does not list (rank 0's listing), fail on both ranks."""
+    from longstride.model.manifest import hashed_by
+    from longstride.parallel.spawn import run_gloo
+
+    step = {"trainer.pt": 3000, "stage.json": 100, "rank0.pt": 500, "rank1.pt": 500, "__0_0.distcp": 40000,
+            "__1_0.distcp": 40000, ".metadata": 800}
+    theirs = sorted(hashed_by(step, (1, 2)))[0]
+    for n in ("step_000002", "step_000004", "step_000006"):
+        _checkpoint(tmp_path / n, step)
+    (tmp_path / "step_000002" / theirs).write_bytes(b"short")
+    (tmp_path / "step_000004" / theirs).unlink()
+    (tmp_path / "step_000006" / "__2_0.distcp").write_bytes(b"stray")
+    run_gloo(_problem_worker, 2, str(tmp_path))
+    said = [json.loads((tmp_path / f"problems{r}.json").read_text()) for r in range(2)]
+    assert said[0] == said[1], said
+    assert said[0] == {"step_000002": f"{theirs} has 5 bytes, the manifest says {step[theirs]}",
+                       "step_000004": f"{theirs} is missing",
+                       "step_000006": "manifest.json does not list __2_0.distcp, which this checkpoint has"}, said
 
 
 def test_the_hashing_split_gives_each_file_to_one_share_balancing_bytes():

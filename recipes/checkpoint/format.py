@@ -67,14 +67,16 @@ def verify(directory: str, shared: bool = False) -> Optional[str]:
     other file the directory holds (the shards and their .metadata, config.json: a file the manifest leaves out
     could be damaged unseen; a checkpoint from before shards lacks .metadata, and its load says what to do).
     `shared`: a collective, the checksums split between the ranks (each reads its share of the bytes, not rank 0
-    all of them while the others wait), the first problem in rank order the answer on every rank."""
+    all of them while the others wait; rank 0 lists the directory and checks every size, another rank its share's),
+    the first problem in rank order the answer on every rank."""
     step = STEP_RE.match(os.path.basename(os.path.normpath(directory)))
-    present = _files(directory) if step else ()
+    share = rank_world() if shared else (0, 1)
+    present = _files(directory) if step and share[0] == 0 else ()
 
     def required(world: int) -> tuple:
         return ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)), *present) if step else ()
 
-    problem = check_files(directory, required, share=rank_world() if shared else (0, 1))
+    problem = check_files(directory, required, share=share)
     return next((p for p in gathered(problem) if p), None) if shared else problem
 
 
