@@ -174,6 +174,17 @@ def micro_checkpoint(directory: Path, vocab_size: int, seq_len: int, extra_texts
     return tok
 
 
+def report(path: str, fn, done=str) -> None:
+    """For one rank of a spawned test: writes to `path` what fn() came to, done(its value) or "ExceptionType:
+    message", for the test to compare across the ranks."""
+    try:
+        said = done(fn())
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
+        said = f"{type(e).__name__}: {e}"
+    with open(path, "w") as f:
+        f.write(said)
+
+
 def read_metrics(stage_dir: Path) -> dict[int, dict]:
     """Records merged per step; a resumed run's records replace the killed run's for the same step."""
     out: dict[int, dict] = {}

@@ -8,6 +8,8 @@ import threading
 
 import pytest
 
+from tests.conftest import report
+
 
 def _from_main_worker(rank: int, world: int, path: str) -> None:
     import torch
@@ -100,12 +102,7 @@ def _unsendable_worker(rank: int, world: int, root: str, case: str) -> None:
             raise _TwoArgs("trainer.pt", "truncated")
         return lambda: "a result that does not pickle"
 
-    try:
-        said = f"returned {from_main(decide)!r}"
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
-        said = f"{type(e).__name__}: {e}"
-    with open(os.path.join(root, f"{case}{rank}.txt"), "w") as f:
-        f.write(said)
+    report(os.path.join(root, f"{case}{rank}.txt"), lambda: from_main(decide), lambda value: f"returned {value!r}")
 
 
 @pytest.mark.timeout(120)  # before: rank 0 failed to pickle and left rank 1 waiting in the broadcast

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from longstride.recipes.run.faults import NonFiniteError, NonFiniteGuard, check_finite_parameters
-from tests.conftest import rerun_from_step_3, run_cli
+from tests.conftest import report, rerun_from_step_3, run_cli
 
 
 def test_guard_skips_non_finite_steps_and_stops_after_the_limit():
@@ -295,12 +295,8 @@ def _stage_data_worker(rank: int, world: int, root: str, case: str) -> None:
 
     stage.stage_data = read
     ctx, plan = SimpleNamespace(tokenizer_id="v2:" + "a" * 64), SimpleNamespace(name="s1")
-    try:
-        said = f"read {len(stage.agreed_stage_data(ctx, plan, 0)[1])}"
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
-        said = f"{type(e).__name__}: {e}"
-    with open(os.path.join(root, f"{case}{rank}.txt"), "w") as f:
-        f.write(said)
+    report(os.path.join(root, f"{case}{rank}.txt"), lambda: stage.agreed_stage_data(ctx, plan, 0),
+           lambda data: f"read {len(data[1])}")
 
 
 @pytest.mark.timeout(120)  # before, a rank whose data failed left the others waiting in the next collective
@@ -335,13 +331,8 @@ def _unplanned_worker(rank: int, world: int, root: str) -> None:
 
     # validate saw stage s2's final written on rank 1 (a node's stale view) and left its unfit plan Unplanned there
     plan = Unplanned("s2", 1, None, "cp=4 needs 4 processes") if rank == 1 else SimpleNamespace(name="s2")
-    try:
-        train_stage(SimpleNamespace(recipe_dir=root, accelerator=None, tracker=None), plan, None)
-        said = "trained"
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's subject
-        said = f"{type(e).__name__}: {e}"
-    with open(os.path.join(root, f"said{rank}.txt"), "w") as f:
-        f.write(said)
+    report(os.path.join(root, f"said{rank}.txt"),
+           lambda: train_stage(SimpleNamespace(recipe_dir=root, accelerator=None, tracker=None), plan, None))
 
 
 @pytest.mark.timeout(120)  # before, rank 0 went on into the stage and waited at its first collective
