@@ -13,7 +13,7 @@ from longstride.eval.ruler.compare import main, plan_rows
 from longstride.eval.ruler.fit import make_sample
 from longstride.eval.ruler.generate import batches, greedy_generate
 from longstride.eval.ruler.tasks import ALL_TASKS, NOISE
-from tests.conftest import micro_checkpoint
+from tests.conftest import micro_checkpoint, report
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,43 @@ def test_two_processes_split_the_samples_and_save_what_one_process_does(two, tmp
     # each rank names what does not fit with its own first sample's size: the same tasks and lengths skipped
     assert {m.split(":")[0] for m in two_ranks["skipped"]} == {m.split(":")[0] for m in one["skipped"]} == \
         {"niah_single_1 does not fit in 128 tokens", "synth_kv does not fit in 128 tokens"}
+
+
+def _failing_compare_worker(rank, world, args, out):
+    """As _compare_worker, rank 1 unable to load the second checkpoint; writes what each rank raised."""
+    import os
+
+    from longstride.eval.ruler import compare
+
+    os.environ["WORLD_SIZE"] = str(world)
+    torch.set_num_threads(1)
+    load = compare.load_eval_model
+
+    def loaded(checkpoint, *a, **kw):
+        if rank == 1 and os.path.basename(checkpoint) == "stage":
+            raise OSError(f"{checkpoint}/model.safetensors: Input/output error")
+        return load(checkpoint, *a, **kw)
+
+    compare.load_eval_model = loaded
+    report(os.path.join(out, f"rank{rank}.txt"), lambda: main([*args, f"out={out}"]), lambda got: "scored")
+
+
+@pytest.mark.timeout(180)  # before, rank 0 waited at the ranks' gather for the eval's hours-long timeout
+def test_a_checkpoint_one_process_cannot_load_ends_every_process(two, tmp_path):
+    """Under a launcher that leaves the others running (srun, a hand-started group), rank 0 waited at the row's
+    gather for the process that failed; now every rank ends there, the others naming the checkpoint."""
+    from longstride.parallel.spawn import run_gloo
+
+    base, stage = two
+    args = [f"checkpoints=[{base},{stage}]", "tasks=[niah_single_1]", "lengths=[512]", "yarn=[]",
+            "num_samples=2", "threads=1"]
+    (tmp_path / "out").mkdir()
+    run_gloo(_failing_compare_worker, 2, args, str(tmp_path / "out"))
+    said = [(tmp_path / "out" / f"rank{r}.txt").read_text() for r in range(2)]
+    assert said == ["RuntimeError: eval.compare: another process failed on stage (its log says why)",
+                    f"OSError: {stage}/model.safetensors: Input/output error"], said
+    kept = json.loads((tmp_path / "out" / "compare.json").read_text())  # the row scored before it, saved
+    assert not kept["complete"] and [r["label"] for r in kept["rows"]] == ["base"]
 
 
 def test_compare_cut_short_keeps_the_rows_it_scored(two, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Iterator, Optional
 
 import torch
@@ -34,6 +35,7 @@ from longstride.eval.ruler.run import (common_groups, launched_ranks, make_group
 from longstride.model.config import YarnConfig
 from longstride.model.model_dir import TOKENIZER_FILES
 from longstride.model.rope import YarnRefused, rope_base
+from longstride.parallel.collectives import together
 
 DEFAULT_YARN = [2.0, 4.0]  # yarn=null: these factors where the last checkpoint's RoPE takes YaRN
 
@@ -173,10 +175,11 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
             note(f"{r.label}'s tokenizer (or chat template) differs from {rows[0].label}'s: its rows are scored on "
                  "their own samples (the same seeds and needles, haystacks sized to its tokens), not the same "
                  "prompts; compare.json names each row's 'sample_set'")
+        elsewhere = partial(failed_elsewhere, r.label)
         if digest not in groups_by_tok:  # the samples before the weights: what fits no length fails first
             tok = eval_tokenizer(r.checkpoint)
-            made = make_groups(cfg, tasks, all_lengths, tok=tok, share=range(rank, cfg.num_samples, world), qa=qa,
-                               skipped=skipped)
+            made = together(lambda: make_groups(cfg, tasks, all_lengths, tok=tok, qa=qa, skipped=skipped,
+                                                share=range(rank, cfg.num_samples, world)), elsewhere)
             if world > 1:
                 made = common_groups(made, skipped, world)
             if not made:
@@ -184,13 +187,13 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
                                  "tokenizer (see the messages above); give longer lengths")
             groups_by_tok[digest] = {"tok": tok, "groups": {(name, L): s for name, L, s in made}}
         tok, groups = groups_by_tok[digest]["tok"], groups_by_tok[digest]["groups"]
-        model, _, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
-                                      dtype=DTYPES[cfg.dtype], tokenizer=tok)
-        records = []
-        for task in tasks:
-            for L in r.lengths:
-                if (task, L) in groups:
-                    records += score_group(model, tok, groups[task, L], cfg)
+
+        def scored() -> list[dict]:  # this rank's share of the row, before the ranks meet
+            model, _, _ = load_eval_model(r.checkpoint, YarnConfig(factor=r.yarn), cfg.rope_layer_types,
+                                          dtype=DTYPES[cfg.dtype], tokenizer=tok)
+            return [x for task in tasks for L in r.lengths if (task, L) in groups
+                    for x in score_group(model, tok, groups[task, L], cfg)]
+        records = together(scored, elsewhere)
         if world > 1:
             gathered = [None] * world
             torch.distributed.all_gather_object(gathered, records)
@@ -206,8 +209,13 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
         out.records += [{**x, "checkpoint": r.label, "yarn": r.yarn} for x in records]
         if rank == 0:
             print(f"eval.compare: {r.label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        del model
         yield i
+
+
+def failed_elsewhere(label: str) -> RuntimeError:
+    """What the other ranks raise when one failed making the samples for, loading or scoring checkpoint `label`,
+    instead of waiting for it at the ranks' gather (the eval's timeout is hours: eval.ruler.run.launched_ranks)."""
+    return RuntimeError(f"eval.compare: another process failed on {label} (its log says why)")
 
 
 def save(out: str, result: dict, rows: list[Row], scores: dict, tasks: list[str], title: str) -> None:
