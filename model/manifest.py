@@ -63,13 +63,14 @@ def hashed_by(sizes: dict[str, int], share: tuple[int, int]) -> set[str]:
 
 def check_files(directory: str, required: Callable[[int], tuple] = lambda world: (),
                 hashes: bool = True, only: Callable[[str], bool] = lambda name: True,
-                share: tuple[int, int] = (0, 1)) -> Optional[str]:
+                share: tuple[int, int] = (0, 1), all_sizes: bool = True) -> Optional[str]:
     """None if `directory` matches its manifest, else why not, naming the file. `required(world_size)`: names the
     manifest must list (what the directory's reader needs); `hashes`: False compares sizes only; `only`: the files
     checked (every one listed by default); `share` (k, n): of the checksums, only share k of n (hashed_by: the
-    processes of a run split the reading); the sizes, share 0 every file's and another share its own files' (not
-    every process stat-ing every file: on a shared filesystem that is processes x files metadata requests). A file that cannot be read counts as damage, as a wrong
-    size or checksum does; a manifest that cannot be parsed is damage too: this never raises."""
+    processes of a run split the reading); `all_sizes`: False checks the sizes of share k's files alone (one process
+    of a run checks every size, not each of them: on a shared filesystem processes x files metadata requests). A
+    file that cannot be read counts as damage, as a wrong size or checksum does; a manifest that cannot be parsed is
+    damage too: this never raises."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
@@ -85,7 +86,7 @@ def check_files(directory: str, required: Callable[[int], tuple] = lambda world:
     mine = hashed_by({n: size for n, (size, _) in files.items()}, share)
     hashing = mine if hashes else set()
     for name, (size, digest) in files.items():
-        if not only(name) or (share[0] != 0 and name not in mine):
+        if not only(name) or not (all_sizes or name in mine):
             continue
         path = os.path.join(directory, name)
         try:

@@ -83,36 +83,49 @@ def main_first(fn: Callable, elsewhere: Callable[[], BaseException]):
 
 def from_main(fn):
     """fn() run on rank 0 only, and its result (or the exception it raised) handed to every rank: a decision made
-    once, the same on all ranks (which checkpoint to resume from: verifying it reads every file). Collective. Rank 0
-    raises its own exception; where that (or the result) would not survive pickling, the others get a RuntimeError
-    naming it, instead of waiting for a broadcast that never comes."""
+    once, the same on all ranks (which checkpoint to resume from: verifying it reads every file). Collective; the
+    result small. Rank 0 raises its own exception. One that cannot be pickled, or unpickled on another rank, reaches
+    the others as a RuntimeError saying so, instead of leaving them waiting for the broadcast (or raising pickle's
+    error); a result that cannot be pickled fails every rank, rank 0 too."""
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
-    box, own = [None], None
+    box, outcome = [None], None
     if dist.get_rank() == 0:
         try:
-            box[0] = (True, fn())
+            outcome = (True, fn())
         except Exception as e:  # every rank raises it, instead of the others waiting for rank 0
-            box[0], own = (False, e), e
-        box[0] = _travels(box[0])
+            outcome = (False, e)
+        try:
+            box[0] = pickle.dumps(outcome)
+        except Exception as e:  # noqa: BLE001 - whatever pickling raises, the others must not wait for rank 0
+            unsent = RuntimeError(f"rank 0 decided for every rank but could not send {_described(outcome)} "
+                                  f"({type(e).__name__}: {_text(e)})")
+            box[0] = pickle.dumps((False, unsent))
+            outcome = outcome if not outcome[0] else (False, unsent)
     dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
+    if outcome is None:  # another rank: the broadcast is over, so failing to read it leaves no one waiting
+        try:
+            outcome = pickle.loads(box[0])
+        except Exception as e:  # noqa: BLE001 - an exception class that does not unpickle, a module not found here
+            outcome = (False, RuntimeError(f"rank 0's decision for every rank could not be read on this rank "
+                                           f"({type(e).__name__}: {_text(e)}); rank 0's log says what it was"))
+    ok, value = outcome
     if not ok:
-        raise own if own is not None else value
+        raise value
     return value
 
 
-def _travels(outcome: tuple):
-    """`outcome` (ok, value) if it pickles and unpickles (an exception whose __init__ takes other arguments than
-    it keeps does not), else (False, a RuntimeError naming what rank 0 met)."""
+def _described(outcome: tuple) -> str:
+    ok, value = outcome
+    return f"a result of type {type(value).__name__}" if ok else f"{type(value).__name__}: {_text(value)}"
+
+
+def _text(e: BaseException) -> str:
+    """str(e), or a placeholder where its __str__ fails (a message is still owed to the other ranks)."""
     try:
-        pickle.loads(pickle.dumps(outcome))
-        return outcome
-    except Exception as e:  # noqa: BLE001 - whatever pickling raises, the others must not wait for rank 0
-        ok, value = outcome
-        what = f"a result of type {type(value).__name__}" if ok else f"{type(value).__name__}: {value}"
-        return False, RuntimeError(f"rank 0 decided for every rank but could not hand over {what} "
-                                   f"({type(e).__name__}: {e}); its log says more")
+        return str(e)
+    except Exception:  # noqa: BLE001 - any failure of a foreign __str__
+        return "<its message could not be read>"
 
 
 def host_staged(group, x: torch.Tensor) -> bool:

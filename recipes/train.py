@@ -214,8 +214,9 @@ def setup(cfg: Config, raw: DictConfig | None):
             return tokenizer, None if cfg.data.streaming else build_corpus(cfg.data, tokenizer, cache_dir)
         tokenizer, corpus = main_first(read, lambda: ValueError("another process could not build the tokenizer or "
                                                                 "read the corpus (its log says why)"))
-        if corpus is not None:  # every stage's long-document upsampling can draw, before the first one trains (rank
-            # 0's corpus: another rank's differing one is refused when the stage's data are compared)
+        # every stage's long-document upsampling can draw, before the first one trains; checked on rank 0's corpus
+        # (another rank's differing one is refused where the stage's data are compared: stage.agreed_stage_data)
+        if corpus is not None:
             together(lambda: check_long_docs(cfg.data, corpus, {n: cfg.recipe.stages[n] for n in stages},
                                              run_stages(cfg)), at_main, main_only=True)
         tracker.info("corpus: %s", corpus.report if corpus else "streamed (data.streaming=true), read per stage")

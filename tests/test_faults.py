@@ -329,7 +329,7 @@ def _unplanned_worker(rank: int, world: int, root: str) -> None:
     from longstride.recipes.config.plan import Unplanned
     from longstride.recipes.run.stage import train_stage
 
-    # validate saw stage s2's final written on rank 1 (a node's stale view) and left its unfit plan Unplanned there
+    # rank 1 planned s2 otherwise (its node plans for another device) and, its final written, left it Unplanned
     plan = Unplanned("s2", 1, None, "cp=4 needs 4 processes") if rank == 1 else SimpleNamespace(name="s2")
     report(os.path.join(root, f"said{rank}.txt"),
            lambda: train_stage(SimpleNamespace(recipe_dir=root, accelerator=None, tracker=None), plan, None))
@@ -337,15 +337,16 @@ def _unplanned_worker(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.timeout(120)  # before, rank 0 went on into the stage and waited at its first collective
 def test_a_stage_one_rank_cannot_plan_ends_every_rank(tmp_path):
-    """A stage whose layout does not fit the launch is left unplanned where its final is written; rank 0 decides it
-    must train (no final as rank 0 sees it). The rank holding no plan for it raised alone; now every rank does."""
+    """A stage whose layout does not fit the launch is left unplanned where its final is written; found damaged, it
+    trains again. Where the ranks plan differently (a node that plans for another device), the rank holding no plan
+    for it raised alone and the others went on into the stage; now every rank ends there, exit 2."""
     from longstride.parallel.spawn import run_gloo
 
     run_gloo(_unplanned_worker, 2, str(tmp_path))
     said = [(tmp_path / f"said{r}.txt").read_text() for r in range(2)]
-    assert said == ["ValueError: stage s2 trains again, and another rank's plan for it does not fit this launch (its "
-                    "log says why)", "ValueError: stage s2 has no intact final checkpoint, so it trains again, and its "
-                    "layout does not fit this launch: cp=4 needs 4 processes"], said
+    assert said == ["StageInputError: stage s2 trains again, and another rank's plan for it does not fit this "
+                    "launch (its log says why)", "StageInputError: stage s2 has no intact final checkpoint, so it "
+                    "trains again, and its layout does not fit this launch: cp=4 needs 4 processes"], said
 
 
 @pytest.mark.timeout(300)

@@ -76,7 +76,7 @@ def verify(directory: str, shared: bool = False) -> Optional[str]:
     def required(world: int) -> tuple:
         return ("trainer.pt", "stage.json", *(f"rank{r}.pt" for r in range(world)), *present) if step else ()
 
-    problem = check_files(directory, required, share=share)
+    problem = check_files(directory, required, share=share, all_sizes=share[0] == 0)
     return next((p for p in gathered(problem) if p), None) if shared else problem
 
 

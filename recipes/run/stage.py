@@ -400,12 +400,14 @@ def train_stage(ctx: RunContext, plan: StagePlan | Unplanned, init_from: Optiona
     if verified_final(stage_dir, shared=True):
         tracker.info("stage %s already complete: %s", plan.name, final)
         return final
-    def planned():  # its final is damaged after all (or, on another rank, seen missing): it trains again, here
-        if isinstance(plan, Unplanned):
-            raise ValueError(f"stage {plan.name} has no intact final checkpoint, so it trains again, and its layout "
-                             f"does not fit this launch: {plan.error}")
-    together(planned, lambda: ValueError(f"stage {plan.name} trains again, and another rank's plan for it does not fit "
-                                         "this launch (its log says why)"))
+
+    def planned():  # its final is damaged after all: it trains again, on this launch's processes
+        if isinstance(plan, Unplanned):  # (on one rank alone where the ranks plan differently: another device)
+            raise StageInputError(f"stage {plan.name} has no intact final checkpoint, so it trains again, and its "
+                                  f"layout does not fit this launch: {plan.error}")
+
+    together(planned, lambda: StageInputError(f"stage {plan.name} trains again, and another rank's plan for it does "
+                                              "not fit this launch (its log says why)"))
     if acc.is_main_process:
         remove_partial(stage_dir)
     acc.wait_for_everyone()
