@@ -145,6 +145,14 @@ def test_two_processes_split_the_samples_and_save_what_one_process_does(two, tmp
         {"niah_single_1 does not fit in 128 tokens", "synth_kv does not fit in 128 tokens"}
 
 
+def _reporting_compare_worker(rank, world, args, out):
+    import os
+
+    os.environ["WORLD_SIZE"] = str(world)
+    torch.set_num_threads(1)
+    report(os.path.join(out, f"rank{rank}.txt"), lambda: main([*args, f"out={out}"]), lambda got: "scored")
+
+
 def _failing_compare_worker(rank, world, args, out):
     """As _compare_worker, rank 1 unable to load the second checkpoint; writes what each rank raised."""
     import os
@@ -164,21 +172,28 @@ def _failing_compare_worker(rank, world, args, out):
     report(os.path.join(out, f"rank{rank}.txt"), lambda: main([*args, f"out={out}"]), lambda got: "scored")
 
 
-@pytest.mark.timeout(180)  # before, rank 0 waited at the ranks' gather for the eval's hours-long timeout
-def test_a_checkpoint_one_process_cannot_load_ends_every_process(two, tmp_path):
-    """Under a launcher that leaves the others running (srun, a hand-started group), rank 0 waited at the row's
-    gather for the process that failed; now every rank ends there, the others naming the checkpoint."""
+@pytest.mark.timeout(180)  # before, the others waited at the next gather for the eval's hours-long timeout
+@pytest.mark.parametrize("fault", ["load", "save"])
+def test_a_process_failing_on_its_part_ends_every_process(two, tmp_path, fault):
+    """Under a launcher that leaves the others running (srun, a hand-started group), a process that failed left the
+    others waiting at the next gather: rank 1 unable to load a checkpoint (its read simulated to fail), rank 0 unable
+    to write compare.json (a directory there). Now every process ends at that row, the others naming it."""
     from longstride.parallel.spawn import run_gloo
 
     base, stage = two
     args = [f"checkpoints=[{base},{stage}]", "tasks=[niah_single_1]", "lengths=[512]", "yarn=[]",
             "num_samples=2", "threads=1"]
-    (tmp_path / "out").mkdir()
-    run_gloo(_failing_compare_worker, 2, args, str(tmp_path / "out"))
-    said = [(tmp_path / "out" / f"rank{r}.txt").read_text() for r in range(2)]
+    out = tmp_path / "out"
+    (out / "compare.json" if fault == "save" else out).mkdir(parents=True)
+    run_gloo(_failing_compare_worker if fault == "load" else _reporting_compare_worker, 2, args, str(out))
+    said = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    if fault == "save":
+        assert said == [f"IsADirectoryError: [Errno 21] Is a directory: '{out / 'compare.json'}'",
+                        f"RuntimeError: eval.compare: rank 0 could not write {out} (its log says why)"], said
+        return
     assert said == ["RuntimeError: eval.compare: another process failed on stage (its log says why)",
                     f"OSError: {stage}/model.safetensors: Input/output error"], said
-    kept = json.loads((tmp_path / "out" / "compare.json").read_text())  # the row scored before it, saved
+    kept = json.loads((out / "compare.json").read_text())  # the row scored before it, saved
     assert not kept["complete"] and [r["label"] for r in kept["rows"]] == ["base"]
 
 

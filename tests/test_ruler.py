@@ -13,6 +13,7 @@ from longstride.eval.ruler.generate import greedy_generate
 from longstride.eval.cli import parse_ruler
 from longstride.eval.ruler.run import main
 from longstride.eval.ruler.tasks import TASKS
+from tests.conftest import report
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +218,26 @@ def test_several_processes_split_samples_or_prefill_and_agree_with_one(checkpoin
         saved = json.loads((tmp_path / mode / "ruler.json").read_text())["samples"]
         assert [(r["task"], r["index"], r["prediction"]) for r in saved] == \
             [(r["task"], r["index"], r["prediction"]) for r in one["records"]], mode
+
+
+def _reporting_worker(rank, world, args, out):
+    import os
+
+    report(os.path.join(out, f"said{rank}.txt"), lambda: _ruler_worker(rank, world, args, out), lambda got: "done")
+
+
+@pytest.mark.timeout(180)  # before, rank 1 waited at the closing barrier for the eval's hours-long timeout
+def test_results_rank_0_cannot_write_end_every_process(checkpoint, tmp_path):
+    """Only rank 0 writes the results; when it could not (here ruler.json is a directory), rank 1 waited at the last
+    barrier for it until the launcher (or, under srun, the eval's 6-hour timeout) ended it. Now both end there."""
+    from longstride.parallel.spawn import run_gloo
+
+    (tmp_path / "ruler.json").mkdir()
+    args = [f"checkpoint={checkpoint}", "lengths=[512]", "num_samples=2", "tasks=[niah_single_1]", "threads=1"]
+    run_gloo(_reporting_worker, 2, args, str(tmp_path))
+    said = [(tmp_path / f"said{r}.txt").read_text() for r in range(2)]
+    assert said == [f"IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / 'ruler.json'}'",
+                    "RuntimeError: eval.ruler: rank 0 could not write the results (its log says why)"], said
 
 
 def _uneven_share_worker(rank, world, checkpoint, out):

@@ -252,8 +252,6 @@ def execute(cfg: CompareConfig) -> Optional[dict]:
     rank, world = launched_ranks()
     t0, scored = time.perf_counter(), Scored()
     for i in score_rows(cfg, rows, tasks, qa, skipped, t0, scored, rank, world):
-        if rank:
-            continue
         # saved after every row: a run cut short (a device window's cap) keeps the rows it scored
         done = rows[:i + 1]
         result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
@@ -261,7 +259,8 @@ def execute(cfg: CompareConfig) -> Optional[dict]:
                   "rows": [{**asdict(r), "scores": scored.scores[j], "samples": scored.counts[j]}
                            for j, r in enumerate(done)],
                   "records": scored.records}
-        save(out, result, done, scored.scores, tasks, title)
+        together(lambda: save(out, result, done, scored.scores, tasks, title), main_only=True,  # rank 0 writes
+                 elsewhere=lambda: RuntimeError(f"eval.compare: rank 0 could not write {out} (its log says why)"))
     if world > 1:  # every rank leaves together (eval ruler's reason)
         torch.distributed.barrier()
         if owned:

@@ -31,6 +31,7 @@ from longstride.eval.ruler.score import sample_score, summarize
 from longstride.eval.ruler.tasks import ALL_TASKS, load_qa
 from longstride.eval.ruler.words import prose_words
 from longstride.parallel.attention import position_dependent
+from longstride.parallel.collectives import together
 from longstride.model.rope import has_rope, max_positions, yarn_unit
 from longstride.parallel.cp import CPContext
 
@@ -177,16 +178,24 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
         found = position_dependent(config.get_text_config(decoder=True), max(lengths))
         if found:
             raise ValueError(f"prefill=cp: {'; '.join(found)}; use prefill=local (samples split over the processes)")
-    tok = eval_tokenizer(cfg.checkpoint)  # the samples first: what fits no length fails before the weights load
-    groups = make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped,
-                         max_positions=max_positions(config))
+
+    def elsewhere() -> RuntimeError:  # a process failing on its part ends every process there, not at their next
+        # gather (hours later, unless the launcher ends them)
+        return RuntimeError(f"eval.ruler: another process failed on {cfg.checkpoint} (its log says why)")
+
+    def made():  # the samples first: what fits no length fails before the weights load
+        tok = eval_tokenizer(cfg.checkpoint)
+        return tok, make_groups(cfg, tasks, lengths, tok=tok, share=share, qa=qa, skipped=skipped,
+                                max_positions=max_positions(config))
+
+    tok, groups = together(made, elsewhere)
     if world > 1 and not cp:
         groups = common_groups(groups, skipped, world)
     if not groups:
         raise ValueError(f"nothing to run: no task fits any of lengths {lengths} (see the messages above); give "
                          "longer lengths")
-    model, tok, info = load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types, dtype=DTYPES[cfg.dtype],
-                                       tokenizer=tok)
+    model, tok, info = together(lambda: load_eval_model(cfg.checkpoint, cfg.yarn, cfg.rope_layer_types,
+                                                        dtype=DTYPES[cfg.dtype], tokenizer=tok), elsewhere)
     limit = info.position_limit  # a learned table of positions: past it an index error, not extrapolation
     for L in sorted({L for _, L, _ in groups if limit and L > limit}):
         skipped.append(f"length {L} skipped: {type(model).__name__} learns a table of {limit} positions and cannot "
@@ -195,18 +204,26 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
     groups = [g for g in groups if not (limit and g[1] > limit)]
     if not groups:
         raise ValueError(f"nothing to run: no length within the model's {limit} learned positions")
-    records, cp_ctx = [], world_cp(info.device.type) if cp else None
-    for name, L, samples in groups:
-        part = score_group(model, tok, samples, cfg, cp_ctx)
-        records += part
-        if rank == 0:
-            print(f"{name:<16} {L:>7}  {100 * sum(r['score'] for r in part) / max(len(part), 1):6.1f}  "
-                  f"({len(part)} samples on rank 0)", flush=True)
+    cp_ctx = world_cp(info.device.type) if cp else None
+
+    def scored() -> list[dict]:  # prefill=cp: a process failing inside a prompt's collectives stops the others there
+        records = []
+        for name, L, samples in groups:
+            part = score_group(model, tok, samples, cfg, cp_ctx)
+            records += part
+            if rank == 0:
+                print(f"{name:<16} {L:>7}  {100 * sum(r['score'] for r in part) / max(len(part), 1):6.1f}  "
+                      f"({len(part)} samples on rank 0)", flush=True)
+        return records
+
+    records = together(scored, elsewhere)
     if world > 1 and not cp:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
         records = sorted((r for part in gathered for r in part), key=lambda r: (r["task"], r["length"], r["index"]))
-    result = _report(cfg, records, skipped, applied_rope(config)) if rank == 0 else None
+    result = together(lambda: _report(cfg, records, skipped, applied_rope(config)), main_only=True,
+                      elsewhere=lambda: RuntimeError("eval.ruler: rank 0 could not write the results (its log says "
+                                                     "why)"))
     if world > 1:  # every rank leaves together: a rank exiting while another still ran once made gloo abort
         torch.distributed.barrier()
         if owned:
