@@ -91,6 +91,36 @@ def test_check_passes_on_models_with_windows_chunks_and_sinks(name, corpus, caps
     assert docs >= 4 and longest > WINDOW, "several documents per row, longer than the window: all are exercised"
 
 
+@pytest.mark.timeout(300)
+def test_launched_check_runs_on_torchrun_and_bad_data_ends_every_rank(corpus, tmp_path):
+    """Under torchrun (check_launched): rank 0 reads the batch and sends it, every rank runs its CP share, rank 0
+    compares and every rank exits with its verdict (before, no test ran this path). Data rank 0 cannot read ends
+    the launch, exit 2, naming it (rank 0's reading goes through collectives.from_main: any exception it raises
+    reaches the others, where before only a ValueError did and another left them waiting)."""
+    import os
+    import subprocess
+    import sys
+
+    root, tok = corpus
+    good = save_checkpoint(root, tok, "mistral")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a line"}\n{"text": \n')  # a record cut off: the reader names the file and line
+
+    def launched(*args):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               "2", "-m", "longstride.recipes.check", *args], capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+
+    ok = launched(*argv(root, good, "parallel.cp_impl=ring", "cp=2"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert ok.stdout.count("check passed") == 1 and "2 launched processes (gloo)" in ok.stdout, ok.stdout[-3000:]
+    failed = launched(*[a.replace(f"{root}/docs.jsonl", str(bad)) for a in argv(root, good)], "cp=2",
+                      f"paths.cache_dir={tmp_path}/cache")
+    # bad input, exit 2, naming the file (torchrun ends the other rank once the first exits: it may not get to say it)
+    assert re.search(r"exitcode\s*: 2 ", failed.stderr) and f"data.sources.main.path: {bad}:2: not JSON" in \
+        failed.stderr, failed.stderr[-3000:]
+
+
 def test_check_fails_naming_the_layer_type_when_cp_drops_the_window(corpus, capsys, monkeypatch):
     root, tok = corpus
     monkeypatch.setenv(check.TEST_FAULT, "cp_drops_window")  # read by the gloo processes the check starts

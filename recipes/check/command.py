@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from longstride.overrides import run
+from longstride.parallel.collectives import from_main, together
 from longstride.recipes.check.inputs import stage_batch
 from longstride.recipes.check.job import Job, parse_args, prepare
 from longstride.recipes.check.report import Report, report
@@ -72,26 +73,20 @@ def check_launched(job: Job) -> Optional[Report]:
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
             torch.backends.cudnn.allow_tf32 = False
-        sent = [None]
-        if rank == 0:
-            try:
-                sent = [("ok", *stage_batch(job))]
-            except ValueError as e:
-                sent = [("error", str(e), None)]
-        dist.broadcast_object_list(sent, src=0)
-        status, batch, job = sent[0][0], sent[0][1], sent[0][2] or job
-        if status == "error":
-            raise ValueError(batch)
+        batch, job = from_main(lambda: stage_batch(job))  # its failure (bad data, a file) raised on every rank
         cp = cp_run(rank, world, job, batch, device).cpu()
-        rep, passed = None, [None]
-        if rank == 0:
+
+        def verdict() -> Report:
             if cuda:
                 torch.cuda.empty_cache()
             eager, one, lm = references(job, batch, device)
             where = f"{world} launched processes ({dist.get_backend()})"
-            rep = show(report(job, batch, lm, eager=eager, one=one, cp=cp, where=where))
-            passed = [rep.ok]
+            return show(report(job, batch, lm, eager=eager, one=one, cp=cp, where=where))
+
+        rep = together(verdict, lambda: RuntimeError("check: rank 0 failed computing the references (its log says "
+                                                     "why)"), main_only=True)
         # every rank exits with rank 0's verdict, after rank 0 printed it (a launcher stops the rest at the first exit)
+        passed = [rep.ok if rep is not None else None]
         dist.broadcast_object_list(passed, src=0)
         if rep is None and not passed[0]:
             rep = Report(False, "", [], ["see rank 0"])
