@@ -177,9 +177,13 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
                  "prompts; compare.json names each row's 'sample_set'")
         elsewhere = partial(failed_elsewhere, r.label)
         if digest not in groups_by_tok:  # the samples before the weights: what fits no length fails first
-            tok = eval_tokenizer(r.checkpoint)
-            made = together(lambda: make_groups(cfg, tasks, all_lengths, tok=tok, qa=qa, skipped=skipped,
-                                                share=range(rank, cfg.num_samples, world)), elsewhere)
+
+            def samples():
+                tok = eval_tokenizer(r.checkpoint)
+                return tok, make_groups(cfg, tasks, all_lengths, tok=tok, share=range(rank, cfg.num_samples, world),
+                                        qa=qa, skipped=skipped)
+
+            tok, made = together(samples, elsewhere)
             if world > 1:
                 made = common_groups(made, skipped, world)
             if not made:
@@ -193,6 +197,7 @@ def score_rows(cfg: CompareConfig, rows: list[Row], tasks: list[str], qa: dict, 
                                           dtype=DTYPES[cfg.dtype], tokenizer=tok)
             return [x for task in tasks for L in r.lengths if (task, L) in groups
                     for x in score_group(model, tok, groups[task, L], cfg)]
+
         records = together(scored, elsewhere)
         if world > 1:
             gathered = [None] * world

@@ -206,7 +206,7 @@ def execute(cfg: RulerConfig) -> Optional[dict]:
         raise ValueError(f"nothing to run: no length within the model's {limit} learned positions")
     cp_ctx = world_cp(info.device.type) if cp else None
 
-    def scored() -> list[dict]:  # prefill=cp: a process failing inside a prompt's collectives stops the others there
+    def scored() -> list[dict]:  # (prefill=cp: one failing inside a prompt's collectives leaves the others there)
         records = []
         for name, L, samples in groups:
             part = score_group(model, tok, samples, cfg, cp_ctx)
