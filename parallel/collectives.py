@@ -11,32 +11,32 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduces x over all ranks in place and returns it. NCCL reduces device tensors only, so a CPU x
-    travels through the current GPU."""
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """Reduces x over all ranks (of `group`: the default group when None) in place and returns it. NCCL reduces
+    device tensors only, so a CPU x travels through the current GPU."""
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl" and x.device.type == "cpu":
-            x.copy_(all_reduce(x.to(f"cuda:{torch.cuda.current_device()}"), op))
+        if dist.get_backend(group) == "nccl" and x.device.type == "cpu":
+            x.copy_(all_reduce(x.to(f"cuda:{torch.cuda.current_device()}"), op, group))
         else:
-            dist.all_reduce(x, op=op)
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def raise_if_any(error: Optional[BaseException], elsewhere: Callable[[], BaseException]) -> None:
+def raise_if_any(error: Optional[BaseException], elsewhere: Callable[[], BaseException], group=None) -> None:
     """Collective: each rank says whether its part of a shared piece of work failed (`error`, None: it did not). The
     rank that failed raises its own error, every other one `elsewhere()`, instead of waiting at the next collective
     for a rank that has left (until the launcher or the collective timeout ends it). A no-op in one process but
-    for raising `error`."""
-    if all_reduce(torch.tensor([0.0 if error is None else 1.0])).item():
+    for raising `error`. `group`: the ranks that agree (the default group when None), as in the functions below."""
+    if all_reduce(torch.tensor([0.0 if error is None else 1.0]), group=group).item():
         raise error if error is not None else elsewhere()
 
 
-def gathered(value) -> list:
+def gathered(value, group=None) -> list:
     """Collective: every rank's `value` (small and picklable), in rank order; [value] in one process."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, value, group=group)
     return every
 
 
@@ -52,23 +52,23 @@ def differing(values: dict) -> list[str]:
     return apart
 
 
-def rank_world() -> tuple[int, int]:
-    """(this process's rank, the world size) of the default group; (0, 1) in one process."""
+def rank_world(group=None) -> tuple[int, int]:
+    """(this process's rank, the world size) of `group` (the default group when None); (0, 1) in one process."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
-def together(fn: Callable, elsewhere: Callable[[], BaseException], main_only: bool = False):
+def together(fn: Callable, elsewhere: Callable[[], BaseException], main_only: bool = False, group=None):
     """fn() (with `main_only`, on rank 0 alone: None elsewhere), its failure on any rank raised on every rank
     (raise_if_any) instead of the others waiting for the failed one at their next collective. Collective."""
     error = value = None
-    if rank_world()[0] == 0 or not main_only:
+    if rank_world(group)[0] == 0 or not main_only:
         try:
             value = fn()
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             error = e
-    raise_if_any(error, elsewhere)
+    raise_if_any(error, elsewhere, group)
     return value
 
 
@@ -81,7 +81,7 @@ def main_first(fn: Callable, elsewhere: Callable[[], BaseException]):
     return first if main else rest
 
 
-def from_main(fn):
+def from_main(fn, group=None):
     """fn() run on rank 0 only, and its result (or the exception it raised) handed to every rank: a decision made
     once, the same on all ranks (which checkpoint to resume from: verifying it reads every file). Collective; the
     result small. Rank 0 raises its own exception. One that cannot be pickled, or unpickled on another rank, reaches
@@ -90,7 +90,7 @@ def from_main(fn):
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
     box, outcome = [None], None
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         try:
             outcome = (True, fn())
         except Exception as e:  # every rank raises it, instead of the others waiting for rank 0
@@ -102,7 +102,7 @@ def from_main(fn):
                                   f"({type(e).__name__}: {_text(e)})")
             box[0] = pickle.dumps((False, unsent))
             outcome = outcome if not outcome[0] else (False, unsent)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, group=group, group_src=0)
     if outcome is None:  # another rank: the broadcast is over, so failing to read it leaves no one waiting
         try:
             outcome = pickle.loads(box[0])

@@ -1,8 +1,8 @@
 """train.async_save: a step checkpoint blocks the step only while each rank copies its model and optimizer shard to
 host memory (DCP's async_save, parallel/shards.py) and writes its own small files; DCP's thread writes the shards
-behind the next steps and the main rank seals the checkpoint (manifest last, rename, keep_last's pruning) in a
-thread of BackgroundSave's once every rank's shards are on disk, so until then it is a `.tmp-` directory no resume
-takes. One save is in flight at a time: the next save, a stop signal, an error and the end of the stage wait for
+behind the next steps, then in a thread of BackgroundSave's on every rank the ranks hash a share of the files each
+(on the save's own process group, parallel/shards.save_group) and the main rank seals the checkpoint (manifest last,
+rename, keep_last's pruning), so until then it is a `.tmp-` directory no resume takes. One save is in flight at a time: the next save, a stop signal, an error and the end of the stage wait for
 it. A failed write (a full disk) is found without blocking at the end of the next step (BackgroundSave.failed,
 all-reduced with the stop flag) or at that wait, and raised on every rank as a blocking save's. Cost: host memory
 for a copy of what the rank saves until its writes end: under DDP the whole replicated state, under FSDP2 its
@@ -17,7 +17,9 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from longstride.recipes.checkpoint.format import CheckpointError, disk_errors, save_test_kills
+from longstride.parallel.collectives import raise_if_any
+from longstride.parallel.shards import save_group
+from longstride.recipes.checkpoint.format import CheckpointError, disk_errors, failed_on_another_rank, save_test_kills
 
 
 class BackgroundSave:
@@ -50,20 +52,29 @@ class BackgroundSave:
             with contextlib.suppress(BaseException):
                 shards.result()
 
-    def finish(self, path: str, seal: Optional[Callable[[], None]]) -> None:
-        """After every rank's own files are written (writing_checkpoint): a thread waits for the shards, then
-        runs `seal` (the main rank's; None on the others)."""
+    def finish(self, path: str, digests: Callable[[object], dict], seal: Optional[Callable[[dict], None]]) -> None:
+        """After every rank's own files are written (writing_checkpoint): a thread waits for the shards, then takes
+        `digests(group)` (a collective over the save's process group: every rank's thread reaches it, or, where
+        the shards failed on some rank, every thread raises) and runs `seal(digests)` (the main rank's; None on
+        the others)."""
         if self._shards is None:
             raise RuntimeError(f"{path}: a background save with no shards tracked (BackgroundSave.track)")
         shards, self._shards, self._path = self._shards, None, path
         self.held = time.perf_counter() - self._started
+        group = save_group()  # made here, in the training thread, where every rank makes it in the same order
 
         def run() -> None:
             try:
-                shards.result()
-                save_test_kills(os.path.basename(path))
+                error = None
+                try:
+                    shards.result()
+                    save_test_kills(os.path.basename(path))
+                except BaseException as e:  # noqa: BLE001 - every rank's thread learns it before the hashing
+                    error = e
+                raise_if_any(error, lambda: failed_on_another_rank(path), group)
+                taken = digests(group)
                 if seal is not None:
-                    seal()
+                    seal(taken)
                 self.sealed_s = time.perf_counter() - self._started
             except BaseException as e:  # noqa: BLE001 - raised by wait(), in the training thread
                 self._error = e

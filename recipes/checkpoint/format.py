@@ -243,8 +243,10 @@ def writing_checkpoint(
         error = e
     with _abandoned_on_error(background if error is None else None):  # another rank's failure: drop this one's too
         raise_if_any(error, elsewhere)  # every rank's own files are written: left, the shards and the seal
-    if background is not None:  # the main rank hashes every file in its thread, behind the steps
-        background.finish(path, (lambda: _seal(tmp, path, world_size, manifest, keep_last)) if is_main else None)
+    if background is not None:  # behind the steps: each rank's thread hashes its share, the main rank's seals
+        background.finish(path, lambda group: shared_digests(tmp, path, group),
+                          (lambda digests: _seal(tmp, path, world_size, manifest, keep_last, digests))
+                          if is_main else None)
         return
     save_test_kills(name)
     digests = shared_digests(tmp, path)
@@ -256,22 +258,23 @@ def writing_checkpoint(
     raise_if_any(error, lambda: sealing_failed(path))
 
 
-def shared_digests(tmp: str, path: str) -> dict[str, tuple[int, str]]:
-    """Collective, once every rank's files of checkpoint `path` are in `tmp`: each file's (bytes, sha256) for its
-    manifest, every rank hashing its share (hashed_by) of the files rank 0 lists, instead of the main rank all of
-    them while the others wait. A failure on any rank is raised on every rank (a disk's as CheckpointError)."""
+def shared_digests(tmp: str, path: str, group=None) -> dict[str, tuple[int, str]]:
+    """Collective (over `group`, the default group when None), once every rank's files of checkpoint `path` are in
+    `tmp`: each file's (bytes, sha256) for its manifest, every rank hashing its share (hashed_by) of the files rank 0
+    lists, instead of the main rank all of them while the others wait. A failure on any rank is raised on every rank
+    (a disk's as CheckpointError)."""
     def listing() -> dict[str, int]:
         with disk_errors(path):
             return listed_files(tmp)
 
-    sizes = from_main(listing)
+    sizes = from_main(listing, group)
 
     def share() -> dict[str, str]:
         with disk_errors(path):
-            return {n: sha256(os.path.join(tmp, n)) for n in hashed_by(sizes, rank_world())}
+            return {n: sha256(os.path.join(tmp, n)) for n in hashed_by(sizes, rank_world(group))}
 
-    mine = together(share, lambda: failed_on_another_rank(path))
-    return {n: (sizes[n], digest) for part in gathered(mine) for n, digest in part.items()}
+    mine = together(share, lambda: failed_on_another_rank(path), group=group)
+    return {n: (sizes[n], digest) for part in gathered(mine, group) for n, digest in part.items()}
 
 
 @contextlib.contextmanager
@@ -289,10 +292,9 @@ def save_test_kills(name: str) -> None:
     test_kill("term_in_save", name, sig=signal.SIGTERM)  # a preemption notice while saving
 
 
-def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_last: int,
-          digests: Optional[dict] = None) -> None:
-    """The main rank's last part of a save, once every rank's files are in `tmp`: the manifest (of `digests`, else
-    hashing every file), then `tmp` renamed to `path`, then train.keep_last's pruning."""
+def _seal(tmp: str, path: str, world_size: int, manifest: Optional[dict], keep_last: int, digests: dict) -> None:
+    """The main rank's last part of a save, once every rank's files are in `tmp`: the manifest (of `digests`, the
+    ranks' shared_digests), then `tmp` renamed to `path`, then train.keep_last's pruning."""
     parent, name = os.path.split(path)
     with disk_errors(path):
         write_manifest(tmp, world_size, manifest, digests)  # last: its presence means every file is complete
