@@ -101,7 +101,8 @@ def from_main(fn, group=None):
             unsent = RuntimeError(f"rank 0 decided for every rank but could not send {_described(outcome)} "
                                   f"({type(e).__name__}: {_text(e)})")
             box[0] = pickle.dumps((False, unsent))
-            outcome = outcome if not outcome[0] else (False, unsent)
+            if outcome[0]:  # an exception rank 0 raises as its own; a result it cannot send fails here too
+                outcome = (False, unsent)
     dist.broadcast_object_list(box, group=group, group_src=0)
     if outcome is None:  # another rank: the broadcast is over, so failing to read it leaves no one waiting
         try:

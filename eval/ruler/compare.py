@@ -257,15 +257,19 @@ def execute(cfg: CompareConfig) -> Optional[dict]:
     rank, world = launched_ranks()
     t0, scored = time.perf_counter(), Scored()
     for i in score_rows(cfg, rows, tasks, qa, skipped, t0, scored, rank, world):
-        # saved after every row: a run cut short (a device window's cap) keeps the rows it scored
-        done = rows[:i + 1]
-        result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
-                  "complete": len(done) == len(rows),
-                  "rows": [{**asdict(r), "scores": scored.scores[j], "samples": scored.counts[j]}
-                           for j, r in enumerate(done)],
-                  "records": scored.records}
-        together(lambda: save(out, result, done, scored.scores, tasks, title), main_only=True,  # rank 0 writes
-                 elsewhere=lambda: RuntimeError(f"eval.compare: rank 0 could not write {out} (its log says why)"))
+
+        def saved(done: list[Row]) -> dict:  # rank 0's, after every row: a run cut short keeps the rows it scored
+            result = {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "skipped": skipped,
+                      "complete": len(done) == len(rows),
+                      "rows": [{**asdict(r), "scores": scored.scores[j], "samples": scored.counts[j]}
+                               for j, r in enumerate(done)],
+                      "records": scored.records}
+            save(out, result, done, scored.scores, tasks, title)
+            return result
+
+        result = together(lambda: saved(rows[:i + 1]), main_only=True,
+                          elsewhere=lambda: RuntimeError(f"eval.compare: rank 0 could not write {out} (its log says "
+                                                         "why)"))
     if world > 1:  # every rank leaves together (eval ruler's reason)
         torch.distributed.barrier()
         if owned:

@@ -86,9 +86,7 @@ def check_launched(job: Job) -> Optional[Report]:
         rep = together(verdict, lambda: RuntimeError("check: rank 0 failed computing the references (its log says "
                                                      "why)"), main_only=True)
         # every rank exits with rank 0's verdict, after rank 0 printed it (a launcher stops the rest at the first exit)
-        passed = [rep.ok if rep is not None else None]
-        dist.broadcast_object_list(passed, src=0)
-        if rep is None and not passed[0]:
+        if not from_main(lambda: rep.ok) and rep is None:
             rep = Report(False, "", [], ["see rank 0"])
         return rep
     finally:

@@ -2,7 +2,8 @@
 host memory (DCP's async_save, parallel/shards.py) and writes its own small files; DCP's thread writes the shards
 behind the next steps, then in a thread of BackgroundSave's on every rank the ranks hash a share of the files each
 (on the save's own process group, parallel/shards.save_group) and the main rank seals the checkpoint (manifest last,
-rename, keep_last's pruning), so until then it is a `.tmp-` directory no resume takes. One save is in flight at a time: the next save, a stop signal, an error and the end of the stage wait for
+rename, keep_last's pruning), so until then it is a `.tmp-` directory no resume takes. One save is in flight at a
+time: the next save, a stop signal, an error and the end of the stage wait for
 it. A failed write (a full disk) is found without blocking at the end of the next step (BackgroundSave.failed,
 all-reduced with the stop flag) or at that wait, and raised on every rank as a blocking save's. Cost: host memory
 for a copy of what the rank saves until its writes end: under DDP the whole replicated state, under FSDP2 its
